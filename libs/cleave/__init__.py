@@ -1,0 +1,1 @@
+"""Cleave: train foundation models on the idle compute of many small, unreliable edge devices."""

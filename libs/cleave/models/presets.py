@@ -1,0 +1,86 @@
+"""Named model presets and the per-step GEMM shapes derived from a model's linear layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cleave.models.config import ModelConfig
+from cleave.models.gpt2 import GPT2
+from cleave.models.llama import Llama
+
+PRESETS: dict[str, ModelConfig] = {
+    # runs a training step in well under a second on 2 CPU cores
+    "tiny": ModelConfig(family="gpt2", n_layer=2, n_head=2, n_embd=64, block_size=64),
+    "tiny-llama": ModelConfig(
+        family="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=176,
+        block_size=64, bias=False,
+    ),
+    # the demo's default: a few million parameters, a few seconds a step distributed on a laptop
+    "small": ModelConfig(family="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=128),
+    # published shapes (GPT-2 Medium: 355M; Llama 3.2 1B)
+    "gpt2-medium": ModelConfig(
+        family="gpt2", vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024
+    ),
+    "llama3-1b": ModelConfig(
+        family="llama", vocab_size=128256, block_size=8192, n_layer=16, n_head=32, n_kv_head=8,
+        n_embd=2048, intermediate_size=8192, bias=False, tie_embeddings=True, rope_theta=500000.0,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def build_model(cfg: ModelConfig, seed: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
+    """A freshly initialised model; the same seed gives the same weights on every machine."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        return GPT2(cfg) if cfg.family == "gpt2" else Llama(cfg)
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One kind of GEMM C[m, n] = A[m, k] · B[k, n] and how often a training step runs it."""
+
+    name: str  # e.g. "mlp.c_fc.fwd"
+    m: int
+    n: int
+    k: int
+    count_per_step: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+
+
+def gemm_shapes(cfg: ModelConfig, batch: int, seq: int) -> list[GemmShape]:
+    """Forward Y=X·Wᵀ and backward dX=dY·W, dW=dYᵀ·X of every linear layer, grouped by kind.
+
+    Read off the model itself (built on the meta device, so even billion-parameter shapes are free).
+    """
+    M = batch * seq
+    counts: dict[tuple[str, int, int], int] = {}
+    for name, lin in linear_layers(build_model(cfg, device="meta")).items():
+        kind = ".".join(p for p in name.split(".") if not p.isdigit() and p not in ("transformer", "h", "layers"))
+        key = (kind, lin.in_features, lin.out_features)
+        counts[key] = counts.get(key, 0) + 1
+    shapes = []
+    for (kind, K, N), count in counts.items():
+        shapes += [
+            GemmShape(f"{kind}.fwd", M, N, K, count),  # Y = X·Wᵀ
+            GemmShape(f"{kind}.dx", M, K, N, count),  # dX = dY·W
+            GemmShape(f"{kind}.dw", N, K, M, count),  # dW = dYᵀ·X
+        ]
+    return shapes

@@ -1,0 +1,179 @@
+"""Every wire message (pydantic, frozen, unknown fields ignored) and every NATS subject and bucket name.
+
+Messages travel as msgpack through `cleave.codec`; tensors inside them as `TensorData` (dtype, shape, bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# ---- subjects, streams and buckets -------------------------------------------------------------------
+PREFIX = "cleave"
+SUBJECT_HEARTBEAT = PREFIX + ".hb.{worker_id}"  # worker -> scheduler: liveness and profile
+SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
+SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
+SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}"  # worker -> PS: finished blocks
+SUBJECT_PROBE = PREFIX + ".probe.{worker_id}"  # PS/scheduler -> worker: echo for latency/bandwidth
+SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
+SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
+
+EVENTS_STREAM = "CLEAVE_EVENTS"
+REGISTRY_BUCKET = "cleave-registry"  # key: worker id -> DeviceRecord; entries expire without heartbeats
+PLAN_BUCKET = "cleave-plans"  # key: PLAN_KEY -> Plan
+PLAN_KEY = "current"
+STATE_BUCKET = "cleave-state"  # PS persistence head records
+STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
+
+# ---- limits ------------------------------------------------------------------------------------------
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # any reassembled message
+MAX_CONTROL_BYTES = 1024 * 1024  # heartbeats, plans, events
+MAX_TENSOR_ELEMENTS = 1 << 28
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1}
+
+
+class Wire(BaseModel):
+    """Base of all messages: immutable, and open-world (fields a newer peer adds are ignored)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class TensorData(Wire):
+    """A dense tensor: dtype name, shape and raw little-endian bytes (bf16 travels as its bits)."""
+
+    dtype: Literal[DTYPES]  # type: ignore[valid-type]
+    shape: tuple[int, ...] = Field(max_length=8)
+    data: bytes
+
+    @model_validator(mode="after")
+    def _size_matches(self) -> TensorData:
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"negative dimension in shape {self.shape}")
+        n = math.prod(self.shape)
+        if n > MAX_TENSOR_ELEMENTS:
+            raise ValueError(f"shape {self.shape} declares {n} elements, over the limit {MAX_TENSOR_ELEMENTS}")
+        if n * DTYPE_SIZES[self.dtype] != len(self.data):
+            raise ValueError(f"shape {self.shape} of {self.dtype} needs {n * DTYPE_SIZES[self.dtype]} bytes, got {len(self.data)}")
+        return self
+
+
+class DeviceProfile(Wire):
+    """What a device offers, measured at registration or declared for an emulated fleet."""
+
+    flops: float = Field(gt=0)  # sustained GEMM FLOP/s
+    memory_bytes: int = Field(gt=0)  # budget for input blocks and the output block of one tile
+    downlink_bytes_per_s: float = Field(gt=0)
+    uplink_bytes_per_s: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+    declared: bool = False  # True when the worker paces itself to honour a declared profile
+
+
+class Heartbeat(Wire):
+    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    profile: DeviceProfile
+    sent_at: float
+    started_at: float
+    tiles_done: int = 0
+    busy_s: float = 0.0
+
+
+class DeviceRecord(Wire):
+    """A registry entry (JetStream KV), written by the scheduler from heartbeats."""
+
+    worker_id: str
+    profile: DeviceProfile
+    first_seen: float
+    last_seen: float
+    tiles_done: int = 0
+
+
+class Plan(Wire):
+    """Which workers take part and how the GEMMs are cut; published by the scheduler."""
+
+    version: int
+    created_at: float
+    workers: tuple[str, ...]
+    tile_rows: int = Field(gt=0)
+    tile_cols: int = Field(gt=0)
+    predicted_step_s: float | None = None
+    reason: str = ""  # why this plan was made: "join", "leave", "start", ...
+
+
+class BlockRef(Wire):
+    """An input block of a tile: its id, and its data unless the worker already caches it."""
+
+    id: str = Field(max_length=256)
+    tensor: TensorData | None = None
+
+
+class TileTask(Wire):
+    """Compute out = a · btᵀ for one output block: a = A[r0:r1, :], bt = Bᵀ[c0:c1, :] (K never split)."""
+
+    job: str
+    epoch: int  # PS incarnation: results for an older epoch are fenced off
+    step: int
+    op: int  # GEMM sequence number within the step
+    tile: int
+    attempt: int = 0
+    a: BlockRef
+    b: BlockRef
+    reply: str  # subject for the result
+    sent_at: float = 0.0
+
+
+class TileResult(Wire):
+    job: str
+    epoch: int
+    step: int
+    op: int
+    tile: int
+    attempt: int
+    worker_id: str
+    out: TensorData | None = None
+    missing: tuple[str, ...] = ()  # block ids the worker no longer caches: resend with data
+    error: str = ""
+    compute_s: float = 0.0
+
+
+class StepMetrics(Wire):
+    """One line of `--metrics-out` and of the monitor's loss curve."""
+
+    job: str = ""
+    method: str = "cleave"
+    step: int
+    loss: float
+    step_time_s: float
+    workers: int
+    tiles: int = 0
+    tiles_resent: int = 0
+    tiles_dropped: int = 0  # late or duplicate results
+    rejected: int = 0  # malformed or invalid results
+    bytes_down: int = 0  # PS -> workers
+    bytes_up: int = 0  # workers -> PS
+    tokens: int = 0
+    lr: float = 0.0
+    val_loss: float | None = None
+    recoveries: int = 0
+    at: float = 0.0
+
+
+class Event(Wire):
+    """Something that happened: a worker joined or left, a recovery, a plan change, a PS restart."""
+
+    kind: str  # snake_case past tense: worker_joined, worker_lost, tile_resent, recovered, ps_resumed, ...
+    at: float
+    job: str = ""
+    step: int | None = None
+    worker_id: str | None = None
+    cause: str = ""
+    detect_s: float | None = None
+    redispatch_s: float | None = None
+    complete_s: float | None = None
+    detail: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
+MessageKind = Literal["tile", "result", "heartbeat", "plan", "metrics", "event"]
