@@ -77,6 +77,7 @@ class Heartbeat(Wire):
     profile: DeviceProfile
     sent_at: float
     started_at: float
+    cache_bytes: int = 0
     tiles_done: int = 0
     busy_s: float = 0.0
 
@@ -88,7 +89,14 @@ class DeviceRecord(Wire):
     profile: DeviceProfile
     first_seen: float
     last_seen: float
+    cache_bytes: int = 0
     tiles_done: int = 0
+
+
+class PlanWorker(Wire):
+    worker_id: str
+    profile: DeviceProfile
+    cache_bytes: int = 0  # the worker's input-block cache; the PS mirrors it to avoid resending blocks
 
 
 class Plan(Wire):
@@ -96,7 +104,7 @@ class Plan(Wire):
 
     version: int
     created_at: float
-    workers: tuple[str, ...]
+    workers: tuple[PlanWorker, ...]
     tile_rows: int = Field(gt=0)
     tile_cols: int = Field(gt=0)
     predicted_step_s: float | None = None

@@ -82,7 +82,7 @@ class GPT2(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
         B, T = idx.shape
-        if T > self.config.block_size:
+        if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,10 +11,28 @@ from torch import nn
 from cleave.models.config import ModelConfig
 
 
-def rope_tables(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (T, head_dim), laid out as Hugging Face's rotate_half convention expects."""
+def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) of the rotary embedding, with Llama 3 scaling when configured."""
     hs = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float32, device=device) / hs))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor  # longer: slowed by factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor  # shorter: kept
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled * 1.001
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (T, head_dim), laid out as Hugging Face's rotate_half convention expects."""
+    inv_freq = rope_frequencies(cfg, device)  # (hs/2,)
     freqs = torch.outer(torch.arange(T, dtype=torch.float32, device=device), inv_freq)  # (T, hs/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
     return emb.cos(), emb.sin()
@@ -92,7 +112,7 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
         B, T = idx.shape
-        if T > self.config.block_size:
+        if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size={self.config.block_size}")
         cos, sin = rope_tables(self.config, T, idx.device)
         x = self.embed_tokens(idx)  # (B, T, C)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cleave.models.config import ModelConfig
+from cleave.models.config import ModelConfig, RopeScaling
 from cleave.models.gpt2 import GPT2
 from cleave.models.llama import Llama
 
@@ -15,8 +15,14 @@ PRESETS: dict[str, ModelConfig] = {
     # runs a training step in well under a second on 2 CPU cores
     "tiny": ModelConfig(family="gpt2", n_layer=2, n_head=2, n_embd=64, block_size=64),
     "tiny-llama": ModelConfig(
-        family="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=176,
-        block_size=64, bias=False,
+        family="llama",
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=64,
+        intermediate_size=176,
+        block_size=64,
+        bias=False,
     ),
     # the demo's default: a few million parameters, a few seconds a step distributed on a laptop
     "small": ModelConfig(family="gpt2", n_layer=4, n_head=4, n_embd=128, block_size=128),
@@ -25,8 +31,20 @@ PRESETS: dict[str, ModelConfig] = {
         family="gpt2", vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024
     ),
     "llama3-1b": ModelConfig(
-        family="llama", vocab_size=128256, block_size=8192, n_layer=16, n_head=32, n_kv_head=8,
-        n_embd=2048, intermediate_size=8192, bias=False, tie_embeddings=True, rope_theta=500000.0,
+        family="llama",
+        vocab_size=128256,
+        block_size=8192,
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        n_embd=2048,
+        intermediate_size=8192,
+        bias=False,
+        tie_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(
+            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        ),
     ),
 }
 
@@ -73,7 +91,9 @@ def gemm_shapes(cfg: ModelConfig, batch: int, seq: int) -> list[GemmShape]:
     M = batch * seq
     counts: dict[tuple[str, int, int], int] = {}
     for name, lin in linear_layers(build_model(cfg, device="meta")).items():
-        kind = ".".join(p for p in name.split(".") if not p.isdigit() and p not in ("transformer", "h", "layers"))
+        kind = ".".join(
+            p for p in name.split(".") if not p.isdigit() and p not in ("transformer", "h", "layers")
+        )
         key = (kind, lin.in_features, lin.out_features)
         counts[key] = counts.get(key, 0) + 1
     shapes = []

@@ -1,0 +1,191 @@
+"""The only user of nats-py besides tests: connect, publish and subscribe messages, JetStream set-up.
+
+Every publish goes through the codec and is chunked so that no NATS message exceeds the server's
+`max_payload` (the server closes the whole connection otherwise). Every network await has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from cleave import codec
+from cleave.errors import WireError
+from cleave.schemas import (
+    EVENTS_STREAM,
+    MAX_CONTROL_BYTES,
+    MAX_MESSAGE_BYTES,
+    PLAN_BUCKET,
+    REGISTRY_BUCKET,
+    STATE_BUCKET,
+    SUBJECT_EVENTS,
+    SUBJECT_EVENTS_ALL,
+    Event,
+    StepMetrics,
+    Wire,
+)
+
+log = structlog.get_logger("cleave.bus")
+T = TypeVar("T", bound=Wire)
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_RECONNECT_WAIT_S = 0.5
+DEFAULT_PENDING_BYTES = 1024 * 1024 * 1024  # per subscription; a slow consumer must not drop tiles
+DEFAULT_REGISTRY_TTL_S = 10.0  # registry entries outlive a missed heartbeat or two, then vanish
+HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
+
+
+class Bus:
+    """A connected NATS client with the codec applied: typed publish/subscribe, events, KV helpers."""
+
+    def __init__(self, nc: Client, name: str) -> None:
+        self.nc, self.name = nc, name
+        self.js = nc.jetstream(timeout=DEFAULT_TIMEOUT_S)
+        self.rejected: dict[str, int] = {}  # reason -> count of messages refused on receipt
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload - HEADROOM
+
+    async def publish(self, subject: str, msg: Wire, compress: bool = True) -> int:
+        """Encode, chunk and publish; returns the bytes put on the wire."""
+        return await self.publish_frame(subject, codec.encode(msg, compress))
+
+    async def publish_frame(self, subject: str, frame: bytes) -> int:
+        sent = 0
+        for part in codec.split(frame, self.max_payload):
+            await self.nc.publish(subject, part)
+            sent += len(part)
+        return sent
+
+    def reject(self, reason: str, subject: str, detail: str = "") -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        log.warning("message_rejected", reason=reason, subject=subject, detail=detail[:200], service=self.name)
+
+    async def subscribe(
+        self,
+        subject: str,
+        schema: type[T],
+        handler: Callable[[T, int], Awaitable[None]],
+        queue: str = "",
+        max_bytes: int = MAX_MESSAGE_BYTES,
+    ):
+        """Subscribe with reassembly and validation; `handler(msg, wire_bytes)` sees only valid messages."""
+        reasm = codec.Reassembler(max_bytes=max_bytes)
+
+        async def on_msg(m: Msg) -> None:
+            try:
+                frame = reasm.feed(m.data)
+                if frame is None:
+                    return
+                msg = codec.decode(frame, schema, max_bytes)
+            except WireError as e:
+                self.reject(e.reason, m.subject, str(e))
+                return
+            await handler(msg, len(frame))
+
+        return await self.nc.subscribe(
+            subject, queue=queue, cb=on_msg, pending_bytes_limit=DEFAULT_PENDING_BYTES, pending_msgs_limit=-1
+        )
+
+    # ---- JetStream -----------------------------------------------------------------------------------
+    async def setup(self, registry_ttl_s: float = DEFAULT_REGISTRY_TTL_S) -> None:
+        """Create the stream and buckets every service relies on; safe to call again and concurrently."""
+        await _ensure_stream(self.js, StreamConfig(
+            name=EVENTS_STREAM, subjects=[SUBJECT_EVENTS_ALL], storage=StorageType.FILE,
+            max_bytes=256 * 1024 * 1024, max_msg_size=MAX_CONTROL_BYTES,
+        ))
+        await self.kv(REGISTRY_BUCKET, ttl_s=registry_ttl_s)
+        await self.kv(PLAN_BUCKET, history=5)
+        await self.kv(STATE_BUCKET, history=5)
+
+    async def kv(self, bucket: str, ttl_s: float | None = None, history: int = 1) -> KeyValue:
+        try:
+            return await asyncio.wait_for(self.js.key_value(bucket), DEFAULT_TIMEOUT_S)
+        except BucketNotFoundError:
+            pass
+        try:
+            return await asyncio.wait_for(
+                self.js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history)),
+                DEFAULT_TIMEOUT_S,
+            )
+        except Exception:  # created concurrently by another service: use theirs
+            return await asyncio.wait_for(self.js.key_value(bucket), DEFAULT_TIMEOUT_S)
+
+    async def kv_get(self, kv: KeyValue, key: str, schema: type[T]) -> tuple[T, int] | None:
+        """The decoded value and its revision, or None when absent (or unreadable, which is logged)."""
+        try:
+            entry = await asyncio.wait_for(kv.get(key), DEFAULT_TIMEOUT_S)
+        except KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        try:
+            return codec.decode(entry.value, schema, MAX_CONTROL_BYTES), entry.revision
+        except WireError as e:
+            self.reject(e.reason, f"kv:{kv._name}.{key}", str(e))
+            return None
+
+    async def kv_put(self, kv: KeyValue, key: str, msg: Wire) -> int:
+        return await asyncio.wait_for(kv.put(key, codec.encode(msg)), DEFAULT_TIMEOUT_S)
+
+    async def emit(self, msg: Event | StepMetrics) -> None:
+        """Persist an event or a step's metrics in the events stream (the monitor's history)."""
+        kind = "metrics" if isinstance(msg, StepMetrics) else msg.kind
+        try:
+            await self.js.publish(SUBJECT_EVENTS.format(kind=kind), codec.encode(msg), timeout=DEFAULT_TIMEOUT_S)
+        except Exception as e:  # the bus being down must not stop training; the event is logged instead
+            log.warning("event_not_stored", kind=kind, error=repr(e))
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.nc.drain(), DEFAULT_TIMEOUT_S)
+        except Exception:
+            await self.nc.close()
+
+
+async def _ensure_stream(js, config: StreamConfig) -> None:
+    try:
+        await js.stream_info(config.name)
+    except NotFoundError:
+        try:
+            await js.add_stream(config)
+        except Exception:  # created concurrently
+            await js.stream_info(config.name)
+
+
+async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options) -> Bus:
+    """Connect with unlimited reconnects; the first connection is retried with back-off until it works."""
+    delay = 0.2
+
+    async def on_error(e: Exception) -> None:
+        log.warning("nats_error", service=name, error=repr(e))
+
+    async def on_disconnected() -> None:
+        log.warning("nats_disconnected", service=name)
+
+    async def on_reconnected() -> None:
+        log.info("nats_reconnected", service=name)
+
+    while True:
+        try:
+            nc = await nats.connect(
+                url, name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
+                reconnect_time_wait=DEFAULT_RECONNECT_WAIT_S, allow_reconnect=True,
+                error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
+                **options,
+            )
+            return Bus(nc, name)
+        except Exception as e:
+            log.warning("nats_unreachable", service=name, url=url, error=repr(e), retry_in_s=round(delay, 2))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

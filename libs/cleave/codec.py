@@ -1,0 +1,193 @@
+"""The one wire codec: msgpack bodies, zstd only where it pays, tensors as (dtype, shape, bytes), chunking.
+
+A frame is `MAGIC VERSION FLAGS` followed by either a whole body or, for a body larger than one NATS
+message may carry, one chunk of it with `(message id, index, count, total length)`. `Reassembler` puts
+chunks back together with bounded memory. Nothing here does I/O; `cleave.bus` sends what this builds.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections import OrderedDict
+from typing import TypeVar
+
+import msgpack
+import numpy as np
+import pydantic
+import torch
+import zstandard
+
+from cleave.errors import TooLarge, WireError
+from cleave.schemas import DTYPE_SIZES, MAX_MESSAGE_BYTES, TensorData, Wire
+
+MAGIC = b"CV"
+VERSION = 1
+FLAG_ZSTD = 0x01
+FLAG_CHUNK = 0x02
+_HEAD = struct.Struct("<2sBB")  # magic, version, flags
+_CHUNK = struct.Struct("<16sIIQ")  # message id, index, count, total body length
+CHUNK_OVERHEAD = _HEAD.size + _CHUNK.size
+DEFAULT_ZSTD_MIN_BYTES = 4096  # smaller bodies are never worth compressing
+DEFAULT_ZSTD_SAMPLE_BYTES = 65536
+DEFAULT_ZSTD_MAX_RATIO = 0.85  # compress only when a sample shrinks to this fraction or less
+
+T = TypeVar("T", bound=Wire)
+
+_TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+_compressor = zstandard.ZstdCompressor(level=1)
+
+
+# ---- tensors -----------------------------------------------------------------------------------------
+def tensor_to_data(t: torch.Tensor) -> TensorData:
+    """A CPU tensor as wire data (one copy of its bytes; bf16 travels as its 16-bit pattern)."""
+    if t.dtype not in _DTYPE_NAMES:
+        raise WireError("bad_dtype", f"cannot send tensors of {t.dtype}")
+    t = t.detach().to("cpu").contiguous()
+    view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return TensorData.model_construct(dtype=_DTYPE_NAMES[t.dtype], shape=tuple(t.shape), data=view.numpy().tobytes())
+
+
+def data_to_tensor(d: TensorData) -> torch.Tensor:
+    """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size)."""
+    if d.dtype == "bfloat16":
+        arr = np.frombuffer(d.data, dtype=np.int16).copy()
+        return torch.from_numpy(arr).view(torch.bfloat16).reshape(d.shape)
+    arr = np.frombuffer(d.data, dtype=np.dtype(d.dtype)).copy()
+    return torch.from_numpy(arr).reshape(d.shape)
+
+
+def tensor_nbytes(d: TensorData) -> int:
+    n = DTYPE_SIZES[d.dtype]
+    for s in d.shape:
+        n *= s
+    return n
+
+
+# ---- messages ----------------------------------------------------------------------------------------
+def _pays(body: bytes) -> bool:
+    if len(body) < DEFAULT_ZSTD_MIN_BYTES:
+        return False
+    mid = max(0, len(body) // 2 - DEFAULT_ZSTD_SAMPLE_BYTES // 2)
+    sample = body[mid : mid + DEFAULT_ZSTD_SAMPLE_BYTES]
+    return len(_compressor.compress(sample)) <= DEFAULT_ZSTD_MAX_RATIO * len(sample)
+
+
+def encode(msg: Wire, compress: bool = True) -> bytes:
+    """A message as one frame body: msgpack, zstd-compressed when a sample shows it pays."""
+    body = msgpack.packb(msg.model_dump(), use_bin_type=True)
+    if compress and _pays(body):
+        return _HEAD.pack(MAGIC, VERSION, FLAG_ZSTD) + _compressor.compress(body)
+    return _HEAD.pack(MAGIC, VERSION, 0) + body
+
+
+def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES) -> T:
+    """Bytes from the wire to a validated message, or WireError; never anything half-checked."""
+    if len(payload) > max_bytes + _HEAD.size:
+        raise TooLarge(f"{len(payload)} bytes over the limit of {max_bytes}")
+    if len(payload) < _HEAD.size:
+        raise WireError("truncated", f"{len(payload)} bytes")
+    magic, version, flags = _HEAD.unpack_from(payload)
+    if magic != MAGIC or version != VERSION:
+        raise WireError("bad_magic", f"magic {magic!r} version {version}")
+    if flags & FLAG_CHUNK:
+        raise WireError("unexpected_chunk", "a chunk must go through a Reassembler first")
+    body = memoryview(payload)[_HEAD.size :]
+    if flags & FLAG_ZSTD:
+        try:
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
+        except zstandard.ZstdError as e:
+            raise WireError("bad_zstd", str(e)) from None
+        if len(body) > max_bytes:
+            raise TooLarge(f"decompressed {len(body)} bytes over the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as e:  # msgpack raises many types for garbage
+        raise WireError("bad_msgpack", f"{type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise WireError("bad_schema", f"expected a map, got {type(obj).__name__}")
+    try:
+        return schema.model_validate(obj)
+    except pydantic.ValidationError as e:
+        raise WireError("bad_schema", f"{schema.__name__}: {e.error_count()} errors: {e.errors()[0]['msg']}") from None
+
+
+# ---- chunking ----------------------------------------------------------------------------------------
+def split(frame: bytes, max_payload: int) -> list[bytes]:
+    """One frame, or chunk frames each at most `max_payload` bytes including their own header."""
+    if len(frame) <= max_payload:
+        return [frame]
+    room = max_payload - CHUNK_OVERHEAD
+    if room <= 0:
+        raise WireError("bad_limit", f"max_payload {max_payload} leaves no room for a chunk")
+    _, _, flags = _HEAD.unpack_from(frame)
+    body = memoryview(frame)[_HEAD.size :]
+    count = -(-len(body) // room)
+    msg_id = os.urandom(16)
+    head = _HEAD.pack(MAGIC, VERSION, flags | FLAG_CHUNK)
+    return [
+        head + _CHUNK.pack(msg_id, i, count, len(body)) + body[i * room : (i + 1) * room]
+        for i in range(count)
+    ]
+
+
+class Reassembler:
+    """Collects chunk frames into whole frames, with bounded memory and a time limit per message."""
+
+    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES, max_pending: int = 64, ttl_s: float = 30.0) -> None:
+        self.max_bytes, self.max_pending, self.ttl_s = max_bytes, max_pending, ttl_s
+        self._pending: OrderedDict[bytes, tuple[float, int, int, int, dict[int, bytes]]] = OrderedDict()
+        self.dropped = 0  # partial messages given up (expired, evicted, inconsistent)
+
+    def feed(self, frame: bytes) -> bytes | None:
+        """Returns a whole frame when `frame` completes one (or is one), else None; raises WireError."""
+        if len(frame) < _HEAD.size:
+            raise WireError("truncated", f"{len(frame)} bytes")
+        magic, version, flags = _HEAD.unpack_from(frame)
+        if magic != MAGIC or version != VERSION:
+            raise WireError("bad_magic", f"magic {magic!r} version {version}")
+        if not flags & FLAG_CHUNK:
+            return frame
+        if len(frame) < CHUNK_OVERHEAD:
+            raise WireError("truncated", "chunk header")
+        msg_id, idx, count, total = _CHUNK.unpack_from(frame, _HEAD.size)
+        if total > self.max_bytes:
+            raise TooLarge(f"chunked message declares {total} bytes, over the limit of {self.max_bytes}")
+        if count == 0 or idx >= count or count > total + 1:
+            raise WireError("bad_chunk", f"index {idx} of {count}")
+        self._expire()
+        entry = self._pending.get(msg_id)
+        if entry is None:
+            if len(self._pending) >= self.max_pending:
+                self._pending.popitem(last=False)
+                self.dropped += 1
+            entry = (time.monotonic(), count, total, flags & ~FLAG_CHUNK, {})
+            self._pending[msg_id] = entry
+        _, e_count, e_total, e_flags, parts = entry
+        if (count, total) != (e_count, e_total):
+            del self._pending[msg_id]
+            self.dropped += 1
+            raise WireError("bad_chunk", "chunks of one message disagree on count or size")
+        parts[idx] = frame[CHUNK_OVERHEAD:]
+        if len(parts) < count:
+            return None
+        del self._pending[msg_id]
+        body = b"".join(parts[i] for i in range(count))
+        if len(body) != total:
+            self.dropped += 1
+            raise WireError("bad_chunk", f"reassembled {len(body)} bytes, header said {total}")
+        return _HEAD.pack(MAGIC, VERSION, e_flags) + body
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            first = next(iter(self._pending.values()))
+            if now - first[0] <= self.ttl_s:
+                break
+            self._pending.popitem(last=False)
+            self.dropped += 1

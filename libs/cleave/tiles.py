@@ -1,0 +1,74 @@
+"""GEMM tiling: cut C[m, n] = A[m, k] · Bᵀ[n, k]ᵀ into output blocks and put the blocks back.
+
+Each tile owns rows r0:r1 and columns c0:c1 of the output; its inputs are the row block A[r0:r1, :] and the
+row block Bᵀ[c0:c1, :]. The inner dimension k is never split, so a block is final when it comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    index: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+    @property
+    def rows(self) -> int:
+        return self.r1 - self.r0
+
+    @property
+    def cols(self) -> int:
+        return self.c1 - self.c0
+
+
+def cuts(size: int, block: int) -> list[tuple[int, int]]:
+    """Half-open ranges of at most `block` covering [0, size); the last may be ragged."""
+    if size <= 0 or block <= 0:
+        raise ValueError(f"size {size} and block {block} must be positive")
+    return [(s, min(s + block, size)) for s in range(0, size, block)]
+
+
+def grid(m: int, n: int, block_rows: int, block_cols: int) -> list[Tile]:
+    """Row-major grid of tiles covering the m x n output exactly (ragged last row and column)."""
+    return [
+        Tile(i, r0, r1, c0, c1)
+        for i, ((r0, r1), (c0, c1)) in enumerate(
+            (r, c) for r in cuts(m, block_rows) for c in cuts(n, block_cols)
+        )
+    ]
+
+
+def from_boxes(boxes: list[tuple[int, int, int, int]]) -> list[Tile]:
+    """Tiles from explicit (r0, r1, c0, c1) boxes, e.g. a planner's assignments."""
+    return [Tile(i, *box) for i, box in enumerate(boxes)]
+
+
+def check_cover(tiles: list[Tile], m: int, n: int) -> None:
+    """Raise ValueError unless the tiles cover [0, m) x [0, n) exactly once."""
+    covered = torch.zeros(m, n, dtype=torch.int32)
+    for t in tiles:
+        if not (0 <= t.r0 < t.r1 <= m and 0 <= t.c0 < t.c1 <= n):
+            raise ValueError(f"tile {t} outside the {m}x{n} output")
+        covered[t.r0 : t.r1, t.c0 : t.c1] += 1
+    if not bool((covered == 1).all()):
+        raise ValueError("tiles leave a gap or overlap")
+
+
+def compute(a_block: torch.Tensor, bt_block: torch.Tensor) -> torch.Tensor:
+    """What a worker does for one tile: a[r, k] · bt[c, k]ᵀ -> [r, c]."""
+    return a_block @ bt_block.T
+
+
+def tiled_matmul(a: torch.Tensor, bt: torch.Tensor, tiles: list[Tile]) -> torch.Tensor:
+    """Reference single-process execution of a tiling: must equal a @ bt.T up to float rounding."""
+    out = torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype)
+    for t in tiles:
+        out[t.r0 : t.r1, t.c0 : t.c1] = compute(a[t.r0 : t.r1], bt[t.c0 : t.c1])
+    return out

@@ -1,0 +1,175 @@
+"""Tokenizers: the byte-level default that always works, and BPE tokenizers read from local files.
+
+`load_tokenizer(spec)` takes `"bytes"`, a directory (with `tokenizer.json`, or GPT-2's `vocab.json` and
+`merges.txt`), a `tokenizer.json` file, or a Hugging Face repo id already in the local cache. Nothing is
+ever downloaded. BPE tokenizers need the `tokenizers` package (installed with `transformers`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from cleave.errors import ConfigError
+
+if TYPE_CHECKING:
+    import tokenizers
+
+DEFAULT_TOKENIZER = "bytes"
+TOKENIZER_RECORD = "cleave_tokenizer.json"  # written next to an exported checkpoint: {"tokenizer": spec}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+# end-of-text tokens of the families we know, in the order they are tried
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token ids. `name` is the spec that `load_tokenizer` turns back into this tokenizer."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, no files, no dependencies."""
+
+    name = DEFAULT_TOKENIZER
+    vocab_size = 256
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        bad = [i for i in ids if not 0 <= i < 256]
+        if bad:
+            raise ValueError(f"byte tokenizer got ids outside 0..255: {bad[:5]}")
+        return bytes(ids).decode("utf-8", errors="replace")  # a cut multi-byte character decodes as U+FFFD
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` (GPT-2 BPE, Llama 3, ...); special tokens are not added."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, name: str, files: Sequence[Path] = ()) -> None:
+        self._tok = tok
+        self._name = name
+        self.files = tuple(files)  # the local files it was read from, copied next to an exported checkpoint
+        self._eos_id = next((i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None), None)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _tokenizers_module() -> Any:
+    try:
+        import tokenizers
+    except ImportError:
+        raise ConfigError(
+            "BPE tokenizers need the `tokenizers` package: pip install tokenizers (or transformers), "
+            f"or use tokenizer {DEFAULT_TOKENIZER!r}"
+        ) from None
+    return tokenizers
+
+
+def _from_tokenizer_json(path: Path, name: str) -> HFTokenizer:
+    tk = _tokenizers_module()
+    try:
+        tok = tk.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises plain Exception subclasses
+        raise ConfigError(f"cannot read tokenizer file {path}: {e}") from None
+    extra = [
+        path.parent / f for f in TOKENIZER_FILES if f != "tokenizer.json" and (path.parent / f).is_file()
+    ]
+    return HFTokenizer(tok, name, [path, *extra])
+
+
+def _from_vocab_merges(directory: Path, name: str) -> HFTokenizer:
+    """GPT-2's original format: byte-level BPE from vocab.json and merges.txt, no prefix space."""
+    tk = _tokenizers_module()
+    vocab, merges = directory / "vocab.json", directory / "merges.txt"
+    try:
+        tok = tk.Tokenizer(tk.models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as e:
+        raise ConfigError(f"cannot read BPE files {vocab} and {merges}: {e}") from None
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    files = [directory / f for f in TOKENIZER_FILES if (directory / f).is_file()]
+    return HFTokenizer(tok, name, files)
+
+
+def _from_directory(directory: Path, name: str) -> Tokenizer:
+    if (directory / "tokenizer.json").is_file():
+        return _from_tokenizer_json(directory / "tokenizer.json", name)
+    if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        return _from_vocab_merges(directory, name)
+    record = directory / TOKENIZER_RECORD
+    if record.is_file():
+        recorded = json.loads(record.read_text()).get("tokenizer")
+        if recorded == DEFAULT_TOKENIZER:
+            return ByteTokenizer()
+        raise ConfigError(f"{record} names tokenizer {recorded!r} but its files are not in {directory}")
+    if (directory / "tokenizer.model").is_file():
+        raise ConfigError(
+            f"{directory} has only a sentencepiece tokenizer.model; convert it to tokenizer.json once with "
+            "transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
+        )
+    raise ConfigError(
+        f"no tokenizer files in {directory}: expected tokenizer.json, or vocab.json and merges.txt, "
+        f"or {TOKENIZER_RECORD}"
+    )
+
+
+def load_tokenizer(spec: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
+    """`"bytes"`, a local directory or tokenizer.json, or a repo id in the local Hugging Face cache."""
+    name = str(spec)
+    if name == DEFAULT_TOKENIZER:
+        return ByteTokenizer()
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".json":
+            raise ConfigError(f"tokenizer file {path} is not a tokenizer.json; pass its directory instead")
+        return _from_tokenizer_json(path, name)
+    if path.is_dir():
+        return _from_directory(path, name)
+    from cleave.models.hf import cached_snapshot  # imports torch: only on this rare path
+
+    snapshot = cached_snapshot(name)
+    if snapshot is None:
+        raise ConfigError(
+            f"tokenizer {name!r} is not {DEFAULT_TOKENIZER!r}, not a local path, and not in the local "
+            "Hugging Face cache (nothing is downloaded)"
+        )
+    return _from_directory(snapshot, name)

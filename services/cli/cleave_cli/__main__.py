@@ -1,0 +1,5 @@
+import sys
+
+from cleave_cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,109 @@
+"""The job-level commands: train, demo, up."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from cleave.job import JobConfig
+
+from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
+from cleave_cli.progress import Progress
+
+
+def job_from_args(args: argparse.Namespace) -> JobConfig:
+    fields = dict(preset=args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+                  data=args.data)
+    return JobConfig.load(args.config, **{k: v for k, v in fields.items() if v is not None}) if args.config \
+        else JobConfig.build(**fields)
+
+
+def train(args: argparse.Namespace) -> int:
+    job = job_from_args(args)
+    run_dir = args.run_dir or default_run_dir("train")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
+    progress = Progress(job.steps)
+    if args.reference:
+        lines = run_reference(job, metrics_out, progress)
+    else:
+        fleet = LocalFleet(run_dir, args.workers, nats_url=args.nats)
+        try:
+            fleet.start(with_fleet=args.nats is None)
+            print(f"stack: {fleet.stack.nats_url}  run dir: {run_dir}")
+            fleet.start_ps(job, metrics_out)
+            lines = fleet.wait_ps(metrics_out, progress.update)
+        finally:
+            fleet.stop()
+    summarize(lines, metrics_out)
+    return 0
+
+
+def summarize(lines: list[dict], metrics_out: Path) -> None:
+    if not lines:
+        return
+    times = [m["step_time_s"] for m in lines]
+    print(f"loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over {len(lines)} steps; "
+          f"median step {statistics.median(times):.3f}s; metrics in {metrics_out}")
+
+
+def up(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir or default_run_dir("up")
+    fleet = LocalFleet(run_dir, args.workers)
+    try:
+        fleet.start()
+        print(f"NATS {fleet.stack.nats_url}; stack.json in {run_dir}")
+        print(f"train on it with: cleave train --nats {fleet.stack.nats_url} --preset tiny")
+        print("Ctrl-C stops everything")
+        while True:
+            fleet.stack.supervise()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("stopping")
+        return 0
+    finally:
+        fleet.stop()
+
+
+def demo(args: argparse.Namespace) -> int:
+    job = JobConfig.build(job_id="demo", preset="small", steps=args.steps or 30, batch_size=8, lr=2e-3)
+    run_dir = args.run_dir or default_run_dir("demo")
+    metrics_out = run_dir / "metrics.jsonl"
+    fleet = LocalFleet(run_dir, args.workers)
+    progress = Progress(job.steps)
+    killed = {}
+
+    def on_line(m: dict) -> None:
+        progress.update(m)
+        if not killed and m["step"] + 1 >= job.steps // 2:
+            killed["at_step"] = m["step"] + 1
+            fleet.stack.kill("worker-1", restart=False)
+            killed["replacement"] = fleet.add_worker()
+
+    try:
+        fleet.start()
+        print(f"Cleave demo: preset {job.preset}, {args.workers} workers, {job.steps} steps; run dir {run_dir}")
+        fleet.start_ps(job, metrics_out)
+        lines = fleet.wait_ps(metrics_out, on_line)
+    finally:
+        fleet.stop()
+    summarize(lines, metrics_out)
+    report_recovery(lines, killed)
+    return 0
+
+
+def report_recovery(lines: list[dict], killed: dict) -> None:
+    if not killed:
+        return
+    times = [m["step_time_s"] for m in lines]
+    hit = [m for m in lines if m["step"] >= killed["at_step"] and (m.get("tiles_resent") or m.get("recoveries"))]
+    print(f"killed worker-1 (SIGKILL) after step {killed['at_step']}, started {killed['replacement']}")
+    if hit:
+        m = hit[0]
+        extra = m["step_time_s"] - statistics.median(times)
+        print(f"recovery: step {m['step']} re-sent {m['tiles_resent']} tiles and took {m['step_time_s']:.2f}s "
+              f"({extra:+.2f}s against the median step); the job went on")
+    print(json.dumps({"median_step_s": statistics.median(times), "final_loss": lines[-1]["loss"]}))

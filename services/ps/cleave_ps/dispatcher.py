@@ -1,0 +1,317 @@
+"""Deals the tiles of one GEMM at a time to the workers of the current plan and assembles the results.
+
+Runs on the event loop. Fast workers take more (each has a small window of tiles in flight and gets a new
+one per result). A worker that makes no progress within its deadline is presumed lost and its tiles go
+back to the queue; a late, duplicate or invalid result is counted and never reaches the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+import torch
+from cleave import codec, tiles
+from cleave.bus import Bus
+from cleave.errors import StepAborted
+from cleave.schemas import (
+    SUBJECT_RESULTS,
+    SUBJECT_TILES,
+    BlockRef,
+    Event,
+    Plan,
+    TensorData,
+    TileResult,
+    TileTask,
+)
+
+from cleave_ps.ledger import Attempt, GemmLedger
+from cleave_ps.settings import PsSettings
+
+log = structlog.get_logger("ps")
+DEFAULT_WAIT_LOG_S = 5.0
+
+
+@dataclass
+class WorkerSlot:
+    worker_id: str
+    cache_bytes: int
+    known: OrderedDict[str, int] = field(default_factory=OrderedDict)  # mirror of the worker's block LRU
+    known_bytes: int = 0
+    last_progress: float = 0.0
+    round_trip_s: float = 0.0  # moving average of a tile's send-to-result time
+    suspect: bool = False
+
+    def remember(self, block_id: str, nbytes: int) -> None:
+        if nbytes > self.cache_bytes or block_id in self.known:
+            return
+        while self.known_bytes + nbytes > self.cache_bytes:
+            self.known_bytes -= self.known.popitem(last=False)[1]
+        self.known[block_id] = nbytes
+        self.known_bytes += nbytes
+
+    def forget(self, block_id: str) -> None:
+        self.known_bytes -= self.known.pop(block_id, 0)
+
+
+@dataclass
+class Counters:
+    tiles: int = 0
+    resent: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    cache_misses: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    recoveries: list[Event] = field(default_factory=list)
+
+
+@dataclass
+class Recovery:
+    worker: str
+    silent_since: float
+    detected_at: float
+    tiles: set[int]
+    redispatched_at: float | None = None
+
+
+@dataclass
+class GemmRun:
+    step: int
+    op: int
+    name: str
+    a: torch.Tensor
+    bt: torch.Tensor
+    a_uid: int
+    b_uid: int
+    ledger: GemmLedger
+    out: torch.Tensor
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    blocks: dict[str, TensorData] = field(default_factory=dict)
+    recoveries: list[Recovery] = field(default_factory=list)
+
+
+class Dispatcher:
+    def __init__(self, bus: Bus, job_id: str, epoch: int, s: PsSettings) -> None:
+        self.bus, self.job_id, self.epoch, self.s = bus, job_id, epoch, s
+        self.reply = SUBJECT_RESULTS.format(job=job_id, epoch=epoch)
+        self.workers: dict[str, WorkerSlot] = {}
+        self.plan: Plan | None = None
+        self.run: GemmRun | None = None
+        self.c = Counters()
+        self._uids: dict[tuple, tuple[int, torch.Tensor]] = {}
+        self._next_uid = 0
+        self.stopping = False
+
+    # ---- plan ----------------------------------------------------------------------------------------
+    async def set_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        now = time.monotonic()
+        ids = {w.worker_id for w in plan.workers}
+        for w in plan.workers:
+            if w.worker_id not in self.workers:
+                self.workers[w.worker_id] = WorkerSlot(w.worker_id, w.cache_bytes, last_progress=now)
+        for gone in set(self.workers) - ids:
+            self._lose(gone, now, cause="left_plan")
+            del self.workers[gone]
+        log.info("plan_applied", version=plan.version, workers=len(ids), reason=plan.reason)
+        await self._fill_all()
+
+    # ---- one GEMM ------------------------------------------------------------------------------------
+    def new_step(self) -> None:
+        self._uids.clear()  # block ids are only reused within a step
+
+    def _uid(self, t: torch.Tensor) -> int:
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version, t.dtype)
+        hit = self._uids.get(key)
+        if hit is None:
+            self._next_uid += 1
+            hit = self._uids[key] = (self._next_uid, t)  # holding t keeps its address from being reused
+        return hit[0]
+
+    async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str) -> torch.Tensor:
+        plan_rows = self.plan.tile_rows if self.plan else 256
+        plan_cols = self.plan.tile_cols if self.plan else 256
+        grid = tiles.grid(a.shape[0], bt.shape[0], plan_rows, plan_cols)
+        run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid),
+                      torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype))
+        self.run = run
+        waited = time.monotonic()
+        try:
+            await self._fill_all()
+            while not run.ledger.complete:
+                if self.stopping:
+                    raise StepAborted("the parameter server is stopping")
+                try:
+                    await asyncio.wait_for(run.done.wait(), self.s.tick_s)
+                except TimeoutError:
+                    await self._check_progress()
+                    if not self._live() and time.monotonic() - waited > DEFAULT_WAIT_LOG_S:
+                        waited = time.monotonic()
+                        log.warning("waiting_for_workers", step=step, gemm=name,
+                                    pending=len(run.ledger.tiles) - len(run.ledger.done))
+        finally:
+            self.run = None
+        self.c.tiles += len(grid)
+        self.c.resent += run.ledger.resent
+        self.c.dropped += run.ledger.duplicates
+        return run.out
+
+    def _live(self) -> list[WorkerSlot]:
+        return [w for w in self.workers.values() if not w.suspect]
+
+    async def _fill_all(self) -> None:
+        for w in list(self._live()):
+            await self._fill(w)
+
+    async def _fill(self, slot: WorkerSlot) -> None:
+        run = self.run
+        if run is None or slot.suspect or slot.worker_id not in self.workers:
+            return
+        while len(run.ledger.inflight(slot.worker_id)) < self.s.window:
+            att = run.ledger.take(slot.worker_id, time.monotonic(), lambda t: self._cached_score(slot, run, t))
+            if att is None:
+                return
+            if not slot.suspect and not run.ledger.inflight(slot.worker_id)[:-1]:
+                slot.last_progress = time.monotonic()  # the clock of an idle worker starts now
+            await self._send(slot, run, att)
+
+    def _ids(self, run: GemmRun, t: tiles.Tile) -> tuple[str, str]:
+        return f"{self.epoch}.{run.a_uid}.{t.r0}.{t.r1}", f"{self.epoch}.{run.b_uid}.{t.c0}.{t.c1}"
+
+    def _cached_score(self, slot: WorkerSlot, run: GemmRun, t: tiles.Tile) -> int:
+        a_id, b_id = self._ids(run, t)
+        return (a_id in slot.known) * t.rows + (b_id in slot.known) * t.cols
+
+    def _block(self, run: GemmRun, slot: WorkerSlot, block_id: str, src: torch.Tensor, lo: int, hi: int) -> BlockRef:
+        if block_id in slot.known:
+            slot.known.move_to_end(block_id)
+            return BlockRef(id=block_id)
+        data = run.blocks.get(block_id)
+        if data is None:
+            data = run.blocks[block_id] = codec.tensor_to_data(src[lo:hi])
+        slot.remember(block_id, len(data.data))
+        return BlockRef.model_construct(id=block_id, tensor=data)
+
+    async def _send(self, slot: WorkerSlot, run: GemmRun, att: Attempt) -> None:
+        t = run.ledger.tiles[att.tile]
+        a_id, b_id = self._ids(run, t)
+        task = TileTask.model_construct(
+            job=self.job_id, epoch=self.epoch, step=run.step, op=run.op, tile=t.index, attempt=att.attempt,
+            a=self._block(run, slot, a_id, run.a, t.r0, t.r1), b=self._block(run, slot, b_id, run.bt, t.c0, t.c1),
+            reply=self.reply, sent_at=time.time(),
+        )
+        try:
+            self.c.bytes_down += await self.bus.publish(SUBJECT_TILES.format(worker_id=slot.worker_id), task, compress=False)
+        except Exception as e:  # disconnected: the deadline check will hand the tile to someone else
+            log.warning("tile_not_sent", worker_id=slot.worker_id, error=repr(e))
+        for rec in run.recoveries:
+            if att.tile in rec.tiles:
+                rec.redispatched_at = time.monotonic()
+
+    # ---- results -------------------------------------------------------------------------------------
+    async def on_result(self, msg: TileResult, nbytes: int) -> None:
+        self.c.bytes_up += nbytes
+        run = self.run
+        if msg.job != self.job_id or msg.epoch != self.epoch:
+            return self._reject("wrong_job", msg)
+        if run is None or (msg.step, msg.op) != (run.step, run.op):
+            self.c.dropped += 1  # late: from a GEMM that is already complete
+            return None
+        if not run.ledger.was_issued(msg.tile, msg.attempt):
+            return self._reject("unknown_tile", msg)
+        slot = self.workers.get(msg.worker_id)
+        att = run.ledger.running.get((msg.tile, msg.attempt))
+        if att is not None and att.worker != msg.worker_id:
+            return self._reject("wrong_worker", msg)
+        if slot is not None:
+            now = time.monotonic()
+            if att is not None:
+                rt = now - att.sent_at
+                slot.round_trip_s = rt if slot.round_trip_s == 0 else 0.8 * slot.round_trip_s + 0.2 * rt
+            slot.last_progress, slot.suspect = now, False
+        if msg.missing:
+            self.c.cache_misses += 1
+            if slot is not None:
+                for block_id in msg.missing:
+                    slot.forget(block_id)
+            run.ledger.retry(msg.tile, msg.attempt)
+        elif msg.error or msg.out is None:
+            self._reject("worker_error", msg, msg.error)
+            run.ledger.retry(msg.tile, msg.attempt)
+        else:
+            await self._accept(run, msg)
+        if slot is not None:
+            await self._fill(slot)
+        return None
+
+    async def _accept(self, run: GemmRun, msg: TileResult) -> None:
+        t = run.ledger.tiles[msg.tile]
+        out = msg.out
+        if tuple(out.shape) != (t.rows, t.cols) or out.dtype != str(run.out.dtype).removeprefix("torch."):
+            self._reject("bad_shape", msg, f"{out.dtype}{tuple(out.shape)} for a {t.rows}x{t.cols} block")
+            run.ledger.retry(msg.tile, msg.attempt)
+            return
+        block = np.frombuffer(out.data, dtype=np.dtype(out.dtype)).reshape(t.rows, t.cols)
+        if not np.isfinite(block).all() and self._inputs_finite(run, t):
+            self._reject("not_finite", msg)
+            run.ledger.retry(msg.tile, msg.attempt)
+            return
+        outcome = run.ledger.finish(msg.tile, msg.attempt)
+        if outcome != "accepted":
+            return
+        run.out.numpy()[t.r0 : t.r1, t.c0 : t.c1] = block
+        self._close_recoveries(run, msg.tile)
+        if run.ledger.complete:
+            run.done.set()
+
+    @staticmethod
+    def _inputs_finite(run: GemmRun, t: tiles.Tile) -> bool:
+        return bool(torch.isfinite(run.a[t.r0 : t.r1]).all() and torch.isfinite(run.bt[t.c0 : t.c1]).all())
+
+    def _reject(self, reason: str, msg: TileResult, detail: str = "") -> None:
+        self.c.rejected += 1
+        self.bus.reject(reason, f"result from {msg.worker_id}", f"step {msg.step} op {msg.op} tile {msg.tile} {detail}")
+
+    # ---- loss of workers -----------------------------------------------------------------------------
+    async def _check_progress(self) -> None:
+        run, now = self.run, time.monotonic()
+        if run is None:
+            return
+        for slot in list(self.workers.values()):
+            inflight = run.ledger.inflight(slot.worker_id)
+            if not inflight or slot.suspect:
+                continue
+            since = max(slot.last_progress, min(a.sent_at for a in inflight))
+            deadline = max(self.s.tile_timeout_s, self.s.timeout_factor * slot.round_trip_s)
+            if now - since > deadline:
+                slot.suspect = True
+                self._lose(slot.worker_id, now, cause="deadline", silent_since=since)
+        await self._fill_all()
+
+    def _lose(self, worker: str, now: float, cause: str, silent_since: float | None = None) -> None:
+        run = self.run
+        if run is None:
+            return
+        lost = run.ledger.give_back(worker)
+        if lost:
+            log.warning("tiles_resent", worker_id=worker, cause=cause, step=run.step, gemm=run.name, tiles=len(lost))
+            run.recoveries.append(Recovery(worker, silent_since or now, now, set(lost)))
+
+    def _close_recoveries(self, run: GemmRun, tile: int) -> None:
+        for rec in list(run.recoveries):
+            rec.tiles.discard(tile)
+            if rec.tiles:
+                continue
+            run.recoveries.remove(rec)
+            now = time.monotonic()
+            self.c.recoveries.append(Event(
+                kind="recovered", at=time.time(), step=run.step, worker_id=rec.worker, cause="worker_lost",
+                detect_s=rec.detected_at - rec.silent_since,
+                redispatch_s=(rec.redispatched_at or now) - rec.detected_at,
+                complete_s=now - rec.detected_at, detail={"gemm": run.name},
+            ))

@@ -1,0 +1,21 @@
+"""Parameter-server settings, from CLEAVE_PS_* environment variables or `cleave ps` flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PsSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CLEAVE_PS_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    job_file: Path | None = None  # JSON JobConfig; None = the default job
+    metrics_out: Path | None = None  # JSON lines, one per step
+    window: int = Field(2, ge=1)  # tiles in flight per worker: one computing, one arriving
+    tile_timeout_s: float = Field(1.0, gt=0)  # a worker silent this long with tiles in flight is presumed lost
+    timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
+    tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
+    threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default

@@ -1,0 +1,121 @@
+"""The scheduler service: keeps the device registry from heartbeats and publishes the plan on changes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from cleave import bus as busmod
+from cleave.lifecycle import run
+from cleave.logs import configure
+from cleave.schemas import (
+    PLAN_BUCKET,
+    PLAN_KEY,
+    REGISTRY_BUCKET,
+    SUBJECT_HEARTBEAT_ALL,
+    Event,
+    Heartbeat,
+    Plan,
+)
+
+from cleave_scheduler.registry import Registry
+from cleave_scheduler.settings import SchedulerSettings
+
+log = structlog.get_logger("scheduler")
+
+
+class Scheduler:
+    def __init__(self, s: SchedulerSettings, bus: busmod.Bus) -> None:
+        self.s, self.bus = s, bus
+        self.registry = Registry(s.liveness_s)
+        self.written: dict[str, float] = {}  # worker id -> when its registry entry was last written
+        self.changed = asyncio.Event()
+        self.reasons: list[str] = []
+
+    async def start(self) -> None:
+        self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
+        self.plan_kv = await self.bus.kv(PLAN_BUCKET)
+        current = await self.bus.kv_get(self.plan_kv, PLAN_KEY, Plan)
+        if current is not None:  # a restarted scheduler continues the version sequence
+            self.registry.version = current[0].version
+
+    async def on_heartbeat(self, hb: Heartbeat, nbytes: int) -> None:
+        now = time.time()
+        if self.registry.heartbeat(hb, now):
+            log.info("worker_joined", worker_id=hb.worker_id, flops=f"{hb.profile.flops / 1e9:.1f}G")
+            self.reasons.append("join")
+            self.changed.set()
+            await self.bus.emit(Event(kind="worker_joined", at=now, worker_id=hb.worker_id))
+        if now - self.written.get(hb.worker_id, 0.0) >= self.s.registry_refresh_s:
+            self.written[hb.worker_id] = now
+            await self.bus.kv_put(self.reg_kv, hb.worker_id, self.registry.devices[hb.worker_id])
+
+    async def sweep(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            now = time.time()
+            for w in self.registry.sweep(now):
+                log.warning("worker_lost", worker_id=w, silent_s=self.s.liveness_s)
+                self.reasons.append("leave")
+                self.changed.set()
+                self.written.pop(w, None)
+                await self.bus.emit(Event(kind="worker_lost", at=now, worker_id=w, cause="heartbeat_timeout",
+                                          detect_s=self.s.liveness_s))
+                try:
+                    await asyncio.wait_for(self.reg_kv.delete(w), busmod.DEFAULT_TIMEOUT_S)
+                except Exception as e:
+                    log.warning("registry_delete_failed", worker_id=w, error=repr(e))
+            try:
+                await asyncio.wait_for(stop.wait(), self.s.sweep_s)
+            except TimeoutError:
+                pass
+
+    async def publish_plans(self, stop: asyncio.Event) -> None:
+        # listen for one liveness period first, so a restarted scheduler does not publish a partial fleet
+        try:
+            await asyncio.wait_for(stop.wait(), self.s.liveness_s)
+        except TimeoutError:
+            pass
+        while not stop.is_set():
+            waiter = asyncio.ensure_future(self.changed.wait())
+            stopper = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            stopper.cancel()
+            if stop.is_set():
+                return
+            self.changed.clear()
+            reason = ",".join(sorted(set(self.reasons)))
+            self.reasons.clear()
+            plan = self.registry.plan(time.time(), self.s.tile_rows, self.s.tile_cols, reason)
+            try:
+                await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
+                log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason)
+                await self.bus.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,
+                                          detail={"version": plan.version, "workers": len(plan.workers)}))
+            except Exception as e:  # NATS down: try again when it is back
+                log.warning("plan_not_published", error=repr(e))
+                self.reasons.append(reason)
+                self.changed.set()
+                await asyncio.sleep(0.5)
+
+
+async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
+    bus = await busmod.connect(s.nats_url, "scheduler")
+    await bus.setup()
+    sched = Scheduler(s, bus)
+    await sched.start()
+    sub = await bus.subscribe(SUBJECT_HEARTBEAT_ALL, Heartbeat, sched.on_heartbeat, max_bytes=65536)
+    log.info("scheduler_started", nats=s.nats_url, liveness_s=s.liveness_s)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(sched.sweep(stop))
+        tg.create_task(sched.publish_plans(stop))
+    await sub.unsubscribe()
+    await bus.close()
+    return 0
+
+
+def main(settings: SchedulerSettings | None = None) -> int:
+    settings = settings or SchedulerSettings()
+    configure("scheduler")
+    return run(lambda stop: serve(settings, stop))

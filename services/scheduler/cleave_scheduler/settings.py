@@ -1,0 +1,17 @@
+"""Scheduler settings, from CLEAVE_SCHEDULER_* environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SchedulerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CLEAVE_SCHEDULER_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    liveness_s: float = Field(1.0, gt=0)  # a worker silent this long has left
+    sweep_s: float = Field(0.1, gt=0)  # how often liveness is checked
+    tile_rows: int = Field(256, gt=0)  # block shape of the first (uniform) plan
+    tile_cols: int = Field(256, gt=0)
+    registry_refresh_s: float = Field(2.0, gt=0)  # rewrite a live worker's registry entry this often

@@ -1,0 +1,98 @@
+"""The worker service: dial out to NATS, register, heartbeat, take tiles, compute them, return blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+import torch
+from cleave import bus as busmod
+from cleave.errors import WireError
+from cleave.lifecycle import run
+from cleave.logs import configure
+from cleave.schemas import (
+    SUBJECT_HEARTBEAT,
+    SUBJECT_TILES,
+    DeviceProfile,
+    Heartbeat,
+    TileTask,
+)
+
+from cleave_worker.core import BlockCache, check_inputs, compute, measure_flops, reply_to
+from cleave_worker.settings import WorkerSettings
+
+UNMEASURED_BYTES_PER_S = 100e6  # link speed reported until a probe measures it
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile) -> None:
+        self.s, self.bus, self.profile = settings, bus, profile
+        self.cache = BlockCache(settings.cache_bytes)
+        self.started_at = time.time()
+        self.tiles_done = 0
+        self.busy_s = 0.0
+        self.log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
+
+    async def on_tile(self, task: TileTask, nbytes: int) -> None:
+        a, bt = self.cache.resolve(task.a), self.cache.resolve(task.b)
+        missing = tuple(ref.id for ref, t in ((task.a, a), (task.b, bt)) if t is None)
+        if missing:
+            result = reply_to(task, self.s.worker_id, missing=missing)
+        elif why := check_inputs(a, bt):
+            self.log.warning("tile_refused", reason=why, step=task.step, op=task.op, tile=task.tile)
+            result = reply_to(task, self.s.worker_id, error=why)
+        else:
+            result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id)
+            self.tiles_done += 1
+            self.busy_s += result.compute_s
+        try:
+            await self.bus.publish(task.reply, result)
+        except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
+            self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            worker_id=self.s.worker_id, profile=self.profile, sent_at=time.time(), started_at=self.started_at,
+            cache_bytes=self.s.cache_bytes, tiles_done=self.tiles_done, busy_s=self.busy_s,
+        )
+
+    async def heartbeats(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.bus.publish(SUBJECT_HEARTBEAT.format(worker_id=self.s.worker_id), self.heartbeat())
+            except Exception as e:  # disconnected: nats-py reconnects; keep beating
+                self.log.warning("heartbeat_failed", error=repr(e))
+            try:
+                await asyncio.wait_for(stop.wait(), self.s.heartbeat_s)
+            except TimeoutError:
+                pass
+
+
+def measured_profile(s: WorkerSettings) -> DeviceProfile:
+    return DeviceProfile(
+        flops=measure_flops(), memory_bytes=s.memory_bytes, downlink_bytes_per_s=UNMEASURED_BYTES_PER_S,
+        uplink_bytes_per_s=UNMEASURED_BYTES_PER_S, latency_s=0.001,
+    )
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
+    log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
+    torch.set_num_threads(settings.threads)
+    profile = measured_profile(settings)
+    bus = await busmod.connect(settings.nats_url, f"worker-{settings.worker_id}")
+    worker = Worker(settings, bus, profile)
+    sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
+    log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", memory_bytes=settings.memory_bytes,
+             cache_bytes=settings.cache_bytes, nats=settings.nats_url)
+    await worker.heartbeats(stop)
+    await sub.unsubscribe()
+    await bus.close()
+    log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
+    return 0
+
+
+def main(settings: WorkerSettings | None = None) -> int:
+    settings = settings or WorkerSettings()
+    configure("worker")
+    return run(lambda stop: serve(settings, stop))

@@ -1,0 +1,25 @@
+"""Worker settings, from CLEAVE_WORKER_* environment variables or command-line flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_worker_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"{host}-{os.getpid()}"
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CLEAVE_WORKER_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    worker_id: str = Field(default_factory=default_worker_id, pattern=r"^[A-Za-z0-9_-]{1,128}$")
+    memory_bytes: int = Field(512 * 1024 * 1024, gt=0)  # budget for a tile's inputs and output
+    cache_bytes: int = Field(128 * 1024 * 1024, ge=0)  # input blocks kept for reuse (within the budget)
+    heartbeat_s: float = Field(0.25, gt=0)
+    threads: int = Field(1, ge=1)  # torch intra-op threads for the GEMMs
