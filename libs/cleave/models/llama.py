@@ -25,7 +25,7 @@ def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> to
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
         s.high_freq_factor - s.low_freq_factor
     )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled * 1.001
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
 
