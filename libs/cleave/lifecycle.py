@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Coroutine
@@ -31,3 +32,10 @@ def run(main: Callable[[asyncio.Event], Coroutine[Any, Any, int]]) -> int:
         return await main(stop)
 
     return asyncio.run(runner())
+
+
+async def wait_for_stop(stop: asyncio.Event, timeout_s: float) -> bool:
+    """Sleep up to `timeout_s`, waking early when `stop` is set; returns whether it is set."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout_s)
+    return stop.is_set()

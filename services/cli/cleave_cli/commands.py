@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from cleave.job import JobConfig
-
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.progress import Progress
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from cleave.errors import CleaveError
 from cleave.job import JobConfig
+from cleave.metrics_file import EXCLUDED, MetricsFile
+from cleave.schemas import StepMetrics
 from cleave.training import Trainer
-
 from cleave_cli.progress import Progress
 from cleave_cli.stack import Stack
 
@@ -24,20 +25,18 @@ def default_run_dir(kind: str) -> Path:
 def run_reference(job: JobConfig, metrics_out: Path, progress: Progress | None = None) -> list[dict]:
     """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer)."""
     trainer = Trainer(job)
-    lines = []
-    with open(metrics_out, "w") as f:
-        for step in range(job.steps):
-            t0 = time.perf_counter()
-            loss = trainer.step(step)
-            val = trainer.val_loss(step) if job.val_every and (step + 1) % job.val_every == 0 else None
-            m = {"step": step, "loss": loss, "step_time_s": time.perf_counter() - t0, "workers": 0, "tiles": 0,
-                 "tiles_resent": 0, "tiles_dropped": 0, "rejected": 0, "bytes_down": 0, "bytes_up": 0,
-                 "tokens": job.batch_size * job.seq, "lr": job.lr, "val_loss": val, "recoveries": 0}
-            f.write(json.dumps(m) + "\n")
-            f.flush()
-            lines.append(m)
-            if progress:
-                progress.update(m)
+    metrics_out.unlink(missing_ok=True)
+    out, lines = MetricsFile(metrics_out), []
+    for step in range(job.steps):
+        t0 = time.perf_counter()
+        loss = trainer.step(step)
+        val = trainer.val_loss(step) if job.val_every and (step + 1) % job.val_every == 0 else None
+        m = StepMetrics(job=job.job_id, step=step, loss=loss, step_time_s=time.perf_counter() - t0, workers=0,
+                        tokens=job.batch_size * job.seq, lr=job.lr, val_loss=val)
+        out.write(m)
+        lines.append(m.model_dump(exclude=EXCLUDED))
+        if progress:
+            progress.update(lines[-1])
     return lines
 
 

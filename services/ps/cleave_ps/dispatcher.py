@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 import torch
+
 from cleave import codec, tiles
 from cleave.bus import Bus
 from cleave.errors import StepAborted
@@ -28,12 +29,13 @@ from cleave.schemas import (
     TileResult,
     TileTask,
 )
-
 from cleave_ps.ledger import Attempt, GemmLedger
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
+DEFAULT_BLOCK = 256
+MIN_BLOCK = 16  # blocks are not cut thinner than this to feed more workers
 
 
 @dataclass
@@ -95,6 +97,20 @@ class GemmRun:
     recoveries: list[Recovery] = field(default_factory=list)
 
 
+def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
+    """The plan's block shape, halved (larger side first) until every worker can get a tile."""
+    rows, cols = (plan.tile_rows, plan.tile_cols) if plan else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    rows, cols = min(rows, m), min(cols, n)
+    while -(-m // rows) * -(-n // cols) < workers:
+        if rows >= cols and rows >= 2 * MIN_BLOCK:
+            rows = -(-rows // 2)
+        elif cols >= 2 * MIN_BLOCK:
+            cols = -(-cols // 2)
+        else:
+            break
+    return rows, cols
+
+
 class Dispatcher:
     def __init__(self, bus: Bus, job_id: str, epoch: int, s: PsSettings) -> None:
         self.bus, self.job_id, self.epoch, self.s = bus, job_id, epoch, s
@@ -134,9 +150,8 @@ class Dispatcher:
         return hit[0]
 
     async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str) -> torch.Tensor:
-        plan_rows = self.plan.tile_rows if self.plan else 256
-        plan_cols = self.plan.tile_cols if self.plan else 256
-        grid = tiles.grid(a.shape[0], bt.shape[0], plan_rows, plan_cols)
+        rows, cols = block_shape(a.shape[0], bt.shape[0], self.plan, len(self._live()))
+        grid = tiles.grid(a.shape[0], bt.shape[0], rows, cols)
         run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid),
                       torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype))
         self.run = run
@@ -165,14 +180,16 @@ class Dispatcher:
         return [w for w in self.workers.values() if not w.suspect]
 
     async def _fill_all(self) -> None:
-        for w in list(self._live()):
-            await self._fill(w)
+        """Deal round-robin: every live worker gets one tile before any gets a second."""
+        for depth in range(1, self.s.window + 1):
+            for w in list(self._live()):
+                await self._fill(w, depth)
 
-    async def _fill(self, slot: WorkerSlot) -> None:
+    async def _fill(self, slot: WorkerSlot, depth: int | None = None) -> None:
         run = self.run
         if run is None or slot.suspect or slot.worker_id not in self.workers:
             return
-        while len(run.ledger.inflight(slot.worker_id)) < self.s.window:
+        while len(run.ledger.inflight(slot.worker_id)) < (depth or self.s.window):
             att = run.ledger.take(slot.worker_id, time.monotonic(), lambda t: self._cached_score(slot, run, t))
             if att is None:
                 return

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import structlog
 import torch
+
 from cleave import bus as busmod
 from cleave.errors import StepAborted
 from cleave.job import JobConfig
 from cleave.lifecycle import run
 from cleave.logs import configure
+from cleave.metrics_file import MetricsFile
 from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SUBJECT_RESULTS, Plan, StepMetrics, TileResult
 from cleave.training import Trainer
-
 from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.settings import PsSettings
 
@@ -81,8 +81,9 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
     dispatcher = Dispatcher(bus, job.job_id, epoch, s)
     backend = FleetGemm(asyncio.get_running_loop(), dispatcher)
     trainer = await asyncio.to_thread(Trainer, job, backend)
-    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=epoch), TileResult, dispatcher.on_result)
-    out = open(s.metrics_out, "a") if s.metrics_out else None  # noqa: SIM115 - closed below
+    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=epoch), TileResult, dispatcher.on_result,
+                              max_bytes=s.max_result_bytes)
+    out = MetricsFile(s.metrics_out)
     log.info("ps_started", job=job.job_id, preset=job.preset, steps=job.steps, epoch=epoch)
     async def abort_on_stop() -> None:
         await stop.wait()
@@ -106,9 +107,7 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
                 for ev in dispatcher.c.recoveries[before["recoveries"]:]:
                     await bus.emit(ev)
                 await bus.emit(m)
-                if out:
-                    out.write(json.dumps(m.model_dump(exclude={"job", "method", "at"})) + "\n")
-                    out.flush()
+                await asyncio.to_thread(out.write, m)
                 log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
                          workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)
         except StepAborted as e:
@@ -117,8 +116,6 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
             dispatcher.stopping = True
             stop.set()
             watcher.cancel()
-            if out:
-                out.close()
     await sub.unsubscribe()
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -18,4 +18,9 @@ class PsSettings(BaseSettings):
     tile_timeout_s: float = Field(1.0, gt=0)  # a worker silent this long with tiles in flight is presumed lost
     timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
+    max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
     threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default
+    nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
+    nats_password: SecretStr = SecretStr("")
+    nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
+    nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store

@@ -6,8 +6,9 @@ import asyncio
 import time
 
 import structlog
+
 from cleave import bus as busmod
-from cleave.lifecycle import run
+from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.schemas import (
     PLAN_BUCKET,
@@ -18,7 +19,6 @@ from cleave.schemas import (
     Heartbeat,
     Plan,
 )
-
 from cleave_scheduler.registry import Registry
 from cleave_scheduler.settings import SchedulerSettings
 
@@ -65,17 +65,11 @@ class Scheduler:
                     await asyncio.wait_for(self.reg_kv.delete(w), busmod.DEFAULT_TIMEOUT_S)
                 except Exception as e:
                     log.warning("registry_delete_failed", worker_id=w, error=repr(e))
-            try:
-                await asyncio.wait_for(stop.wait(), self.s.sweep_s)
-            except TimeoutError:
-                pass
+            await wait_for_stop(stop, self.s.sweep_s)
 
     async def publish_plans(self, stop: asyncio.Event) -> None:
         # listen for one liveness period first, so a restarted scheduler does not publish a partial fleet
-        try:
-            await asyncio.wait_for(stop.wait(), self.s.liveness_s)
-        except TimeoutError:
-            pass
+        await wait_for_stop(stop, self.s.liveness_s)
         while not stop.is_set():
             waiter = asyncio.ensure_future(self.changed.wait())
             stopper = asyncio.ensure_future(stop.wait())

@@ -6,6 +6,7 @@ import time
 from collections import OrderedDict
 
 import torch
+
 from cleave import codec, tiles
 from cleave.schemas import BlockRef, TileResult, TileTask
 

@@ -7,9 +7,10 @@ import time
 
 import structlog
 import torch
+
 from cleave import bus as busmod
 from cleave.errors import WireError
-from cleave.lifecycle import run
+from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.schemas import (
     SUBJECT_HEARTBEAT,
@@ -18,7 +19,6 @@ from cleave.schemas import (
     Heartbeat,
     TileTask,
 )
-
 from cleave_worker.core import BlockCache, check_inputs, compute, measure_flops, reply_to
 from cleave_worker.settings import WorkerSettings
 
@@ -63,10 +63,7 @@ class Worker:
                 await self.bus.publish(SUBJECT_HEARTBEAT.format(worker_id=self.s.worker_id), self.heartbeat())
             except Exception as e:  # disconnected: nats-py reconnects; keep beating
                 self.log.warning("heartbeat_failed", error=repr(e))
-            try:
-                await asyncio.wait_for(stop.wait(), self.s.heartbeat_s)
-            except TimeoutError:
-                pass
+            await wait_for_stop(stop, self.s.heartbeat_s)
 
 
 def measured_profile(s: WorkerSettings) -> DeviceProfile:

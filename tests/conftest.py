@@ -1,0 +1,60 @@
+"""Shared fixtures: a real nats-server with JetStream on a free port and a temporary store."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cleave_cli.stack import free_port, nats_server_binary
+
+READY_TIMEOUT_S = 20.0
+
+
+class NatsServer:
+    """One nats-server process; `restart()` brings it back on the same port and store."""
+
+    def __init__(self, store: Path, log: Path) -> None:
+        self.port, self.store, self.log = free_port(), store, log
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)],
+                stdout=out, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "Server is ready" not in self.log.read_bytes()[offset:].decode(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nats-server did not start: {self.log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "jetstream", tmp_path / "nats.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url

@@ -1,0 +1,305 @@
+"""`cleave auth init` against a real nats-server: who may connect, publish and subscribe, and TLS.
+
+Each test writes a fresh config with the real `auth init` code, starts nats-server with it on a free port
+and waits for its "Server is ready" line. A refusal is observed the way a service would see it: the
+connect raises, or the server reports a permissions violation through `error_cb`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import pytest
+from cleave import auth, codec
+from cleave.bus import Bus
+from cleave.schemas import (
+    PLAN_BUCKET,
+    PLAN_KEY,
+    REGISTRY_BUCKET,
+    STATE_BUCKET,
+    STATE_OBJECTS,
+    SUBJECT_HEARTBEAT,
+    SUBJECT_RESULTS,
+    SUBJECT_TILES,
+    DeviceProfile,
+    Event,
+    Heartbeat,
+    Plan,
+)
+from cleave_cli import auth_cmd
+from cleave_cli.stack import free_port, nats_server_binary
+from cleave_ps.settings import PsSettings
+from cleave_scheduler.settings import SchedulerSettings
+from cleave_worker.settings import WorkerSettings
+
+READY_TIMEOUT_S = 20.0
+OP_TIMEOUT_S = 5.0
+SETTINGS = {"ps": PsSettings, "scheduler": SchedulerSettings, "worker": WorkerSettings}
+
+
+@dataclass
+class AuthServer:
+    """A nats-server running the config `cleave auth init` wrote into `out`."""
+
+    out: Path
+    port: int
+    tls: bool
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    def seed(self, name: str) -> str:
+        line = next(x for x in (self.out / f"{name}.env").read_text().splitlines() if x.startswith("CLEAVE_"))
+        return line.split("=", 1)[1]
+
+    def settings(self, role: str, name: str | None = None):
+        ca = self.out / auth_cmd.TLS_DIR / auth_cmd.CA_NAME if self.tls else None
+        return SETTINGS[role](nats_url=self.url, nats_nkey_seed=self.seed(name or role), nats_tls_ca=ca)
+
+
+def start_server(out: Path, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([nats_server_binary(), "-c", str(out / auth_cmd.CONFIG_NAME)],
+                                stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while "Server is ready" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"nats-server did not start: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.02)
+    return proc
+
+
+def init_args(out: Path, port: int, **over) -> argparse.Namespace:
+    base = dict(out=out, tls=False, hosts=None, tls_cert=None, tls_key=None, tls_ca=None, worker_ids="",
+                listen=f"127.0.0.1:{port}", http=f"127.0.0.1:{free_port()}", store_dir=str(out.parent / "js"),
+                server_dir=None, max_payload=1024 * 1024, force=False)
+    return argparse.Namespace(**{**base, **over})
+
+
+def launch(tmp_path: Path, **over) -> Iterator[AuthServer]:
+    port = free_port()
+    out = tmp_path / "auth"
+    auth_cmd.init(init_args(out, port, **over))
+    server = AuthServer(out, port, tls=bool(over.get("tls") or over.get("tls_cert")))
+    server.proc = start_server(out, tmp_path / "nats.log")
+    try:
+        yield server
+    finally:
+        server.proc.terminate()
+        server.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[AuthServer]:
+    yield from launch(tmp_path)
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[AuthServer]:
+    yield from launch(tmp_path, tls=True, hosts=["127.0.0.1", "localhost"])
+
+
+@pytest.fixture
+def pinned_server(tmp_path: Path) -> Iterator[AuthServer]:
+    yield from launch(tmp_path, worker_ids="w1,w2")
+
+
+@dataclass
+class Client:
+    """A connection as a role, recording the errors the server reports (permission violations)."""
+
+    nc: nats.NATS
+    errors: list[str] = field(default_factory=list)
+    got_error: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def violation(self, subject: str) -> str:
+        """Wait for the server to report a permissions violation naming `subject`."""
+        async with asyncio.timeout(OP_TIMEOUT_S):
+            while not any(subject in e for e in self.errors):
+                self.got_error.clear()
+                await self.got_error.wait()
+        return next(e for e in self.errors if subject in e)
+
+
+@pytest.fixture
+async def connect() -> AsyncIterator:
+    clients: list[Client] = []
+
+    async def make(settings, role: str) -> Client:
+        client = Client(nc=None)  # type: ignore[arg-type]
+
+        async def on_error(e: Exception) -> None:
+            client.errors.append(str(e))
+            client.got_error.set()
+
+        client.nc = await nats.connect(settings.nats_url, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S,
+                                       error_cb=on_error, **auth.connect_options(settings, role))
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        await c.nc.close()
+
+
+async def refused(url: str, **options) -> str:
+    """The error a connection attempt ends with (the test fails if it connects)."""
+    async def quiet(e: Exception) -> None:
+        pass
+
+    nc = nats.NATS()
+    try:
+        await nc.connect(url, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S, error_cb=quiet, **options)
+    except Exception as e:
+        await nc.close()  # nats-py leaves the refused socket open otherwise
+        return str(e)
+    await nc.close()
+    pytest.fail(f"connected to {url} with {sorted(options)}")
+
+
+def heartbeat(worker_id: str) -> bytes:
+    profile = DeviceProfile(flops=1e9, memory_bytes=1 << 20, downlink_bytes_per_s=1e6, uplink_bytes_per_s=1e6,
+                            latency_s=0.0)
+    return codec.encode(Heartbeat(worker_id=worker_id, profile=profile, sent_at=1.0, started_at=0.0))
+
+
+# ---- who may connect ---------------------------------------------------------------------------------
+async def test_no_credentials_is_refused(server: AuthServer) -> None:
+    assert "Authorization Violation" in await refused(server.url)
+
+
+async def test_unknown_nkey_is_refused(server: AuthServer) -> None:
+    stranger = auth.new_credential("worker")  # a valid nkey the server has never heard of
+    assert "Authorization Violation" in await refused(server.url, nkeys_seed_str=stranger.seed)
+
+
+async def test_wrong_password_is_refused(server: AuthServer) -> None:
+    assert "Authorization Violation" in await refused(server.url, user="ps", password="guess")
+
+
+async def test_every_issued_credential_connects(server: AuthServer, connect) -> None:
+    for role in ("ps", "scheduler", "worker"):
+        client = await connect(server.settings(role), role)
+        await client.nc.flush(timeout=OP_TIMEOUT_S)
+        assert client.nc.is_connected
+
+
+# ---- what a worker may do ----------------------------------------------------------------------------
+async def test_worker_cannot_publish_tiles_plans_or_state(server: AuthServer, connect) -> None:
+    victim = await connect(server.settings("worker"), "worker")  # another worker, waiting for its tiles
+    inbox = await victim.nc.subscribe(SUBJECT_TILES.format(worker_id="x"))
+    await victim.nc.flush(timeout=OP_TIMEOUT_S)
+    hostile = await connect(server.settings("worker"), "worker")
+    for subject in (SUBJECT_TILES.format(worker_id="x"), f"$KV.{PLAN_BUCKET}.{PLAN_KEY}",
+                    f"$KV.{STATE_BUCKET}.head", "cleave.events.worker_joined"):
+        await hostile.nc.publish(subject, b"forged")
+        print(subject, hostile.errors)
+        assert "permissions violation for publish" in await hostile.violation(subject)
+    await hostile.nc.flush(timeout=OP_TIMEOUT_S)  # the server has handled every forged publish ...
+    await victim.nc.flush(timeout=OP_TIMEOUT_S)  # ... and anything it routed to the victim has arrived
+    assert inbox.pending_msgs == 0
+    assert hostile.nc.is_connected  # refused messages, not a dropped connection
+
+
+async def test_worker_cannot_subscribe_to_results_or_heartbeats(server: AuthServer, connect) -> None:
+    hostile = await connect(server.settings("worker"), "worker")
+    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1), "cleave.hb.*", "_INBOX.ps.>", "$KV.>"):
+        await hostile.nc.subscribe(subject)
+        assert "permissions violation for subscription" in await hostile.violation(subject)
+
+
+async def test_worker_publishes_results_and_heartbeats(server: AuthServer, connect) -> None:
+    ps = await connect(server.settings("ps"), "ps")
+    sched = await connect(server.settings("scheduler"), "scheduler")
+    results = await ps.nc.subscribe(auth._wild(SUBJECT_RESULTS))
+    beats = await sched.nc.subscribe(auth._wild(SUBJECT_HEARTBEAT))
+    await ps.nc.flush(timeout=OP_TIMEOUT_S)
+    await sched.nc.flush(timeout=OP_TIMEOUT_S)
+    worker = await connect(server.settings("worker"), "worker")
+    await worker.nc.publish(SUBJECT_RESULTS.format(job="j", epoch=7), b"block")
+    await worker.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w1"), heartbeat("w1"))
+    assert (await results.next_msg(timeout=OP_TIMEOUT_S)).data == b"block"
+    assert codec.decode((await beats.next_msg(timeout=OP_TIMEOUT_S)).data, Heartbeat).worker_id == "w1"
+    assert worker.errors == []
+
+
+async def test_pinned_worker_credential_covers_only_its_own_id(pinned_server: AuthServer, connect) -> None:
+    assert not (pinned_server.out / "worker.env").exists()  # no shared credential when ids are given
+    w1 = await connect(pinned_server.settings("worker", "worker-w1"), "worker")
+    await w1.nc.subscribe(SUBJECT_TILES.format(worker_id="w1"))
+    await w1.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w1"), heartbeat("w1"))
+    await w1.nc.flush(timeout=OP_TIMEOUT_S)
+    assert w1.errors == []
+    await w1.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w2"), heartbeat("w2"))  # impersonating w2
+    assert "publish" in await w1.violation(SUBJECT_HEARTBEAT.format(worker_id="w2"))
+    await w1.nc.subscribe(SUBJECT_TILES.format(worker_id="w2"))  # reading w2's tiles
+    assert "subscription" in await w1.violation(SUBJECT_TILES.format(worker_id="w2"))
+
+
+# ---- what the services may do through the real Bus ---------------------------------------------------
+async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthServer, connect) -> None:
+    ps_c = await connect(server.settings("ps"), "ps")
+    sched_c = await connect(server.settings("scheduler"), "scheduler")
+    ps, sched = Bus(ps_c.nc, "ps"), Bus(sched_c.nc, "scheduler")
+    async with asyncio.timeout(4 * OP_TIMEOUT_S):
+        await sched.setup()  # the first one creates every stream and bucket ...
+        await ps.setup()  # ... the second finds them
+        plans = await ps.kv(PLAN_BUCKET)
+        watcher = await plans.watch(PLAN_KEY)  # what the PS runs to follow the plan
+        plan = Plan(version=1, created_at=1.0, workers=(), tile_rows=8, tile_cols=8, reason="start")
+        await sched.kv_put(await sched.kv(PLAN_BUCKET), PLAN_KEY, plan)
+        await sched.kv_put(await sched.kv(REGISTRY_BUCKET), "w1", plan)  # any message will do
+        entry = await watcher.updates(timeout=OP_TIMEOUT_S)
+        while entry is None or entry.value is None:  # the watcher's initial "no more history" marker
+            entry = await watcher.updates(timeout=OP_TIMEOUT_S)
+        assert codec.decode(entry.value, Plan).version == 1
+        await watcher.stop()
+        state = await ps.kv(STATE_BUCKET)
+        await ps.kv_put(state, "head", plan)
+        assert (await ps.kv_get(state, "head", Plan))[0].version == 1
+        objects = await ps.js.create_object_store(STATE_OBJECTS)
+        await objects.put("weights", b"\x01" * 300_000)
+        assert (await objects.get("weights")).data == b"\x01" * 300_000
+        await ps.emit(Event(kind="ps_resumed", at=1.0))
+        await sched.emit(Event(kind="plan_changed", at=2.0))
+        await ps_c.nc.flush(timeout=OP_TIMEOUT_S)
+    assert ps_c.errors == [] and sched_c.errors == []
+    # only the scheduler publishes plans; only the PS writes state
+    await ps_c.nc.publish(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", codec.encode(plan))
+    assert "publish" in await ps_c.violation(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}")
+    await sched_c.nc.publish(f"$KV.{STATE_BUCKET}.head", codec.encode(plan))
+    assert "publish" in await sched_c.violation(f"$KV.{STATE_BUCKET}.head")
+
+
+async def test_a_stolen_worker_credential_cannot_touch_jetstream(server: AuthServer, connect) -> None:
+    hostile = await connect(server.settings("worker"), "worker")
+    await hostile.nc.publish(f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}", b"")
+    assert "publish" in await hostile.violation(f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}")
+
+
+# ---- TLS ---------------------------------------------------------------------------------------------
+async def test_tls_with_the_generated_certificate(tls_server: AuthServer, connect) -> None:
+    worker = await connect(tls_server.settings("worker"), "worker")
+    await worker.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w1"), heartbeat("w1"))
+    await worker.nc.flush(timeout=OP_TIMEOUT_S)
+    assert worker.nc.is_connected and worker.errors == []
+    assert worker.nc._transport is not None and worker.nc._transport._io_writer.get_extra_info("sslcontext")
+
+
+async def test_tls_is_required_and_verified(tls_server: AuthServer) -> None:
+    seed = tls_server.seed("worker")
+    plain = f"nats://127.0.0.1:{tls_server.port}"
+    # the system trust store does not know the generated CA: no silent downgrade to an unverified link
+    assert "CERTIFICATE_VERIFY_FAILED" in await refused(plain, nkeys_seed_str=seed)
+    settings = WorkerSettings(nats_url=tls_server.url, nats_tls_ca=tls_server.out / "tls" / "ca.pem")
+    assert "Authorization Violation" in await refused(tls_server.url, **auth.connect_options(settings, "worker"))

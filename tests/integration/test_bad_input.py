@@ -1,0 +1,72 @@
+"""A hostile peer floods the PS with bad results during real training: none reaches the model."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from cleave import bus as busmod
+from cleave import codec
+from cleave.job import JobConfig
+from cleave.schemas import TileResult, TileTask
+from cleave.training import Trainer
+from tests.integration.fleet import InProcessPS, assert_same, start_fleet
+
+
+def forgeries(task: TileTask, rows: int, cols: int) -> list[bytes]:
+    def result(**kw) -> bytes:
+        base = dict(job=task.job, epoch=task.epoch, step=task.step, op=task.op, tile=task.tile, attempt=task.attempt,
+                    worker_id="mallory", out=codec.tensor_to_data(torch.zeros(rows, cols)))
+        return codec.encode(TileResult(**{**base, **kw}))
+
+    nan = torch.zeros(rows, cols)
+    nan[0, 0] = float("nan")
+    huge_chunk = codec.MAGIC + bytes([codec.VERSION, codec.FLAG_CHUNK]) + struct.pack("<16sIIQ", b"x" * 16, 0, 9, 1 << 40)
+    return [
+        b"\x00garbage",
+        huge_chunk,  # declares a terabyte
+        codec.MAGIC + bytes([codec.VERSION, 0]) + b"\x93\x01\x02\x03",  # valid msgpack, wrong schema
+        result(out=codec.tensor_to_data(torch.zeros(rows + 1, cols))),  # wrong shape
+        result(out=codec.tensor_to_data(torch.zeros(rows, cols, dtype=torch.float64))),  # wrong dtype
+        result(out=codec.tensor_to_data(nan)),  # NaN
+        result(step=task.step + 7),  # wrong step
+        result(job="other"),  # wrong job
+        result(tile=10_000),  # a tile that does not exist
+        result(attempt=task.attempt + 5),  # an attempt never issued
+        result(),  # claims someone else's tile
+    ]
+
+
+async def test_flood_of_bad_results_never_reaches_the_model(tmp_path, nats_url):
+    job = JobConfig(preset="tiny", steps=3)
+    fleet = start_fleet(tmp_path, nats_url, workers=2)
+    attacker = await busmod.connect(nats_url, "mallory")
+    sent = 0
+
+    async def on_task(task: TileTask, nbytes: int) -> None:
+        nonlocal sent
+        a, b = task.a.tensor, task.b.tensor
+        if a is None or b is None:
+            return
+        for frame in forgeries(task, a.shape[0], b.shape[0]):
+            await attacker.nc.publish(task.reply, frame)
+            sent += 1
+
+    sub = await attacker.subscribe("cleave.tile.*", TileTask, on_task)
+    try:
+        async with InProcessPS(nats_url) as ps:
+            await ps.wait_workers(2)
+            ref, dist = Trainer(job), Trainer(job, ps.backend)
+            want = [ref.step(s) for s in range(job.steps)]
+            got = [await ps.step(lambda s=s: dist.step(s), s) for s in range(job.steps)]
+            assert_same(got, want)
+            reasons = ps.bus.rejected
+            assert sent > 0
+            assert {"bad_magic", "too_large", "bad_schema", "bad_shape", "not_finite", "wrong_job",
+                    "unknown_tile", "wrong_worker"} <= set(reasons), reasons
+            assert ps.dispatcher.c.rejected > 0
+    finally:
+        await sub.unsubscribe()
+        await attacker.close()
+        fleet.stop()

@@ -1,0 +1,115 @@
+"""The wire codec: round trips, chunking at the size limit, and refusal of malformed input."""
+
+import msgpack
+import pytest
+import torch
+import zstandard
+
+from cleave import codec
+from cleave.errors import TooLarge, WireError
+from cleave.schemas import BlockRef, Event, Heartbeat, TensorData, TileResult, TileTask
+
+
+def result(t: torch.Tensor) -> TileResult:
+    return TileResult(job="j", epoch=1, step=2, op=3, tile=4, attempt=0, worker_id="w", out=codec.tensor_to_data(t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8])
+def test_tensor_round_trip_every_dtype(dtype):
+    t = (torch.randn(7, 5) * 10).to(dtype)
+    back = codec.data_to_tensor(codec.decode(codec.encode(result(t)), TileResult).out)
+    assert back.dtype == dtype and back.shape == t.shape
+    assert torch.equal(back, t)
+    back[0, 0] = 1  # owned and writable
+
+
+def test_nested_message_round_trip():
+    task = TileTask(job="j", epoch=1, step=0, op=1, tile=2, a=BlockRef(id="a", tensor=codec.tensor_to_data(torch.ones(2, 3))),
+                    b=BlockRef(id="b"), reply="r")
+    back = codec.decode(codec.encode(task), TileTask)
+    assert back == task
+
+
+def test_zstd_only_where_it_pays():
+    compressible = result(torch.zeros(256, 256))
+    dense = result(torch.randn(256, 256))
+    z, d = codec.encode(compressible), codec.encode(dense)
+    assert z[3] & codec.FLAG_ZSTD and len(z) < 10_000
+    assert not d[3] & codec.FLAG_ZSTD
+    assert codec.decode(z, TileResult) == compressible
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_chunking_at_the_size_limit(extra):
+    frame = codec.encode(result(torch.randn(64, 64)), compress=False)
+    limit = len(frame) + extra
+    parts = codec.split(frame, limit)
+    assert all(len(p) <= limit for p in parts)
+    assert len(parts) == (1 if extra >= 0 else 2)
+    r = codec.Reassembler()
+    outs = [r.feed(p) for p in parts]
+    assert outs[:-1] == [None] * (len(parts) - 1) and outs[-1] == frame
+
+
+def test_chunks_out_of_order_and_duplicated():
+    frame = codec.encode(result(torch.randn(100, 100)), compress=False)
+    parts = codec.split(frame, 4096)
+    r = codec.Reassembler()
+    order = list(reversed(parts[1:])) + [parts[1], parts[0]]
+    outs = [r.feed(p) for p in order]
+    assert outs[-1] == frame and all(o is None for o in outs[:-1])
+
+
+def test_reassembler_bounds_memory_and_time():
+    frame = codec.encode(result(torch.randn(100, 100)), compress=False)
+    r = codec.Reassembler(max_bytes=1000)
+    with pytest.raises(TooLarge):
+        r.feed(codec.split(frame, 4096)[0])
+    r = codec.Reassembler(max_pending=2, ttl_s=0.0)
+    for _ in range(3):
+        assert r.feed(codec.split(frame, 4096)[0]) is None
+    assert r.dropped >= 1 and len(r._pending) <= 2
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (b"", "truncated"),
+        (b"garbage bytes here", "bad_magic"),
+        (b"CV\x01\x00" + b"\xc1\xc1", "bad_msgpack"),
+        (b"CV\x01\x00" + msgpack.packb([1, 2, 3]), "bad_schema"),
+        (b"CV\x01\x00" + msgpack.packb({"job": "j"}), "bad_schema"),
+        (b"CV\x01\x01" + b"not zstd", "bad_zstd"),
+    ],
+)
+def test_malformed_input_is_refused(payload, reason):
+    with pytest.raises(WireError) as e:
+        codec.decode(payload, TileResult)
+    assert e.value.reason == reason
+
+
+def test_declared_shape_must_match_the_bytes():
+    bad = result(torch.ones(2, 2)).model_dump()
+    bad["out"]["shape"] = (1 << 20, 1 << 20)
+    with pytest.raises(WireError):
+        codec.decode(b"CV\x01\x00" + msgpack.packb(bad), TileResult)
+    with pytest.raises(Exception, match="elements"):
+        TensorData(dtype="float32", shape=(1 << 20, 1 << 20), data=b"")
+
+
+def test_zstd_bomb_is_refused_before_it_grows():
+    bomb = b"CV\x01\x01" + zstandard.ZstdCompressor().compress(b"\x00" * (64 << 20))
+    with pytest.raises(TooLarge):
+        codec.decode(bomb, TileResult, max_bytes=1 << 20)
+
+
+def test_oversized_frame_is_refused():
+    with pytest.raises(TooLarge):
+        codec.decode(b"CV\x01\x00" + b"x" * 2000, Event, max_bytes=1000)
+
+
+def test_unknown_fields_are_ignored():
+    hb = {"worker_id": "w1", "sent_at": 1.0, "started_at": 0.0, "from_the_future": 7,
+          "profile": {"flops": 1e9, "memory_bytes": 10, "downlink_bytes_per_s": 1, "uplink_bytes_per_s": 1,
+                      "latency_s": 0}}
+    assert codec.decode(b"CV\x01\x00" + msgpack.packb(hb), Heartbeat).worker_id == "w1"
