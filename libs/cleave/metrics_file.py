@@ -16,6 +16,18 @@ class MetricsFile:
     def __init__(self, path: Path | None) -> None:
         self.path = path
 
+    def steps(self) -> set[int]:
+        """Steps already in the file (a torn last line is ignored)."""
+        if self.path is None or not self.path.exists():
+            return set()
+        found = set()
+        for line in self.path.read_text().splitlines():
+            try:
+                found.add(int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return found
+
     def write(self, m: StepMetrics) -> None:
         if self.path is None:
             return

@@ -6,7 +6,7 @@ Messages travel as msgpack through `cleave.codec`; tensors inside them as `Tenso
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -147,6 +147,21 @@ class TileResult(Wire):
     compute_s: float = 0.0
 
 
+class Event(Wire):
+    """Something that happened: a worker joined or left, a recovery, a plan change, a PS restart."""
+
+    kind: str  # snake_case past tense: worker_joined, worker_lost, recovered, ps_resumed, ...
+    at: float
+    job: str = ""
+    step: int | None = None
+    worker_id: str | None = None
+    cause: str = ""
+    detect_s: float | None = None
+    redispatch_s: float | None = None
+    complete_s: float | None = None
+    detail: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+
+
 class StepMetrics(Wire):
     """One line of `--metrics-out` and of the monitor's loss curve."""
 
@@ -166,22 +181,33 @@ class StepMetrics(Wire):
     lr: float = 0.0
     val_loss: float | None = None
     recoveries: int = 0
+    recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
+    resumed: bool = False  # this step ran on a PS that had restarted from persisted state
     at: float = 0.0
 
 
-class Event(Wire):
-    """Something that happened: a worker joined or left, a recovery, a plan change, a PS restart."""
+class Checkpoint(Wire):
+    """The PS's state after a committed step: weights, optimizer state, RNG (data position = step + 1)."""
 
-    kind: str  # snake_case past tense: worker_joined, worker_lost, tile_resent, recovered, ps_resumed, ...
-    at: float
-    job: str = ""
-    step: int | None = None
-    worker_id: str | None = None
-    cause: str = ""
-    detect_s: float | None = None
-    redispatch_s: float | None = None
-    complete_s: float | None = None
-    detail: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    job: str
+    step: int
+    epoch: int
+    created_at: float
+    tensors: dict[str, TensorData]  # "model.<key>" and "opt.<param index>.<name>"
+    optimizer_groups: list[dict[str, Any]]
+    rng: TensorData
 
 
-MessageKind = Literal["tile", "result", "heartbeat", "plan", "metrics", "event"]
+class StateHead(Wire):
+    """The small KV record naming the last committed checkpoint; updated by compare-and-set, last."""
+
+    job: str
+    step: int  # last committed step
+    epoch: int
+    object: str
+    sha256: str
+    size: int
+    job_config: str  # the JSON job description the state belongs to
+    metrics: tuple[StepMetrics, ...] = ()  # the steps this commit made durable (their --metrics-out lines)
+
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import time
 from pathlib import Path
@@ -13,11 +14,19 @@ from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.progress import Progress
 
 
+def new_job_id(kind: str) -> str:
+    """Unique per invocation: persisted state belongs to a job id, and a new run must not resume an old one."""
+    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
 def job_from_args(args: argparse.Namespace) -> JobConfig:
-    fields = dict(preset=args.preset, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
-                  data=args.data)
-    return JobConfig.load(args.config, **{k: v for k, v in fields.items() if v is not None}) if args.config \
-        else JobConfig.build(**fields)
+    fields = dict(job_id=args.job_id, preset=args.preset, steps=args.steps, seed=args.seed,
+                  batch_size=args.batch_size, lr=args.lr, data=args.data)
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if args.config:
+        job = JobConfig.load(args.config, **fields)
+        return job if "job_id" in fields or job.job_id != "job" else job.model_copy(update={"job_id": new_job_id("train")})
+    return JobConfig.build(**{"job_id": new_job_id("train"), **fields})
 
 
 def train(args: argparse.Namespace) -> int:
@@ -68,7 +77,7 @@ def up(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    job = JobConfig.build(job_id="demo", preset="small", steps=args.steps or 30, batch_size=8, lr=2e-3)
+    job = JobConfig.build(job_id=new_job_id("demo"), preset="small", steps=args.steps or 30, batch_size=8, lr=2e-3)
     run_dir = args.run_dir or default_run_dir("demo")
     metrics_out = run_dir / "metrics.jsonl"
     fleet = LocalFleet(run_dir, args.workers)

@@ -88,12 +88,12 @@ class LocalFleet:
                            env=self.worker_env)
         return name
 
-    def start_ps(self, job: JobConfig, metrics_out: Path) -> None:
+    def start_ps(self, job: JobConfig, metrics_out: Path, ps_env: dict[str, str] | None = None) -> None:
         job_file = self.run_dir / "job.json"
         job_file.write_text(job.model_dump_json(indent=2))
         if metrics_out.exists():
             metrics_out.unlink()
-        self.stack.service("ps", "ps", ["--job", str(job_file), "--metrics-out", str(metrics_out)], restart=False)
+        self.stack.service("ps", "ps", ["--job", str(job_file), "--metrics-out", str(metrics_out)], env=ps_env)
 
     def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
         """Supervise until the PS finishes the job; returns the metrics lines."""

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", type=Path, help="a JSON job file (see docs/user-guide.md)")
     p.add_argument("--steps", type=int)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--job-id", help="names the job's persisted state; default: a new id per run")
     p.add_argument("--seed", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float)

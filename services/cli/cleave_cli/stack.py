@@ -21,6 +21,7 @@ from cleave.errors import CleaveError
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
+PS_FENCED = 3  # the PS's exit status when another PS took over its job: not restarted
 NATS_CONFIG = """\
 listen: 127.0.0.1:{port}
 max_payload: {max_payload}
@@ -120,7 +121,7 @@ class Stack:
             code = proc.popen.poll() if proc.popen else None
             if code is None:
                 continue
-            if proc.restart and not (proc.role == "ps" and code == 0):
+            if proc.restart and not (proc.role == "ps" and code in (0, PS_FENCED)):
                 proc.restarts += 1
                 if proc.role == "nats":
                     self._start(proc)

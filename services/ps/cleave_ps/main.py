@@ -10,13 +10,15 @@ import torch
 
 from cleave import bus as busmod
 from cleave.errors import StepAborted
+from cleave.faults import Faults
 from cleave.job import JobConfig
 from cleave.lifecycle import run
 from cleave.logs import configure
 from cleave.metrics_file import MetricsFile
-from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SUBJECT_RESULTS, Plan, StepMetrics, TileResult
+from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SUBJECT_RESULTS, Event, Plan, StepMetrics, TileResult
 from cleave.training import Trainer
 from cleave_ps.dispatcher import Dispatcher
+from cleave_ps.persist import Fenced, Persister, restore, snapshot
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
@@ -25,8 +27,10 @@ log = structlog.get_logger("ps")
 class FleetGemm:
     """The GEMM backend of the PS's linear layers: blocks the training thread while the fleet computes."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, dispatcher: Dispatcher) -> None:
-        self.loop, self.dispatcher = loop, dispatcher
+    FAULT_OP = 10  # "in_step:N" kills the PS as it deals the 10th GEMM of step N
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, dispatcher: Dispatcher, faults: Faults | None = None) -> None:
+        self.loop, self.dispatcher, self.faults = loop, dispatcher, faults or Faults()
         self.step, self.op = 0, 0
 
     def begin(self, step: int) -> None:
@@ -35,6 +39,8 @@ class FleetGemm:
 
     def gemm(self, a: torch.Tensor, bt: torch.Tensor, name: str) -> torch.Tensor:
         self.op += 1
+        if self.op == self.FAULT_OP:
+            self.faults.hit("in_step", self.step)
         fut = asyncio.run_coroutine_threadsafe(self.dispatcher.gemm(a, bt, self.step, self.op, name), self.loop)
         return fut.result()
 
@@ -59,65 +65,121 @@ async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Eve
     await watcher.stop()
 
 
-def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatcher, before: dict, val: float | None) -> StepMetrics:
+def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatcher, before: dict,
+                 val: float | None, resumed: bool) -> StepMetrics:
     c = d.c
+    recovery = tuple(c.recoveries[before["recoveries"]:])
     return StepMetrics(
         job=job.job_id, step=step, loss=loss, step_time_s=dt, workers=len(d.workers), tiles=c.tiles - before["tiles"],
         tiles_resent=c.resent - before["resent"], tiles_dropped=c.dropped - before["dropped"],
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
         bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=job.lr, val_loss=val,
-        recoveries=len(c.recoveries) - before["recoveries"], at=time.time(),
+        recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(),
     )
 
 
-def snapshot(d: Dispatcher) -> dict:
+def snapshot_counters(d: Dispatcher) -> dict:
     c = d.c
     return dict(tiles=c.tiles, resent=c.resent, dropped=c.dropped, rejected=c.rejected,
                 bytes_down=c.bytes_down, bytes_up=c.bytes_up, recoveries=len(c.recoveries))
 
 
+class Job:
+    """One training job on the PS: resume from persisted state, run steps, commit, report each step once."""
+
+    def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> None:
+        self.s, self.job, self.bus, self.stop = s, job, bus, stop
+        self.out = MetricsFile(s.metrics_out)
+        self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
+        self.persister = Persister(bus, job.job_id, job.model_dump_json())
+        self.pending: list[StepMetrics] = []  # lines of steps run but not yet committed
+
+    async def start(self) -> int:
+        """Claim an epoch, build the model, restore the last committed state; returns the first step to run."""
+        await self.persister.open()
+        epoch = await self.persister.claim_epoch()
+        self.dispatcher = Dispatcher(self.bus, self.job.job_id, epoch, self.s)
+        self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
+        self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend)
+        loaded = await self.persister.load()
+        if loaded is None:
+            log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
+            return 0
+        head, ckpt = loaded
+        await asyncio.to_thread(restore, self.trainer, ckpt)
+        await self._report(head.metrics)  # lines that were committed but not written before a crash
+        log.info("ps_resumed", job=self.job.job_id, from_step=head.step + 1, epoch=epoch)
+        await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job.job_id, step=head.step + 1,
+                                  cause="restart", detail={"epoch": epoch}))
+        return head.step + 1
+
+    async def _report(self, lines: tuple[StepMetrics, ...] | list[StepMetrics]) -> None:
+        written = await asyncio.to_thread(self.out.steps)
+        for m in lines:
+            if m.step not in written:
+                await asyncio.to_thread(self.out.write, m)
+            for ev in m.recovery:
+                await self.bus.emit(ev)
+            await self.bus.emit(m)
+
+    async def run_step(self, step: int, resumed: bool) -> None:
+        d = self.dispatcher
+        before, t0 = snapshot_counters(d), time.perf_counter()
+        self.backend.begin(step)
+        loss = await asyncio.to_thread(self.trainer.step, step)
+        val = None
+        if self.job.val_every and (step + 1) % self.job.val_every == 0:
+            self.backend.begin(step)
+            val = await asyncio.to_thread(self.trainer.val_loss, step)
+        m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed)
+        self.pending.append(m)
+        log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
+                 workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)
+        if (step + 1) % self.s.persist_every == 0 or step + 1 == self.job.steps:
+            await self.commit(step)
+
+    async def commit(self, step: int) -> None:
+        ckpt = await asyncio.to_thread(snapshot, self.trainer, self.job.job_id, step, self.persister.epoch)
+        lines = tuple(self.pending)
+        await self.persister.commit(ckpt, lines, before_head=lambda: self.faults.hit("before_commit", step))
+        self.faults.hit("after_commit", step)
+        self.pending.clear()
+        await self._report(lines)
+
+
 async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> int:
-    epoch = time.time_ns() // 1_000_000
-    dispatcher = Dispatcher(bus, job.job_id, epoch, s)
-    backend = FleetGemm(asyncio.get_running_loop(), dispatcher)
-    trainer = await asyncio.to_thread(Trainer, job, backend)
-    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=epoch), TileResult, dispatcher.on_result,
+    run = Job(s, job, bus, stop)
+    first = await run.start()
+    d = run.dispatcher
+    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=d.epoch), TileResult, d.on_result,
                               max_bytes=s.max_result_bytes)
-    out = MetricsFile(s.metrics_out)
-    log.info("ps_started", job=job.job_id, preset=job.preset, steps=job.steps, epoch=epoch)
+
     async def abort_on_stop() -> None:
         await stop.wait()
-        dispatcher.stopping = True  # a GEMM in flight raises StepAborted: the step is not applied
+        d.stopping = True  # a GEMM in flight raises StepAborted: the step is not applied
 
+    code = 0
     async with asyncio.TaskGroup() as tg:
-        watcher = tg.create_task(watch_plans(bus, dispatcher, stop))
+        watcher = tg.create_task(watch_plans(bus, d, stop))
         tg.create_task(abort_on_stop())
         try:
-            for step in range(job.steps):
+            for step in range(first, job.steps):
                 if stop.is_set():
                     break
-                before, t0 = snapshot(dispatcher), time.perf_counter()
-                backend.begin(step)
-                loss = await asyncio.to_thread(trainer.step, step)
-                val = None
-                if job.val_every and (step + 1) % job.val_every == 0:
-                    backend.begin(step)
-                    val = await asyncio.to_thread(trainer.val_loss, step)
-                m = metrics_line(job, step, loss, time.perf_counter() - t0, dispatcher, before, val)
-                for ev in dispatcher.c.recoveries[before["recoveries"]:]:
-                    await bus.emit(ev)
-                await bus.emit(m)
-                await asyncio.to_thread(out.write, m)
-                log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
-                         workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)
+                await run.run_step(step, resumed=first > 0)
+            if first >= job.steps:
+                log.info("job_already_done", job=job.job_id, steps=job.steps)
         except StepAborted as e:
             log.warning("step_aborted", reason=str(e))
+        except Fenced as e:
+            log.warning("ps_fenced", reason=str(e))
+            code = 3
         finally:
-            dispatcher.stopping = True
+            d.stopping = True
             stop.set()
             watcher.cancel()
     await sub.unsubscribe()
-    return 0
+    return code
 
 
 async def serve(s: PsSettings, stop: asyncio.Event) -> int:

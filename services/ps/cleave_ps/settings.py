@@ -19,6 +19,9 @@ class PsSettings(BaseSettings):
     timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
     max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
+    persist_every: int = Field(1, ge=1)  # commit the state to JetStream every k steps
+    fail_at: str = ""  # fault injection for tests: "before_commit:3", "after_commit:3", "in_step:3"
+    fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
     nats_password: SecretStr = SecretStr("")

@@ -10,6 +10,7 @@ import torch
 
 from cleave import bus as busmod
 from cleave.errors import WireError
+from cleave.faults import Faults
 from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.schemas import (
@@ -32,9 +33,16 @@ class Worker:
         self.started_at = time.time()
         self.tiles_done = 0
         self.busy_s = 0.0
+        self.epochs: dict[str, int] = {}  # job -> newest PS epoch seen; older PSs are fenced off
+        self.faults = Faults(settings.fail_at, settings.fault_dir, tag=settings.worker_id)
         self.log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
 
     async def on_tile(self, task: TileTask, nbytes: int) -> None:
+        self.faults.hit("tile", task.step)
+        if task.epoch < self.epochs.get(task.job, 0):
+            self.log.warning("tile_fenced", job=task.job, epoch=task.epoch, newest=self.epochs[task.job])
+            return
+        self.epochs[task.job] = task.epoch
         a, bt = self.cache.resolve(task.a), self.cache.resolve(task.b)
         missing = tuple(ref.id for ref, t in ((task.a, a), (task.b, bt)) if t is None)
         if missing:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,3 +24,9 @@ class WorkerSettings(BaseSettings):
     cache_bytes: int = Field(128 * 1024 * 1024, ge=0)  # input blocks kept for reuse (within the budget)
     heartbeat_s: float = Field(0.25, gt=0)
     threads: int = Field(1, ge=1)  # torch intra-op threads for the GEMMs
+    fail_at: str = ""  # fault injection for tests: "tile:3" dies on receiving the first tile of step 3
+    fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
+    nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
+    nats_password: SecretStr = SecretStr("")
+    nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
+    nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store

@@ -1,0 +1,155 @@
+"""PS persistence in JetStream: the checkpoint in the Object Store, then the KV head by compare-and-set.
+
+A crash at any point leaves the previous head and the checkpoint it names readable: the object is written
+first under a new name, the head is switched to it last, and a checkpoint is checked against the head's
+SHA-256 before it is used. The epoch counter fences off an older PS that is still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+import structlog
+import torch
+from nats.js.api import ObjectStoreConfig
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+
+from cleave import codec
+from cleave.bus import DEFAULT_TIMEOUT_S, Bus
+from cleave.errors import CleaveError, ConfigError
+from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Checkpoint, StateHead, StepMetrics
+from cleave.training import Trainer
+
+log = structlog.get_logger("ps")
+MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024 * 1024
+DEFAULT_PUT_TIMEOUT_S = 120.0
+KEEP_CHECKPOINTS = 2
+
+
+class Fenced(CleaveError):
+    """Another PS took over this job (a higher epoch committed or claimed it)."""
+
+
+def snapshot(trainer: Trainer, job_id: str, step: int, epoch: int) -> Checkpoint:
+    tensors = {f"model.{k}": codec.tensor_to_data(v) for k, v in trainer.model.state_dict().items()}
+    opt = trainer.opt.state_dict()
+    for idx, state in opt["state"].items():
+        for name, value in state.items():
+            tensors[f"opt.{idx}.{name}"] = codec.tensor_to_data(torch.as_tensor(value))
+    return Checkpoint(job=job_id, step=step, epoch=epoch, created_at=time.time(), tensors=tensors,
+                      optimizer_groups=opt["param_groups"], rng=codec.tensor_to_data(torch.get_rng_state()))
+
+
+def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
+    """Load weights, optimizer state and RNG; key sets are checked before anything is copied."""
+    model = {k.removeprefix("model."): codec.data_to_tensor(v) for k, v in ckpt.tensors.items() if k.startswith("model.")}
+    missing = set(trainer.model.state_dict()) ^ set(model)
+    if missing:
+        raise ConfigError(f"checkpoint of step {ckpt.step} does not fit this model: keys {sorted(missing)[:5]}")
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for k, v in ckpt.tensors.items():
+        if k.startswith("opt."):
+            _, idx, name = k.split(".", 2)
+            state.setdefault(int(idx), {})[name] = codec.data_to_tensor(v)
+    trainer.model.load_state_dict(model)
+    trainer.opt.load_state_dict({"state": state, "param_groups": ckpt.optimizer_groups})
+    torch.set_rng_state(codec.data_to_tensor(ckpt.rng))
+
+
+class Persister:
+    def __init__(self, bus: Bus, job_id: str, job_config: str) -> None:
+        self.bus, self.job_id, self.job_config = bus, job_id, job_config
+        self.head_key, self.epoch_key = f"{job_id}.head", f"{job_id}.epoch"
+        self.revision: int | None = None
+        self.epoch = 0
+        self.committed: list[str] = []  # object names this PS wrote, oldest first
+
+    async def open(self) -> None:
+        self.kv = await self.bus.kv(STATE_BUCKET, history=5)
+        try:
+            self.store = await asyncio.wait_for(self.bus.js.object_store(STATE_OBJECTS), DEFAULT_TIMEOUT_S)
+        except NotFoundError:
+            try:
+                self.store = await self.bus.js.create_object_store(STATE_OBJECTS, ObjectStoreConfig(bucket=STATE_OBJECTS))
+            except Exception:  # created concurrently
+                self.store = await self.bus.js.object_store(STATE_OBJECTS)
+
+    async def claim_epoch(self) -> int:
+        """A new, higher epoch for this PS incarnation (compare-and-set, so two PSs never share one)."""
+        while True:
+            try:
+                entry = await asyncio.wait_for(self.kv.get(self.epoch_key), DEFAULT_TIMEOUT_S)
+                current, rev = int(entry.value or b"0"), entry.revision
+            except Exception:
+                current, rev = 0, 0
+            try:
+                if rev:
+                    await self.kv.update(self.epoch_key, str(current + 1).encode(), last=rev)
+                else:
+                    await self.kv.create(self.epoch_key, b"1")
+                self.epoch = current + 1
+                return self.epoch
+            except Exception:  # lost the race: read again
+                continue
+
+    async def load(self) -> tuple[StateHead, Checkpoint] | None:
+        """The last committed head and its checkpoint, or None for a new job."""
+        got = await self.bus.kv_get(self.kv, self.head_key, StateHead)
+        if got is None:
+            return None
+        head, self.revision = got
+        self.committed = [head.object]
+        if head.job_config != self.job_config:
+            raise ConfigError(f"job {self.job_id!r} already has state from a different job description; "
+                              "use a new job_id or the same job file")
+        obj = await asyncio.wait_for(self.store.get(head.object), DEFAULT_PUT_TIMEOUT_S)
+        data = obj.data
+        if hashlib.sha256(data).hexdigest() != head.sha256:
+            raise CleaveError(f"checkpoint {head.object} does not match its head record (sha256)")
+        ckpt = await asyncio.to_thread(codec.decode, data, Checkpoint, MAX_CHECKPOINT_BYTES)
+        return head, ckpt
+
+    async def commit(self, ckpt: Checkpoint, metrics: tuple[StepMetrics, ...], before_head=None) -> StateHead:
+        """Write the checkpoint object, then switch the head to it; raises Fenced if another PS took over."""
+        data = await asyncio.to_thread(codec.encode, ckpt)
+        name = f"{self.job_id}/step-{ckpt.step:08d}-e{self.epoch}"
+        await asyncio.wait_for(self.store.put(name, data), DEFAULT_PUT_TIMEOUT_S)
+        if before_head:
+            before_head()
+        head = StateHead(job=self.job_id, step=ckpt.step, epoch=self.epoch, object=name,
+                         sha256=hashlib.sha256(data).hexdigest(), size=len(data), job_config=self.job_config,
+                         metrics=metrics)
+        frame = codec.encode(head)
+        if len(frame) > MAX_CONTROL_BYTES:
+            raise CleaveError("state head record over the control message limit")
+        await self._check_epoch()
+        try:
+            if self.revision is None:
+                self.revision = await self.kv.create(self.head_key, frame)
+            else:
+                self.revision = await self.kv.update(self.head_key, frame, last=self.revision)
+        except KeyWrongLastSequenceError:
+            raise Fenced(f"the head of job {self.job_id} was moved by another PS") from None
+        except Exception as e:
+            if "wrong last sequence" in str(e) or "key exists" in str(e):
+                raise Fenced(f"the head of job {self.job_id} was moved by another PS") from None
+            raise
+        self.committed.append(name)
+        await self._prune()
+        return head
+
+    async def _check_epoch(self) -> None:
+        entry = await asyncio.wait_for(self.kv.get(self.epoch_key), DEFAULT_TIMEOUT_S)
+        if int(entry.value or b"0") != self.epoch:
+            raise Fenced(f"epoch {self.epoch} of job {self.job_id} is superseded by {int(entry.value)}")
+
+    async def _prune(self) -> None:
+        """Delete checkpoints older than the last KEEP_CHECKPOINTS (best effort)."""
+        while len(self.committed) > KEEP_CHECKPOINTS:
+            name = self.committed.pop(0)
+            try:
+                await asyncio.wait_for(self.store.delete(name), DEFAULT_TIMEOUT_S)
+            except Exception as e:
+                log.warning("checkpoint_not_pruned", object=name, error=repr(e))
