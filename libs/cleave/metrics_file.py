@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cleave.schemas import StepMetrics
 
-EXCLUDED = {"job", "method", "at"}  # carried on the bus, not in the per-step file
+EXCLUDED = {"job", "method"}  # carried on the bus, not in the per-step file
 
 
 class MetricsFile:

@@ -107,11 +107,15 @@ def report_recovery(lines: list[dict], killed: dict) -> None:
     if not killed:
         return
     times = [m["step_time_s"] for m in lines]
-    hit = [m for m in lines if m["step"] >= killed["at_step"] and (m.get("tiles_resent") or m.get("recoveries"))]
-    print(f"killed worker-1 (SIGKILL) after step {killed['at_step']}, started {killed['replacement']}")
-    if hit:
-        m = hit[0]
-        extra = m["step_time_s"] - statistics.median(times)
-        print(f"recovery: step {m['step']} re-sent {m['tiles_resent']} tiles and took {m['step_time_s']:.2f}s "
-              f"({extra:+.2f}s against the median step); the job went on")
-    print(json.dumps({"median_step_s": statistics.median(times), "final_loss": lines[-1]["loss"]}))
+    median = statistics.median(times)
+    print(f"killed worker-1 (SIGKILL) after step {killed['at_step']} and started {killed['replacement']}")
+    events = [(m, ev) for m in lines for ev in m.get("recovery", [])]
+    for m, ev in events:
+        print(f"recovery in step {m['step']}: {ev['worker_id']} lost ({ev['cause']}); detected after "
+              f"{ev['detect_s']:.2f}s, its tiles re-sent within {ev['redispatch_s'] * 1e3:.0f} ms, done "
+              f"{ev['complete_s']:.2f}s after detection; the step took {m['step_time_s']:.2f}s "
+              f"({m['step_time_s'] - median:+.2f}s against the median step)")
+    if not events:
+        print("the killed worker held no tiles when it died: nothing had to be re-sent")
+    print(json.dumps({"median_step_s": round(median, 4), "final_loss": round(lines[-1]["loss"], 4),
+                      "recoveries": len(events)}))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cleave.errors import CleaveError
 from cleave.models import PRESETS
+from cleave_cli import chaos_cmd
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--metrics-out", type=Path)
     p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
+
+    chaos_cmd.register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("ps", "worker", "scheduler"):
             return run_service(args)
+        if args.command == "chaos":
+            return chaos_cmd.run(args)
         from cleave_cli import commands
 
         return getattr(commands, args.command)(args)

@@ -75,6 +75,7 @@ class Counters:
 @dataclass
 class Recovery:
     worker: str
+    cause: str
     silent_since: float
     detected_at: float
     tiles: set[int]
@@ -132,7 +133,7 @@ class Dispatcher:
             if w.worker_id not in self.workers:
                 self.workers[w.worker_id] = WorkerSlot(w.worker_id, w.cache_bytes, last_progress=now)
         for gone in set(self.workers) - ids:
-            self._lose(gone, now, cause="left_plan")
+            self._lose(gone, now, cause="heartbeat_timeout", silent_since=self.workers[gone].last_progress)
             del self.workers[gone]
         log.info("plan_applied", version=plan.version, workers=len(ids), reason=plan.reason)
         await self._fill_all()
@@ -307,7 +308,7 @@ class Dispatcher:
             deadline = max(self.s.tile_timeout_s, self.s.timeout_factor * slot.round_trip_s)
             if now - since > deadline:
                 slot.suspect = True
-                self._lose(slot.worker_id, now, cause="deadline", silent_since=since)
+                self._lose(slot.worker_id, now, cause="tile_deadline", silent_since=since)
         await self._fill_all()
 
     def _lose(self, worker: str, now: float, cause: str, silent_since: float | None = None) -> None:
@@ -317,7 +318,7 @@ class Dispatcher:
         lost = run.ledger.give_back(worker)
         if lost:
             log.warning("tiles_resent", worker_id=worker, cause=cause, step=run.step, gemm=run.name, tiles=len(lost))
-            run.recoveries.append(Recovery(worker, silent_since or now, now, set(lost)))
+            run.recoveries.append(Recovery(worker, cause, silent_since or now, now, set(lost)))
 
     def _close_recoveries(self, run: GemmRun, tile: int) -> None:
         for rec in list(run.recoveries):
@@ -327,7 +328,7 @@ class Dispatcher:
             run.recoveries.remove(rec)
             now = time.monotonic()
             self.c.recoveries.append(Event(
-                kind="recovered", at=time.time(), step=run.step, worker_id=rec.worker, cause="worker_lost",
+                kind="recovered", at=time.time(), step=run.step, worker_id=rec.worker, cause=rec.cause,
                 detect_s=rec.detected_at - rec.silent_since,
                 redispatch_s=(rec.redispatched_at or now) - rec.detected_at,
                 complete_s=now - rec.detected_at, detail={"gemm": run.name},

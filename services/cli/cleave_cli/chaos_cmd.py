@@ -1,0 +1,73 @@
+"""`cleave chaos`: kill, freeze, thaw or restart processes of a local stack, once or on a schedule.
+
+Targets come from `<run_dir>/stack.json`, which the local supervisor rewrites whenever a process starts.
+The supervisor brings back what is killed or restarted (as compose's restart policy would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+from cleave.errors import CleaveError
+
+ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "thaw": signal.SIGCONT, "restart": signal.SIGTERM}
+ROLES = ("worker", "ps", "scheduler", "monitor", "nats")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chaos", help="kill, freeze, thaw or restart processes of a local stack")
+    p.add_argument("action", choices=sorted(ACTIONS))
+    p.add_argument("--run-dir", type=Path, required=True, help="the stack's run dir (holds stack.json)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--role", choices=(*ROLES, "random"), default="worker")
+    who.add_argument("--name", help="one process by name, e.g. worker-2")
+    p.add_argument("--every", type=float, default=0.0, help="seconds between actions (with --count)")
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--thaw-after", type=float, default=0.0, help="with freeze: send SIGCONT after this many seconds")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def targets(stack: dict, role: str, name: str | None) -> list[dict]:
+    alive = [p for p in stack["processes"] if p.get("running") and p.get("pid")]
+    if name:
+        return [p for p in alive if p["name"] == name]
+    return alive if role == "random" else [p for p in alive if p["role"] == role]
+
+
+def read_stack(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "stack.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CleaveError(f"cannot read {run_dir / 'stack.json'}: {e}") from None
+
+
+def act(args: argparse.Namespace, rng: random.Random) -> dict:
+    found = targets(read_stack(args.run_dir), args.role, args.name)
+    if not found:
+        raise CleaveError(f"no running process matches {args.name or args.role!r} in {args.run_dir / 'stack.json'}")
+    proc = rng.choice(found)
+    try:
+        os.kill(proc["pid"], ACTIONS[args.action])
+    except ProcessLookupError:
+        raise CleaveError(f"{proc['name']} (pid {proc['pid']}) is already gone") from None
+    print(f"{time.strftime('%H:%M:%S')} {args.action} {proc['name']} (role {proc['role']}, pid {proc['pid']})", flush=True)
+    if args.action == "freeze" and args.thaw_after > 0:
+        time.sleep(args.thaw_after)
+        os.kill(proc["pid"], signal.SIGCONT)
+        print(f"{time.strftime('%H:%M:%S')} thaw {proc['name']} after {args.thaw_after}s", flush=True)
+    return proc
+
+
+def run(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    for i in range(args.count):
+        if i:
+            time.sleep(args.every)
+        act(args, rng)
+    return 0
