@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave.models import PRESETS
 from cleave_cli import chaos_cmd
 
 
@@ -30,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run one training job")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--preset", help="a model preset: tiny, tiny-llama, small, gpt2-medium, llama3-1b")
     src.add_argument("--config", type=Path, help="a JSON job file (see docs/user-guide.md)")
     p.add_argument("--steps", type=int)
     p.add_argument("--workers", type=int, default=4)
