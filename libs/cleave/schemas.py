@@ -16,7 +16,7 @@ SUBJECT_HEARTBEAT = PREFIX + ".hb.{worker_id}"  # worker -> scheduler: liveness 
 SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
 SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}"  # worker -> PS: finished blocks
-SUBJECT_PROBE = PREFIX + ".probe.{worker_id}"  # PS/scheduler -> worker: echo for latency/bandwidth
+SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
 SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
 SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
 
@@ -31,6 +31,7 @@ STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # any reassembled message
 MAX_CONTROL_BYTES = 1024 * 1024  # heartbeats, plans, events
 MAX_TENSOR_ELEMENTS = 1 << 28
+MAX_PROBE_BYTES = 4 * 1024 * 1024
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1}
@@ -70,6 +71,13 @@ class DeviceProfile(Wire):
     uplink_bytes_per_s: float = Field(gt=0)
     latency_s: float = Field(ge=0)
     declared: bool = False  # True when the worker paces itself to honour a declared profile
+
+
+class Probe(Wire):
+    """A link probe: `payload` carries the upload; the echo carries `reply_bytes` back down."""
+
+    payload: bytes = Field(b"", max_length=MAX_PROBE_BYTES)
+    reply_bytes: int = Field(0, ge=0, le=MAX_PROBE_BYTES)
 
 
 class Heartbeat(Wire):

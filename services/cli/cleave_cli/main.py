@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _service_args(p)
     p.add_argument("--worker-id")
     p.add_argument("--memory-bytes", type=int)
+    p.add_argument("--profile", help="declared device to emulate: flops=..,down=..,up=..,latency=..,memory=..")
 
     p = sub.add_parser("scheduler", help="run the scheduler")
     _service_args(p)
@@ -77,7 +78,8 @@ def run_service(args: argparse.Namespace) -> int:
         from cleave_worker.main import main as worker_main
         from cleave_worker.settings import WorkerSettings
 
-        return worker_main(_settings(WorkerSettings, args, worker_id=args.worker_id, memory_bytes=args.memory_bytes))
+        return worker_main(_settings(WorkerSettings, args, worker_id=args.worker_id, memory_bytes=args.memory_bytes,
+                                     profile=args.profile))
     from cleave_scheduler.main import main as scheduler_main
     from cleave_scheduler.settings import SchedulerSettings
 

@@ -13,6 +13,7 @@ from cleave.errors import WireError
 from cleave.faults import Faults
 from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
+from cleave.profile import Pacer, parse_profile
 from cleave.schemas import (
     SUBJECT_HEARTBEAT,
     SUBJECT_TILES,
@@ -21,6 +22,7 @@ from cleave.schemas import (
     TileTask,
 )
 from cleave_worker.core import BlockCache, check_inputs, compute, measure_flops, reply_to
+from cleave_worker.probe import measure_links
 from cleave_worker.settings import WorkerSettings
 
 UNMEASURED_BYTES_PER_S = 100e6  # link speed reported until a probe measures it
@@ -35,6 +37,7 @@ class Worker:
         self.busy_s = 0.0
         self.epochs: dict[str, int] = {}  # job -> newest PS epoch seen; older PSs are fenced off
         self.faults = Faults(settings.fail_at, settings.fault_dir, tag=settings.worker_id)
+        self.pacer = Pacer(profile) if profile.declared else None
         self.log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
 
     async def on_tile(self, task: TileTask, nbytes: int) -> None:
@@ -54,10 +57,19 @@ class Worker:
             result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id)
             self.tiles_done += 1
             self.busy_s += result.compute_s
+            if self.pacer is not None:  # behave like the declared device: wait until it would be done
+                flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]
+                done = self.pacer.finish_at(min(task.sent_at, time.time()), nbytes, len(result.out.data), flops)
+                await asyncio.sleep(max(0.0, done - time.time()))
         try:
             await self.bus.publish(task.reply, result)
         except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
             self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
+
+    async def reprobe(self, stop: asyncio.Event, flops: float) -> None:
+        """Measure the links again now and then: they change under a real device."""
+        while not await wait_for_stop(stop, self.s.probe_every_s):
+            self.profile = await measured_profile(self.s, self.bus, flops)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -74,23 +86,33 @@ class Worker:
             await wait_for_stop(stop, self.s.heartbeat_s)
 
 
-def measured_profile(s: WorkerSettings) -> DeviceProfile:
-    return DeviceProfile(
-        flops=measure_flops(), memory_bytes=s.memory_bytes, downlink_bytes_per_s=UNMEASURED_BYTES_PER_S,
-        uplink_bytes_per_s=UNMEASURED_BYTES_PER_S, latency_s=0.001,
-    )
+async def measured_profile(s: WorkerSettings, bus: busmod.Bus, flops: float) -> DeviceProfile:
+    """This device as it is: GEMM FLOPS, and its links to the hub when the scheduler answers probes."""
+    try:
+        down, up, latency = await measure_links(bus)
+    except Exception as e:  # no scheduler yet: report nominal links, measure again later
+        structlog.get_logger("worker").info("links_not_measured", reason=repr(e))
+        down, up, latency = UNMEASURED_BYTES_PER_S, UNMEASURED_BYTES_PER_S, 0.001
+    return DeviceProfile(flops=flops, memory_bytes=s.memory_bytes, downlink_bytes_per_s=down,
+                         uplink_bytes_per_s=up, latency_s=latency)
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
     torch.set_num_threads(settings.threads)
-    profile = measured_profile(settings)
+    declared = parse_profile(settings.profile) if settings.profile else None
+    flops = measure_flops()
     bus = await busmod.connect(settings.nats_url, f"worker-{settings.worker_id}")
+    profile = declared or await measured_profile(settings, bus, flops)
     worker = Worker(settings, bus, profile)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
-    log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", memory_bytes=settings.memory_bytes,
-             cache_bytes=settings.cache_bytes, nats=settings.nats_url)
-    await worker.heartbeats(stop)
+    log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
+             up=f"{profile.uplink_bytes_per_s / 1e6:.0f}MB/s", declared=profile.declared,
+             memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(worker.heartbeats(stop))
+        if declared is None:
+            tg.create_task(worker.reprobe(stop, flops))
     await sub.unsubscribe()
     await bus.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)

@@ -24,6 +24,8 @@ class WorkerSettings(BaseSettings):
     cache_bytes: int = Field(128 * 1024 * 1024, ge=0)  # input blocks kept for reuse (within the budget)
     heartbeat_s: float = Field(0.25, gt=0)
     threads: int = Field(1, ge=1)  # torch intra-op threads for the GEMMs
+    profile: str = ""  # declared device, "flops=..,down=..,up=..,latency=..,memory=..": the worker paces itself
+    probe_every_s: float = Field(60.0, gt=0)  # re-measure the links this often (measured profiles only)
     fail_at: str = ""  # fault injection for tests: "tile:3" dies on receiving the first tile of step 3
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys

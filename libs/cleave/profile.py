@@ -1,0 +1,61 @@
+"""Device profiles: parse a declared one, and pace a worker so that it behaves like it.
+
+A declared profile lets one machine emulate a heterogeneous edge fleet: the worker delays each result
+until the device it pretends to be would have finished the tile, by the cost model of DESIGN.md 5:
+latency + max(bytes down / downlink, bytes up / uplink, FLOPs / FLOPS), one tile after another.
+"""
+
+from __future__ import annotations
+
+from cleave.errors import ConfigError
+from cleave.schemas import DeviceProfile
+
+UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+KEYS = {"flops": "flops", "down": "downlink_bytes_per_s", "up": "uplink_bytes_per_s", "latency": "latency_s",
+        "memory": "memory_bytes"}
+
+
+def _number(text: str) -> float:
+    t = text.strip().lower()
+    for suffix in sorted(UNITS, key=len, reverse=True):
+        if t.endswith(suffix):
+            return float(t[: -len(suffix)]) * UNITS[suffix]
+    return float(t)
+
+
+def parse_profile(spec: str) -> DeviceProfile:
+    """'flops=5e12,down=50M,up=8M,latency=0.02,memory=512Mi' -> DeviceProfile (all five keys required)."""
+    values: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in KEYS:
+            raise ConfigError(f"profile entry {part!r}: expected one of {', '.join(f'{k}=' for k in KEYS)}")
+        try:
+            values[KEYS[key.strip()]] = _number(value)
+        except ValueError:
+            raise ConfigError(f"profile entry {part!r}: {value!r} is not a number (suffixes k, M, G, T, Ki, Mi, Gi)") from None
+    missing = [k for k, v in KEYS.items() if v not in values]
+    if missing:
+        raise ConfigError(f"profile {spec!r} lacks {', '.join(missing)}")
+    values["memory_bytes"] = int(values["memory_bytes"])
+    try:
+        return DeviceProfile(**values, declared=True)
+    except ValueError as e:
+        raise ConfigError(f"profile {spec!r}: {e}") from None
+
+
+class Pacer:
+    """When a declared device would have finished each tile (wall-clock seconds); one tile after another."""
+
+    def __init__(self, profile: DeviceProfile) -> None:
+        self.p = profile
+        self.busy_until = 0.0
+
+    def tile_time(self, bytes_down: int, bytes_up: int, flops: float) -> float:
+        p = self.p
+        return p.latency_s + max(bytes_down / p.downlink_bytes_per_s, bytes_up / p.uplink_bytes_per_s, flops / p.flops)
+
+    def finish_at(self, arrived: float, bytes_down: int, bytes_up: int, flops: float) -> float:
+        start = max(arrived, self.busy_until)
+        self.busy_until = start + self.tile_time(bytes_down, bytes_up, flops)
+        return self.busy_until

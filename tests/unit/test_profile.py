@@ -1,0 +1,34 @@
+"""Declared device profiles and the pacing that makes a worker honour one."""
+
+import pytest
+
+from cleave.errors import ConfigError
+from cleave.profile import Pacer, parse_profile
+
+
+def test_parse_with_units():
+    p = parse_profile("flops=5T,down=50M,up=8M,latency=0.02,memory=512Mi")
+    assert p.flops == 5e12 and p.downlink_bytes_per_s == 50e6 and p.uplink_bytes_per_s == 8e6
+    assert p.latency_s == 0.02 and p.memory_bytes == 512 * 2**20 and p.declared
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("flops=5T,down=50M", "lacks"),
+    ("flops=5T,down=50M,up=8M,latency=0.02,memory=512Mi,color=red", "expected one of"),
+    ("flops=fast,down=50M,up=8M,latency=0.02,memory=1", "not a number"),
+    ("flops=-1,down=50M,up=8M,latency=0.02,memory=1", "greater than 0"),
+])
+def test_bad_profiles_say_what_is_wrong(spec, words):
+    with pytest.raises(ConfigError, match=words):
+        parse_profile(spec)
+
+
+def test_pacer_follows_the_cost_model_one_tile_after_another():
+    pacer = Pacer(parse_profile("flops=1G,down=10M,up=5M,latency=0.1,memory=1Gi"))
+    # downlink-bound: 20 MB at 10 MB/s = 2 s (+ 0.1 s latency)
+    assert pacer.tile_time(20_000_000, 1000, 1e6) == pytest.approx(2.1)
+    # compute-bound: 3 GFLOP at 1 GFLOP/s
+    assert pacer.tile_time(1000, 1000, 3e9) == pytest.approx(3.1)
+    first = pacer.finish_at(100.0, 20_000_000, 1000, 1e6)
+    second = pacer.finish_at(100.5, 1000, 10_000_000, 1e6)  # arrives while the first still runs
+    assert first == pytest.approx(102.1) and second == pytest.approx(102.1 + 2.1)
