@@ -49,3 +49,32 @@ def test_completes_after_every_tile():
         assert not led.complete
         led.finish(a.tile, a.attempt)
     assert led.complete
+
+
+def test_planned_owners_first_then_stealing():
+    led = GemmLedger(tiles.grid(4, 1, 1, 1), owners=["fast", "slow", "slow", "slow"])
+    assert led.take("fast", 0.0).tile == 0
+    stolen = led.take("fast", 0.0)  # its own list is empty: it steals from the device with the most left
+    assert stolen.tile == 3
+    assert led.take("slow", 0.0).tile == 1
+
+
+def test_a_lost_owner_hands_its_planned_tiles_to_others():
+    led = GemmLedger(tiles.grid(3, 1, 1, 1), owners=["a", "b", "b"])
+    b = led.take("b", 0.0)
+    assert led.give_back("b") == [b.tile]
+    got = {led.take("a", 0.0).tile for _ in range(3)}
+    assert got == {0, 1, 2}
+
+
+def test_speculation_copies_the_oldest_straggler_once():
+    led = ledger(2)
+    a = led.take("slow", 0.0)
+    b = led.take("slow", 5.0)
+    assert led.speculate("idle", 6.0, min_age_s=10.0) is None  # nobody is late yet
+    spec = led.speculate("idle", 12.0, min_age_s=10.0)
+    assert spec.tile == a.tile and spec.attempt == 1
+    assert led.speculate("idle2", 12.0, min_age_s=10.0) is None  # b is young; a already has a twin
+    assert led.finish(spec.tile, spec.attempt) == "accepted"  # first result wins
+    assert led.finish(a.tile, a.attempt) == "duplicate"
+    assert led.finish(b.tile, b.attempt) == "accepted" and led.complete

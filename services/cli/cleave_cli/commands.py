@@ -11,6 +11,7 @@ from pathlib import Path
 
 from cleave.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
+from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import Progress
 
 
@@ -64,6 +65,7 @@ def up(args: argparse.Namespace) -> int:
     try:
         fleet.start()
         print(f"NATS {fleet.stack.nats_url}; stack.json in {run_dir}")
+        print(f"dashboard: {start_monitor(fleet.stack)}")
         print(f"train on it with: cleave train --nats {fleet.stack.nats_url} --preset tiny")
         print("Ctrl-C stops everything")
         while True:
@@ -93,13 +95,16 @@ def demo(args: argparse.Namespace) -> int:
 
     try:
         fleet.start()
+        dashboard = start_monitor(fleet.stack)
         print(f"Cleave demo: preset {job.preset}, {args.workers} workers, {job.steps} steps; run dir {run_dir}")
+        print(f"dashboard: {dashboard} (live while the demo runs)")
         fleet.start_ps(job, metrics_out)
         lines = fleet.wait_ps(metrics_out, on_line)
     finally:
         fleet.stop()
     summarize(lines, metrics_out)
     report_recovery(lines, killed)
+    print(f"dashboard was at {dashboard}; the run dir {run_dir} keeps stack.json, logs and the metrics")
     return 0
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave_cli import chaos_cmd
+from cleave_cli import chaos_cmd, monitor_cmd
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
 
     chaos_cmd.register(sub)
+    monitor_cmd.register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_service(args)
         if args.command == "chaos":
             return chaos_cmd.run(args)
+        if args.command == "monitor":
+            return monitor_cmd.run(args)
         from cleave_cli import commands
 
         return getattr(commands, args.command)(args)

@@ -67,6 +67,7 @@ class Counters:
     dropped: int = 0
     rejected: int = 0
     cache_misses: int = 0
+    speculated: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     recoveries: list[Event] = field(default_factory=list)
@@ -174,6 +175,7 @@ class Dispatcher:
             self.run = None
         self.c.tiles += len(grid)
         self.c.resent += run.ledger.resent
+        self.c.speculated += run.ledger.speculated
         self.c.dropped += run.ledger.duplicates
         return run.out
 
@@ -193,10 +195,21 @@ class Dispatcher:
         while len(run.ledger.inflight(slot.worker_id)) < (depth or self.s.window):
             att = run.ledger.take(slot.worker_id, time.monotonic(), lambda t: self._cached_score(slot, run, t))
             if att is None:
+                att = self._speculate(slot, run)
+            if att is None:
                 return
             if not slot.suspect and not run.ledger.inflight(slot.worker_id)[:-1]:
                 slot.last_progress = time.monotonic()  # the clock of an idle worker starts now
             await self._send(slot, run, att)
+
+    def _speculate(self, slot: WorkerSlot, run: GemmRun) -> Attempt | None:
+        """An idle worker takes a copy of a tile that runs far past the usual round trip (first wins)."""
+        if self.s.speculate_factor <= 0 or run.ledger.inflight(slot.worker_id):
+            return None
+        trips = sorted(w.round_trip_s for w in self.workers.values() if w.round_trip_s > 0)
+        usual = trips[len(trips) // 2] if trips else self.s.tile_timeout_s
+        return run.ledger.speculate(slot.worker_id, time.monotonic(),
+                                    max(self.s.speculate_min_s, self.s.speculate_factor * usual))
 
     def _ids(self, run: GemmRun, t: tiles.Tile) -> tuple[str, str]:
         return f"{self.epoch}.{run.a_uid}.{t.r0}.{t.r1}", f"{self.epoch}.{run.b_uid}.{t.c0}.{t.c1}"

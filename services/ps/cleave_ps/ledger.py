@@ -28,15 +28,21 @@ class Attempt:
 @dataclass
 class GemmLedger:
     tiles: list[Tile]
-    pending: deque[int] = field(init=False)
+    owners: list[str | None] | None = None  # the planned device of each tile; None = anyone's
+    pending: deque[int] = field(init=False)  # tiles without an owner, or given back
+    owned: dict[str, deque[int]] = field(init=False)  # planned tiles not yet handed out, per device
     running: dict[tuple[int, int], Attempt] = field(default_factory=dict)  # (tile, attempt) -> attempt
     done: set[int] = field(default_factory=set)
     issued: list[int] = field(init=False)  # attempts handed out per tile
     resent: int = 0
     duplicates: int = 0
+    speculated: int = 0
 
     def __post_init__(self) -> None:
-        self.pending = deque(t.index for t in self.tiles)
+        self.pending, self.owned = deque(), {}
+        for t in self.tiles:
+            owner = self.owners[t.index] if self.owners else None
+            (self.owned.setdefault(owner, deque()) if owner else self.pending).append(t.index)
         self.issued = [0] * len(self.tiles)
 
     @property
@@ -46,8 +52,31 @@ class GemmLedger:
     def inflight(self, worker: str) -> list[Attempt]:
         return [a for a in self.running.values() if a.worker == worker]
 
+    def _issue(self, tile: int, worker: str, now: float) -> Attempt:
+        att = Attempt(tile, self.issued[tile], worker, now)
+        self.issued[tile] += 1
+        self.running[(tile, att.attempt)] = att
+        return att
+
     def take(self, worker: str, now: float, score: Callable[[Tile], int] | None = None) -> Attempt | None:
-        """Hand the next pending tile to `worker`, preferring one `score` rates highest (cached inputs)."""
+        """The next tile for `worker`: its own planned ones, then shared ones (cached inputs first), then
+        one stolen from the device with the most left, so that fast devices take more."""
+        own = self.owned.get(worker)
+        while own:
+            tile = own.popleft()
+            if tile not in self.done:
+                return self._issue(tile, worker, now)
+        tile = self._shared(score)
+        if tile is None:
+            victim = max(self.owned.values(), key=len, default=None)
+            while victim:
+                tile = victim.pop()
+                if tile not in self.done:
+                    break
+                tile = None
+        return None if tile is None else self._issue(tile, worker, now)
+
+    def _shared(self, score: Callable[[Tile], int] | None) -> int | None:
         while self.pending and self.pending[0] in self.done:
             self.pending.popleft()
         if not self.pending:
@@ -61,10 +90,19 @@ class GemmLedger:
                     best, pos = s, i
         tile = self.pending[pos]
         del self.pending[pos]
-        att = Attempt(tile, self.issued[tile], worker, now)
-        self.issued[tile] += 1
-        self.running[(tile, att.attempt)] = att
-        return att
+        return tile
+
+    def speculate(self, worker: str, now: float, min_age_s: float) -> Attempt | None:
+        """A second copy, for an idle `worker`, of the oldest tile running elsewhere for over `min_age_s`."""
+        counts: dict[int, int] = {}
+        for a in self.running.values():
+            counts[a.tile] = counts.get(a.tile, 0) + 1
+        old = [a for a in self.running.values()
+               if a.worker != worker and counts[a.tile] == 1 and now - a.sent_at > min_age_s]
+        if not old:
+            return None
+        self.speculated += 1
+        return self._issue(min(old, key=lambda a: a.sent_at).tile, worker, now)
 
     def was_issued(self, tile: int, attempt: int) -> bool:
         return 0 <= tile < len(self.tiles) and 0 <= attempt < self.issued[tile]
@@ -88,20 +126,13 @@ class GemmLedger:
             self.pending.appendleft(tile)
 
     def give_back(self, worker: str) -> list[int]:
-        """The worker is presumed gone: its running tiles go back to the front of the queue."""
+        """The worker is presumed gone: its running and planned tiles go back to the shared queue."""
         lost = [a for a in self.running.values() if a.worker == worker]
         for a in lost:
             del self.running[(a.tile, a.attempt)]
-        tiles = sorted({a.tile for a in lost} - self.done - self._elsewhere())
+        running_elsewhere = {a.tile for a in self.running.values()}
+        tiles = sorted({a.tile for a in lost} - self.done - running_elsewhere)
         self.pending.extendleft(reversed(tiles))
+        self.pending.extend(self.owned.pop(worker, ()))
         self.resent += len(tiles)
         return tiles
-
-    def _elsewhere(self) -> set[int]:
-        return {a.tile for a in self.running.values()}
-
-    def speculate(self, tile: int) -> None:
-        """Queue a second copy of a running tile for another worker (first result wins)."""
-        if tile not in self.done and tile not in self.pending:
-            self.pending.append(tile)
-            self.resent += 1

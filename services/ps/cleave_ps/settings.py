@@ -17,6 +17,8 @@ class PsSettings(BaseSettings):
     window: int = Field(2, ge=1)  # tiles in flight per worker: one computing, one arriving
     tile_timeout_s: float = Field(1.0, gt=0)  # a worker silent this long with tiles in flight is presumed lost
     timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
+    speculate_factor: float = Field(3.0, ge=0)  # copy a tile running this many usual round trips; 0 = never
+    speculate_min_s: float = Field(0.2, ge=0)  # ... and at least this long
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
     max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
     persist_every: int = Field(1, ge=1)  # commit the state to JetStream every k steps

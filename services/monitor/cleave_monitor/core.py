@@ -1,0 +1,272 @@
+"""The monitor's pure core: step and event history, running totals, the fleet view and the plan. No I/O.
+
+Everything it knows comes in through `on_metrics`, `on_event`, `on_device`, `on_device_gone` and
+`on_plan`, in the order the bus delivers it; replaying the same stream rebuilds the same state, which
+is how the monitor's history survives its own restart. Each `on_*` returns the live update (`kind`,
+JSON-ready data) for pages that are watching.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from cleave.schemas import DeviceProfile, DeviceRecord, Event, Plan, StepMetrics
+
+STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)  # seconds
+MEASURED_WINDOW = 10  # steps whose median is "measured step time" against the plan's prediction
+
+Update = tuple[str, dict]
+
+
+def finite(x: float | None) -> float | None:
+    """NaN and infinities as None: JSON has no spelling for them."""
+    return x if x is None or math.isfinite(x) else None
+
+
+def point(m: StepMetrics) -> dict:
+    """One step as the dashboard draws it."""
+    return {
+        "step": m.step,
+        "loss": finite(m.loss),
+        "val_loss": finite(m.val_loss),
+        "step_time_s": finite(m.step_time_s),
+        "tokens_per_s": finite(m.tokens / m.step_time_s) if m.step_time_s > 0 else None,
+        "workers": m.workers,
+        "tiles": m.tiles,
+        "tiles_resent": m.tiles_resent,
+        "tiles_dropped": m.tiles_dropped,
+        "bytes_down": m.bytes_down,
+        "bytes_up": m.bytes_up,
+        "recoveries": m.recoveries,
+        "lr": m.lr,
+        "at": m.at,
+    }
+
+
+@dataclass
+class Totals:
+    """Counters over every step and event seen (all jobs): what /metrics exports as `_total`."""
+
+    steps: int = 0
+    tiles: int = 0
+    tiles_resent: int = 0
+    tiles_dropped: int = 0
+    results_rejected: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    tokens: int = 0
+    recoveries: int = 0
+    step_time_sum_s: float = 0.0
+    step_time_buckets: list[int] = field(default_factory=lambda: [0] * len(STEP_TIME_BUCKETS))
+    events: Counter[str] = field(default_factory=Counter)
+
+    def add(self, m: StepMetrics) -> None:
+        self.steps += 1
+        self.tiles += m.tiles
+        self.tiles_resent += m.tiles_resent
+        self.tiles_dropped += m.tiles_dropped
+        self.results_rejected += m.rejected
+        self.bytes_down += m.bytes_down
+        self.bytes_up += m.bytes_up
+        self.tokens += m.tokens
+        self.recoveries += m.recoveries
+        self.step_time_sum_s += m.step_time_s
+        for i, le in enumerate(STEP_TIME_BUCKETS):  # cumulative, as Prometheus histograms are
+            if m.step_time_s <= le:
+                self.step_time_buckets[i] += 1
+
+    def view(self) -> dict:
+        return {
+            "steps": self.steps,
+            "tiles": self.tiles,
+            "tiles_resent": self.tiles_resent,
+            "tiles_dropped": self.tiles_dropped,
+            "results_rejected": self.results_rejected,
+            "bytes_down": self.bytes_down,
+            "bytes_up": self.bytes_up,
+            "tokens": self.tokens,
+            "recoveries": self.recoveries,
+            "events": dict(self.events),
+        }
+
+
+@dataclass
+class Device:
+    """What the monitor knows of one device: its registry entry, its throughput, whether it is gone."""
+
+    worker_id: str
+    profile: DeviceProfile | None = None
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+    tiles_done: int = 0
+    tiles_per_s: float | None = None  # from the last two registry entries that differ in tiles_done
+    lost_at: float | None = None
+
+    def update(self, rec: DeviceRecord) -> None:
+        dt = rec.last_seen - self.last_seen
+        if self.last_seen and dt > 0 and rec.tiles_done >= self.tiles_done:
+            self.tiles_per_s = (rec.tiles_done - self.tiles_done) / dt
+        self.profile, self.first_seen, self.last_seen = rec.profile, rec.first_seen, rec.last_seen
+        self.tiles_done = rec.tiles_done
+        if self.lost_at is not None and rec.last_seen > self.lost_at:
+            self.lost_at = None  # back (or re-registered under the same id)
+
+    def state(self, now: float, stale_s: float) -> str:
+        if self.lost_at is not None:
+            return "lost"
+        if self.profile is None:
+            return "joining"  # seen in an event, not yet in the registry
+        return "live" if now - self.last_seen <= stale_s else "stale"
+
+
+class MonitorState:
+    """All the monitor shows, built from the bus's messages in order."""
+
+    def __init__(
+        self, max_points: int = 20_000, max_events: int = 10_000, stale_s: float = 6.0, fleet_rows: int = 500
+    ) -> None:
+        self.max_points, self.stale_s, self.fleet_rows = max_points, stale_s, fleet_rows
+        self.jobs: dict[str, deque[dict]] = {}
+        self.current_job: str | None = None
+        self.events: deque[dict] = deque(maxlen=max_events)
+        self.devices: dict[str, Device] = {}
+        self.plan: Plan | None = None
+        self.totals = Totals()
+        self.last: StepMetrics | None = None
+        self.rejected = 0  # malformed messages the shell could not decode
+
+    # ---- inputs ---------------------------------------------------------------------------------------
+    def on_metrics(self, m: StepMetrics) -> Update:
+        series = self.jobs.get(m.job)
+        if series is None:
+            series = self.jobs[m.job] = deque(maxlen=self.max_points)
+        p = point(m)
+        series.append(p)
+        self.current_job, self.last = m.job, m
+        self.totals.add(m)
+        return "metrics", {"job": m.job, "point": p}
+
+    def on_event(self, e: Event) -> Update:
+        self.totals.events[e.kind] += 1
+        if e.worker_id:
+            dev = self.devices.setdefault(e.worker_id, Device(e.worker_id))
+            if e.kind == "worker_lost":
+                dev.lost_at = e.at
+        view = e.model_dump()
+        for k in ("at", "detect_s", "redispatch_s", "complete_s"):
+            view[k] = finite(view[k])
+        view["detail"] = {k: finite(v) if isinstance(v, float) else v for k, v in e.detail.items()}
+        series = self.jobs.get(e.job or self.current_job or "")
+        view["after_step"] = series[-1]["step"] if series else None  # where the timeline marks it
+        self.events.append(view)
+        return "event", view
+
+    def on_device(self, rec: DeviceRecord) -> Update:
+        self.devices.setdefault(rec.worker_id, Device(rec.worker_id)).update(rec)
+        return "device", {"worker_id": rec.worker_id}
+
+    def on_device_gone(self, worker_id: str, at: float) -> Update:
+        dev = self.devices.setdefault(worker_id, Device(worker_id))
+        if dev.lost_at is None:
+            dev.lost_at = at
+        return "device", {"worker_id": worker_id}
+
+    def on_plan(self, plan: Plan) -> Update:
+        self.plan = plan
+        return "plan", self.plan_view() or {}
+
+    # ---- views ----------------------------------------------------------------------------------------
+    def series(self, job: str | None = None) -> list[dict]:
+        return list(self.jobs.get(job or self.current_job or "", ()))
+
+    def job_list(self) -> list[dict]:
+        return [
+            {
+                "job": j,
+                "steps": len(s),
+                "last_step": s[-1]["step"],
+                "last_loss": s[-1]["loss"],
+                "first_at": s[0]["at"],
+                "last_at": s[-1]["at"],
+            }
+            for j, s in self.jobs.items()
+            if s
+        ]
+
+    def measured_step_s(self) -> float | None:
+        """The median step time of the latest steps of the current job (since the current plan)."""
+        pts = self.series()
+        if self.plan is not None:
+            pts = [p for p in pts if p["at"] >= self.plan.created_at] or pts
+        times = [p["step_time_s"] for p in pts[-MEASURED_WINDOW:] if p["step_time_s"] is not None]
+        return statistics.median(times) if times else None
+
+    def plan_view(self) -> dict | None:
+        p = self.plan
+        if p is None:
+            return None
+        return {
+            "version": p.version,
+            "created_at": p.created_at,
+            "reason": p.reason,
+            "devices": [w.worker_id for w in p.workers],
+            "tile_rows": p.tile_rows,
+            "tile_cols": p.tile_cols,
+            "predicted_step_s": p.predicted_step_s,
+            "measured_step_s": self.measured_step_s(),
+        }
+
+    def device_counts(self, now: float) -> Counter[str]:
+        return Counter(d.state(now, self.stale_s) for d in self.devices.values())
+
+    def fleet(self, now: float) -> dict:
+        """Devices with profile, liveness, share of tiles and throughput; the busiest first, capped."""
+        total_tiles = sum(d.tiles_done for d in self.devices.values())
+        planned = {w.worker_id for w in self.plan.workers} if self.plan else set()
+        order = {"live": 0, "joining": 1, "stale": 2, "lost": 3}
+        devs = sorted(
+            self.devices.values(),
+            key=lambda d: (order[d.state(now, self.stale_s)], -d.tiles_done, d.worker_id),
+        )
+        rows = [self._device_row(d, now, total_tiles, planned) for d in devs[: self.fleet_rows]]
+        return {"counts": dict(self.device_counts(now)), "total": len(self.devices), "devices": rows}
+
+    def _device_row(self, d: Device, now: float, total_tiles: int, planned: set[str]) -> dict:
+        prof = d.profile.model_dump() if d.profile else None
+        return {
+            "worker_id": d.worker_id,
+            "state": d.state(now, self.stale_s),
+            "in_plan": d.worker_id in planned,
+            "profile": prof,
+            "tiles_done": d.tiles_done,
+            "share": d.tiles_done / total_tiles if total_tiles else 0.0,
+            "tiles_per_s": d.tiles_per_s,
+            "first_seen": d.first_seen,
+            "last_seen": d.last_seen,
+            "lost_at": d.lost_at,
+        }
+
+    def status(self, now: float) -> dict:
+        """What changes slowly or with the clock: fleet, plan, totals (pushed to pages on a timer)."""
+        return {
+            "now": now,
+            "fleet": self.fleet(now),
+            "plan": self.plan_view(),
+            "totals": self.totals.view(),
+            "rejected": self.rejected,
+        }
+
+    def snapshot(self, now: float, job: str | None = None) -> dict:
+        """Everything a page needs to draw itself from scratch (GET /api/state, the stream's first message)."""
+        job = job if job in self.jobs else self.current_job
+        return {
+            **self.status(now),
+            "job": job,
+            "jobs": self.job_list(),
+            "series": self.series(job),
+            "events": list(self.events),
+            "stale_s": self.stale_s,
+        }

@@ -1,0 +1,221 @@
+"""The monitor service: replays the event stream and watches the registry and plan, serves the dashboard.
+
+The I/O shell around `cleave_monitor.core`: an ordered JetStream consumer reads CLEAVE_EVENTS from the
+first message (so a restarted or late monitor shows the whole history), KV watchers follow the device
+registry and the current plan, and every change goes to the state and, as a live update, to the pages
+watching. The HTTP server is up before NATS is reached, and its URL is logged (`monitor_started`) and
+written to `url_file` for supervisors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import structlog
+from nats.js.api import DeliverPolicy
+
+from cleave import bus as busmod
+from cleave import codec
+from cleave.errors import WireError
+from cleave.lifecycle import run
+from cleave.logs import configure
+from cleave.schemas import (
+    EVENTS_STREAM,
+    MAX_CONTROL_BYTES,
+    PLAN_BUCKET,
+    PLAN_KEY,
+    REGISTRY_BUCKET,
+    SUBJECT_EVENTS_ALL,
+    DeviceRecord,
+    Event,
+    Plan,
+    StepMetrics,
+)
+from cleave_monitor import web
+from cleave_monitor.core import MonitorState, Update
+from cleave_monitor.hub import Hub
+from cleave_monitor.settings import MonitorSettings
+
+log = structlog.get_logger("monitor")
+DEFAULT_WATCH_POLL_S = 0.5  # how often a KV watch loop looks at the stop event
+KV_DELETES = ("DEL", "PURGE")
+
+
+class Feed:
+    """Applies bus messages to the state and pushes the live updates to the hub."""
+
+    def __init__(self, state: MonitorState, hub: Hub) -> None:
+        self.state, self.hub = state, hub
+        self.status_dirty = asyncio.Event()
+
+    def apply(self, update: Update) -> None:
+        kind, data = update
+        if kind in ("metrics", "event"):
+            self.hub.publish(kind, data)
+        self.status_dirty.set()  # fleet, plan and totals go out on the status timer
+
+    def on_stream_message(self, subject: str, data: bytes) -> None:
+        """One message of CLEAVE_EVENTS: step metrics on `cleave.events.metrics`, an Event otherwise."""
+        schema = StepMetrics if subject.rsplit(".", 1)[-1] == "metrics" else Event
+        try:
+            msg = codec.decode(data, schema, MAX_CONTROL_BYTES)
+        except WireError as e:
+            self.state.rejected += 1
+            log.warning("message_rejected", reason=e.reason, subject=subject, detail=str(e)[:200])
+            return
+        self.apply(self.state.on_metrics(msg) if schema is StepMetrics else self.state.on_event(msg))
+
+    def on_registry_entry(self, key: str, op: str | None, value: bytes | None) -> None:
+        if op in KV_DELETES or not value:
+            self.apply(self.state.on_device_gone(key, time.time()))
+            return
+        try:
+            rec = codec.decode(value, DeviceRecord, MAX_CONTROL_BYTES)
+        except WireError as e:
+            self.state.rejected += 1
+            log.warning("registry_entry_rejected", key=key, reason=e.reason)
+            return
+        self.apply(self.state.on_device(rec))
+
+    def on_plan_entry(self, value: bytes | None) -> None:
+        if not value:
+            return
+        try:
+            plan = codec.decode(value, Plan, MAX_CONTROL_BYTES)
+        except WireError as e:
+            self.state.rejected += 1
+            log.warning("plan_rejected", reason=e.reason)
+            return
+        self.apply(self.state.on_plan(plan))
+
+    async def push_status(self, stop: asyncio.Event, every_s: float) -> None:
+        """Send fleet, plan and totals to the pages at most every `every_s` (and then on the clock, for liveness)."""
+        while not stop.is_set():
+            await wait_any(every_s * 5, self.status_dirty, stop)  # unchanged: send anyway, liveness ages
+            self.status_dirty.clear()
+            if self.hub.watchers:
+                self.hub.publish("status", self.state.status(time.time()))
+            await wait_any(every_s, stop)
+
+
+async def wait_any(timeout_s: float, *events: asyncio.Event) -> None:
+    """Return when one of `events` is set or after `timeout_s`, whichever comes first."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+async def replay_events(bus: busmod.Bus, feed: Feed, stop: asyncio.Event) -> None:
+    """Read CLEAVE_EVENTS from its first message, then follow it (an ordered, ephemeral push consumer)."""
+
+    async def on_msg(msg) -> None:
+        feed.on_stream_message(msg.subject, msg.data)
+
+    sub = await asyncio.wait_for(
+        bus.js.subscribe(
+            SUBJECT_EVENTS_ALL,
+            stream=EVENTS_STREAM,
+            cb=on_msg,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        ),
+        busmod.DEFAULT_TIMEOUT_S,
+    )
+    await stop.wait()
+    try:
+        await asyncio.wait_for(sub.unsubscribe(), busmod.DEFAULT_TIMEOUT_S)
+    except Exception as e:  # the connection may already be gone at shutdown
+        log.warning("unsubscribe_failed", error=repr(e))
+
+
+async def watch_bucket(bus: busmod.Bus, bucket: str, key: str, on_entry, stop: asyncio.Event) -> None:
+    """Feed every current and future entry of a KV bucket (`key` may be `>` for all) to `on_entry`."""
+    kv = await bus.kv(bucket)
+    watcher = await asyncio.wait_for(kv.watch(key), busmod.DEFAULT_TIMEOUT_S)
+    while not stop.is_set():
+        try:
+            entry = await watcher.updates(timeout=DEFAULT_WATCH_POLL_S)
+        except TimeoutError:
+            continue
+        if entry is not None:  # None marks the end of the initial values
+            on_entry(entry)
+    try:
+        await asyncio.wait_for(watcher.stop(), busmod.DEFAULT_TIMEOUT_S)
+    except Exception as e:
+        log.warning("watch_stop_failed", bucket=bucket, error=repr(e))
+
+
+async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event) -> None:
+    connecting = asyncio.create_task(busmod.connect(s.nats_url, "monitor"))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():  # stopped before NATS was ever reached
+        connecting.cancel()
+        return
+    bus = connecting.result()
+    ctx.nats_connected = True
+    try:
+        await bus.setup()
+        log.info("monitor_following", nats=s.nats_url)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(replay_events(bus, feed, stop))
+            tg.create_task(
+                watch_bucket(
+                    bus,
+                    REGISTRY_BUCKET,
+                    ">",
+                    lambda e: feed.on_registry_entry(e.key, e.operation, e.value),
+                    stop,
+                )
+            )
+            tg.create_task(
+                watch_bucket(bus, PLAN_BUCKET, PLAN_KEY, lambda e: feed.on_plan_entry(e.value), stop)
+            )
+    finally:
+        ctx.nats_connected = False
+        await bus.close()
+
+
+def write_url(path: Path, url: str) -> None:
+    """Write atomically: a reader sees the whole URL or no file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(url + "\n")
+    tmp.replace(path)
+
+
+async def serve(s: MonitorSettings, stop: asyncio.Event, ready: asyncio.Future[str] | None = None) -> int:
+    """Serve until `stop` is set; `ready`, if given, gets the URL once the port is bound."""
+    state = MonitorState(s.max_points, s.max_events, s.stale_s, s.fleet_rows)
+    hub = Hub()
+    ctx = web.Context(state, hub, keepalive_s=s.keepalive_s)
+    feed = Feed(state, hub)
+    runner, url = await web.start(web.build_app(ctx), s.host, s.port)
+    log.info("monitor_started", url=url, nats=s.nats_url)
+    if s.url_file:
+        write_url(s.url_file, url)
+    if ready is not None:
+        ready.set_result(url)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(follow_bus(s, ctx, feed, stop))
+            tg.create_task(feed.push_status(stop, s.status_every_s))
+    finally:
+        hub.close()  # ends the live streams, so the server can stop without waiting for them
+        await runner.cleanup()
+    log.info("monitor_stopped")
+    return 0
+
+
+def main(settings: MonitorSettings | None = None) -> int:
+    settings = settings or MonitorSettings()
+    configure("monitor")
+    log.info("settings_resolved", **settings.model_dump(mode="json"))
+    return run(lambda stop: serve(settings, stop))

@@ -1,0 +1,29 @@
+"""Monitor settings, from CLEAVE_MONITOR_* environment variables or `cleave monitor` flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_PORT = 8787  # fixed, so compose and bookmarks know where to look; 0 = any free port
+
+
+class MonitorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CLEAVE_MONITOR_", extra="ignore")
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    host: str = "127.0.0.1"  # 0.0.0.0 under compose, to publish the port
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    url_file: Path | None = None  # once serving, the dashboard URL is written here (for supervisors)
+    max_points: int = Field(20_000, ge=10)  # steps kept per job (older ones are dropped first)
+    max_events: int = Field(10_000, ge=10)  # events kept for the timeline
+    stale_s: float = Field(6.0, gt=0)  # a registry entry not refreshed this long shows as stale
+    status_every_s: float = Field(1.0, gt=0)  # fleet/plan/totals pushed to live pages at most this often
+    keepalive_s: float = Field(15.0, gt=0)  # SSE comment sent on an idle stream
+    fleet_rows: int = Field(500, ge=1)  # devices listed in the fleet view (the busiest first)
+    nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
+    nats_password: SecretStr = SecretStr("")
+    nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
+    nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store

@@ -1,0 +1,146 @@
+"""The monitor's HTTP face (aiohttp): the dashboard page and its assets, the JSON API, the live stream, /metrics.
+
+Routes:
+  GET /                  the dashboard (HTML; its script and style under /static/, served from this package)
+  GET /api/state         everything at once: series of a job (?job=), events, fleet, plan, totals
+  GET /api/series?job=J  the steps of one job
+  GET /api/events        the event timeline
+  GET /api/fleet         devices with liveness, share of tiles, throughput
+  GET /api/plan          the current plan, predicted against measured step time
+  GET /api/stream        server-sent events: `snapshot` first, then `metrics`, `event`, `status`
+  GET /metrics           Prometheus text format
+  GET /healthz           200 with {"nats": true|false}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from aiohttp import web
+
+from cleave_monitor import prom
+from cleave_monitor.core import MonitorState
+from cleave_monitor.hub import Hub, frame
+
+STATIC = Path(str(resources.files("cleave_monitor") / "static"))
+DEFAULT_WRITE_TIMEOUT_S = 10.0  # a watcher that does not take a frame in this long is dropped
+
+
+@dataclass
+class Context:
+    state: MonitorState
+    hub: Hub
+    keepalive_s: float = 15.0
+    nats_connected: bool = False
+
+
+CONTEXT = web.AppKey("context", Context)
+
+
+def _json(data: object) -> web.Response:
+    return web.Response(
+        text=json.dumps(data, separators=(",", ":")),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+async def index(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+
+async def api_state(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    return _json(ctx.state.snapshot(time.time(), request.query.get("job")))
+
+
+async def api_series(request: web.Request) -> web.Response:
+    state = request.app[CONTEXT].state
+    job = request.query.get("job") or state.current_job
+    if job is not None and job not in state.jobs:
+        raise web.HTTPNotFound(text=f"no job {job!r}; known: {', '.join(state.jobs) or 'none'}")
+    return _json({"job": job, "points": state.series(job)})
+
+
+async def api_events(request: web.Request) -> web.Response:
+    return _json({"events": list(request.app[CONTEXT].state.events)})
+
+
+async def api_fleet(request: web.Request) -> web.Response:
+    return _json(request.app[CONTEXT].state.fleet(time.time()))
+
+
+async def api_plan(request: web.Request) -> web.Response:
+    return _json({"plan": request.app[CONTEXT].state.plan_view()})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = prom.render(request.app[CONTEXT].state)
+    return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"ok": True, "nats": request.app[CONTEXT].nats_connected})
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """Server-sent events: a snapshot, then every update, until the page goes away or falls behind."""
+    ctx = request.app[CONTEXT]
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+    )
+    await resp.prepare(request)
+    watcher = ctx.hub.join()  # joined before the snapshot is taken, with no await between: nothing is missed
+    first = frame("snapshot", ctx.state.snapshot(time.time()))
+    try:
+        async with asyncio.timeout(DEFAULT_WRITE_TIMEOUT_S):
+            await resp.write(first)
+        while True:
+            try:
+                async with asyncio.timeout(ctx.keepalive_s):
+                    item = await watcher.next()
+            except TimeoutError:
+                item = b": keepalive\n\n"
+            if item is None:
+                break
+            async with asyncio.timeout(DEFAULT_WRITE_TIMEOUT_S):
+                await resp.write(item)
+    except (ConnectionResetError, TimeoutError):
+        pass  # the page went away or stopped reading
+    finally:
+        ctx.hub.leave(watcher)
+    return resp
+
+
+def build_app(ctx: Context) -> web.Application:
+    app = web.Application()
+    app[CONTEXT] = ctx
+    app.router.add_get("/", index)
+    app.router.add_get("/api/state", api_state)
+    app.router.add_get("/api/series", api_series)
+    app.router.add_get("/api/events", api_events)
+    app.router.add_get("/api/fleet", api_fleet)
+    app.router.add_get("/api/plan", api_plan)
+    app.router.add_get("/api/stream", stream)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_static("/static/", STATIC)
+    return app
+
+
+async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Bind and serve; returns the runner (for cleanup) and the URL with the port actually bound."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return runner, f"http://{shown}:{bound}"

@@ -1,0 +1,151 @@
+"""The monitor's pure core, Prometheus exposition and live-update fan-out, without a network."""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cleave.schemas import DeviceProfile, DeviceRecord, Event, Plan, PlanWorker, StepMetrics
+from cleave_monitor import prom
+from cleave_monitor.core import MonitorState
+from cleave_monitor.hub import Hub
+
+PROFILE = DeviceProfile(
+    flops=5e9, memory_bytes=1 << 29, downlink_bytes_per_s=5e7, uplink_bytes_per_s=1e7, latency_s=0.02
+)
+
+
+def metrics(step: int, job: str = "j", **kw) -> StepMetrics:
+    fields = dict(
+        job=job,
+        step=step,
+        loss=5.0 - step / 10,
+        step_time_s=0.5,
+        workers=2,
+        tiles=10,
+        bytes_down=1000,
+        bytes_up=100,
+        tokens=256,
+        at=1000.0 + step,
+    )
+    return StepMetrics(**{**fields, **kw})
+
+
+def record(worker: str, tiles: int, at: float) -> DeviceRecord:
+    return DeviceRecord(worker_id=worker, profile=PROFILE, first_seen=900.0, last_seen=at, tiles_done=tiles)
+
+
+def test_series_totals_and_jobs():
+    s = MonitorState()
+    for i in range(3):
+        kind, data = s.on_metrics(metrics(i))
+        assert kind == "metrics" and data["point"]["step"] == i
+    s.on_metrics(metrics(0, job="k", loss=float("nan"), tiles_resent=4, recoveries=1))
+    assert s.current_job == "k"
+    assert [p["step"] for p in s.series("j")] == [0, 1, 2]
+    assert s.series()[0]["loss"] is None  # NaN has no JSON spelling
+    assert s.series("j")[0]["tokens_per_s"] == 512.0
+    t = s.totals
+    assert (t.steps, t.tiles, t.tiles_resent, t.recoveries) == (4, 40, 4, 1)
+    assert (t.bytes_down, t.tokens) == (4000, 1024)
+    assert {j["job"]: j["steps"] for j in s.job_list()} == {"j": 3, "k": 1}
+    assert s.snapshot(0.0, job="j")["series"] == s.series("j")
+
+
+def test_history_is_bounded():
+    s = MonitorState(max_points=10, max_events=10)
+    for i in range(25):
+        s.on_metrics(metrics(i))
+        s.on_event(Event(kind="tile_resent", at=float(i)))
+    assert [p["step"] for p in s.series()] == list(range(15, 25))
+    assert len(s.events) == 10 and s.totals.steps == 25 and s.totals.events["tile_resent"] == 25
+
+
+def test_fleet_liveness_share_and_throughput():
+    s = MonitorState(stale_s=5.0)
+    s.on_device(record("a", 10, 1000.0))
+    s.on_device(record("a", 30, 1002.0))
+    s.on_device(record("b", 10, 1002.0))
+    s.on_event(Event(kind="worker_joined", at=1001.0, worker_id="c"))
+    rows = {d["worker_id"]: d for d in s.fleet(1003.0)["devices"]}
+    assert rows["a"]["tiles_per_s"] == 10.0 and rows["a"]["share"] == 0.75 and rows["a"]["state"] == "live"
+    assert rows["c"]["state"] == "joining"
+    assert s.fleet(1010.0)["counts"] == {"stale": 2, "joining": 1}
+    s.on_event(Event(kind="worker_lost", at=1004.0, worker_id="b", cause="heartbeat_timeout"))
+    s.on_device_gone("a", 1004.0)
+    assert s.fleet(1004.5)["counts"] == {"lost": 2, "joining": 1}
+    s.on_device(record("a", 31, 1005.0))  # re-registered: live again
+    assert {d["worker_id"]: d["state"] for d in s.fleet(1005.5)["devices"]}["a"] == "live"
+
+
+def test_plan_predicted_against_measured():
+    s = MonitorState()
+    assert s.plan_view() is None
+    for i in range(5):
+        s.on_metrics(metrics(i, step_time_s=1.0 if i < 2 else 0.4))
+    plan = Plan(
+        version=3,
+        created_at=1001.5,
+        workers=(PlanWorker(worker_id="a", profile=PROFILE),),
+        tile_rows=64,
+        tile_cols=32,
+        predicted_step_s=0.3,
+        reason="leave",
+    )
+    kind, view = s.on_plan(plan)
+    assert kind == "plan" and view["devices"] == ["a"] and view["predicted_step_s"] == 0.3
+    assert view["measured_step_s"] == 0.4  # only the steps since the plan was made
+    s.on_device(record("a", 1, 1000.0))
+    assert s.fleet(1000.0)["devices"][0]["in_plan"] is True
+
+
+def test_event_placed_after_the_latest_step():
+    s = MonitorState()
+    _, early = s.on_event(Event(kind="worker_joined", at=1.0, worker_id="a"))
+    s.on_metrics(metrics(0))
+    s.on_metrics(metrics(1))
+    _, late = s.on_event(
+        Event(kind="recovered", at=2.0, worker_id="a", detect_s=math.inf, detail={"x": math.nan})
+    )
+    assert early["after_step"] is None and late["after_step"] == 1
+    assert late["detect_s"] is None and late["detail"] == {"x": None}
+
+
+def test_prometheus_names_units_and_no_worker_labels():
+    s = MonitorState()
+    s.on_metrics(metrics(0, step_time_s=0.2, val_loss=4.5))
+    s.on_metrics(metrics(1, step_time_s=3.0))
+    s.on_device(record("a", 5, 1000.0))
+    s.on_event(Event(kind="worker_lost", at=1001.0, worker_id="a"))
+    families = {f.name: f for f in text_string_to_metric_families(prom.render(s).decode())}
+    for f in families.values():
+        assert f.name.startswith("cleave_"), f.name
+        for sample in f.samples:
+            assert not {"worker", "worker_id", "device"} & set(sample.labels), sample
+    assert families["cleave_steps"].type == "counter"
+    samples = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value for f in families.values() for x in f.samples
+    }
+    assert samples[("cleave_steps_total", ())] == 2
+    assert samples[("cleave_wire_bytes_total", (("direction", "down"),))] == 2000
+    assert samples[("cleave_events_total", (("kind", "worker_lost"),))] == 1
+    assert samples[("cleave_step_duration_seconds_bucket", (("le", "0.25"),))] == 1
+    assert samples[("cleave_step_duration_seconds_count", ())] == 2
+    assert samples[("cleave_val_loss", ())] == 4.5
+    assert samples[("cleave_devices", (("state", "lost"),))] == 1
+
+
+async def test_hub_fans_out_and_cuts_off_a_slow_watcher():
+    hub = Hub(queue_size=4)
+    fast, slow = hub.join(), hub.join()
+    for i in range(3):
+        hub.publish("metrics", {"i": i})
+        assert (await fast.next()).startswith(b'event: metrics\ndata: {"i":%d}' % i)
+    hub.publish("metrics", {"i": 3})  # slow has 3 queued: one slot left, kept for the end marker
+    assert slow.cut_off and slow not in hub.watchers and hub.cut_offs == 1
+    got = [await slow.next() for _ in range(4)]
+    assert got[-1] is None
+    hub.close()
+    assert await fast.next() is not None and await fast.next() is None
+    assert await hub.join().next() is None  # joining a closed hub ends at once
