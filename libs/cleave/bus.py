@@ -7,6 +7,8 @@ Every publish goes through the codec and is chunked so that no NATS message exce
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -14,12 +16,20 @@ import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.api import DeliverPolicy, KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
+from nats.js.errors import (
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyValueError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from cleave import codec
-from cleave.errors import WireError
+from cleave.errors import Conflict, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
     MAX_CONTROL_BYTES,
@@ -41,6 +51,7 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RECONNECT_WAIT_S = 0.5
 DEFAULT_PENDING_BYTES = 1024 * 1024 * 1024  # per subscription; a slow consumer must not drop tiles
 DEFAULT_REGISTRY_TTL_S = 10.0  # registry entries outlive a missed heartbeat or two, then vanish
+DEFAULT_WATCH_POLL_S = 0.5
 HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
 
 
@@ -137,6 +148,85 @@ class Bus:
 
     async def kv_put(self, kv: KeyValue, key: str, msg: Wire) -> int:
         return await asyncio.wait_for(kv.put(key, codec.encode(msg)), DEFAULT_TIMEOUT_S)
+
+    async def kv_swap(self, kv: KeyValue, key: str, value: bytes, last: int | None) -> int:
+        """Compare-and-set: create when `last` is None, else update only from revision `last`.
+
+        Raises Conflict when another writer got there first."""
+        try:
+            if last is None:
+                return await asyncio.wait_for(kv.create(key, value), DEFAULT_TIMEOUT_S)
+            return await asyncio.wait_for(kv.update(key, value, last=last), DEFAULT_TIMEOUT_S)
+        except (KeyWrongLastSequenceError, KeyValueError, BadRequestError) as e:
+            raise Conflict(f"{key}: {e}") from None
+
+    async def watch(self, bucket: str, key: str, on_entry: Callable[[str, str, bytes | None], object],
+                    stop: asyncio.Event) -> None:
+        """Feed every current and later entry of `key` (`>` for all) to `on_entry(key, operation, value)`
+        (awaited if it returns an awaitable) until `stop` is set."""
+        kv = await self.kv(bucket)
+        watcher = await asyncio.wait_for(kv.watch(key), DEFAULT_TIMEOUT_S)
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=DEFAULT_WATCH_POLL_S)
+                except TimeoutError:
+                    continue
+                if entry is None:  # marks the end of the initial values
+                    continue
+                result = on_entry(entry.key, entry.operation or "PUT", entry.value)
+                if inspect.isawaitable(result):
+                    await result
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watcher.stop(), DEFAULT_TIMEOUT_S)
+
+    async def follow(self, stream: str, subject: str, on_msg: Callable[[str, bytes], object],
+                     stop: asyncio.Event) -> None:
+        """Read a stream from its first message, then follow it (ordered, ephemeral consumer)."""
+
+        async def cb(msg: Msg) -> None:
+            on_msg(msg.subject, msg.data)
+
+        sub = await asyncio.wait_for(
+            self.js.subscribe(subject, stream=stream, cb=cb, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL),
+            DEFAULT_TIMEOUT_S,
+        )
+        await stop.wait()
+        with contextlib.suppress(Exception):  # the connection may already be gone at shutdown
+            await asyncio.wait_for(sub.unsubscribe(), DEFAULT_TIMEOUT_S)
+
+    async def object_store(self, bucket: str) -> ObjectStore:
+        try:
+            return await asyncio.wait_for(self.js.object_store(bucket), DEFAULT_TIMEOUT_S)
+        except NotFoundError:
+            pass
+        try:
+            return await asyncio.wait_for(
+                self.js.create_object_store(bucket, ObjectStoreConfig(bucket=bucket)), DEFAULT_TIMEOUT_S
+            )
+        except Exception:  # created concurrently
+            return await asyncio.wait_for(self.js.object_store(bucket), DEFAULT_TIMEOUT_S)
+
+    async def request(self, subject: str, msg: Wire, schema: type[T], timeout_s: float = DEFAULT_TIMEOUT_S,
+                      max_bytes: int = MAX_MESSAGE_BYTES) -> T:
+        """Request/reply with one-message frames (both sides must fit `max_payload`)."""
+        reply = await self.nc.request(subject, codec.encode(msg, compress=False), timeout=timeout_s)
+        return codec.decode(reply.data, schema, max_bytes)
+
+    async def serve(self, subject: str, schema: type[T], handler: Callable[[T], Awaitable[Wire]],
+                    max_bytes: int = MAX_CONTROL_BYTES):
+        """Answer requests on `subject`: valid ones get `handler`'s reply, invalid ones are rejected."""
+
+        async def cb(m: Msg) -> None:
+            try:
+                msg = codec.decode(m.data, schema, max_bytes)
+            except WireError as e:
+                self.reject(e.reason, m.subject, str(e))
+                return
+            await m.respond(codec.encode(await handler(msg), compress=False))
+
+        return await self.nc.subscribe(subject, cb=cb)
 
     async def emit(self, msg: Event | StepMetrics) -> None:
         """Persist an event or a step's metrics in the events stream (the monitor's history)."""

@@ -22,5 +22,9 @@ class TooLarge(WireError):
         super().__init__("too_large", detail)
 
 
+class Conflict(CleaveError):
+    """A compare-and-set lost: someone else wrote the key first."""
+
+
 class StepAborted(CleaveError):
     """A training step could not finish (the job was stopped, or the PS lost its lease)."""

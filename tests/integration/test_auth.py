@@ -17,15 +17,20 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.js.api import DeliverPolicy
+
 from cleave import auth, codec
 from cleave.bus import Bus
 from cleave.schemas import (
+    EVENTS_STREAM,
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
     STATE_BUCKET,
     STATE_OBJECTS,
+    SUBJECT_EVENTS_ALL,
     SUBJECT_HEARTBEAT,
+    SUBJECT_PROBE,
     SUBJECT_RESULTS,
     SUBJECT_TILES,
     DeviceProfile,
@@ -35,13 +40,15 @@ from cleave.schemas import (
 )
 from cleave_cli import auth_cmd
 from cleave_cli.stack import free_port, nats_server_binary
+from cleave_monitor.settings import MonitorSettings
 from cleave_ps.settings import PsSettings
 from cleave_scheduler.settings import SchedulerSettings
 from cleave_worker.settings import WorkerSettings
 
 READY_TIMEOUT_S = 20.0
 OP_TIMEOUT_S = 5.0
-SETTINGS = {"ps": PsSettings, "scheduler": SchedulerSettings, "worker": WorkerSettings}
+pytestmark = pytest.mark.timeout(60)
+SETTINGS = {"ps": PsSettings, "scheduler": SchedulerSettings, "monitor": MonitorSettings, "worker": WorkerSettings}
 
 
 @dataclass
@@ -63,7 +70,8 @@ class AuthServer:
 
     def settings(self, role: str, name: str | None = None):
         ca = self.out / auth_cmd.TLS_DIR / auth_cmd.CA_NAME if self.tls else None
-        return SETTINGS[role](nats_url=self.url, nats_nkey_seed=self.seed(name or role), nats_tls_ca=ca)
+        extra = {"worker_id": name.removeprefix("worker-")} if name and name.startswith("worker-") else {}
+        return SETTINGS[role](nats_url=self.url, nats_nkey_seed=self.seed(name or role), nats_tls_ca=ca, **extra)
 
 
 def start_server(out: Path, log: Path) -> subprocess.Popen:
@@ -123,12 +131,13 @@ class Client:
     got_error: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def violation(self, subject: str) -> str:
-        """Wait for the server to report a permissions violation naming `subject`."""
+        """Wait for the server to report a permissions violation naming `subject` (nats-py lower-cases it)."""
+        subject = subject.lower()
         async with asyncio.timeout(OP_TIMEOUT_S):
-            while not any(subject in e for e in self.errors):
+            while not any(subject in e.lower() for e in self.errors):
                 self.got_error.clear()
                 await self.got_error.wait()
-        return next(e for e in self.errors if subject in e)
+        return next(e for e in self.errors if subject in e.lower())
 
 
 @pytest.fixture
@@ -161,10 +170,18 @@ async def refused(url: str, **options) -> str:
     try:
         await nc.connect(url, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S, error_cb=quiet, **options)
     except Exception as e:
-        await nc.close()  # nats-py leaves the refused socket open otherwise
+        discard(nc)
         return str(e)
     await nc.close()
     pytest.fail(f"connected to {url} with {sorted(options)}")
+
+
+def discard(nc: nats.NATS) -> None:
+    """Close a refused client's sockets: nats-py leaves them open, and its close() hangs after a TLS failure."""
+    transport = nc._transport
+    if transport is not None:
+        for writer in {transport._io_writer, transport._bare_io_writer} - {None}:
+            writer.close()
 
 
 def heartbeat(worker_id: str) -> bytes:
@@ -188,7 +205,7 @@ async def test_wrong_password_is_refused(server: AuthServer) -> None:
 
 
 async def test_every_issued_credential_connects(server: AuthServer, connect) -> None:
-    for role in ("ps", "scheduler", "worker"):
+    for role in auth.ROLES:
         client = await connect(server.settings(role), role)
         await client.nc.flush(timeout=OP_TIMEOUT_S)
         assert client.nc.is_connected
@@ -203,7 +220,6 @@ async def test_worker_cannot_publish_tiles_plans_or_state(server: AuthServer, co
     for subject in (SUBJECT_TILES.format(worker_id="x"), f"$KV.{PLAN_BUCKET}.{PLAN_KEY}",
                     f"$KV.{STATE_BUCKET}.head", "cleave.events.worker_joined"):
         await hostile.nc.publish(subject, b"forged")
-        print(subject, hostile.errors)
         assert "permissions violation for publish" in await hostile.violation(subject)
     await hostile.nc.flush(timeout=OP_TIMEOUT_S)  # the server has handled every forged publish ...
     await victim.nc.flush(timeout=OP_TIMEOUT_S)  # ... and anything it routed to the victim has arrived
@@ -213,7 +229,7 @@ async def test_worker_cannot_publish_tiles_plans_or_state(server: AuthServer, co
 
 async def test_worker_cannot_subscribe_to_results_or_heartbeats(server: AuthServer, connect) -> None:
     hostile = await connect(server.settings("worker"), "worker")
-    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1), "cleave.hb.*", "_INBOX.ps.>", "$KV.>"):
+    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1), "cleave.hb.*", SUBJECT_PROBE, "_INBOX.ps.>", "$KV.>"):
         await hostile.nc.subscribe(subject)
         assert "permissions violation for subscription" in await hostile.violation(subject)
 
@@ -233,9 +249,32 @@ async def test_worker_publishes_results_and_heartbeats(server: AuthServer, conne
     assert worker.errors == []
 
 
+async def test_worker_probes_and_the_scheduler_answers(server: AuthServer, connect) -> None:
+    sched = await connect(server.settings("scheduler"), "scheduler")
+
+    async def echo(msg) -> None:
+        await msg.respond(msg.data)  # allowed once per request (allow_responses)
+
+    await sched.nc.subscribe(SUBJECT_PROBE, cb=echo)
+    await sched.nc.flush(timeout=OP_TIMEOUT_S)
+    worker = await connect(server.settings("worker"), "worker")
+    reply = await worker.nc.request(SUBJECT_PROBE, b"ping" * 1000, timeout=OP_TIMEOUT_S)
+    assert reply.data == b"ping" * 1000
+    await sched.nc.publish("_INBOX.worker.someone.x", b"unsolicited")  # not a reply to a request it got
+    assert "publish" in await sched.violation("_INBOX.worker.someone.x")
+    assert worker.errors == []
+
+
 async def test_pinned_worker_credential_covers_only_its_own_id(pinned_server: AuthServer, connect) -> None:
     assert not (pinned_server.out / "worker.env").exists()  # no shared credential when ids are given
+    sched = await connect(pinned_server.settings("scheduler"), "scheduler")
+    async def pong(msg) -> None:
+        await msg.respond(b"pong")
+
+    await sched.nc.subscribe(SUBJECT_PROBE, cb=pong)
+    await sched.nc.flush(timeout=OP_TIMEOUT_S)
     w1 = await connect(pinned_server.settings("worker", "worker-w1"), "worker")
+    assert (await w1.nc.request(SUBJECT_PROBE, b"ping", timeout=OP_TIMEOUT_S)).data == b"pong"  # its own inbox
     await w1.nc.subscribe(SUBJECT_TILES.format(worker_id="w1"))
     await w1.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w1"), heartbeat("w1"))
     await w1.nc.flush(timeout=OP_TIMEOUT_S)
@@ -244,12 +283,15 @@ async def test_pinned_worker_credential_covers_only_its_own_id(pinned_server: Au
     assert "publish" in await w1.violation(SUBJECT_HEARTBEAT.format(worker_id="w2"))
     await w1.nc.subscribe(SUBJECT_TILES.format(worker_id="w2"))  # reading w2's tiles
     assert "subscription" in await w1.violation(SUBJECT_TILES.format(worker_id="w2"))
+    await w1.nc.subscribe("_INBOX.worker.w2.>")  # or w2's probe replies
+    assert "subscription" in await w1.violation("_INBOX.worker.w2.>")
 
 
 # ---- what the services may do through the real Bus ---------------------------------------------------
 async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthServer, connect) -> None:
     ps_c = await connect(server.settings("ps"), "ps")
     sched_c = await connect(server.settings("scheduler"), "scheduler")
+    mon_c = await connect(server.settings("monitor"), "monitor")
     ps, sched = Bus(ps_c.nc, "ps"), Bus(sched_c.nc, "scheduler")
     async with asyncio.timeout(4 * OP_TIMEOUT_S):
         await sched.setup()  # the first one creates every stream and bucket ...
@@ -270,15 +312,52 @@ async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthSe
         objects = await ps.js.create_object_store(STATE_OBJECTS)
         await objects.put("weights", b"\x01" * 300_000)
         assert (await objects.get("weights")).data == b"\x01" * 300_000
+        await objects.delete("weights")
         await ps.emit(Event(kind="ps_resumed", at=1.0))
         await sched.emit(Event(kind="plan_changed", at=2.0))
         await ps_c.nc.flush(timeout=OP_TIMEOUT_S)
-    assert ps_c.errors == [] and sched_c.errors == []
+        await watch_as_the_monitor(mon_c)
+    assert ps_c.errors == [] and sched_c.errors == [] and mon_c.errors == []
     # only the scheduler publishes plans; only the PS writes state
     await ps_c.nc.publish(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", codec.encode(plan))
     assert "publish" in await ps_c.violation(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}")
     await sched_c.nc.publish(f"$KV.{STATE_BUCKET}.head", codec.encode(plan))
     assert "publish" in await sched_c.violation(f"$KV.{STATE_BUCKET}.head")
+    for subject in ("cleave.events.forged", f"$KV.{REGISTRY_BUCKET}.w9", SUBJECT_TILES.format(worker_id="w1")):
+        await mon_c.nc.publish(subject, b"forged")  # the monitor only reads
+        assert "publish" in await mon_c.violation(subject)
+
+
+async def watch_as_the_monitor(client: Client) -> None:
+    """What the monitor runs: Bus.setup(), replay the events stream, watch the registry and the plan."""
+    mon = Bus(client.nc, "monitor")
+    await mon.setup()
+    seen: asyncio.Queue = asyncio.Queue()
+
+    async def on_event(msg) -> None:
+        await seen.put(msg.subject)
+
+    sub = await mon.js.subscribe(SUBJECT_EVENTS_ALL, stream=EVENTS_STREAM, cb=on_event, ordered_consumer=True,
+                                 deliver_policy=DeliverPolicy.ALL)
+    assert {await seen.get(), await seen.get()} == {"cleave.events.ps_resumed", "cleave.events.plan_changed"}
+    await sub.unsubscribe()
+    for bucket, key in ((REGISTRY_BUCKET, ">"), (PLAN_BUCKET, PLAN_KEY)):
+        watcher = await (await mon.kv(bucket)).watch(key)
+        entry = await watcher.updates(timeout=OP_TIMEOUT_S)
+        assert entry is not None and entry.value
+        await watcher.stop()
+
+
+async def test_the_admin_credential_manages_streams(server: AuthServer, connect) -> None:
+    sched = await connect(server.settings("scheduler"), "scheduler")
+    await Bus(sched.nc, "scheduler").setup()
+    seed = (server.out / auth_cmd.ADMIN_NAME).read_text().strip()
+    nc = await nats.connect(server.url, nkeys_seed_str=seed, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S)
+    try:  # what `nats stream edit --replicas` does on a cluster: only an operator may
+        info = await nc.jetstream().stream_info(f"KV_{PLAN_BUCKET}")
+        await nc.jetstream().update_stream(info.config)
+    finally:
+        await nc.close()
 
 
 async def test_a_stolen_worker_credential_cannot_touch_jetstream(server: AuthServer, connect) -> None:

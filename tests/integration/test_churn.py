@@ -51,7 +51,7 @@ async def test_worker_killed_by_fault_mid_gemm(tmp_path, nats_url):
                         env={"CLEAVE_WORKER_FAIL_AT": "tile:3", "CLEAVE_WORKER_FAULT_DIR": str(tmp_path / "faults")},
                         restart=False)
     try:
-        async with InProcessPS(nats_url, tile_timeout_s=0.5) as ps:
+        async with InProcessPS(nats_url, tile_timeout_s=0.5, speculate_factor=0) as ps:
             await ps.wait_workers(3)
             dist = Trainer(job, ps.backend)
             got = [await ps.step(lambda s=s: dist.step(s), s) for s in range(job.steps)]
@@ -68,7 +68,7 @@ async def test_frozen_worker_wakes_with_stale_results(tmp_path, nats_url):
     job = JobConfig(preset="tiny", steps=6)
     fleet = start_fleet(tmp_path, nats_url, workers=3)
     try:
-        async with InProcessPS(nats_url, tile_timeout_s=0.4) as ps:
+        async with InProcessPS(nats_url, tile_timeout_s=0.4, speculate_factor=0) as ps:
             await ps.wait_workers(3)
             dist = Trainer(job, ps.backend)
             frozen = fleet.stack.procs["worker-1"].popen
@@ -89,7 +89,7 @@ async def test_all_workers_gone_then_one_returns(tmp_path, nats_url):
     job = JobConfig(preset="tiny", steps=4)
     fleet = start_fleet(tmp_path, nats_url, workers=2)
     try:
-        async with InProcessPS(nats_url, tile_timeout_s=0.4) as ps:
+        async with InProcessPS(nats_url, tile_timeout_s=0.4, speculate_factor=0) as ps:
             await ps.wait_workers(2)
             dist = Trainer(job, ps.backend)
             got = [await ps.step(lambda: dist.step(0), 0)]
@@ -110,7 +110,7 @@ async def test_nats_and_scheduler_restart_mid_job(tmp_path, nats_server):
     job = JobConfig(preset="tiny", steps=6)
     fleet = start_fleet(tmp_path, nats_server.url, workers=2)
     try:
-        async with InProcessPS(nats_server.url, tile_timeout_s=0.5) as ps:
+        async with InProcessPS(nats_server.url, tile_timeout_s=0.5, speculate_factor=0) as ps:
             await ps.wait_workers(2)
             dist = Trainer(job, ps.backend)
             got = []
@@ -154,3 +154,22 @@ async def _reload(bus, job):
     p = Persister(bus, job.job_id, job.model_dump_json())
     await p.open()
     return await p.load()
+
+
+async def test_a_straggler_is_overtaken_by_a_speculative_copy(tmp_path, nats_url):
+    job = JobConfig(preset="tiny", steps=4)
+    fleet = start_fleet(tmp_path, nats_url, workers=3)
+    try:
+        # the deadline is far away: speculative copies finish the frozen worker's tiles long before it
+        async with InProcessPS(nats_url, tile_timeout_s=60, speculate_factor=3, speculate_min_s=0.1) as ps:
+            await ps.wait_workers(3)
+            dist = Trainer(job, ps.backend)
+            got = [await ps.step(lambda: dist.step(0), 0)]
+            os.kill(fleet.stack.procs["worker-3"].popen.pid, signal.SIGSTOP)
+            for s in range(1, job.steps):
+                got.append(await asyncio.wait_for(ps.step(lambda s=s: dist.step(s), s), 30))
+            os.kill(fleet.stack.procs["worker-3"].popen.pid, signal.SIGCONT)
+            assert_same(got, reference(job))
+            assert ps.dispatcher.c.speculated > 0
+    finally:
+        fleet.stop()

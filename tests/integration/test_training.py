@@ -68,7 +68,7 @@ async def test_worker_killed_mid_step_costs_only_its_tiles(tmp_path, nats_url):
     job = JobConfig(preset="tiny", steps=6)
     fleet = start_fleet(tmp_path, nats_url, workers=3)
     try:
-        async with InProcessPS(nats_url, tile_timeout_s=0.5) as ps:
+        async with InProcessPS(nats_url, tile_timeout_s=0.5, speculate_factor=0) as ps:
             await ps.wait_workers(3)
             ref, dist = Trainer(job), Trainer(job, ps.backend)
             want = [ref.step(s) for s in range(job.steps)]

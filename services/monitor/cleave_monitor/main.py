@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import structlog
-from nats.js.api import DeliverPolicy
 
 from cleave import bus as busmod
 from cleave import codec
@@ -40,7 +39,6 @@ from cleave_monitor.hub import Hub
 from cleave_monitor.settings import MonitorSettings
 
 log = structlog.get_logger("monitor")
-DEFAULT_WATCH_POLL_S = 0.5  # how often a KV watch loop looks at the stop event
 KV_DELETES = ("DEL", "PURGE")
 
 
@@ -111,46 +109,6 @@ async def wait_any(timeout_s: float, *events: asyncio.Event) -> None:
             w.cancel()
 
 
-async def replay_events(bus: busmod.Bus, feed: Feed, stop: asyncio.Event) -> None:
-    """Read CLEAVE_EVENTS from its first message, then follow it (an ordered, ephemeral push consumer)."""
-
-    async def on_msg(msg) -> None:
-        feed.on_stream_message(msg.subject, msg.data)
-
-    sub = await asyncio.wait_for(
-        bus.js.subscribe(
-            SUBJECT_EVENTS_ALL,
-            stream=EVENTS_STREAM,
-            cb=on_msg,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-        ),
-        busmod.DEFAULT_TIMEOUT_S,
-    )
-    await stop.wait()
-    try:
-        await asyncio.wait_for(sub.unsubscribe(), busmod.DEFAULT_TIMEOUT_S)
-    except Exception as e:  # the connection may already be gone at shutdown
-        log.warning("unsubscribe_failed", error=repr(e))
-
-
-async def watch_bucket(bus: busmod.Bus, bucket: str, key: str, on_entry, stop: asyncio.Event) -> None:
-    """Feed every current and future entry of a KV bucket (`key` may be `>` for all) to `on_entry`."""
-    kv = await bus.kv(bucket)
-    watcher = await asyncio.wait_for(kv.watch(key), busmod.DEFAULT_TIMEOUT_S)
-    while not stop.is_set():
-        try:
-            entry = await watcher.updates(timeout=DEFAULT_WATCH_POLL_S)
-        except TimeoutError:
-            continue
-        if entry is not None:  # None marks the end of the initial values
-            on_entry(entry)
-    try:
-        await asyncio.wait_for(watcher.stop(), busmod.DEFAULT_TIMEOUT_S)
-    except Exception as e:
-        log.warning("watch_stop_failed", bucket=bucket, error=repr(e))
-
-
 async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event) -> None:
     connecting = asyncio.create_task(busmod.connect(s.nats_url, "monitor"))
     stopping = asyncio.create_task(stop.wait())
@@ -165,19 +123,9 @@ async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asy
         await bus.setup()
         log.info("monitor_following", nats=s.nats_url)
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(replay_events(bus, feed, stop))
-            tg.create_task(
-                watch_bucket(
-                    bus,
-                    REGISTRY_BUCKET,
-                    ">",
-                    lambda e: feed.on_registry_entry(e.key, e.operation, e.value),
-                    stop,
-                )
-            )
-            tg.create_task(
-                watch_bucket(bus, PLAN_BUCKET, PLAN_KEY, lambda e: feed.on_plan_entry(e.value), stop)
-            )
+            tg.create_task(bus.follow(EVENTS_STREAM, SUBJECT_EVENTS_ALL, feed.on_stream_message, stop))
+            tg.create_task(bus.watch(REGISTRY_BUCKET, ">", feed.on_registry_entry, stop))
+            tg.create_task(bus.watch(PLAN_BUCKET, PLAN_KEY, lambda key, op, value: feed.on_plan_entry(value), stop))
     finally:
         ctx.nats_connected = False
         await bus.close()

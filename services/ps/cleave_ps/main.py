@@ -47,22 +47,18 @@ class FleetGemm:
 
 async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Event) -> None:
     """Apply every plan the scheduler publishes (the current one first)."""
-    kv = await bus.kv(PLAN_BUCKET)
-    watcher = await kv.watch(PLAN_KEY)
-    while not stop.is_set():
+
+    async def on_entry(key: str, operation: str, value: bytes | None) -> None:
+        if not value:
+            return
         try:
-            entry = await watcher.updates(timeout=0.5)
-        except TimeoutError:
-            continue
-        if entry is None or entry.value is None:
-            continue
-        try:
-            plan = busmod.codec.decode(entry.value, Plan)
+            plan = busmod.codec.decode(value, Plan)
         except busmod.WireError as e:
             bus.reject(e.reason, "plan", str(e))
-            continue
+            return
         await dispatcher.set_plan(plan)
-    await watcher.stop()
+
+    await bus.watch(PLAN_BUCKET, PLAN_KEY, on_entry, stop)
 
 
 def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatcher, before: dict,

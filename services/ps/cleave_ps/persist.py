@@ -13,12 +13,10 @@ import time
 
 import structlog
 import torch
-from nats.js.api import ObjectStoreConfig
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
-from cleave.errors import CleaveError, ConfigError
+from cleave.errors import CleaveError, ConfigError, Conflict
 from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Checkpoint, StateHead, StepMetrics
 from cleave.training import Trainer
 
@@ -68,13 +66,7 @@ class Persister:
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
-        try:
-            self.store = await asyncio.wait_for(self.bus.js.object_store(STATE_OBJECTS), DEFAULT_TIMEOUT_S)
-        except NotFoundError:
-            try:
-                self.store = await self.bus.js.create_object_store(STATE_OBJECTS, ObjectStoreConfig(bucket=STATE_OBJECTS))
-            except Exception:  # created concurrently
-                self.store = await self.bus.js.object_store(STATE_OBJECTS)
+        self.store = await self.bus.object_store(STATE_OBJECTS)
 
     async def claim_epoch(self) -> int:
         """A new, higher epoch for this PS incarnation (compare-and-set, so two PSs never share one)."""
@@ -85,14 +77,11 @@ class Persister:
             except Exception:
                 current, rev = 0, 0
             try:
-                if rev:
-                    await self.kv.update(self.epoch_key, str(current + 1).encode(), last=rev)
-                else:
-                    await self.kv.create(self.epoch_key, b"1")
-                self.epoch = current + 1
-                return self.epoch
-            except Exception:  # lost the race: read again
+                await self.bus.kv_swap(self.kv, self.epoch_key, str(current + 1).encode(), rev or None)
+            except Conflict:  # another PS claimed one first: read again
                 continue
+            self.epoch = current + 1
+            return self.epoch
 
     async def load(self) -> tuple[StateHead, Checkpoint] | None:
         """The last committed head and its checkpoint, or None for a new job."""
@@ -126,16 +115,9 @@ class Persister:
             raise CleaveError("state head record over the control message limit")
         await self._check_epoch()
         try:
-            if self.revision is None:
-                self.revision = await self.kv.create(self.head_key, frame)
-            else:
-                self.revision = await self.kv.update(self.head_key, frame, last=self.revision)
-        except KeyWrongLastSequenceError:
+            self.revision = await self.bus.kv_swap(self.kv, self.head_key, frame, self.revision)
+        except Conflict:
             raise Fenced(f"the head of job {self.job_id} was moved by another PS") from None
-        except Exception as e:
-            if "wrong last sequence" in str(e) or "key exists" in str(e):
-                raise Fenced(f"the head of job {self.job_id} was moved by another PS") from None
-            raise
         self.committed.append(name)
         await self._prune()
         return head

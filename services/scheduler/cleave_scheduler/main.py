@@ -8,8 +8,6 @@ import time
 import structlog
 
 from cleave import bus as busmod
-from cleave import codec
-from cleave.errors import WireError
 from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.schemas import (
@@ -56,15 +54,9 @@ class Scheduler:
             self.written[hb.worker_id] = now
             await self.bus.kv_put(self.reg_kv, hb.worker_id, self.registry.devices[hb.worker_id])
 
-    async def on_probe(self, msg) -> None:
+    async def on_probe(self, probe: Probe) -> Probe:
         """Echo for the workers' link probes: their upload comes in, `reply_bytes` go back down."""
-        try:
-            probe = codec.decode(msg.data, Probe, MAX_PROBE_BYTES + 1024)
-        except WireError as e:
-            self.bus.reject(e.reason, msg.subject, str(e))
-            return
-        size = min(probe.reply_bytes, self.bus.max_payload - 1024)
-        await msg.respond(codec.encode(Probe(payload=bytes(size)), compress=False))
+        return Probe(payload=bytes(min(probe.reply_bytes, self.bus.max_payload - 1024)))
 
     async def sweep(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -115,7 +107,7 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     sched = Scheduler(s, bus)
     await sched.start()
     sub = await bus.subscribe(SUBJECT_HEARTBEAT_ALL, Heartbeat, sched.on_heartbeat, max_bytes=65536)
-    probes = await bus.nc.subscribe(SUBJECT_PROBE, cb=sched.on_probe)
+    probes = await bus.serve(SUBJECT_PROBE, Probe, sched.on_probe, max_bytes=MAX_PROBE_BYTES + 1024)
     log.info("scheduler_started", nats=s.nats_url, liveness_s=s.liveness_s)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(sched.sweep(stop))

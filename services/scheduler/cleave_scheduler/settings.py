@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -15,3 +17,7 @@ class SchedulerSettings(BaseSettings):
     tile_rows: int = Field(256, gt=0)  # block shape of the first (uniform) plan
     tile_cols: int = Field(256, gt=0)
     registry_refresh_s: float = Field(2.0, gt=0)  # rewrite a live worker's registry entry this often
+    nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
+    nats_password: SecretStr = SecretStr("")
+    nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
+    nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store

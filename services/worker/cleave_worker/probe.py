@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from cleave import codec
 from cleave.bus import Bus
 from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE, Probe
 
@@ -14,8 +13,7 @@ PROBE_HEADROOM = 1024  # the probe and its echo stay one NATS message each
 
 async def _echo(bus: Bus, probe: Probe) -> float:
     start = time.perf_counter()
-    msg = await bus.nc.request(SUBJECT_PROBE, codec.encode(probe, compress=False), timeout=DEFAULT_PROBE_TIMEOUT_S)
-    codec.decode(msg.data, Probe)
+    await bus.request(SUBJECT_PROBE, probe, Probe, DEFAULT_PROBE_TIMEOUT_S, MAX_PROBE_BYTES + 1024)
     return time.perf_counter() - start
 
 

@@ -1,0 +1,122 @@
+"""`cleave auth init`: write a nats-server config with per-role nkey users, their env files, and TLS files.
+
+Layout of `--out DIR` (the server reads DIR as `--server-dir`, e.g. /etc/nats/auth under compose):
+  nats.conf                 the server config: public keys and permissions only, no secrets
+  <name>.env                one per credential (ps, scheduler, monitor, worker or worker-<id>), mode 0600
+  admin.nk                  an unrestricted seed for operators' `nats --nkey admin.nk ...`, mode 0600
+  tls/ca.pem                with --tls: the CA clients verify the server with (CLEAVE_*_NATS_TLS_CA)
+  tls/server-cert.pem       with --tls: the server certificate (generated, or a copy of --tls-cert)
+  tls/server-key.pem        with --tls: its key, mode 0600
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from cleave import auth
+from cleave.errors import ConfigError
+
+CONFIG_NAME = "nats.conf"
+TLS_DIR = "tls"
+CA_NAME, CERT_NAME, KEY_NAME = "ca.pem", "server-cert.pem", "server-key.pem"
+ADMIN_NAME = "admin.nk"
+DEFAULT_HOSTS = ("localhost", "127.0.0.1", "nats")  # "nats" is the compose service name
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `cleave auth init` to the `cleave` parser."""
+    p = subparsers.add_parser("auth", help="NATS credentials, permissions and TLS for a deployment")
+    sub = p.add_subparsers(dest="auth_command", required=True)
+    init = sub.add_parser("init", help="write a nats-server config and one credential per role")
+    init.add_argument("--out", type=Path, required=True, help="directory to write (created if missing)")
+    init.add_argument("--tls", action="store_true", help="serve TLS with a generated CA and certificate")
+    init.add_argument("--host", action="append", dest="hosts",
+                      help=f"a name or IP clients dial, for the generated certificate (repeatable; "
+                           f"{', '.join(DEFAULT_HOSTS)} are always included)")
+    init.add_argument("--tls-cert", type=Path, help="use this server certificate (PEM) instead of generating one")
+    init.add_argument("--tls-key", type=Path, help="the key of --tls-cert (PEM)")
+    init.add_argument("--tls-ca", type=Path,
+                      help="the CA of --tls-cert, copied for clients (omit for a publicly trusted certificate)")
+    init.add_argument("--worker-ids", default="",
+                      help="comma-separated worker ids: one credential each, pinned to its own subjects, "
+                           "instead of one shared worker credential")
+    init.add_argument("--listen", default=auth.DEFAULT_LISTEN, help="client listener, host:port")
+    init.add_argument("--http", default=auth.DEFAULT_HTTP, help="monitoring listener (/healthz), host:port")
+    init.add_argument("--store-dir", default="/data/jetstream", help="JetStream store, as the server sees it")
+    init.add_argument("--server-dir", help="where the server sees --out (default: --out itself)")
+    init.add_argument("--max-payload", type=int, default=auth.DEFAULT_MAX_PAYLOAD)
+    init.add_argument("--force", action="store_true", help="overwrite existing credentials (re-issue all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed `cleave auth ...` command; returns the exit status."""
+    if args.auth_command == "init":
+        written = init(args)
+        print(f"wrote {len(written)} files to {args.out}:")
+        for path in written:
+            print(f"  {path.relative_to(args.out)}")
+        print("give each service its <role>.env (the worker's to every worker); never the others;")
+        print(f"{ADMIN_NAME} is for operators' nats CLI only")
+        return 0
+    raise ConfigError(f"unknown auth command {args.auth_command!r}")
+
+
+def init(args: argparse.Namespace) -> list[Path]:
+    out: Path = args.out
+    if (out / CONFIG_NAME).exists() and not args.force:
+        raise ConfigError(f"{out / CONFIG_NAME} exists: pass --force to re-issue every credential")
+    uses_tls = args.tls or args.tls_cert is not None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if args.tls_ca and not args.tls_cert:
+        raise ConfigError("--tls-ca is the CA of --tls-cert; without --tls-cert a CA is generated")
+    worker_ids = tuple(w.strip() for w in args.worker_ids.split(",") if w.strip())
+    creds = auth.credentials(worker_ids)  # validates ids before anything is written
+    admin = auth.admin_credential()
+    out.mkdir(parents=True, exist_ok=True)
+    server_dir = Path(args.server_dir) if args.server_dir else out.resolve()
+    written = _write_tls(args, out) if uses_tls else []
+    opts = auth.ServerOptions(
+        listen=args.listen, http=args.http, store_dir=args.store_dir, max_payload=args.max_payload,
+        tls_cert=(server_dir / TLS_DIR / CERT_NAME).as_posix() if uses_tls else None,
+        tls_key=(server_dir / TLS_DIR / KEY_NAME).as_posix() if uses_tls else None,
+    )
+    written.append(_write(out / CONFIG_NAME, auth.server_config([*creds, admin], opts).encode(), 0o644))
+    for c in creds:
+        written.append(_write(out / f"{c.name}.env", auth.env_text(c).encode(), 0o600))
+    written.append(_write(out / ADMIN_NAME, (admin.seed + "\n").encode(), 0o600))
+    return written
+
+
+def _write_tls(args: argparse.Namespace, out: Path) -> list[Path]:
+    tls_dir = out / TLS_DIR
+    tls_dir.mkdir(exist_ok=True)
+    if args.tls_cert:
+        for src in (args.tls_cert, args.tls_key, args.tls_ca):
+            if src is not None and not src.is_file():
+                raise ConfigError(f"{src}: no such file")
+        written = [_copy(args.tls_cert, tls_dir / CERT_NAME, 0o644), _copy(args.tls_key, tls_dir / KEY_NAME, 0o600)]
+        if args.tls_ca:
+            written.append(_copy(args.tls_ca, tls_dir / CA_NAME, 0o644))
+        return written
+    material = auth.generate_tls(list(dict.fromkeys([*DEFAULT_HOSTS, *(args.hosts or ())])))
+    return [_write(tls_dir / CA_NAME, material.ca_pem, 0o644), _write(tls_dir / CERT_NAME, material.cert_pem, 0o644),
+            _write(tls_dir / KEY_NAME, material.key_pem, 0o600)]
+
+
+def _write(path: Path, data: bytes, mode: int) -> Path:
+    """Write atomically with `mode` from the start (a secret is never world-readable, not even briefly)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)  # the umask may have narrowed it
+    tmp.replace(path)
+    return path
+
+
+def _copy(src: Path, dst: Path, mode: int) -> Path:
+    return _write(dst, src.read_bytes(), mode)
