@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from cleave import codec
-from cleave.errors import Conflict, WireError
+from cleave.errors import CleaveError, Conflict, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
     MAX_CONTROL_BYTES,
@@ -266,16 +266,19 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options
     async def on_reconnected() -> None:
         log.info("nats_reconnected", service=name)
 
+    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: several URLs
     while True:
         try:
             nc = await nats.connect(
-                url, name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
+                servers, name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
                 reconnect_time_wait=DEFAULT_RECONNECT_WAIT_S, allow_reconnect=True,
                 error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
                 **options,
             )
             return Bus(nc, name)
         except Exception as e:
+            if "authorization violation" in str(e).lower():  # retrying cannot fix wrong credentials
+                raise CleaveError(f"NATS at {url} refused {name}'s credentials: {e}") from None
             log.warning("nats_unreachable", service=name, url=url, error=repr(e), retry_in_s=round(delay, 2))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

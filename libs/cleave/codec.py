@@ -11,6 +11,7 @@ import os
 import struct
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgpack
@@ -32,6 +33,8 @@ CHUNK_OVERHEAD = _HEAD.size + _CHUNK.size
 DEFAULT_ZSTD_MIN_BYTES = 4096  # smaller bodies are never worth compressing
 DEFAULT_ZSTD_SAMPLE_BYTES = 65536
 DEFAULT_ZSTD_MAX_RATIO = 0.85  # compress only when a sample shrinks to this fraction or less
+DEFAULT_MAX_ITEMS = 1 << 18  # array and map entries in one message (a Plan for 10,000 workers has ~100k)
+DEFAULT_MAX_STR = 64 * 1024  # no wire string is longer: ids, subjects, error texts
 
 T = TypeVar("T", bound=Wire)
 
@@ -99,14 +102,14 @@ def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: 
         raise WireError("unexpected_chunk", "a chunk must go through a Reassembler first")
     body = memoryview(payload)[_HEAD.size :]
     if flags & FLAG_ZSTD:
-        try:
-            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
-        except zstandard.ZstdError as e:
-            raise WireError("bad_zstd", str(e)) from None
-        if len(body) > max_bytes:
-            raise TooLarge(f"decompressed {len(body)} bytes over the limit of {max_bytes}")
+        body = _decompress(body, max_bytes)
+    budget = _Budget(DEFAULT_MAX_ITEMS)
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=max_bytes)
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=DEFAULT_MAX_STR,
+                              max_array_len=DEFAULT_MAX_ITEMS, max_map_len=DEFAULT_MAX_ITEMS, max_ext_len=0,
+                              list_hook=budget.take, object_hook=budget.take)
+    except WireError:
+        raise
     except Exception as e:  # msgpack raises many types for garbage
         raise WireError("bad_msgpack", f"{type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
@@ -115,6 +118,33 @@ def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: 
         return schema.model_validate(obj)
     except pydantic.ValidationError as e:
         raise WireError("bad_schema", f"{schema.__name__}: {e.error_count()} errors: {e.errors()[0]['msg']}") from None
+
+
+def _decompress(body: memoryview, max_bytes: int) -> bytes:
+    """zstd with the declared size checked first: decompress() allocates a declared size whatever max_output_size."""
+    try:
+        declared = zstandard.frame_content_size(body)  # -1 when the frame does not say
+        if declared > max_bytes:
+            raise TooLarge(f"zstd frame declares {declared} bytes, over the limit of {max_bytes}")
+        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=max_bytes)
+    except zstandard.ZstdError as e:
+        raise WireError("bad_zstd", str(e)) from None
+    if len(out) > max_bytes:
+        raise TooLarge(f"decompressed {len(out)} bytes over the limit of {max_bytes}")
+    return out
+
+
+class _Budget:
+    """Counts the entries of every array and map msgpack builds: a small body must not inflate into millions."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+    def take(self, container):
+        self.left -= len(container)
+        if self.left < 0:
+            raise TooLarge(f"more than {DEFAULT_MAX_ITEMS} array and map entries")
+        return container
 
 
 # ---- chunking ----------------------------------------------------------------------------------------
@@ -136,13 +166,30 @@ def split(frame: bytes, max_payload: int) -> list[bytes]:
     ]
 
 
-class Reassembler:
-    """Collects chunk frames into whole frames, with bounded memory and a time limit per message."""
+@dataclass
+class _Partial:
+    started: float
+    count: int
+    total: int
+    flags: int
+    parts: dict[int, bytes] = field(default_factory=dict)
+    held: int = 0  # bytes in parts
 
-    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES, max_pending: int = 64, ttl_s: float = 30.0) -> None:
+
+class Reassembler:
+    """Collects chunk frames into whole frames, with bounded memory and a time limit per message.
+
+    A message may hold no more than the bytes it declares, and all partial messages together no more than
+    `max_buffered` (the oldest are given up first).
+    """
+
+    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES, max_pending: int = 64, ttl_s: float = 30.0,
+                 max_buffered: int | None = None) -> None:
         self.max_bytes, self.max_pending, self.ttl_s = max_bytes, max_pending, ttl_s
-        self._pending: OrderedDict[bytes, tuple[float, int, int, int, dict[int, bytes]]] = OrderedDict()
-        self.dropped = 0  # partial messages given up (expired, evicted, inconsistent)
+        self.max_buffered = 2 * max_bytes if max_buffered is None else max_buffered
+        self._pending: OrderedDict[bytes, _Partial] = OrderedDict()
+        self.buffered = 0  # bytes held by all partial messages
+        self.dropped = 0  # partial messages given up (expired, evicted, inconsistent, oversized)
 
     def feed(self, frame: bytes) -> bytes | None:
         """Returns a whole frame when `frame` completes one (or is one), else None; raises WireError."""
@@ -164,30 +211,40 @@ class Reassembler:
         entry = self._pending.get(msg_id)
         if entry is None:
             if len(self._pending) >= self.max_pending:
-                self._pending.popitem(last=False)
-                self.dropped += 1
-            entry = (time.monotonic(), count, total, flags & ~FLAG_CHUNK, {})
-            self._pending[msg_id] = entry
-        _, e_count, e_total, e_flags, parts = entry
-        if (count, total) != (e_count, e_total):
-            del self._pending[msg_id]
-            self.dropped += 1
+                self._drop(next(iter(self._pending)))
+            entry = self._pending[msg_id] = _Partial(time.monotonic(), count, total, flags & ~FLAG_CHUNK)
+        if (count, total) != (entry.count, entry.total):
+            self._drop(msg_id)
             raise WireError("bad_chunk", "chunks of one message disagree on count or size")
-        parts[idx] = frame[CHUNK_OVERHEAD:]
-        if len(parts) < count:
+        part = frame[CHUNK_OVERHEAD:]
+        grow = len(part) - len(entry.parts.get(idx, b""))
+        if entry.held + grow > total:
+            self._drop(msg_id)
+            raise TooLarge(f"chunks carry more than the {total} bytes their message declares")
+        entry.parts[idx] = part
+        entry.held += grow
+        self.buffered += grow
+        for other in [k for k in self._pending if k != msg_id]:  # oldest first
+            if self.buffered <= self.max_buffered:
+                break
+            self._drop(other)
+        if len(entry.parts) < count:
             return None
-        del self._pending[msg_id]
-        body = b"".join(parts[i] for i in range(count))
+        self._drop(msg_id, given_up=False)
+        body = b"".join(entry.parts[i] for i in range(count))
         if len(body) != total:
             self.dropped += 1
             raise WireError("bad_chunk", f"reassembled {len(body)} bytes, header said {total}")
-        return _HEAD.pack(MAGIC, VERSION, e_flags) + body
+        return _HEAD.pack(MAGIC, VERSION, entry.flags) + body
+
+    def _drop(self, msg_id: bytes, given_up: bool = True) -> None:
+        self.buffered -= self._pending.pop(msg_id).held
+        self.dropped += given_up
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._pending:
-            first = next(iter(self._pending.values()))
-            if now - first[0] <= self.ttl_s:
+            msg_id, first = next(iter(self._pending.items()))
+            if now - first.started <= self.ttl_s:
                 break
-            self._pending.popitem(last=False)
-            self.dropped += 1
+            self._drop(msg_id)

@@ -24,6 +24,7 @@ EVENTS_STREAM = "CLEAVE_EVENTS"
 REGISTRY_BUCKET = "cleave-registry"  # key: worker id -> DeviceRecord; entries expire without heartbeats
 PLAN_BUCKET = "cleave-plans"  # key: PLAN_KEY -> Plan
 PLAN_KEY = "current"
+SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
 STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
 
@@ -52,8 +53,8 @@ class TensorData(Wire):
 
     @model_validator(mode="after")
     def _size_matches(self) -> TensorData:
-        if any(d < 0 for d in self.shape):
-            raise ValueError(f"negative dimension in shape {self.shape}")
+        if any(d < 0 or d > MAX_TENSOR_ELEMENTS for d in self.shape):
+            raise ValueError(f"dimension out of range in shape {self.shape}")
         n = math.prod(self.shape)
         if n > MAX_TENSOR_ELEMENTS:
             raise ValueError(f"shape {self.shape} declares {n} elements, over the limit {MAX_TENSOR_ELEMENTS}")
@@ -107,15 +108,48 @@ class PlanWorker(Wire):
     cache_bytes: int = 0  # the worker's input-block cache; the PS mirrors it to avoid resending blocks
 
 
+class GemmSpec(Wire):
+    """One GEMM kind of a job's step: C[m, n] = A[m, k] · B[k, n], run count_per_step times."""
+
+    name: str
+    m: int = Field(gt=0)
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    count_per_step: int = Field(1, gt=0)
+
+
+class JobShapes(Wire):
+    """What the PS tells the scheduler about its job so that the plan can be cost-aware."""
+
+    job: str
+    gemms: tuple[GemmSpec, ...]
+    dtype_bytes: int = 4
+
+
+class GemmLayout(Wire):
+    """The planner's blocks for GEMMs of shape (m, n, k): box i is rows boxes[4i]:boxes[4i+1] and columns
+    boxes[4i+2]:boxes[4i+3] of the output, planned for device owners[i]."""
+
+    m: int
+    n: int
+    k: int
+    boxes: tuple[int, ...]
+    owners: tuple[str, ...]
+    makespan_s: float = 0.0
+
+
 class Plan(Wire):
     """Which workers take part and how the GEMMs are cut; published by the scheduler."""
 
     version: int
     created_at: float
     workers: tuple[PlanWorker, ...]
-    tile_rows: int = Field(gt=0)
+    tile_rows: int = Field(gt=0)  # largest block sent as one tile (planned blocks are cut to this size)
     tile_cols: int = Field(gt=0)
-    predicted_step_s: float | None = None
+    gemms: tuple[GemmLayout, ...] = ()  # per GEMM shape; a shape not listed is dealt as a uniform grid
+    predicted_step_s: float | None = None  # the planner's step time for the job's GEMMs
+    lower_bound_s: float | None = None
+    planner: str = "uniform"
     reason: str = ""  # why this plan was made: "join", "leave", "start", ...
 
 

@@ -45,6 +45,16 @@ def grid(m: int, n: int, block_rows: int, block_cols: int) -> list[Tile]:
     ]
 
 
+def subdivide(boxes: list[tuple[int, int, int, int]], max_rows: int, max_cols: int) -> list[tuple[int, int, int, int]]:
+    """Cut each (r0, r1, c0, c1) box into blocks of at most max_rows x max_cols (same cover)."""
+    out = []
+    for r0, r1, c0, c1 in boxes:
+        for a, b in cuts(r1 - r0, max_rows):
+            for c, d in cuts(c1 - c0, max_cols):
+                out.append((r0 + a, r0 + b, c0 + c, c0 + d))
+    return out
+
+
 def from_boxes(boxes: list[tuple[int, int, int, int]]) -> list[Tile]:
     """Tiles from explicit (r0, r1, c0, c1) boxes, e.g. a planner's assignments."""
     return [Tile(i, *box) for i, box in enumerate(boxes)]

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave_cli import chaos_cmd, monitor_cmd
+from cleave_cli import auth_cmd, chaos_cmd, monitor_cmd
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos_cmd.register(sub)
     monitor_cmd.register(sub)
+    auth_cmd.register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             return chaos_cmd.run(args)
         if args.command == "monitor":
             return monitor_cmd.run(args)
+        if args.command == "auth":
+            return auth_cmd.run(args)
         from cleave_cli import commands
 
         return getattr(commands, args.command)(args)

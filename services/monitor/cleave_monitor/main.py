@@ -16,8 +16,8 @@ from pathlib import Path
 
 import structlog
 
+from cleave import auth, codec
 from cleave import bus as busmod
-from cleave import codec
 from cleave.errors import WireError
 from cleave.lifecycle import run
 from cleave.logs import configure
@@ -110,7 +110,7 @@ async def wait_any(timeout_s: float, *events: asyncio.Event) -> None:
 
 
 async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event) -> None:
-    connecting = asyncio.create_task(busmod.connect(s.nats_url, "monitor"))
+    connecting = asyncio.create_task(busmod.connect(s.nats_url, "monitor", **auth.connect_options(s, "monitor")))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

@@ -152,9 +152,8 @@ class Dispatcher:
         return hit[0]
 
     async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str) -> torch.Tensor:
-        rows, cols = block_shape(a.shape[0], bt.shape[0], self.plan, len(self._live()))
-        grid = tiles.grid(a.shape[0], bt.shape[0], rows, cols)
-        run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid),
+        grid, owners = self._tiling(a.shape[0], bt.shape[0], a.shape[1])
+        run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid, owners),
                       torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype))
         self.run = run
         waited = time.monotonic()
@@ -178,6 +177,21 @@ class Dispatcher:
         self.c.speculated += run.ledger.speculated
         self.c.dropped += run.ledger.duplicates
         return run.out
+
+    def _tiling(self, m: int, n: int, k: int) -> tuple[list[tiles.Tile], list[str | None] | None]:
+        """The plan's blocks for this shape, cut to at most one tile's size; else a uniform grid."""
+        plan = self.plan
+        layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
+        if layout is None:
+            rows, cols = block_shape(m, n, plan, len(self._live()))
+            return tiles.grid(m, n, rows, cols), None
+        boxes, owners = [], []
+        for i, owner in enumerate(layout.owners):
+            box = tuple(layout.boxes[4 * i : 4 * i + 4])
+            parts = tiles.subdivide([box], plan.tile_rows, plan.tile_cols)
+            boxes += parts
+            owners += [owner if owner in self.workers else None] * len(parts)
+        return tiles.from_boxes(boxes), owners
 
     def _live(self) -> list[WorkerSlot]:
         return [w for w in self.workers.values() if not w.suspect]

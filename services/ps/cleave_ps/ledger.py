@@ -31,6 +31,7 @@ class GemmLedger:
     owners: list[str | None] | None = None  # the planned device of each tile; None = anyone's
     pending: deque[int] = field(init=False)  # tiles without an owner, or given back
     owned: dict[str, deque[int]] = field(init=False)  # planned tiles not yet handed out, per device
+    owned_by: set[str] = field(init=False)
     running: dict[tuple[int, int], Attempt] = field(default_factory=dict)  # (tile, attempt) -> attempt
     done: set[int] = field(default_factory=set)
     issued: list[int] = field(init=False)  # attempts handed out per tile
@@ -44,6 +45,7 @@ class GemmLedger:
             owner = self.owners[t.index] if self.owners else None
             (self.owned.setdefault(owner, deque()) if owner else self.pending).append(t.index)
         self.issued = [0] * len(self.tiles)
+        self.owned_by = set(self.owned)  # devices the plan gave work: only they steal (others would be slow)
 
     @property
     def complete(self) -> bool:
@@ -67,7 +69,7 @@ class GemmLedger:
             if tile not in self.done:
                 return self._issue(tile, worker, now)
         tile = self._shared(score)
-        if tile is None:
+        if tile is None and (not self.owners or worker in self.owned_by):  # a device the plan left out
             victim = max(self.owned.values(), key=len, default=None)
             while victim:
                 tile = victim.pop()

@@ -8,6 +8,7 @@ import time
 import structlog
 import torch
 
+from cleave import auth
 from cleave import bus as busmod
 from cleave.errors import StepAborted
 from cleave.faults import Faults
@@ -15,7 +16,19 @@ from cleave.job import JobConfig
 from cleave.lifecycle import run
 from cleave.logs import configure
 from cleave.metrics_file import MetricsFile
-from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SUBJECT_RESULTS, Event, Plan, StepMetrics, TileResult
+from cleave.models import gemm_shapes
+from cleave.schemas import (
+    PLAN_BUCKET,
+    PLAN_KEY,
+    SHAPES_KEY,
+    SUBJECT_RESULTS,
+    Event,
+    GemmSpec,
+    JobShapes,
+    Plan,
+    StepMetrics,
+    TileResult,
+)
 from cleave.training import Trainer
 from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.persist import Fenced, Persister, restore, snapshot
@@ -97,6 +110,7 @@ class Job:
         self.dispatcher = Dispatcher(self.bus, self.job.job_id, epoch, self.s)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
         self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend)
+        await self.describe_job()
         loaded = await self.persister.load()
         if loaded is None:
             log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
@@ -108,6 +122,13 @@ class Job:
         await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job.job_id, step=head.step + 1,
                                   cause="restart", detail={"epoch": epoch}))
         return head.step + 1
+
+    async def describe_job(self) -> None:
+        """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""
+        specs = tuple(GemmSpec(name=g.name, m=g.m, n=g.n, k=g.k, count_per_step=g.count_per_step)
+                      for g in gemm_shapes(self.trainer.cfg, self.job.batch_size, self.job.seq))
+        kv = await self.bus.kv(PLAN_BUCKET)
+        await self.bus.kv_put(kv, SHAPES_KEY, JobShapes(job=self.job.job_id, gemms=specs, dtype_bytes=4))
 
     async def _report(self, lines: tuple[StepMetrics, ...] | list[StepMetrics]) -> None:
         written = await asyncio.to_thread(self.out.steps)
@@ -182,7 +203,7 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     job = JobConfig.load(s.job_file) if s.job_file else JobConfig()
     if s.threads:
         torch.set_num_threads(s.threads)
-    bus = await busmod.connect(s.nats_url, "ps")
+    bus = await busmod.connect(s.nats_url, "ps", **auth.connect_options(s, "ps"))
     await bus.setup()
     try:
         return await train(s, job, bus, stop)

@@ -7,21 +7,28 @@ import time
 
 import structlog
 
+from cleave import auth, codec
 from cleave import bus as busmod
+from cleave.costmodel import PlanError
+from cleave.errors import WireError
 from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.schemas import (
+    MAX_CONTROL_BYTES,
     MAX_PROBE_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
+    SHAPES_KEY,
     SUBJECT_HEARTBEAT_ALL,
     SUBJECT_PROBE,
     Event,
     Heartbeat,
+    JobShapes,
     Plan,
     Probe,
 )
+from cleave_scheduler.planning import with_layouts
 from cleave_scheduler.registry import Registry
 from cleave_scheduler.settings import SchedulerSettings
 
@@ -35,6 +42,7 @@ class Scheduler:
         self.written: dict[str, float] = {}  # worker id -> when its registry entry was last written
         self.changed = asyncio.Event()
         self.reasons: list[str] = []
+        self.shapes: JobShapes | None = None
 
     async def start(self) -> None:
         self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
@@ -53,6 +61,18 @@ class Scheduler:
         if now - self.written.get(hb.worker_id, 0.0) >= self.s.registry_refresh_s:
             self.written[hb.worker_id] = now
             await self.bus.kv_put(self.reg_kv, hb.worker_id, self.registry.devices[hb.worker_id])
+
+    def on_shapes(self, key: str, operation: str, value: bytes | None) -> None:
+        """A PS described its job's GEMMs: plan them."""
+        if not value:
+            return
+        try:
+            self.shapes = codec.decode(value, JobShapes, MAX_CONTROL_BYTES)
+        except WireError as e:
+            self.bus.reject(e.reason, "shapes", str(e))
+            return
+        self.reasons.append("job")
+        self.changed.set()
 
     async def on_probe(self, probe: Probe) -> Probe:
         """Echo for the workers' link probes: their upload comes in, `reply_bytes` go back down."""
@@ -90,8 +110,13 @@ class Scheduler:
             self.reasons.clear()
             plan = self.registry.plan(time.time(), self.s.tile_rows, self.s.tile_cols, reason)
             try:
+                plan = await asyncio.to_thread(with_layouts, plan, self.shapes, self.s.planner, self.s.ps_bandwidth)
+            except PlanError as e:  # e.g. no device can hold a block: deal uniform tiles instead
+                log.warning("plan_not_cost_aware", error=str(e))
+            try:
                 await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
-                log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason)
+                log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason,
+                         planner=plan.planner, predicted_step_s=plan.predicted_step_s)
                 await self.bus.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,
                                           detail={"version": plan.version, "workers": len(plan.workers)}))
             except Exception as e:  # NATS down: try again when it is back
@@ -102,7 +127,7 @@ class Scheduler:
 
 
 async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
-    bus = await busmod.connect(s.nats_url, "scheduler")
+    bus = await busmod.connect(s.nats_url, "scheduler", **auth.connect_options(s, "scheduler"))
     await bus.setup()
     sched = Scheduler(s, bus)
     await sched.start()
@@ -112,6 +137,7 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     async with asyncio.TaskGroup() as tg:
         tg.create_task(sched.sweep(stop))
         tg.create_task(sched.publish_plans(stop))
+        tg.create_task(bus.watch(PLAN_BUCKET, SHAPES_KEY, sched.on_shapes, stop))
     await sub.unsubscribe()
     await probes.unsubscribe()
     await bus.close()

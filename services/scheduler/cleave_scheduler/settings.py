@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -16,6 +17,8 @@ class SchedulerSettings(BaseSettings):
     sweep_s: float = Field(0.1, gt=0)  # how often liveness is checked
     tile_rows: int = Field(256, gt=0)  # block shape of the first (uniform) plan
     tile_cols: int = Field(256, gt=0)
+    planner: Literal["cost", "even", "uniform"] = "cost"  # cost-aware blocks, even blocks, or a tile queue
+    ps_bandwidth: float | None = Field(None, gt=0)  # the PS's egress, bytes/s, for the planner (None: unlimited)
     registry_refresh_s: float = Field(2.0, gt=0)  # rewrite a live worker's registry entry this often
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
     nats_password: SecretStr = SecretStr("")

@@ -8,6 +8,7 @@ import time
 import structlog
 import torch
 
+from cleave import auth
 from cleave import bus as busmod
 from cleave.errors import WireError
 from cleave.faults import Faults
@@ -102,7 +103,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     torch.set_num_threads(settings.threads)
     declared = parse_profile(settings.profile) if settings.profile else None
     flops = measure_flops()
-    bus = await busmod.connect(settings.nats_url, f"worker-{settings.worker_id}")
+    bus = await busmod.connect(settings.nats_url, f"worker-{settings.worker_id}",
+                               **auth.connect_options(settings, "worker"))
     profile = declared or await measured_profile(settings, bus, flops)
     worker = Worker(settings, bus, profile)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)

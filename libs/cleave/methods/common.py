@@ -1,0 +1,115 @@
+"""What every method's math shares: the loss, the optimizer, one local step, parameter snapshots, shards.
+
+Each helper does exactly what `cleave.training.Trainer` does (same loss, same AdamW parameter groups, same
+global-norm clipping), so that a method that degenerates to plain training reproduces it step for step.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cleave.data import Corpus
+from cleave.errors import WireError
+from cleave.job import JobConfig
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # token ids (B, T) and next-token targets (B, T)
+State = dict[str, torch.Tensor]
+SHARD_SEED_STRIDE = 1_000_003  # distinct batch streams per data shard; shard 0 is the reference stream
+MAX_SHARDS = 1 << 20  # keeps (seed + shard * stride) * 1_000_003 + step inside torch's int64 seed
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)  # (B, T, vocab)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+def make_adamw(params: Iterable[nn.Parameter], job: JobConfig) -> torch.optim.AdamW:
+    """AdamW as the Trainer builds it: weight decay on matrices only."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": job.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=job.lr,
+        betas=(job.beta1, job.beta2),
+        foreach=False,
+    )
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, grad_clip: float = 0.0) -> float:
+    """One optimizer step on one batch; the loss before the step. Raises FloatingPointError if not finite."""
+    x, y = batch
+    model.train()
+    loss = lm_loss(model, x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
+    opt.step()
+    value = loss.item()
+    if not math.isfinite(value):
+        raise FloatingPointError(f"local loss is {value}")
+    return value
+
+
+def local_train(
+    model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch], steps: int, grad_clip: float = 0.0
+) -> list[float]:
+    """`steps` optimizer steps on the first `steps` batches; the loss of each. Fewer batches is an error."""
+    losses = []
+    for batch in batches:
+        if len(losses) == steps:
+            break
+        losses.append(train_step(model, opt, batch, grad_clip))
+    if len(losses) < steps:
+        raise ValueError(f"local_train needs {steps} batches, got {len(losses)}")
+    return losses
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters that train and travel (tied weights once; frozen LoRA bases left out)."""
+    return {k: p for k, p in model.named_parameters() if p.requires_grad}
+
+
+def snapshot(params: Mapping[str, torch.Tensor]) -> State:
+    """A detached copy, safe to keep while the parameters move on."""
+    return {k: p.detach().clone() for k, p in params.items()}
+
+
+@torch.no_grad()
+def load_into(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+    """Copy `state` into the parameters in place (optimizer state keeps pointing at them)."""
+    check_state(params, state)
+    for k, p in params.items():
+        p.copy_(state[k])
+
+
+def check_state(reference: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+    """WireError unless `state` has exactly the reference's names and shapes and only finite values."""
+    if set(state) != set(reference):
+        missing, extra = sorted(set(reference) - set(state)), sorted(set(state) - set(reference))
+        raise WireError("bad_state", f"missing {missing[:3]}, unexpected {extra[:3]}")
+    for k, ref in reference.items():
+        t = state[k]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise WireError("bad_state", f"{k}: shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise WireError("bad_state", f"{k}: non-finite values")
+
+
+def shard_of(worker_id: str) -> int:
+    """A stable data shard number for a worker name (the same on every machine and every run)."""
+    return zlib.crc32(worker_id.encode()) % MAX_SHARDS
+
+
+def shard_batch(corpus: Corpus, job: JobConfig, shard: int, step: int) -> Batch:
+    """Batch number `step` of data shard `shard`; shard 0 is exactly the reference run's batch `step`."""
+    if not 0 <= shard < MAX_SHARDS:
+        raise ValueError(f"shard {shard} outside [0, {MAX_SHARDS})")
+    return corpus.batch(job.seed + shard * SHARD_SEED_STRIDE, step, job.batch_size, job.seq)

@@ -1,0 +1,158 @@
+"""`cleave export`: a run's current model (the PS's last committed checkpoint) as a Hugging Face model dir.
+
+The PS persists its state in JetStream (`cleave_ps.persist`): the KV bucket `cleave-state` holds the head
+record `<job>.head`, which names a codec-encoded `Checkpoint` in the Object Store `cleave-state-objects`.
+The export reads them from the run's NATS when it is still running (`<run_dir>/stack.json`), or else from a
+temporary nats-server started on the run's store (`<run_dir>/jetstream`) and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from cleave import bus as busmod
+from cleave import codec
+from cleave.errors import CleaveError, ConfigError
+from cleave.job import JobConfig
+from cleave.logs import configure
+from cleave.models import ModelConfig, build_model, get_preset
+from cleave.models.hf import check_state_dict, export_hf, our_shapes
+from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, Checkpoint, StateHead
+from cleave_cli.stack import Stack
+from cleave_ps.persist import DEFAULT_PUT_TIMEOUT_S, MAX_CHECKPOINT_BYTES
+
+DEFAULT_CONNECT_TIMEOUT_S = 15.0
+DEFAULT_PROBE_TIMEOUT_S = 1.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a run's current model as a Hugging Face model directory")
+    p.add_argument("--run-dir", type=Path, required=True, help="the run dir of `cleave train` (stack.json, jetstream/)")
+    p.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    p.add_argument("--job-id", help="default: the job in <run-dir>/job.json")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the saved weights")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure("export", level="error")  # the client's reconnect chatter is not for this command's user
+    job_id = args.job_id or job_id_of(args.run_dir)
+    with state_server(args.run_dir) as url:
+        head, ckpt = asyncio.run(read_state(url, job_id))
+    job = JobConfig.build(**json.loads(head.job_config))
+    cfg = get_preset(job.preset)
+    model = model_from_checkpoint(cfg, ckpt)
+    out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=DTYPES[args.dtype])
+    print(f"exported job {job_id} at step {head.step} (epoch {head.epoch}, preset {job.preset}, "
+          f"tokenizer {job.tokenizer}) to {out}")
+    return 0
+
+
+def job_id_of(run_dir: Path) -> str:
+    path = run_dir / "job.json"
+    try:
+        return json.loads(path.read_text())["job_id"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot read the job id from {path} ({e}); pass --job-id") from None
+
+
+def model_from_checkpoint(cfg: ModelConfig, ckpt: Checkpoint) -> torch.nn.Module:
+    """Our model with the checkpoint's weights, after checking every key and shape against the preset."""
+    sd = {k.removeprefix("model."): codec.data_to_tensor(v) for k, v in ckpt.tensors.items() if k.startswith("model.")}
+    check_state_dict(our_shapes(cfg), sd, f"the checkpoint of step {ckpt.step}")
+    model = build_model(cfg, seed=0)  # every weight is overwritten below; buffers come from the config
+    model.load_state_dict(sd)
+    return model
+
+
+# ---------------------------------------------------------------- reaching the run's state
+
+
+def _answers_as_nats(url: str) -> bool:
+    """True when a NATS server greets us at `url` (its first line is INFO {...})."""
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or 4222), timeout=DEFAULT_PROBE_TIMEOUT_S) as s:
+            return s.recv(4).startswith(b"INFO")
+    except OSError:
+        return False
+
+
+def running_nats(run_dir: Path) -> str | None:
+    """The URL of the run's own nats-server if it is still up, else None."""
+    try:
+        stack = json.loads((run_dir / "stack.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    url = stack.get("nats_url") or ""
+    nats = [p for p in stack.get("processes", []) if p.get("role") == "nats" and p.get("running") and p.get("pid")]
+    if not url or not nats:
+        return None
+    try:
+        os.kill(nats[0]["pid"], 0)
+    except (ProcessLookupError, PermissionError):
+        return None
+    return url if _answers_as_nats(url) else None
+
+
+@contextlib.contextmanager
+def state_server(run_dir: Path) -> Iterator[str]:
+    """A NATS URL serving the run's JetStream state: the live one, or a temporary server on its store."""
+    url = running_nats(run_dir)
+    if url:
+        yield url
+        return
+    store = run_dir / "jetstream"
+    if not store.is_dir():
+        raise ConfigError(f"{run_dir} has no running NATS (stack.json) and no JetStream store ({store})")
+    with tempfile.TemporaryDirectory(prefix="cleave-export-") as tmp:
+        # Stack keeps its store at <dir>/jetstream: point that at the run's store
+        (Path(tmp) / "jetstream").symlink_to(store.resolve(), target_is_directory=True)
+        stack = Stack(Path(tmp))
+        try:
+            yield stack.start_nats()
+        finally:
+            stack.stop_all()
+
+
+async def _jobs_with_state(kv) -> list[str]:  # noqa: ANN001 - a nats-py KeyValue
+    try:
+        keys = await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
+    except Exception:  # nats-py raises NoKeysError for an empty bucket
+        return []
+    return sorted(k.removesuffix(".head") for k in keys if k.endswith(".head"))
+
+
+async def read_state(url: str, job_id: str) -> tuple[StateHead, Checkpoint]:
+    """The job's last committed head record and the checkpoint it names (checked against its SHA-256)."""
+    bus = await asyncio.wait_for(busmod.connect(url, "export"), DEFAULT_CONNECT_TIMEOUT_S)
+    try:
+        try:
+            kv = await asyncio.wait_for(bus.js.key_value(STATE_BUCKET), busmod.DEFAULT_TIMEOUT_S)
+        except Exception as e:
+            raise CleaveError(f"{url} holds no persisted PS state ({type(e).__name__})") from None
+        got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
+        if got is None:
+            jobs = await _jobs_with_state(kv)
+            raise CleaveError(f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}")
+        head, _ = got
+        store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
+        obj = await asyncio.wait_for(store.get(head.object), DEFAULT_PUT_TIMEOUT_S)
+        if hashlib.sha256(obj.data).hexdigest() != head.sha256:
+            raise CleaveError(f"checkpoint {head.object} does not match its head record (sha256)")
+        ckpt = await asyncio.to_thread(codec.decode, obj.data, Checkpoint, MAX_CHECKPOINT_BYTES)
+        return head, ckpt
+    finally:
+        await bus.close()
