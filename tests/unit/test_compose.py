@@ -188,3 +188,18 @@ def build_auth_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cleave")
     auth_cmd.register(parser.add_subparsers(dest="command"))
     return parser
+
+
+def test_chaos_scripts_cover_every_scenario_and_parse():
+    """The container chaos scripts exist for kill (bringing the victim back), freeze/thaw and restart."""
+    import subprocess
+    from pathlib import Path
+
+    chaos = Path(__file__).resolve().parents[2] / "compose" / "chaos"
+    for name in ("kill.sh", "freeze.sh", "restart.sh", "lib.sh"):
+        script = chaos / name
+        assert script.exists(), name
+        subprocess.run(["bash", "-n", str(script)], check=True)
+    kill = (chaos / "kill.sh").read_text()
+    assert "docker kill" in kill and "docker start" in kill  # docker kill bypasses restart policies
+    assert "docker pause" in (chaos / "freeze.sh").read_text()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Freeze one container of SERVICE (SIGSTOP via `docker pause`) for SECONDS, then thaw it: it wakes up and
+# sends stale results, which the PS must drop. Usage: freeze.sh SERVICE SECONDS
+source "$(dirname "$0")/lib.sh"
+service=${1:?usage: freeze.sh SERVICE SECONDS}; seconds=${2:?usage: freeze.sh SERVICE SECONDS}
+read -r svc id < <(pick "$service")
+log "freeze $svc ($id) for ${seconds}s"
+docker pause "$id" >/dev/null
+sleep "$seconds"
+docker unpause "$id" >/dev/null
+log "thaw $svc"
