@@ -45,17 +45,26 @@ def parse_profile(spec: str) -> DeviceProfile:
 
 
 class Pacer:
-    """When a declared device would have finished each tile (wall-clock seconds); one tile after another."""
+    """When a declared device would have finished each tile (wall-clock seconds).
+
+    The device streams: its downlink, its compute and its uplink are three resources that work in
+    parallel on consecutive tiles (tile i computes while tile i+1 arrives and tile i-1 leaves), so a long
+    run of tiles costs max(bytes down / downlink, FLOPs / FLOPS, bytes up / uplink) plus one tile's other
+    stages, as the planner's overlapped cost model assumes. Latency delays each tile once, on arrival.
+    """
 
     def __init__(self, profile: DeviceProfile) -> None:
         self.p = profile
-        self.busy_until = 0.0
+        self.down_free = self.compute_free = self.up_free = 0.0
 
     def tile_time(self, bytes_down: int, bytes_up: int, flops: float) -> float:
+        """The cost model of one block on its own."""
         p = self.p
         return p.latency_s + max(bytes_down / p.downlink_bytes_per_s, bytes_up / p.uplink_bytes_per_s, flops / p.flops)
 
     def finish_at(self, arrived: float, bytes_down: int, bytes_up: int, flops: float) -> float:
-        start = max(arrived, self.busy_until)
-        self.busy_until = start + self.tile_time(bytes_down, bytes_up, flops)
-        return self.busy_until
+        p = self.p
+        self.down_free = max(arrived + p.latency_s, self.down_free) + bytes_down / p.downlink_bytes_per_s
+        self.compute_free = max(self.down_free, self.compute_free) + flops / p.flops
+        self.up_free = max(self.compute_free, self.up_free) + bytes_up / p.uplink_bytes_per_s
+        return self.up_free

@@ -223,6 +223,7 @@ class StepMetrics(Wire):
     lr: float = 0.0
     val_loss: float | None = None
     recoveries: int = 0
+    predicted_step_s: float | None = None  # the plan's step time for the GEMMs (None: no cost-aware plan)
     recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
     resumed: bool = False  # this step ran on a PS that had restarted from persisted state
     at: float = 0.0

@@ -23,12 +23,14 @@ def test_bad_profiles_say_what_is_wrong(spec, words):
         parse_profile(spec)
 
 
-def test_pacer_follows_the_cost_model_one_tile_after_another():
+def test_pacer_follows_the_cost_model_and_streams_consecutive_tiles():
     pacer = Pacer(parse_profile("flops=1G,down=10M,up=5M,latency=0.1,memory=1Gi"))
     # downlink-bound: 20 MB at 10 MB/s = 2 s (+ 0.1 s latency)
     assert pacer.tile_time(20_000_000, 1000, 1e6) == pytest.approx(2.1)
     # compute-bound: 3 GFLOP at 1 GFLOP/s
     assert pacer.tile_time(1000, 1000, 3e9) == pytest.approx(3.1)
-    first = pacer.finish_at(100.0, 20_000_000, 1000, 1e6)
-    second = pacer.finish_at(100.5, 1000, 10_000_000, 1e6)  # arrives while the first still runs
-    assert first == pytest.approx(102.1) and second == pytest.approx(102.1 + 2.1)
+    # one tile alone: its stages in sequence (2 s down, 1 s compute, 1 s up) after 0.1 s latency
+    assert pacer.finish_at(100.0, 20_000_000, 5_000_000, 1e9) == pytest.approx(104.1)
+    # ten more arriving at once: downlink-bound, each adds its 2 s of download, not its 4 s in all
+    ends = [pacer.finish_at(100.0, 20_000_000, 5_000_000, 1e9) for _ in range(10)]
+    assert ends[-1] == pytest.approx(100.1 + 11 * 2 + 1 + 1)

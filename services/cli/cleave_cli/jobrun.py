@@ -65,6 +65,7 @@ class LocalFleet:
     workers: int
     nats_url: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
+    scheduler_env: dict[str, str] = field(default_factory=dict)
     stack: Stack = field(init=False)
     next_worker: int = 0
 
@@ -77,7 +78,7 @@ class LocalFleet:
         else:
             self.stack.start_nats()
         if with_fleet:
-            self.stack.service("scheduler", "scheduler")
+            self.stack.service("scheduler", "scheduler", env=self.scheduler_env)
             for _ in range(self.workers):
                 self.add_worker()
 

@@ -84,6 +84,7 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
         bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=job.lr, val_loss=val,
         recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(),
+        predicted_step_s=d.plan.predicted_step_s if d.plan else None,
     )
 
 
