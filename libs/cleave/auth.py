@@ -39,7 +39,9 @@ from cleave.schemas import (
     SUBJECT_HEARTBEAT,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
+    SUBJECT_ROUNDS,
     SUBJECT_TILES,
+    SUBJECT_UPDATES,
 )
 
 ROLES = ("ps", "scheduler", "monitor", "worker")
@@ -119,13 +121,13 @@ def _service(role: str, publish: list[str], subscribe: list[str], allow_response
 def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
-        pub = [_wild(SUBJECT_TILES), SUBJECT_EVENTS_ALL,
+        pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_ROUNDS), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
             pub += _js_create(s)
         for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
             pub += _js_read(s)
-        return _service(role, pub, [_wild(SUBJECT_RESULTS)])
+        return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES)])
     if role == "scheduler":
         pub = [SUBJECT_EVENTS_ALL, *_kv_write(REGISTRY_BUCKET), *_kv_write(PLAN_BUCKET)]
         for s in SETUP_STREAMS:
@@ -144,8 +146,9 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         wid = "*" if worker_id is None else check_worker_id(worker_id)
         inbox = f"{inbox_prefix(role)}.>" if worker_id is None else f"{inbox_prefix(role, worker_id)}.>"
         return Permissions(
-            publish=(_wild(SUBJECT_RESULTS), SUBJECT_HEARTBEAT.format(worker_id=wid), SUBJECT_PROBE),
-            subscribe=(SUBJECT_TILES.format(worker_id=wid), inbox),
+            publish=(_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_HEARTBEAT.format(worker_id=wid),
+                     SUBJECT_PROBE),
+            subscribe=(SUBJECT_TILES.format(worker_id=wid), SUBJECT_ROUNDS.format(worker_id=wid), inbox),
         )
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
 

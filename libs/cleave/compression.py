@@ -27,43 +27,14 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
-from pydantic import Field
 
 from cleave import codec
 from cleave.errors import ConfigError, WireError
-from cleave.schemas import DTYPES, MAX_TENSOR_ELEMENTS, TensorData, Wire
+from cleave.schemas import MAX_TENSOR_ELEMENTS, Packed, PackedTensors, Wire
 
 DEFAULT_INT8_BLOCK = 256  # values per fp32 scale: 1.6% overhead, and one outlier spoils only its block
 INT8_LEVELS = 127  # symmetric codes -127..127 (-128 unused, so zero and negation are exact)
 FP16_MAX = 65504.0  # largest finite half; larger magnitudes saturate instead of becoming inf
-KINDS = ("none", "fp16", "bf16", "int8", "topk")
-
-
-class Packed(Wire):
-    """One compressed tensor: what the codec sends in place of a `TensorData`."""
-
-    kind: Literal[KINDS]  # type: ignore[valid-type]
-    dtype: Literal[DTYPES]  # type: ignore[valid-type]  # the original dtype, restored on decompression
-    shape: tuple[int, ...] = Field((), max_length=8)
-    values: TensorData  # the cast tensor, the int8 codes, or the kept top-k values
-    scales: TensorData | None = None  # int8: one float32 scale per block
-    indices: TensorData | None = None  # topk: int32 deltas of the sorted flat positions of `values`
-    block: int = 0  # int8: values per scale
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of tensor data carried (before the codec's msgpack framing and optional zstd)."""
-        return sum(len(t.data) for t in (self.values, self.scales, self.indices) if t is not None)
-
-
-class PackedTensors(Wire):
-    """A named set of compressed tensors (a pseudo-gradient, a weight delta, LoRA adapters)."""
-
-    tensors: dict[str, Packed]
 
 
 def raw_bytes(t: torch.Tensor) -> int:

@@ -16,7 +16,15 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     job_id: str = Field("job", pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    method: Literal["cleave"] = "cleave"
+    method: Literal["cleave", "diloco", "fedavg"] = "cleave"  # for diloco/fedavg, steps count rounds
+    local_steps: int = Field(1, ge=1)  # diloco's H / fedavg's E: local steps per round
+    outer_lr: float = Field(0.7, gt=0)  # diloco's outer Nesterov step
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    aggregate: Literal["mean", "median", "trimmed"] = "mean"  # how a round's updates are combined
+    compress: str = "none"  # what travels up: none, fp16, bf16, int8[:BLOCK], topk:FRACTION
+    lora_rank: int = Field(0, ge=0)  # > 0: only LoRA adapters of this rank train and travel
+    lora_alpha: float = Field(16.0, gt=0)
+    round_timeout_s: float = Field(120.0, gt=0)  # a round closes with what arrived by then
     preset: str = "tiny"  # a name from cleave.models.PRESETS
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)
@@ -27,9 +35,11 @@ class JobConfig(BaseModel):
     beta2: float = 0.95
     grad_clip: float = Field(1.0, ge=0)  # 0 turns clipping off
     seed: int = 0
-    data: str = "builtin"  # "builtin" (Python's own documentation text) or a path to a UTF-8 text file
+    data: str = "builtin"  # "builtin", a file, folder, glob, JSONL, hf:... or tokens: see cleave.datasources
+    tokenizer: str = Field("bytes", min_length=1)  # "bytes", or a spec for cleave.tokenizer.load_tokenizer
     val_fraction: float = Field(0.1, ge=0, lt=1)
     val_every: int = Field(0, ge=0)  # evaluate val_loss every N steps; 0 = never
+    init_from: str | None = Field(None, min_length=1)  # a Hugging Face model dir to start from (fine-tuning)
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:

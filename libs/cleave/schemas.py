@@ -16,6 +16,8 @@ SUBJECT_HEARTBEAT = PREFIX + ".hb.{worker_id}"  # worker -> scheduler: liveness 
 SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
 SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}"  # worker -> PS: finished blocks
+SUBJECT_ROUNDS = PREFIX + ".round.{worker_id}"  # PS -> one worker: train locally for a round (diloco, fedavg)
+SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}"  # worker -> PS: a round's update
 SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
 SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
 SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
@@ -33,6 +35,7 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # any reassembled message
 MAX_CONTROL_BYTES = 1024 * 1024  # heartbeats, plans, events
 MAX_TENSOR_ELEMENTS = 1 << 28
 MAX_PROBE_BYTES = 4 * 1024 * 1024
+COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1}
@@ -61,6 +64,33 @@ class TensorData(Wire):
         if n * DTYPE_SIZES[self.dtype] != len(self.data):
             raise ValueError(f"shape {self.shape} of {self.dtype} needs {n * DTYPE_SIZES[self.dtype]} bytes, got {len(self.data)}")
         return self
+
+
+class Packed(Wire):
+    """One compressed tensor: what the codec sends in place of a `TensorData`."""
+
+    kind: Literal[COMPRESSION_KINDS]  # type: ignore[valid-type]
+    dtype: Literal[DTYPES]  # type: ignore[valid-type]  # the original dtype, restored on decompression
+    shape: tuple[int, ...] = Field((), max_length=8)
+    values: TensorData  # the cast tensor, the int8 codes, or the kept top-k values
+    scales: TensorData | None = None  # int8: one float32 scale per block
+    indices: TensorData | None = None  # topk: int32 deltas of the sorted flat positions of `values`
+    block: int = 0  # int8: values per scale
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of tensor data carried (before the codec's msgpack framing and optional zstd)."""
+        return sum(len(t.data) for t in (self.values, self.scales, self.indices) if t is not None)
+
+
+class PackedTensors(Wire):
+    """A named set of compressed tensors (a pseudo-gradient, a weight delta, LoRA adapters)."""
+
+    tensors: dict[str, Packed]
 
 
 class DeviceProfile(Wire):
@@ -204,6 +234,31 @@ class Event(Wire):
     detail: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
 
 
+class RoundTask(Wire):
+    """Start round `round` of a data-parallel method: load `weights`, train `local_steps` steps, reply."""
+
+    job: str
+    epoch: int
+    method: Literal["diloco", "fedavg"]
+    round: int
+    job_config: str  # the JobConfig JSON: model, optimizer, data, compression, LoRA
+    weights: PackedTensors  # the global trainable parameters (lossless)
+    shard: int = 0  # which slice of the job's data this worker trains on (0: the reference run's batches)
+    reply: str
+
+
+class RoundUpdate(Wire):
+    job: str
+    epoch: int
+    round: int
+    worker_id: str
+    delta: PackedTensors | None = None  # pseudo-gradient (diloco) or weight delta (fedavg), compressed
+    weight: float = 0.0  # tokens or samples trained on: the aggregation weight
+    losses: tuple[float, ...] = ()
+    raw_bytes: int = 0  # the delta's size before compression
+    error: str = ""
+
+
 class StepMetrics(Wire):
     """One line of `--metrics-out` and of the monitor's loss curve."""
 
@@ -224,6 +279,9 @@ class StepMetrics(Wire):
     val_loss: float | None = None
     recoveries: int = 0
     predicted_step_s: float | None = None  # the plan's step time for the GEMMs (None: no cost-aware plan)
+    raw_bytes_up: int = 0  # what the workers' updates weighed before compression (data-parallel methods)
+    updates: int = 0  # updates applied this round (data-parallel methods)
+    updates_dropped: int = 0  # late, duplicate or invalid updates
     recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
     resumed: bool = False  # this step ran on a PS that had restarted from persisted state
     at: float = 0.0

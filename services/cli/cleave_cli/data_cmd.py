@@ -19,25 +19,38 @@ DEFAULT_PROGRESS_EVERY_S = 1.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare-data", help="tokenise a text corpus into a token file (.u16/.u32) for training")
-    p.add_argument("--source", required=True,
-                   help="builtin, a text file, folder or glob, data.jsonl[:field], or hf:NAME?split=..&field=..")
-    p.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="bytes, a tokenizer dir or tokenizer.json, or a cached repo id")
-    p.add_argument("--out", type=Path, required=True, help="the token file: .u16 (vocab <= 65536), .u32, or .bin")
+    p = sub.add_parser(
+        "prepare-data", help="tokenise a text corpus into a token file (.u16/.u32) for training"
+    )
+    p.add_argument(
+        "--source",
+        required=True,
+        help="builtin, a text file, folder or glob, data.jsonl[:field], or hf:NAME?split=..&field=..",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        help="bytes, a tokenizer dir or tokenizer.json, or a cached repo id",
+    )
+    p.add_argument(
+        "--out", type=Path, required=True, help="the token file: .u16 (vocab <= 65536), .u32, or .bin"
+    )
 
 
 class ProgressLine:
     """One status line, rewritten in place on a terminal and printed every few seconds otherwise."""
 
-    def __init__(self, stream: TextIO = sys.stderr, every_s: float = DEFAULT_PROGRESS_EVERY_S) -> None:
-        self.stream, self.every_s = stream, every_s
-        self.tty = stream.isatty()
+    def __init__(self, stream: TextIO | None = None, every_s: float = DEFAULT_PROGRESS_EVERY_S) -> None:
+        self.stream, self.every_s = stream or sys.stderr, every_s
+        self.tty = self.stream.isatty()
         self.t0 = self.last = time.monotonic()
 
     def text(self, s: PrepareStats) -> str:
         dt = max(time.monotonic() - self.t0, 1e-9)
-        return (f"{s.documents:,} documents  {s.chars / 1e6:,.1f} M chars  {s.tokens / 1e6:,.2f} M tokens  "
-                f"{s.tokens / dt / 1e6:,.2f} M tokens/s")
+        return (
+            f"{s.documents:,} documents  {s.chars / 1e6:,.1f} M chars  {s.tokens / 1e6:,.2f} M tokens  "
+            f"{s.tokens / dt / 1e6:,.2f} M tokens/s"
+        )
 
     def update(self, s: PrepareStats) -> None:
         now = time.monotonic()
@@ -56,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     progress = ProgressLine()
     stats = prepare_data(args.source, tok, args.out, progress.update)
     progress.done(stats)
-    print(f"wrote {stats.tokens:,} tokens ({tok.name}, vocab {tok.vocab_size}) to {args.out} "
-          f"and {sidecar_path(args.out).name}; train on it with --data {args.out} --tokenizer {tok.name}")
+    print(
+        f"wrote {stats.tokens:,} tokens ({tok.name}, vocab {tok.vocab_size}) to {args.out} "
+        f"and {sidecar_path(args.out).name}; train on it with --data {args.out} --tokenizer {tok.name}"
+    )
     return 0

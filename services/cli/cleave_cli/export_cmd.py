@@ -40,7 +40,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a run's current model as a Hugging Face model directory")
-    p.add_argument("--run-dir", type=Path, required=True, help="the run dir of `cleave train` (stack.json, jetstream/)")
+    p.add_argument(
+        "--run-dir", type=Path, required=True, help="the run dir of `cleave train` (stack.json, jetstream/)"
+    )
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
     p.add_argument("--job-id", help="default: the job in <run-dir>/job.json")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the saved weights")
@@ -55,8 +57,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = get_preset(job.preset)
     model = model_from_checkpoint(cfg, ckpt)
     out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=DTYPES[args.dtype])
-    print(f"exported job {job_id} at step {head.step} (epoch {head.epoch}, preset {job.preset}, "
-          f"tokenizer {job.tokenizer}) to {out}")
+    print(
+        f"exported job {job_id} at step {head.step} (epoch {head.epoch}, preset {job.preset}, "
+        f"tokenizer {job.tokenizer}) to {out}"
+    )
     return 0
 
 
@@ -70,7 +74,11 @@ def job_id_of(run_dir: Path) -> str:
 
 def model_from_checkpoint(cfg: ModelConfig, ckpt: Checkpoint) -> torch.nn.Module:
     """Our model with the checkpoint's weights, after checking every key and shape against the preset."""
-    sd = {k.removeprefix("model."): codec.data_to_tensor(v) for k, v in ckpt.tensors.items() if k.startswith("model.")}
+    sd = {
+        k.removeprefix("model."): codec.data_to_tensor(v)
+        for k, v in ckpt.tensors.items()
+        if k.startswith("model.")
+    }
     check_state_dict(our_shapes(cfg), sd, f"the checkpoint of step {ckpt.step}")
     model = build_model(cfg, seed=0)  # every weight is overwritten below; buffers come from the config
     model.load_state_dict(sd)
@@ -97,7 +105,9 @@ def running_nats(run_dir: Path) -> str | None:
     except (OSError, json.JSONDecodeError):
         return None
     url = stack.get("nats_url") or ""
-    nats = [p for p in stack.get("processes", []) if p.get("role") == "nats" and p.get("running") and p.get("pid")]
+    nats = [
+        p for p in stack.get("processes", []) if p.get("role") == "nats" and p.get("running") and p.get("pid")
+    ]
     if not url or not nats:
         return None
     try:
@@ -146,7 +156,9 @@ async def read_state(url: str, job_id: str) -> tuple[StateHead, Checkpoint]:
         got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
         if got is None:
             jobs = await _jobs_with_state(kv)
-            raise CleaveError(f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}")
+            raise CleaveError(
+                f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}"
+            )
         head, _ = got
         store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
         obj = await asyncio.wait_for(store.get(head.object), DEFAULT_PUT_TIMEOUT_S)

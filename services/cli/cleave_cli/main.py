@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--metrics-out", type=Path)
     p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
+    p.add_argument("--method", choices=("cleave", "diloco", "fedavg"), help="how to train (default cleave)")
+    p.add_argument("--local-steps", type=int, help="diloco H / fedavg E: local steps per round")
+    p.add_argument("--outer-lr", type=float, help="diloco's outer learning rate")
+    p.add_argument("--outer-momentum", type=float, help="diloco's outer Nesterov momentum")
+    p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine")
+    p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
+    p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")
 
     chaos_cmd.register(sub)
     monitor_cmd.register(sub)

@@ -56,6 +56,7 @@ class Proc:
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
+    log_offset: int = 0  # size of its log when it last started: readiness is read from there on
 
 
 class Stack:
@@ -87,8 +88,10 @@ class Stack:
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
                 raise CleaveError(f"nats-server exited with {proc.popen.returncode}; see {log}")
-            if "Server is ready" in log.read_text(errors="replace"):
-                return
+            with open(log, "rb") as f:
+                f.seek(proc.log_offset)
+                if b"Server is ready" in f.read():
+                    return
             time.sleep(0.05)
         raise CleaveError(f"nats-server not ready after {DEFAULT_READY_TIMEOUT_S}s; see {log}")
 
@@ -106,7 +109,9 @@ class Stack:
         return proc
 
     def _start(self, proc: Proc) -> None:
-        logf = open(self.run_dir / "logs" / f"{proc.name}.log", "ab")  # noqa: SIM115 - owned by the child
+        log = self.run_dir / "logs" / f"{proc.name}.log"
+        proc.log_offset = log.stat().st_size if log.exists() else 0
+        logf = open(log, "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
         proc.popen = subprocess.Popen(proc.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                       stdin=subprocess.DEVNULL, start_new_session=True)

@@ -32,6 +32,7 @@ from cleave.schemas import (
 from cleave.training import Trainer
 from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.persist import Fenced, Persister, restore, snapshot
+from cleave_ps.rounds import run_rounds
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
@@ -207,6 +208,8 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     bus = await busmod.connect(s.nats_url, "ps", **auth.connect_options(s, "ps"))
     await bus.setup()
     try:
+        if job.method in ("diloco", "fedavg"):
+            return await run_rounds(s, job, bus, stop)
         return await train(s, job, bus, stop)
     finally:
         await bus.close()

@@ -17,13 +17,17 @@ from cleave.logs import configure
 from cleave.profile import Pacer, parse_profile
 from cleave.schemas import (
     SUBJECT_HEARTBEAT,
+    SUBJECT_ROUNDS,
     SUBJECT_TILES,
     DeviceProfile,
     Heartbeat,
+    RoundTask,
+    RoundUpdate,
     TileTask,
 )
 from cleave_worker.core import BlockCache, check_inputs, compute, measure_flops, reply_to
 from cleave_worker.probe import measure_links
+from cleave_worker.rounds import RoundRunner
 from cleave_worker.settings import WorkerSettings
 
 UNMEASURED_BYTES_PER_S = 100e6  # link speed reported until a probe measures it
@@ -39,6 +43,7 @@ class Worker:
         self.epochs: dict[str, int] = {}  # job -> newest PS epoch seen; older PSs are fenced off
         self.faults = Faults(settings.fail_at, settings.fault_dir, tag=settings.worker_id)
         self.pacer = Pacer(profile) if profile.declared else None
+        self.rounds = RoundRunner(settings.worker_id, settings.data)
         self.log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
 
     async def on_tile(self, task: TileTask, nbytes: int) -> None:
@@ -71,6 +76,17 @@ class Worker:
         """Measure the links again now and then: they change under a real device."""
         while not await wait_for_stop(stop, self.s.probe_every_s):
             self.profile = await measured_profile(self.s, self.bus, flops)
+
+    async def on_round(self, task: RoundTask, nbytes: int) -> None:
+        """A data-parallel round (diloco, fedavg): train locally off the event loop, send the update."""
+        self.faults.hit("round", task.round)
+        try:
+            update = await asyncio.to_thread(self.rounds.run, task)
+        except Exception as e:  # a bad task spoils this round's update, not the worker
+            self.log.warning("round_failed", job=task.job, round=task.round, error=repr(e))
+            update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
+                                 error=repr(e)[:500])
+        await self.bus.publish(task.reply, update)
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -108,6 +124,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     profile = declared or await measured_profile(settings, bus, flops)
     worker = Worker(settings, bus, profile)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
+    rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
     log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
              up=f"{profile.uplink_bytes_per_s / 1e6:.0f}MB/s", declared=profile.declared,
              memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
@@ -116,6 +133,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
         if declared is None:
             tg.create_task(worker.reprobe(stop, flops))
     await sub.unsubscribe()
+    await rounds.unsubscribe()
     await bus.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
     return 0

@@ -1,0 +1,151 @@
+"""The PS's side of the data-parallel methods (diloco, fedavg): rounds over the workers of the plan.
+
+Each round the PS sends the global trainable weights to every live worker (each with its own data shard),
+collects their compressed updates until all of them answered, the ones that left the plan are given up,
+or `round_timeout_s` passes, and applies the aggregate (DiLoCo's outer Nesterov step or FedAvg's mean,
+median or trimmed mean). Late updates (from an earlier round) are dropped; a round with none applies
+nothing. The reported loss is the mean, over the workers, of their first local step's loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import structlog
+
+from cleave import codec
+from cleave.bus import Bus
+from cleave.compression import get_compressor, unpack
+from cleave.errors import WireError
+from cleave.job import JobConfig
+from cleave.lifecycle import wait_for_stop
+from cleave.methods.common import trainable
+from cleave.methods.diloco import DilocoConfig, DilocoServer
+from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
+from cleave.methods.lora import attach_lora
+from cleave.metrics_file import MetricsFile
+from cleave.schemas import (
+    PLAN_BUCKET,
+    PLAN_KEY,
+    SUBJECT_ROUNDS,
+    SUBJECT_UPDATES,
+    PackedTensors,
+    Plan,
+    RoundTask,
+    RoundUpdate,
+    StepMetrics,
+)
+from cleave.training import Trainer
+from cleave_ps.settings import PsSettings
+
+log = structlog.get_logger("ps")
+DEFAULT_POLL_S = 0.05
+
+
+class Rounds:
+    def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
+        self.s, self.job, self.bus, self.stop = s, job, bus, stop
+        self.epoch = time.time_ns() // 1_000_000
+        self.workers: set[str] = set()
+        self.losses: dict[str, float] = {}  # sender -> first local loss, this round
+        self.raw_bytes = self.bytes_up = self.dropped = 0
+
+    def build(self) -> None:
+        self.trainer = Trainer(self.job)
+        if self.job.lora_rank:
+            attach_lora(self.trainer.model, self.job.lora_rank, self.job.lora_alpha, seed=self.job.seed)
+        params = trainable(self.trainer.model)
+        if self.job.method == "diloco":
+            self.server = DilocoServer(params, DilocoConfig(
+                inner_steps=self.job.local_steps, outer_lr=self.job.outer_lr,
+                outer_momentum=self.job.outer_momentum, rule=self.job.aggregate))
+        else:
+            self.server = FedAvgServer(params, FedAvgConfig(local_steps=self.job.local_steps, rule=self.job.aggregate))
+
+    def on_plan(self, key: str, operation: str, value: bytes | None) -> None:
+        if value:
+            try:
+                plan = codec.decode(value, Plan)
+            except WireError as e:
+                self.bus.reject(e.reason, "plan", str(e))
+                return
+            self.workers = {w.worker_id for w in plan.workers}
+
+    async def on_update(self, msg: RoundUpdate, nbytes: int) -> None:
+        self.bytes_up += nbytes
+        if msg.job != self.job.job_id or msg.epoch != self.epoch or msg.error or msg.delta is None:
+            self.dropped += 1
+            if msg.error:
+                log.warning("round_update_failed", worker_id=msg.worker_id, round=msg.round, error=msg.error[:200])
+            return
+        try:
+            delta = await asyncio.to_thread(unpack, msg.delta)
+        except WireError as e:
+            self.dropped += 1
+            self.bus.reject(e.reason, f"update from {msg.worker_id}", str(e))
+            return
+        verdict = self.server.submit(msg.worker_id, msg.round, delta, msg.weight)
+        if verdict != "accepted":
+            self.dropped += 1
+            return
+        self.raw_bytes += msg.raw_bytes
+        if msg.losses:
+            self.losses[msg.worker_id] = msg.losses[0]
+
+    async def round(self, r: int) -> StepMetrics:
+        t0 = time.perf_counter()
+        while not self.workers and not self.stop.is_set():
+            await wait_for_stop(self.stop, DEFAULT_POLL_S)
+        expected = set(self.workers)
+        weights = get_compressor("none")
+        packed = {k: weights.compress(v) for k, v in self.server.global_state().items()}
+        bytes_down, reply = 0, SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch)
+        for shard, w in enumerate(sorted(expected)):
+            task = RoundTask(job=self.job.job_id, epoch=self.epoch, method=self.job.method, round=r,
+                             job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
+                             shard=shard, reply=reply)
+            bytes_down += await self.bus.publish(SUBJECT_ROUNDS.format(worker_id=w), task)
+        deadline = time.monotonic() + self.job.round_timeout_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            expected &= self.workers  # a worker that left the plan is not waited for
+            if self.server.collector.complete(expected):
+                break
+            await wait_for_stop(self.stop, DEFAULT_POLL_S)
+        report = self.server.close_round()
+        losses = [self.losses[w] for w in report.senders if w in self.losses]
+        loss = statistics.fmean(losses) if losses else float("nan")
+        m = StepMetrics(job=self.job.job_id, method=self.job.method, step=r, loss=loss,
+                        step_time_s=time.perf_counter() - t0, workers=len(report.senders), bytes_down=bytes_down,
+                        bytes_up=self.bytes_up, raw_bytes_up=self.raw_bytes, updates=len(report.senders),
+                        updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
+                        * self.job.batch_size * self.job.seq, lr=self.job.lr, at=time.time())
+        self.losses.clear()
+        self.raw_bytes = self.bytes_up = self.dropped = 0
+        return m
+
+
+async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
+    rounds = Rounds(s, job, bus, stop)
+    await asyncio.to_thread(rounds.build)
+    out = MetricsFile(s.metrics_out)
+    sub = await bus.subscribe(SUBJECT_UPDATES.format(job=job.job_id, epoch=rounds.epoch), RoundUpdate,
+                              rounds.on_update, max_bytes=s.max_result_bytes)
+    log.info("ps_started", job=job.job_id, method=job.method, rounds=job.steps, epoch=rounds.epoch)
+    async with asyncio.TaskGroup() as tg:
+        watcher = tg.create_task(bus.watch(PLAN_BUCKET, PLAN_KEY, rounds.on_plan, stop))
+        try:
+            for r in range(job.steps):
+                if stop.is_set():
+                    break
+                m = await rounds.round(r)
+                await asyncio.to_thread(out.write, m)
+                await bus.emit(m)
+                log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers,
+                         step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
+        finally:
+            stop.set()
+            watcher.cancel()
+    await sub.unsubscribe()
+    return 0

@@ -1,0 +1,73 @@
+"""The worker's side of the data-parallel methods (diloco, fedavg): local training rounds.
+
+A worker keeps one model and one AdamW per job across rounds (DiLoCo's inner optimizer state lives on the
+worker), trains on its own shard (or its own local data, `CLEAVE_WORKER_DATA`), and sends back the
+compressed update with error feedback. Runs off the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from cleave.compression import ErrorFeedback, get_compressor, raw_bytes, unpack
+from cleave.data import Corpus
+from cleave.job import JobConfig
+from cleave.methods import diloco, fedavg
+from cleave.methods.common import make_adamw, shard_batch, trainable
+from cleave.methods.lora import attach_lora
+from cleave.models import build_model, get_preset
+from cleave.schemas import RoundTask, RoundUpdate
+
+MAX_JOBS = 2  # models kept for different jobs at once
+
+
+@dataclass
+class LocalJob:
+    job: JobConfig
+    model: nn.Module
+    opt: object
+    corpus: Corpus
+    feedback: ErrorFeedback
+
+
+class RoundRunner:
+    def __init__(self, worker_id: str, data: Path | None = None) -> None:
+        self.worker_id, self.data = worker_id, data
+        self.jobs: dict[str, LocalJob] = {}
+
+    def _local(self, task: RoundTask) -> LocalJob:
+        key = f"{task.job}.{task.epoch}"
+        if key not in self.jobs:
+            job = JobConfig.model_validate_json(task.job_config)
+            model = build_model(get_preset(job.preset), seed=job.seed)
+            if job.lora_rank:
+                attach_lora(model, job.lora_rank, job.lora_alpha, seed=job.seed)
+            corpus = Corpus(str(self.data) if self.data else job.data, job.val_fraction)
+            while len(self.jobs) >= MAX_JOBS:
+                self.jobs.pop(next(iter(self.jobs)))
+            self.jobs[key] = LocalJob(job, model, make_adamw(trainable(model).values(), job), corpus,
+                                      ErrorFeedback(get_compressor(job.compress)))
+        return self.jobs[key]
+
+    def run(self, task: RoundTask) -> RoundUpdate:
+        """One round: load the global weights, train locally, return the compressed update."""
+        local = self._local(task)
+        job = local.job
+        weights = unpack(task.weights)
+        first = task.round * job.local_steps
+        batches = (shard_batch(local.corpus, job, task.shard, first + i) for i in range(job.local_steps))
+        if task.method == "diloco":
+            delta, losses = diloco.worker_round(local.model, local.opt, weights, batches, job.local_steps,
+                                                job.grad_clip)
+            weight = float(job.local_steps * job.batch_size * job.seq)
+        else:
+            update = fedavg.client_update(local.model, local.opt, weights, batches, job.local_steps, job.grad_clip)
+            delta, losses, weight = update.delta, list(update.losses), float(update.samples)
+        return RoundUpdate(
+            job=task.job, epoch=task.epoch, round=task.round, worker_id=self.worker_id,
+            delta=local.feedback.pack(delta), weight=weight, losses=tuple(losses),
+            raw_bytes=sum(raw_bytes(t) for t in delta.values()),
+        )
