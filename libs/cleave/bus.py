@@ -49,7 +49,8 @@ T = TypeVar("T", bound=Wire)
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RECONNECT_WAIT_S = 0.5
-DEFAULT_PENDING_BYTES = 1024 * 1024 * 1024  # per subscription; a slow consumer must not drop tiles
+DEFAULT_PENDING_BYTES = 512 * 1024 * 1024  # per subscription: past this, nats-py drops (a flood cannot
+# exhaust memory; a dropped tile or result is re-sent after its deadline)
 DEFAULT_REGISTRY_TTL_S = 10.0  # registry entries outlive a missed heartbeat or two, then vanish
 DEFAULT_WATCH_POLL_S = 0.5
 HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
@@ -89,9 +90,10 @@ class Bus:
         handler: Callable[[T, int], Awaitable[None]],
         queue: str = "",
         max_bytes: int = MAX_MESSAGE_BYTES,
+        pending_bytes: int = DEFAULT_PENDING_BYTES,
     ):
         """Subscribe with reassembly and validation; `handler(msg, wire_bytes)` sees only valid messages."""
-        reasm = codec.Reassembler(max_bytes=max_bytes)
+        reasm = codec.Reassembler(max_bytes=max_bytes)  # partial messages: at most 2 x max_bytes held
 
         async def on_msg(m: Msg) -> None:
             try:
@@ -105,7 +107,7 @@ class Bus:
             await handler(msg, len(frame))
 
         return await self.nc.subscribe(
-            subject, queue=queue, cb=on_msg, pending_bytes_limit=DEFAULT_PENDING_BYTES, pending_msgs_limit=-1
+            subject, queue=queue, cb=on_msg, pending_bytes_limit=pending_bytes, pending_msgs_limit=-1
         )
 
     # ---- JetStream -----------------------------------------------------------------------------------

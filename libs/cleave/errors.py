@@ -26,5 +26,9 @@ class Conflict(CleaveError):
     """A compare-and-set lost: someone else wrote the key first."""
 
 
+class StepSpoiled(CleaveError):
+    """A step's result cannot be trusted (a worker was caught lying): it is redone, never applied."""
+
+
 class StepAborted(CleaveError):
     """A training step could not finish (the job was stopped, or the PS lost its lease)."""

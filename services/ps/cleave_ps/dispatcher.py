@@ -18,7 +18,7 @@ import torch
 
 from cleave import codec, tiles
 from cleave.bus import Bus
-from cleave.errors import StepAborted
+from cleave.errors import StepAborted, StepSpoiled
 from cleave.schemas import (
     SUBJECT_RESULTS,
     SUBJECT_TILES,
@@ -31,6 +31,7 @@ from cleave.schemas import (
 )
 from cleave_ps.ledger import Attempt, GemmLedger
 from cleave_ps.settings import PsSettings
+from cleave_ps.verify import Check, Verifier
 
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
@@ -97,6 +98,7 @@ class GemmRun:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     blocks: dict[str, TensorData] = field(default_factory=dict)
     recoveries: list[Recovery] = field(default_factory=list)
+    spoiled: str = ""  # a worker found lying during this GEMM
 
 
 def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
@@ -124,6 +126,8 @@ class Dispatcher:
         self._uids: dict[tuple, tuple[int, torch.Tensor]] = {}
         self._next_uid = 0
         self.stopping = False
+        self.verifier = Verifier(s.verify_fraction, seed=epoch)
+        self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
 
     # ---- plan ----------------------------------------------------------------------------------------
     async def set_plan(self, plan: Plan) -> None:
@@ -131,7 +135,7 @@ class Dispatcher:
         now = time.monotonic()
         ids = {w.worker_id for w in plan.workers}
         for w in plan.workers:
-            if w.worker_id not in self.workers:
+            if w.worker_id not in self.workers and w.worker_id not in self.faulty:
                 self.workers[w.worker_id] = WorkerSlot(w.worker_id, w.cache_bytes, last_progress=now)
         for gone in set(self.workers) - ids:
             self._lose(gone, now, cause="heartbeat_timeout", silent_since=self.workers[gone].last_progress)
@@ -153,15 +157,18 @@ class Dispatcher:
 
     async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str) -> torch.Tensor:
         grid, owners = self._tiling(a.shape[0], bt.shape[0], a.shape[1])
+        self.verifier.new_gemm()
         run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid, owners),
                       torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype))
         self.run = run
         waited = time.monotonic()
         try:
             await self._fill_all()
-            while not run.ledger.complete:
+            while not run.ledger.complete or self.verifier.checks:
                 if self.stopping:
                     raise StepAborted("the parameter server is stopping")
+                if run.spoiled:
+                    raise StepSpoiled(f"worker {run.spoiled} returned a wrong block; step {step} is redone")
                 try:
                     await asyncio.wait_for(run.done.wait(), self.s.tick_s)
                 except TimeoutError:
@@ -306,13 +313,51 @@ class Dispatcher:
             self._reject("not_finite", msg)
             run.ledger.retry(msg.tile, msg.attempt)
             return
+        check = self.verifier.checks.get(msg.tile)
+        if check is not None and check.attempt == msg.attempt:
+            self._settle(run, check, torch.from_numpy(block.copy()))
+            return
         outcome = run.ledger.finish(msg.tile, msg.attempt)
         if outcome != "accepted":
             return
         run.out.numpy()[t.r0 : t.r1, t.c0 : t.c1] = block
         self._close_recoveries(run, msg.tile)
-        if run.ledger.complete:
+        if self.verifier.sample():
+            await self._verify(run, msg.tile, msg.worker_id)
+        self._maybe_done(run)
+
+    def _maybe_done(self, run: GemmRun) -> None:
+        if run.ledger.complete and not self.verifier.checks:
             run.done.set()
+
+    async def _verify(self, run: GemmRun, tile: int, first: str) -> None:
+        """Have another live worker compute the same tile; the comparison comes with its result."""
+        others = [w for w in self._live() if w.worker_id != first]
+        if not others:
+            return
+        slot = min(others, key=lambda w: len(run.ledger.inflight(w.worker_id)))
+        t = run.ledger.tiles[tile]
+        att = run.ledger.issue_extra(tile, slot.worker_id, time.monotonic())
+        self.verifier.checks[tile] = Check(tile, att.attempt, first, slot.worker_id,
+                                           run.out[t.r0 : t.r1, t.c0 : t.c1].clone())
+        await self._send(slot, run, att)
+
+    def _settle(self, run: GemmRun, check: Check, second: torch.Tensor) -> None:
+        del self.verifier.checks[check.tile]
+        run.ledger.running.pop((check.tile, check.attempt), None)
+        t = run.ledger.tiles[check.tile]
+        truth = tiles.compute(run.a[t.r0 : t.r1], run.bt[t.c0 : t.c1])
+        liar = self.verifier.judge(check, second, truth)
+        if liar is not None:
+            self.faulty.add(liar)
+            self.workers.pop(liar, None)
+            run.spoiled = liar
+            log.warning("worker_faulty", worker_id=liar, step=run.step, gemm=run.name, tile=check.tile)
+            self.c.recoveries.append(Event(kind="worker_faulty", at=time.time(), step=run.step, worker_id=liar,
+                                           cause="verification_mismatch", detail={"gemm": run.name}))
+            run.done.set()
+            return
+        self._maybe_done(run)
 
     @staticmethod
     def _inputs_finite(run: GemmRun, t: tiles.Tile) -> bool:
@@ -342,6 +387,11 @@ class Dispatcher:
         run = self.run
         if run is None:
             return
+        for tile, check in list(self.verifier.checks.items()):  # a verifier that vanished verifies nothing
+            if check.verifier == worker:
+                del self.verifier.checks[tile]
+        if run.ledger.complete and not self.verifier.checks:
+            run.done.set()
         lost = run.ledger.give_back(worker)
         if lost:
             log.warning("tiles_resent", worker_id=worker, cause=cause, step=run.step, gemm=run.name, tiles=len(lost))

@@ -106,6 +106,10 @@ class GemmLedger:
         self.speculated += 1
         return self._issue(min(old, key=lambda a: a.sent_at).tile, worker, now)
 
+    def issue_extra(self, tile: int, worker: str, now: float) -> Attempt:
+        """One more attempt of a tile for `worker` (a verification copy); its result is not assembled."""
+        return self._issue(tile, worker, now)
+
     def was_issued(self, tile: int, attempt: int) -> bool:
         return 0 <= tile < len(self.tiles) and 0 <= attempt < self.issued[tile]
 

@@ -10,7 +10,7 @@ import torch
 
 from cleave import auth
 from cleave import bus as busmod
-from cleave.errors import StepAborted
+from cleave.errors import StepAborted, StepSpoiled
 from cleave.faults import Faults
 from cleave.job import JobConfig
 from cleave.lifecycle import run
@@ -144,8 +144,13 @@ class Job:
     async def run_step(self, step: int, resumed: bool) -> None:
         d = self.dispatcher
         before, t0 = snapshot_counters(d), time.perf_counter()
-        self.backend.begin(step)
-        loss = await asyncio.to_thread(self.trainer.step, step)
+        while True:
+            self.backend.begin(step)
+            try:
+                loss = await asyncio.to_thread(self.trainer.step, step)
+                break
+            except StepSpoiled as e:  # nothing was applied: run the step again without the liar
+                log.warning("step_redone", step=step, reason=str(e))
         val = None
         if self.job.val_every and (step + 1) % self.job.val_every == 0:
             self.backend.begin(step)
@@ -171,7 +176,7 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
     first = await run.start()
     d = run.dispatcher
     sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=d.epoch), TileResult, d.on_result,
-                              max_bytes=s.max_result_bytes)
+                              max_bytes=s.max_result_bytes, pending_bytes=s.max_pending_bytes)
 
     async def abort_on_stop() -> None:
         await stop.wait()

@@ -19,8 +19,10 @@ class PsSettings(BaseSettings):
     timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
     speculate_factor: float = Field(3.0, ge=0)  # copy a tile running this many usual round trips; 0 = never
     speculate_min_s: float = Field(0.2, ge=0)  # ... and at least this long
+    verify_fraction: float = Field(0.0, ge=0, le=1)  # tiles also computed by a second worker, to catch liars
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
     max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
+    max_pending_bytes: int = Field(256 * 1024 * 1024, gt=0)  # results queued unread; a flood past it is dropped
     persist_every: int = Field(1, ge=1)  # commit the state to JetStream every k steps
     fail_at: str = ""  # fault injection for tests: "before_commit:3", "after_commit:3", "in_step:3"
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once

@@ -60,10 +60,12 @@ def check_inputs(a: torch.Tensor, bt: torch.Tensor) -> str:
     return ""
 
 
-def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str) -> TileResult:
-    """Multiply one tile's blocks (called off the event loop)."""
+def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, corrupt: float = 0.0) -> TileResult:
+    """Multiply one tile's blocks (called off the event loop); `corrupt` makes a lying worker for tests."""
     start = time.perf_counter()
     out = tiles.compute(a, bt)
+    if corrupt:
+        out[0, 0] += corrupt
     return TileResult(
         job=task.job, epoch=task.epoch, step=task.step, op=task.op, tile=task.tile, attempt=task.attempt,
         worker_id=worker_id, out=codec.tensor_to_data(out), compute_s=time.perf_counter() - start,

@@ -60,7 +60,7 @@ class Worker:
             self.log.warning("tile_refused", reason=why, step=task.step, op=task.op, tile=task.tile)
             result = reply_to(task, self.s.worker_id, error=why)
         else:
-            result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id)
+            result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
             self.tiles_done += 1
             self.busy_s += result.compute_s
             if self.pacer is not None:  # behave like the declared device: wait until it would be done

@@ -27,6 +27,7 @@ class WorkerSettings(BaseSettings):
     profile: str = ""  # declared device, "flops=..,down=..,up=..,latency=..,memory=..": the worker paces itself
     probe_every_s: float = Field(60.0, gt=0)  # re-measure the links this often (measured profiles only)
     data: Path | None = None  # this client's own data for fedavg/diloco (never leaves it); None = the job's
+    corrupt: float = 0.0  # testing knob: add this to one element of every block (a lying worker)
     fail_at: str = ""  # fault injection for tests: "tile:3" dies on receiving the first tile of step 3
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
