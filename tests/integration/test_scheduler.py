@@ -1,0 +1,71 @@
+"""The scheduler on a real nats-server: cost-aware plans for the job's GEMMs, re-planned on join and leave."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cleave import bus as busmod
+from cleave import tiles
+from cleave.models import gemm_shapes, get_preset
+from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SHAPES_KEY, GemmSpec, JobShapes, Plan
+from cleave_cli.jobrun import LocalFleet
+
+PROFILES = ["flops=2G,down=20M,up=5M,latency=0.01,memory=512Mi", "flops=0.5G,down=5M,up=2M,latency=0.02,memory=512Mi"]
+
+
+async def next_plan(bus: busmod.Bus, after: int, timeout_s: float = 20.0) -> Plan:
+    kv = await bus.kv(PLAN_BUCKET)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = await bus.kv_get(kv, PLAN_KEY, Plan)
+        if got and got[0].version > after:
+            return got[0]
+        await asyncio.sleep(0.05)  # polling the KV for the test's observation, not ordering anything
+    raise TimeoutError(f"no plan after version {after}")
+
+
+def check_layouts(plan: Plan, shapes: JobShapes) -> None:
+    ids = {w.worker_id for w in plan.workers}
+    by_shape = {(g.m, g.n, g.k): g for g in plan.gemms}
+    for spec in shapes.gemms:
+        layout = by_shape[(spec.m, spec.n, spec.k)]
+        boxes = [tuple(layout.boxes[4 * i : 4 * i + 4]) for i in range(len(layout.owners))]
+        tiles.check_cover(tiles.from_boxes(boxes), spec.m, spec.n)  # exact: no gap, no overlap
+        assert set(layout.owners) <= ids
+
+
+async def test_cost_aware_plan_and_replanning_on_join_and_leave(tmp_path, nats_url):
+    fleet = LocalFleet(tmp_path, 0, nats_url=nats_url)
+    bus = await busmod.connect(nats_url, "test")
+    try:
+        fleet.start()
+        for i, spec in enumerate(PROFILES):
+            fleet.stack.service(f"w{i}", "worker", ["--worker-id", f"w{i}", "--profile", spec])
+        await bus.setup()
+        plan = await next_plan(bus, 0)
+        while len(plan.workers) < 2:
+            plan = await next_plan(bus, plan.version)
+        shapes = JobShapes(job="j", gemms=tuple(GemmSpec(name=g.name, m=g.m, n=g.n, k=g.k, count_per_step=g.count_per_step)
+                                                for g in gemm_shapes(get_preset("tiny"), 8, 64)))
+        await bus.kv_put(await bus.kv(PLAN_BUCKET), SHAPES_KEY, shapes)
+        plan = await next_plan(bus, plan.version)
+        assert plan.planner == "cost" and plan.predicted_step_s > 0 and plan.lower_bound_s <= plan.predicted_step_s
+        check_layouts(plan, shapes)
+
+        # join: a third device
+        fleet.stack.service("w2", "worker", ["--worker-id", "w2", "--profile", PROFILES[0]])
+        while "w2" not in {w.worker_id for w in plan.workers}:
+            plan = await next_plan(bus, plan.version)
+        check_layouts(plan, shapes)
+
+        fleet.stack.kill("w1", restart=False)  # leave: heartbeats stop
+        t0 = time.monotonic()
+        while "w1" in {w.worker_id for w in plan.workers}:
+            plan = await next_plan(bus, plan.version)
+        assert time.monotonic() - t0 < 1.0 + 1.0  # liveness (1 s) + re-plan well under a second
+        check_layouts(plan, shapes)
+        assert "leave" in plan.reason
+    finally:
+        await bus.close()
+        fleet.stop()
