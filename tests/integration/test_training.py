@@ -87,3 +87,22 @@ async def test_worker_killed_mid_step_costs_only_its_tiles(tmp_path, nats_url):
             assert ps.dispatcher.c.recoveries and ps.dispatcher.c.recoveries[0].worker_id.endswith("w2")
     finally:
         fleet.stop()
+
+
+async def test_half_precision_tiles_are_an_approximate_mode(tmp_path, nats_url):
+    """bf16 input blocks halve the downlink; the loss stays close to the exact path, but is not equal."""
+    job = JobConfig(preset="tiny", steps=4)
+    fleet = start_fleet(tmp_path, nats_url, workers=2)
+    try:
+        want = [Trainer(job).step(s) for s in range(1)]
+        sizes = {}
+        for mode in ("fp32", "bf16"):
+            async with InProcessPS(nats_url, tile_dtype=mode) as ps:
+                await ps.wait_workers(2)
+                dist = Trainer(job, ps.backend)
+                got = [await ps.step(lambda: dist.step(0), 0)]
+                sizes[mode] = ps.dispatcher.c.bytes_down
+        assert abs(got[0] - want[0]) <= 1e-2 * abs(want[0]) and got[0] != want[0]
+        assert sizes["bf16"] < 0.6 * sizes["fp32"]
+    finally:
+        fleet.stop()

@@ -127,6 +127,8 @@ class Dispatcher:
         self._next_uid = 0
         self.stopping = False
         self.verifier = Verifier(s.verify_fraction, seed=epoch)
+        # the approximate mode: input blocks travel in half precision (results stay float32)
+        self.tile_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[s.tile_dtype]
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
 
     # ---- plan ----------------------------------------------------------------------------------------
@@ -245,7 +247,8 @@ class Dispatcher:
             return BlockRef(id=block_id)
         data = run.blocks.get(block_id)
         if data is None:
-            data = run.blocks[block_id] = codec.tensor_to_data(src[lo:hi])
+            block = src[lo:hi] if self.tile_dtype is None else src[lo:hi].to(self.tile_dtype)
+            data = run.blocks[block_id] = codec.tensor_to_data(block)
         slot.remember(block_id, len(data.data))
         return BlockRef.model_construct(id=block_id, tensor=data)
 

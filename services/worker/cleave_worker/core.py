@@ -10,6 +10,8 @@ import torch
 from cleave import codec, tiles
 from cleave.schemas import BlockRef, TileResult, TileTask
 
+HALF = (torch.float16, torch.bfloat16)
+
 
 class BlockCache:
     """Least-recently-used input blocks, bounded in bytes."""
@@ -57,12 +59,16 @@ def check_inputs(a: torch.Tensor, bt: torch.Tensor) -> str:
         return f"inner dimensions differ: {a.shape[1]} vs {bt.shape[1]}"
     if a.dtype != bt.dtype or not a.dtype.is_floating_point:
         return f"dtypes {a.dtype} and {bt.dtype} must be one floating type"
+    if a.dtype == torch.float64:
+        return "float64 blocks are not computed"
     return ""
 
 
 def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, corrupt: float = 0.0) -> TileResult:
     """Multiply one tile's blocks (called off the event loop); `corrupt` makes a lying worker for tests."""
     start = time.perf_counter()
+    if a.dtype in HALF:  # the approximate mode sends half-precision inputs; products accumulate in float32
+        a, bt = a.float(), bt.float()
     out = tiles.compute(a, bt)
     if corrupt:
         out[0, 0] += corrupt
