@@ -100,7 +100,7 @@ async def test_half_precision_tiles_are_an_approximate_mode(tmp_path, nats_url):
             async with InProcessPS(nats_url, tile_dtype=mode) as ps:
                 await ps.wait_workers(2)
                 dist = Trainer(job, ps.backend)
-                got = [await ps.step(lambda: dist.step(0), 0)]
+                got = [await ps.step(lambda dist=dist: dist.step(0), 0)]
                 sizes[mode] = ps.dispatcher.c.bytes_down
         assert abs(got[0] - want[0]) <= 1e-2 * abs(want[0]) and got[0] != want[0]
         assert sizes["bf16"] < 0.6 * sizes["fp32"]
