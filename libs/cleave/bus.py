@@ -65,6 +65,14 @@ class Bus:
         self.rejected: dict[str, int] = {}  # reason -> count of messages refused on receipt
 
     @property
+    def reconnects(self) -> int:
+        return self.nc.stats["reconnects"]
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    @property
     def max_payload(self) -> int:
         return self.nc.max_payload - HEADROOM
 
@@ -168,8 +176,15 @@ class Bus:
         (awaited if it returns an awaitable) until `stop` is set."""
         kv = await self.kv(bucket)
         watcher = await asyncio.wait_for(kv.watch(key), DEFAULT_TIMEOUT_S)
+        seen_reconnects = self.reconnects
         try:
             while not stop.is_set():
+                if self.reconnects != seen_reconnects and self.nc.is_connected:
+                    # the server may have restarted: a fresh watch replays the current value, then follows
+                    seen_reconnects = self.reconnects
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watcher.stop(), DEFAULT_TIMEOUT_S)
+                    watcher = await asyncio.wait_for(kv.watch(key), DEFAULT_TIMEOUT_S)
                 try:
                     entry = await watcher.updates(timeout=DEFAULT_WATCH_POLL_S)
                 except TimeoutError:

@@ -11,9 +11,27 @@ import torch
 import torch.nn.functional as F
 
 from cleave import tiled
-from cleave.data import Corpus
+from cleave.data import Corpus, check_vocab
+from cleave.errors import ConfigError
 from cleave.job import JobConfig
-from cleave.models import build_model, get_preset
+from cleave.models import ModelConfig, build_model, get_preset
+from cleave.models.hf import check_state_dict, load_hf, our_shapes
+
+# the config fields that change what a set of weights computes (block_size only bounds the context)
+INIT_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd", "mlp_width", "bias",
+               "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling")
+
+
+def load_init(model: torch.nn.Module, cfg: ModelConfig, job: JobConfig) -> None:
+    """Copy the weights of the Hugging Face directory `job.init_from` into `model`, after checking that its
+    config computes the same function as the preset's and that every key and shape matches."""
+    hf_cfg, sd = load_hf(job.init_from)
+    differ = [f"{f} is {getattr(hf_cfg, f)!r} there, {getattr(cfg, f)!r} in the preset"
+              for f in INIT_FIELDS if getattr(hf_cfg, f) != getattr(cfg, f)]
+    if differ:
+        raise ConfigError(f"init_from={job.init_from!r} does not fit preset={job.preset!r}: " + "; ".join(differ))
+    check_state_dict(our_shapes(cfg), sd, f"init_from={job.init_from!r}")
+    model.load_state_dict(sd)
 
 
 class Trainer:
@@ -21,9 +39,12 @@ class Trainer:
         self.job = job
         self.cfg = get_preset(job.preset)
         self.model = build_model(self.cfg, seed=job.seed)
+        if job.init_from is not None:
+            load_init(self.model, self.cfg, job)
         if backend is not None:
             tiled.install(self.model, backend)
-        self.corpus = corpus or Corpus(job.data, job.val_fraction)
+        self.corpus = corpus or Corpus(job.data, job.val_fraction, job.tokenizer)
+        check_vocab(self.corpus, self.cfg.vocab_size, job.preset)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW(

@@ -24,7 +24,8 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
     fields = dict(job_id=args.job_id, preset=args.preset, steps=args.steps, seed=args.seed,
                   batch_size=args.batch_size, lr=args.lr, data=args.data, method=args.method,
                   local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                  aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank)
+                  aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank,
+                  tokenizer=args.tokenizer, init_from=args.init_from)
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.config:
         job = JobConfig.load(args.config, **fields)

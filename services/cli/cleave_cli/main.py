@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave_cli import auth_cmd, chaos_cmd, monitor_cmd
+from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--lr", type=float)
-    p.add_argument("--data", help="'builtin' or a path to a UTF-8 text file")
+    p.add_argument("--data", help="builtin, a text file, folder, glob, data.jsonl[:field], hf:..., "
+                                  "or tokens.u16/.u32/.bin")
+    p.add_argument("--tokenizer", help="bytes (default), a tokenizer dir or tokenizer.json, or a cached repo id")
+    p.add_argument("--init-from", help="a Hugging Face model dir to start from (fine-tuning)")
     p.add_argument("--nats", help="use this NATS (with its scheduler and workers) instead of a local stack")
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--metrics-out", type=Path)
@@ -53,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     chaos_cmd.register(sub)
     monitor_cmd.register(sub)
     auth_cmd.register(sub)
+    data_cmd.register(sub)
+    export_cmd.register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -106,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             return monitor_cmd.run(args)
         if args.command == "auth":
             return auth_cmd.run(args)
+        if args.command == "export":
+            return export_cmd.run(args)
+        if args.command == "prepare-data":
+            return data_cmd.run(args)
         from cleave_cli import commands
 
         return getattr(commands, args.command)(args)

@@ -36,6 +36,7 @@ from cleave_ps.verify import Check, Verifier
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
 DEFAULT_BLOCK = 256
+SUSPECT_RETRY_FACTOR = 3  # a suspect worker still in the plan gets tiles again after 3 tile timeouts
 MIN_BLOCK = 16  # blocks are not cut thinner than this to feed more workers
 
 
@@ -48,6 +49,7 @@ class WorkerSlot:
     last_progress: float = 0.0
     round_trip_s: float = 0.0  # moving average of a tile's send-to-result time
     suspect: bool = False
+    suspect_since: float = 0.0
 
     def remember(self, block_id: str, nbytes: int) -> None:
         if nbytes > self.cache_bytes or block_id in self.known:
@@ -203,6 +205,11 @@ class Dispatcher:
         return tiles.from_boxes(boxes), owners
 
     def _live(self) -> list[WorkerSlot]:
+        now = time.monotonic()
+        for w in self.workers.values():
+            # still in the plan (its heartbeats go on) well after it missed a deadline: try it again
+            if w.suspect and now - w.suspect_since > SUSPECT_RETRY_FACTOR * self.s.tile_timeout_s:
+                w.suspect = False
         return [w for w in self.workers.values() if not w.suspect]
 
     async def _fill_all(self) -> None:
@@ -382,7 +389,7 @@ class Dispatcher:
             since = max(slot.last_progress, min(a.sent_at for a in inflight))
             deadline = max(self.s.tile_timeout_s, self.s.timeout_factor * slot.round_trip_s)
             if now - since > deadline:
-                slot.suspect = True
+                slot.suspect, slot.suspect_since = True, now
                 self._lose(slot.worker_id, now, cause="tile_deadline", silent_since=since)
         await self._fill_all()
 

@@ -79,8 +79,15 @@ class Scheduler:
         return Probe(payload=bytes(min(probe.reply_bytes, self.bus.max_payload - 1024)))
 
     async def sweep(self, stop: asyncio.Event) -> None:
+        reconnects = self.bus.reconnects
         while not stop.is_set():
             now = time.time()
+            if not self.bus.connected or self.bus.reconnects != reconnects:
+                # heartbeats could not reach us: silence is not evidence, give everyone a fresh period
+                reconnects = self.bus.reconnects
+                self.registry.refresh(now)
+                await wait_for_stop(stop, self.s.sweep_s)
+                continue
             for w in self.registry.sweep(now):
                 log.warning("worker_lost", worker_id=w, silent_s=self.s.liveness_s)
                 self.reasons.append("leave")

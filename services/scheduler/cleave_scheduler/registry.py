@@ -22,6 +22,10 @@ class Registry:
         )
         return old is None
 
+    def refresh(self, now: float) -> None:
+        """Treat every known device as just seen (after the scheduler itself was cut off)."""
+        self.devices = {w: d.model_copy(update={"last_seen": now}) for w, d in self.devices.items()}
+
     def sweep(self, now: float) -> list[str]:
         """Forget workers whose heartbeats stopped; returns their ids."""
         gone = [w for w, d in self.devices.items() if now - d.last_seen > self.liveness_s]

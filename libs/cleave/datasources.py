@@ -1,0 +1,350 @@
+"""Where training text comes from, and turning it into token ids in bounded pieces.
+
+A data spec (the job's `data`) is one of:
+
+    builtin                  Python's own documentation text (ships with CPython)
+    path/to/file.txt         a UTF-8 text file (any suffix not listed below)
+    path/to/folder           every non-hidden file under it, sorted by relative path
+    path/**/*.md             a glob, sorted (`**` descends into folders)
+    path/to/data.jsonl       JSON lines, field "text"; `data.jsonl:body` reads field "body"
+    hf:NAME_OR_DIR?name=CONFIG&split=train&field=text
+                             a Hugging Face dataset: a `save_to_disk` folder, a folder of data files, or a
+                             dataset already in the local cache (never downloaded); needs `datasets`
+    path/to/tokens.u16       pre-tokenised ids, raw little-endian uint16 (`.u32`: uint32; `.bin`: dtype from
+                             the sidecar `tokens.bin.json`), read through a memory map
+
+Text is yielded in documents (a file, a JSONL line, a dataset row) of pieces of at most about
+DEFAULT_CHUNK_CHARS characters, each cut after a newline, so that a corpus of any size is tokenised in bounded
+memory and `cleave prepare-data` gives exactly the tokens that reading the text directly gives.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qsl
+
+import numpy as np
+
+from cleave.errors import ConfigError
+from cleave.tokenizer import ByteTokenizer, Tokenizer
+
+BUILTIN = "builtin"
+HF_PREFIX = "hf:"
+DEFAULT_CHUNK_CHARS = 1 << 20  # text is tokenised in pieces of about this many characters
+DEFAULT_JSONL_FIELD = "text"
+DEFAULT_HF_SPLIT = "train"
+DOC_SEPARATOR = "\n\n"  # between documents, for tokenizers without an end-of-text token
+TOKEN_SUFFIXES = {".u16": "uint16", ".u32": "uint32"}
+TOKEN_DTYPES = ("uint16", "uint32")
+SIDECAR_SUFFIX = ".json"  # tokens.u16 -> tokens.u16.json: {"dtype", "tokenizer", "vocab_size", "tokens", ...}
+TOKEN_FORMAT = "cleave-tokens"
+
+Document = Iterator[str]  # the pieces of one document, in order
+
+
+@dataclass(frozen=True)
+class Source:
+    """A parsed data spec."""
+
+    spec: str
+    kind: str  # builtin | text | folder | glob | jsonl | hf | tokens
+    path: str = ""
+    text_field: str = DEFAULT_JSONL_FIELD
+    options: dict[str, str] = field(default_factory=dict)  # hf: name, split
+
+
+def parse_source(spec: str) -> Source:
+    """Classify a data spec; files are not opened yet (a missing one is reported when read)."""
+    if spec == BUILTIN:
+        return Source(spec, "builtin")
+    if spec.startswith(HF_PREFIX):
+        path, _, query = spec[len(HF_PREFIX) :].partition("?")
+        options = dict(parse_qsl(query, keep_blank_values=True))
+        unknown = sorted(set(options) - {"name", "split", "field"})
+        if not path or unknown:
+            raise ConfigError(
+                f"data={spec!r}: expected hf:NAME_OR_DIR?name=..&split=..&field=.. "
+                f"(unknown options: {', '.join(unknown) or 'none'})"
+            )
+        return Source(spec, "hf", path, options.pop("field", DEFAULT_JSONL_FIELD), options)
+    head, sep, tail = spec.rpartition(":")
+    if sep and head.endswith(".jsonl") and tail:
+        return Source(spec, "jsonl", head, tail)
+    suffix = Path(spec).suffix
+    if suffix == ".jsonl":
+        return Source(spec, "jsonl", spec)
+    if suffix in TOKEN_SUFFIXES or suffix == ".bin":
+        return Source(spec, "tokens", spec)
+    if any(c in spec for c in "*?["):
+        return Source(spec, "glob", spec)
+    if Path(spec).expanduser().is_dir():
+        return Source(spec, "folder", spec)
+    return Source(spec, "text", spec)
+
+
+# ---------------------------------------------------------------- text
+
+
+def builtin_text() -> str:
+    """Python's own documentation topics: ships with every CPython, so the demo needs no download."""
+    from pydoc_data.topics import topics
+
+    return DOC_SEPARATOR.join(topics[k] for k in sorted(topics))
+
+
+def _builtin_documents() -> Iterator[Document]:
+    from pydoc_data.topics import topics
+
+    for k in sorted(topics):
+        yield iter((topics[k],))
+
+
+def _file_pieces(path: Path, spec: str, chunk_chars: int) -> Document:
+    """A text file in pieces cut after a newline; universal newlines and U+FFFD for bad bytes."""
+    try:
+        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
+    except OSError as e:
+        raise ConfigError(f"data={spec!r}: cannot read {path} ({e.strerror})") from None
+    with f:
+        while piece := f.read(chunk_chars):
+            if not piece.endswith("\n"):
+                piece += f.readline()
+            yield piece
+
+
+def _files(src: Source) -> list[Path]:
+    if src.kind == "glob":
+        found = [Path(p) for p in glob.glob(os.path.expanduser(src.path), recursive=True)]
+        files = sorted(p for p in found if p.is_file())
+    else:
+        root = Path(src.path).expanduser()
+        files = sorted(
+            (
+                p
+                for p in root.rglob("*")
+                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
+            ),
+            key=lambda p: p.relative_to(root).as_posix(),
+        )
+    if not files:
+        raise ConfigError(f"data={src.spec!r}: no files match")
+    return files
+
+
+def _jsonl_documents(src: Source) -> Iterator[Document]:
+    path = Path(src.path).expanduser()
+    try:
+        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
+    except OSError as e:
+        raise ConfigError(f"data={src.spec!r}: cannot read {path} ({e.strerror})") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"data={src.spec!r}: line {lineno} is not JSON ({e.msg})") from None
+            text = row.get(src.text_field) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                fields = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+                raise ConfigError(
+                    f"data={src.spec!r}: line {lineno} has no text field {src.text_field!r} "
+                    f"(it has: {fields}); name the field as {src.path}:FIELD"
+                )
+            yield iter((text,))
+
+
+def _hf_dataset(src: Source):  # noqa: ANN202 - datasets is optional
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # never download: only local folders and the local cache
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            f"data={src.spec!r}: Hugging Face datasets need the `datasets` package "
+            "(pip install datasets); or export the text to JSONL"
+        ) from None
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True  # if imported before us
+    split = src.options.get("split") or DEFAULT_HF_SPLIT
+    path = Path(src.path).expanduser()
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(src.path, src.options.get("name") or None, split=split)
+    except Exception as e:  # datasets raises many kinds; all mean "not available offline"
+        raise ConfigError(
+            f"data={src.spec!r}: cannot load it from disk or the local cache, offline ({e})"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(f"data={src.spec!r}: no split {split!r} (it has: {', '.join(ds)})")
+        ds = ds[split]
+    if src.text_field not in ds.column_names:
+        raise ConfigError(
+            f"data={src.spec!r}: no text field {src.text_field!r} (it has: {', '.join(ds.column_names)}); "
+            "choose one with &field="
+        )
+    return ds
+
+
+def _hf_documents(src: Source) -> Iterator[Document]:
+    ds = _hf_dataset(src)
+    for batch in ds.select_columns([src.text_field]).iter(batch_size=1000):
+        for text in batch[src.text_field]:
+            yield iter((text or "",))
+
+
+def iter_documents(source: str | Source, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> Iterator[Document]:
+    """The documents of a text source, in a fixed order; each one a sequence of pieces."""
+    src = source if isinstance(source, Source) else parse_source(source)
+    if src.kind == "builtin":
+        yield from _builtin_documents()
+    elif src.kind == "text":
+        yield _file_pieces(Path(src.path).expanduser(), src.spec, chunk_chars)
+    elif src.kind in ("folder", "glob"):
+        for path in _files(src):
+            yield _file_pieces(path, src.spec, chunk_chars)
+    elif src.kind == "jsonl":
+        yield from _jsonl_documents(src)
+    elif src.kind == "hf":
+        yield from _hf_documents(src)
+    else:
+        raise ConfigError(f"data={src.spec!r} holds token ids, not text")
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def encode(tok: Tokenizer, text: str, dtype: np.dtype) -> np.ndarray:
+    if isinstance(tok, ByteTokenizer):  # the common case, without a Python list per byte
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype)
+    return np.asarray(tok.encode(text), dtype=dtype)
+
+
+def iter_token_chunks(
+    source: str | Source, tok: Tokenizer, chunk_chars: int = DEFAULT_CHUNK_CHARS
+) -> Iterator[tuple[np.ndarray, int, int]]:
+    """Token ids of a text source in order, as (ids, characters read, document number); documents are
+    separated by the tokenizer's end-of-text token, or by a blank line when it has none."""
+    dtype = token_dtype(tok.vocab_size)
+    sep = np.array([tok.eos_id], dtype) if tok.eos_id is not None else encode(tok, DOC_SEPARATOR, dtype)
+    for i, doc in enumerate(iter_documents(source, chunk_chars)):
+        if i:
+            yield sep, 0, i
+        for piece in doc:
+            yield encode(tok, piece, dtype), len(piece), i
+
+
+def tokenize(source: str | Source, tok: Tokenizer, chunk_chars: int = DEFAULT_CHUNK_CHARS) -> np.ndarray:
+    """All token ids of a text source, in memory (use `prepare_data` for corpora larger than RAM)."""
+    parts = [ids for ids, _, _ in iter_token_chunks(source, tok, chunk_chars)]
+    return np.concatenate(parts) if parts else np.zeros(0, token_dtype(tok.vocab_size))
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """A memory-mapped file of token ids and what its sidecar says about them."""
+
+    tokens: np.ndarray
+    tokenizer: str | None  # the spec that produced them, when recorded
+    vocab_size: int | None
+
+
+def sidecar_path(path: Path) -> Path:
+    return path.with_name(path.name + SIDECAR_SUFFIX)
+
+
+def open_tokens(source: str | Source) -> TokenFile:
+    src = source if isinstance(source, Source) else parse_source(source)
+    path = Path(src.path).expanduser()
+    meta: dict = {}
+    side = sidecar_path(path)
+    if side.is_file():
+        try:
+            meta = json.loads(side.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"data={src.spec!r}: cannot read its sidecar {side} ({e})") from None
+    dtype = TOKEN_SUFFIXES.get(path.suffix) or meta.get("dtype")
+    if dtype not in TOKEN_DTYPES:
+        raise ConfigError(
+            f"data={src.spec!r}: unknown token dtype; name the file .u16 or .u32, or write "
+            f'{side.name} with {{"dtype": "uint16"}} (or "uint32")'
+        )
+    if meta.get("dtype", dtype) != dtype:
+        raise ConfigError(f"data={src.spec!r}: the suffix says {dtype} but {side.name} says {meta['dtype']}")
+    if not path.is_file():
+        raise ConfigError(f"data={src.spec!r}: no such token file {path}")
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size % itemsize:
+        raise ConfigError(f"data={src.spec!r}: {size} bytes is not a whole number of {dtype} tokens")
+    tokens = (
+        np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r") if size else np.zeros(0, dtype)
+    )
+    vocab = meta.get("vocab_size")
+    return TokenFile(tokens, meta.get("tokenizer"), int(vocab) if vocab is not None else None)
+
+
+# ---------------------------------------------------------------- prepare-data
+
+
+@dataclass
+class PrepareStats:
+    documents: int = 0
+    chars: int = 0
+    tokens: int = 0
+
+
+def prepare_data(
+    source: str,
+    tok: Tokenizer,
+    out: str | Path,
+    on_progress: Callable[[PrepareStats], None] | None = None,
+    chunk_chars: int = DEFAULT_CHUNK_CHARS,
+) -> PrepareStats:
+    """Tokenise a text source into a token file and its sidecar, streaming; returns the counts.
+
+    The file is written under a temporary name and renamed when complete, so a reader never sees half of it.
+    """
+    out = Path(out)
+    dtype = TOKEN_SUFFIXES.get(out.suffix) or (
+        str(token_dtype(tok.vocab_size)) if out.suffix == ".bin" else None
+    )
+    if dtype is None:
+        raise ConfigError(f"--out {out}: name it .u16, .u32 or .bin (the suffix gives the token dtype)")
+    if tok.vocab_size > np.iinfo(dtype).max + 1:
+        raise ConfigError(
+            f"tokenizer {tok.name!r} has {tok.vocab_size} tokens, too many for {dtype}; use .u32"
+        )
+    stats = PrepareStats()
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for ids, chars, doc in iter_token_chunks(source, tok, chunk_chars):
+            f.write(ids.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
+            stats.documents, stats.chars, stats.tokens = doc + 1, stats.chars + chars, stats.tokens + len(ids)
+            if on_progress and chars:
+                on_progress(stats)
+    tmp.replace(out)
+    meta = {
+        "format": TOKEN_FORMAT,
+        "dtype": dtype,
+        "tokens": stats.tokens,
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "source": source,
+        "documents": stats.documents,
+    }
+    sidecar_path(out).write_text(json.dumps(meta, indent=2) + "\n")
+    return stats

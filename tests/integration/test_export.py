@@ -1,0 +1,135 @@
+"""`cleave export` of a real distributed run, loaded by `transformers`; and a run started from the export."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cleave.job import JobConfig
+from cleave.models import get_preset
+from cleave.training import Trainer
+from cleave_cli import export_cmd
+from cleave_cli.stack import Stack
+from tests.integration.fleet import assert_same
+
+JOB_ID = "export-test"
+STEPS = 3
+TOKENS = torch.arange(48).reshape(2, 24) * 5 % 256  # (B, T) byte ids
+
+
+def cleave(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, "-m", "cleave_cli", *argv], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def export(run_dir: Path, out: Path, *extra: str) -> None:
+    """`cleave export ...` through the command's own parser and entry point."""
+    parser = argparse.ArgumentParser()
+    export_cmd.register(parser.add_subparsers(dest="command"))
+    assert (
+        export_cmd.run(parser.parse_args(["export", "--run-dir", str(run_dir), "--out", str(out), *extra]))
+        == 0
+    )
+
+
+def checkpoint_model(run_dir: Path) -> tuple[int, torch.nn.Module]:
+    """Our model with the run's last committed checkpoint, read straight from its JetStream store."""
+    with export_cmd.state_server(run_dir) as url:
+        head, ckpt = asyncio.run(export_cmd.read_state(url, JOB_ID))
+    return head.step, export_cmd.model_from_checkpoint(get_preset("tiny"), ckpt)
+
+
+def hf_logits(path: Path) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("export") / "run"
+    cleave(
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--workers",
+        "2",
+        "--run-dir",
+        str(d),
+        "--job-id",
+        JOB_ID,
+    )
+    return d
+
+
+def test_export_after_the_stack_stopped(run_dir: Path, tmp_path: Path) -> None:
+    stack = json.loads((run_dir / "stack.json").read_text())
+    assert not any(p["running"] for p in stack["processes"])  # `cleave train` stopped its stack
+    export(run_dir, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "hf" / "cleave_tokenizer.json").read_text())["tokenizer"] == "bytes"
+    step, ours = checkpoint_model(run_dir)
+    assert step == STEPS - 1
+    with torch.no_grad():
+        want = ours(TOKENS)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf"), want, rtol=0, atol=1e-5)
+    # and it is the trained model: the single-process reference's weights after the same steps
+    reference = Trainer(JobConfig(job_id=JOB_ID, preset="tiny", steps=STEPS))
+    for s in range(STEPS):
+        reference.step(s)
+    with torch.no_grad():
+        torch.testing.assert_close(want, reference.model(TOKENS), rtol=0, atol=1e-3)
+        untrained = Trainer(JobConfig(preset="tiny")).model(TOKENS)
+    assert (want - untrained).abs().max() > 1e-2
+
+
+def test_export_from_the_running_stack(run_dir: Path, tmp_path: Path) -> None:
+    stack = Stack(run_dir)
+    stack.start_nats()  # the run's store served again, recorded in stack.json as a live stack would be
+    try:
+        assert export_cmd.running_nats(run_dir) == stack.nats_url
+        export(run_dir, tmp_path / "hf", "--job-id", JOB_ID, "--dtype", "bfloat16")
+    finally:
+        stack.stop_all()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["model_type"] == "gpt2"
+    _, ours = checkpoint_model(run_dir)
+    with torch.no_grad():
+        want = ours(TOKENS)
+    torch.testing.assert_close(hf_logits(tmp_path / "hf").float(), want, rtol=0, atol=0.1)
+
+
+def test_train_starts_from_an_export(run_dir: Path, tmp_path: Path) -> None:
+    export(run_dir, tmp_path / "hf")
+    job = JobConfig(job_id="from-export", preset="tiny", steps=2, seed=1, init_from=str(tmp_path / "hf"))
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    metrics = tmp_path / "metrics.jsonl"
+    cleave(
+        "train",
+        "--config",
+        str(tmp_path / "job.json"),
+        "--workers",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--metrics-out",
+        str(metrics),
+    )
+    got = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    reference = Trainer(job)
+    assert_same(got, [reference.step(s) for s in range(job.steps)])
+    fresh = Trainer(job.model_copy(update={"init_from": None}))
+    assert got[0] < fresh.step(0) - 0.1  # it starts from the trained weights, not from the seed's

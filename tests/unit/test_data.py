@@ -1,0 +1,312 @@
+"""Data sources, tokenisation and batches: every source kind, pinned batches, token files, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTok
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from cleave import datasources
+from cleave.data import DEFAULT_MIN_TOKENS, Corpus
+from cleave.errors import ConfigError
+from cleave.job import JobConfig
+from cleave.tokenizer import ByteTokenizer, load_tokenizer
+from cleave.training import Trainer
+from cleave_cli import data_cmd
+
+BYTES = ByteTokenizer()
+WORDS = (
+    "edge",
+    "devices",
+    "train",
+    "tiles",
+    "of",
+    "a",
+    "transformer",
+    "over",
+    "slow",
+    "links",
+    "and",
+    "come",
+    "go",
+)
+# sha256 of the builtin text on the CPython the pins below were taken on (3.11.7)
+BUILTIN_SHA = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
+# (seed, step, batch_size, seq, split) -> sha256 of x.tobytes() + y.tobytes() (int64), taken from the code
+# before multi-source data existed: the builtin corpus and the byte tokenizer must keep giving these batches
+PINNED_BUILTIN = {
+    (0, 0, 8, 64, "train"): "5feb6266e71df2bdc71a79bd3dbcb883232876da897821cc0090bb1d52b41d7e",
+    (3, 0, 4, 128, "val"): "18d626c9ee7ade304d9c56b40dd53872eade2025e01256ed80674594d20b763b",
+    (0, 1_000_000, 8, 64, "val"): "d5a75a8bce5e7d5934af913658b8085ea8a7e7309fc4e32e789fbc3256d09287",
+}
+PINNED_FILE = {
+    (0, 0, 4, 32, "train"): "fffc6dc6f199d6c5b909dd22b9086efa2ac741a431370e3c4159a5b3a761cd7f",
+    (2, 7, 4, 32, "val"): "8e5be3beae15be7c203e1d2c35f22e4ec0ad72b05202db8b4553ee23fb4f319c",
+}
+
+
+def digest(x: torch.Tensor, y: torch.Tensor) -> str:
+    assert x.dtype == y.dtype == torch.int64
+    return hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
+
+
+def sample_bytes() -> bytes:
+    """CRLF lines, non-ASCII, and invalid UTF-8 at the end (read as U+FFFD)."""
+    lines = [f"line {i}: the quick brown fox ümlaut — {i * 7919 % 1000}\r\n" for i in range(400)]
+    return "".join(lines).encode("utf-8") + b"\xff\xfe broken tail\n"
+
+
+def words(n: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GPT-2-style byte-level BPE with an end-of-text token and a vocabulary over the presets' 256."""
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([words(200, s) for s in range(20)], trainer)
+    d = tmp_path_factory.mktemp("bpe")
+    tok.save(str(d / "tokenizer.json"))
+    assert 300 < tok.get_vocab_size() <= 400
+    return d
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    p = tmp_path / "sample.txt"
+    p.write_bytes(sample_bytes())
+    return p
+
+
+# ---------------------------------------------------------------- the default source, pinned
+
+
+def test_builtin_bytes_batches_are_unchanged() -> None:
+    if hashlib.sha256(datasources.builtin_text().encode()).hexdigest() != BUILTIN_SHA:
+        pytest.skip("this CPython ships different documentation text than the pins were taken on")
+    corpus = Corpus()
+    assert (len(corpus.train), len(corpus.val)) == (419645, 46628)
+    for args, want in PINNED_BUILTIN.items():
+        assert digest(*corpus.batch(*args)) == want, args
+
+
+def test_text_file_batches_are_unchanged(text_file: Path) -> None:
+    corpus = Corpus(str(text_file))
+    for args, want in PINNED_FILE.items():
+        assert digest(*corpus.batch(*args)) == want, args
+
+
+def test_batches_depend_only_on_seed_and_step() -> None:
+    a, b = Corpus(), Corpus()
+    later = a.batch(0, 9, 4, 32)
+    for step in range(10):
+        x, y = b.batch(0, step, 4, 32)
+        assert torch.equal(y[:, :-1], x[:, 1:])  # targets are the inputs shifted by one
+    assert all(torch.equal(u, v) for u, v in zip(later, b.batch(0, 9, 4, 32), strict=True))
+    assert not torch.equal(a.batch(0, 1, 4, 32)[0], a.batch(0, 2, 4, 32)[0])
+    assert not torch.equal(a.batch(0, 1, 4, 32)[0], a.batch(1, 1, 4, 32)[0])
+
+
+# ---------------------------------------------------------------- text sources
+
+
+def test_text_is_read_in_pieces_without_changing_the_tokens(text_file: Path, bpe_dir: Path) -> None:
+    whole = datasources.tokenize(str(text_file), BYTES)
+    assert bytes(whole.astype(np.uint8)) == text_file.read_text(encoding="utf-8", errors="replace").encode()
+    assert np.array_equal(datasources.tokenize(str(text_file), BYTES, chunk_chars=7), whole)
+    pieces = list(next(datasources.iter_documents(str(text_file), chunk_chars=100)))
+    assert len(pieces) > 10 and all(p.endswith("\n") for p in pieces)
+
+
+def test_folder_and_glob_read_files_in_sorted_order(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    (root / "b").mkdir(parents=True)
+    (root / ".git").mkdir()
+    files = {"b/2.txt": words(900, 2), "a.md": words(900, 1), "b/1.txt": words(900, 3)}
+    for name, text in files.items():
+        (root / name).write_text(text)
+    (root / ".git" / "HEAD").write_text("not training data")
+    (root / ".hidden.txt").write_text("nor this")
+    want = "\n\n".join(files[k] for k in ("a.md", "b/1.txt", "b/2.txt")).encode()
+    assert bytes(datasources.tokenize(str(root), BYTES).astype(np.uint8)) == want
+    globbed = "\n\n".join(files[k] for k in ("b/1.txt", "b/2.txt")).encode()
+    assert bytes(datasources.tokenize(f"{root}/**/*.txt", BYTES).astype(np.uint8)) == globbed
+    assert len(Corpus(str(root)).train) == int(len(want) * 0.9)
+
+
+def test_jsonl_reads_a_text_field(tmp_path: Path, bpe_dir: Path) -> None:
+    rows = [{"text": words(900, i), "body": f"row {i}", "n": i} for i in range(8)]
+    p = tmp_path / "d.jsonl"
+    p.write_text(
+        "\n".join(json.dumps(r) for r in rows[:4]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[4:])
+    )
+    assert (
+        bytes(datasources.tokenize(str(p), BYTES).astype(np.uint8))
+        == "\n\n".join(r["text"] for r in rows).encode()
+    )
+    assert bytes(datasources.tokenize(f"{p}:body", BYTES).astype(np.uint8)) == b"\n\n".join(
+        r["body"].encode() for r in rows
+    )
+    tok = load_tokenizer(bpe_dir)
+    ids = datasources.tokenize(str(p), tok)
+    assert (ids == tok.eos_id).sum() == len(rows) - 1  # documents are separated by the end-of-text token
+    assert Corpus(str(p), tokenizer=str(bpe_dir)).vocab_size == tok.vocab_size > 256
+
+
+def test_jsonl_errors_name_the_line_and_field(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "a"}\n{"content": "b"}\n')
+    with pytest.raises(ConfigError, match=r"line 2 has no text field 'text' \(it has: content\).*:FIELD"):
+        datasources.tokenize(str(p), BYTES)
+    p.write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+        datasources.tokenize(str(p), BYTES)
+    with pytest.raises(ConfigError, match="line 1 has no text field 'body'"):
+        datasources.tokenize(f"{p}:body", BYTES)
+
+
+def test_missing_and_short_sources_are_reported(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data='.*nope.txt': cannot read .*nope.txt"):
+        Corpus(str(tmp_path / "nope.txt"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        Corpus(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(ConfigError, match="no files match"):
+        Corpus(str(tmp_path / "*.txt"))
+    (tmp_path / "short.txt").write_text("too short")
+    with pytest.raises(ConfigError, match=f"has 9 tokens; need at least {DEFAULT_MIN_TOKENS}"):
+        Corpus(str(tmp_path / "short.txt"))
+    with pytest.raises(ConfigError, match="unknown options: splt"):
+        Corpus("hf:wikitext?splt=train")
+
+
+# ---------------------------------------------------------------- Hugging Face datasets
+
+
+def test_hf_datasets_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # the source sets them: restore them afterwards
+        monkeypatch.setenv(var, "1")
+    with pytest.raises(ConfigError, match="need the `datasets` package"):
+        Corpus("hf:some/dataset")
+
+
+def test_hf_datasets_from_disk_and_local_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))  # read when datasets is first imported
+    datasets = pytest.importorskip("datasets")
+    rows = {"text": [words(200, i) for i in range(6)], "id": list(range(6))}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "saved"))
+    want = "\n\n".join(rows["text"]).encode()
+    got = datasources.tokenize(f"hf:{tmp_path / 'saved'}", BYTES)
+    assert bytes(got.astype(np.uint8)) == want
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "train.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in rows["text"]))
+    got = datasources.tokenize(f"hf:{files}?split=train&field=body", BYTES)
+    assert bytes(got.astype(np.uint8)) == want
+    with pytest.raises(ConfigError, match=r"no text field 'text' \(it has: body\)"):
+        datasources.tokenize(f"hf:{files}", BYTES)
+    with pytest.raises(ConfigError, match="no split 'test'"):
+        datasources.tokenize(f"hf:{tmp_path / 'saved'}?split=test", BYTES)
+    with pytest.raises(ConfigError, match="offline"):
+        datasources.tokenize("hf:cleave-tests/surely-not-cached", BYTES)
+
+
+# ---------------------------------------------------------------- token files
+
+
+def test_prepared_tokens_give_the_same_batches_as_the_text(
+    tmp_path: Path, text_file: Path, bpe_dir: Path
+) -> None:
+    for tokenizer, suffix in (("bytes", ".u16"), (str(bpe_dir), ".u32"), (str(bpe_dir), ".bin")):
+        out = tmp_path / f"t{suffix}"
+        stats = datasources.prepare_data(str(text_file), load_tokenizer(tokenizer), out, chunk_chars=500)
+        meta = json.loads((tmp_path / f"t{suffix}.json").read_text())
+        assert meta["tokens"] == stats.tokens == out.stat().st_size // np.dtype(meta["dtype"]).itemsize
+        assert meta["tokenizer"] == tokenizer and stats.documents == 1 and stats.chars > 0
+        text = Corpus(str(text_file), tokenizer=tokenizer)
+        tokens = Corpus(str(out), tokenizer=tokenizer)
+        assert isinstance(tokens.train, np.memmap) and tokens.vocab_size == text.vocab_size
+        for step in range(3):
+            for split in ("train", "val"):
+                a, b = text.batch(1, step, 4, 16, split), tokens.batch(1, step, 4, 16, split)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_token_file_errors(tmp_path: Path, bpe_dir: Path) -> None:
+    ids = np.arange(DEFAULT_MIN_TOKENS + 100, dtype=np.uint16) % 300
+    (tmp_path / "raw.u16").write_bytes(ids.tobytes())
+    with pytest.raises(ConfigError, match="token id 299, outside the tokenizer's vocabulary of 256"):
+        Corpus(str(tmp_path / "raw.u16"))
+    assert Corpus(str(tmp_path / "raw.u16"), tokenizer=str(bpe_dir)).vocab_size > 300
+    (tmp_path / "raw.bin").write_bytes(ids.tobytes())
+    with pytest.raises(
+        ConfigError, match=r"unknown token dtype; name the file .u16 or .u32, or write raw.bin.json"
+    ):
+        Corpus(str(tmp_path / "raw.bin"))
+    (tmp_path / "raw.bin.json").write_text('{"dtype": "uint16", "tokenizer": "bytes", "vocab_size": 512}')
+    with pytest.raises(ConfigError, match=r"tokenised with 'bytes'; set tokenizer='bytes'"):
+        Corpus(str(tmp_path / "raw.bin"), tokenizer=str(bpe_dir))
+    assert Corpus(str(tmp_path / "raw.bin")).vocab_size == 512
+    (tmp_path / "odd.u32").write_bytes(b"\x00" * 4099)
+    with pytest.raises(ConfigError, match="not a whole number of uint32 tokens"):
+        Corpus(str(tmp_path / "odd.u32"))
+    with pytest.raises(ConfigError, match="no such token file"):
+        Corpus(str(tmp_path / "absent.u16"))
+    with pytest.raises(ConfigError, match="name it .u16, .u32 or .bin"):
+        datasources.prepare_data("builtin", BYTES, tmp_path / "out.npy")
+
+
+def test_prepare_data_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    data_cmd.register(parser.add_subparsers(dest="command"))
+    out = tmp_path / "builtin.u16"
+    args = parser.parse_args(["prepare-data", "--source", "builtin", "--out", str(out)])
+    assert data_cmd.run(args) == 0
+    printed = capsys.readouterr()
+    assert "M tokens/s" in printed.err and f"to {out}" in printed.out
+    assert json.loads((tmp_path / "builtin.u16.json").read_text())["documents"] > 1
+    a, b = Corpus("builtin"), Corpus(str(out))
+    assert torch.equal(a.batch(0, 3, 8, 64)[0], b.batch(0, 3, 8, 64)[0])
+
+
+# ---------------------------------------------------------------- with the trainer
+
+
+def test_vocab_too_small_for_the_tokenizer_names_both(bpe_dir: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"tokenizer '.*' has 3\d\d tokens but preset 'tiny' has vocab_size=256"
+    ):
+        Trainer(JobConfig(preset="tiny", tokenizer=str(bpe_dir)))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "tokens"])
+def test_val_loss_with_other_sources(tmp_path: Path, kind: str) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"text": words(400, i)}) + "\n" for i in range(8)))
+    data = str(p)
+    if kind == "tokens":
+        data = str(tmp_path / "d.u16")
+        datasources.prepare_data(str(p), BYTES, data)
+    trainer = Trainer(JobConfig(preset="tiny", data=data, batch_size=4, seq_len=32, val_every=1))
+    first = trainer.step(0)
+    val = trainer.val_loss(0)
+    assert np.isfinite(val) and abs(val - first) < 1.0
