@@ -123,7 +123,8 @@ async def nats_throughput(url: str, size: int = 1 << 20, count: int = 300) -> fl
 
 
 def distributed(job: JobConfig, workers: int, run_dir: Path) -> tuple[list[dict], float]:
-    fleet = LocalFleet(run_dir, workers)
+    # uniform tiles, so that the bytes the tile plan implies are known exactly (block_shape below)
+    fleet = LocalFleet(run_dir, workers, scheduler_env={"CLEAVE_SCHEDULER_PLANNER": "uniform"})
     try:
         fleet.start()
         tput = asyncio.run(nats_throughput(fleet.stack.nats_url))
