@@ -17,7 +17,8 @@ SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
 SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}"  # worker -> PS: finished blocks
 SUBJECT_ROUNDS = PREFIX + ".round.{worker_id}"  # PS -> one worker: train locally for a round (diloco, fedavg)
-SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}"  # worker -> PS: a round's update
+SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}"  # worker -> PS: a round's update, a split step's reply
+SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
 SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
 SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
 SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
@@ -256,6 +257,36 @@ class RoundUpdate(Wire):
     weight: float = 0.0  # tokens or samples trained on: the aggregation weight
     losses: tuple[float, ...] = ()
     raw_bytes: int = 0  # the delta's size before compression
+    error: str = ""
+
+
+class SplitTask(Wire):
+    """Split learning, PS -> client. `forward`: run the client half on batch `step` and send the cut.
+    `backward`: here is the gradient at the cut; finish the step and send the clip coefficient."""
+
+    job: str
+    epoch: int
+    step: int
+    phase: Literal["forward", "backward"]
+    job_config: str
+    split_layers: int = Field(ge=0)
+    reply: str
+    grad: TensorData | None = None
+    tied_grad: TensorData | None = None
+    grad_sq_norm: float = 0.0
+    loss: float = 0.0
+
+
+class SplitReply(Wire):
+    job: str
+    epoch: int
+    step: int
+    phase: Literal["forward", "backward"]
+    worker_id: str
+    activations: TensorData | None = None
+    tied_weight: TensorData | None = None
+    targets: TensorData | None = None  # the labels: the server half computes the loss
+    clip_coef: float = 1.0
     error: str = ""
 
 

@@ -66,3 +66,29 @@ def test_cli_method_flags(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 2 and all(m["workers"] == 2 for m in lines)
+
+
+def test_split_learning_equals_plain_training(tmp_path):
+    job = JobConfig(job_id="split", preset="tiny", steps=5, method="split", split_layers=1)
+    lines = run_job(tmp_path, job, workers=2)
+    trainer = Trainer(JobConfig(preset="tiny", steps=5))
+    assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(5)])
+
+
+def test_split_learning_says_clearly_when_its_client_is_lost(tmp_path):
+    """The client half of the model lives only on the client: losing it ends the job with a clear error."""
+    job = JobConfig(job_id="split-lost", preset="tiny", steps=6, method="split", round_timeout_s=20)
+    fleet = LocalFleet(tmp_path / "run", 0)
+    try:
+        fleet.start()
+        fleet.stack.service("victim", "worker", ["--worker-id", "a-victim"], restart=False,
+                            env={"CLEAVE_WORKER_FAIL_AT": "split:3", "CLEAVE_WORKER_FAULT_DIR": str(tmp_path / "f")})
+        fleet.add_worker()
+        fleet.start_ps(job, tmp_path / "m.jsonl")
+        with pytest.raises(Exception, match="exited with 4"):
+            fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=120)
+        log = (tmp_path / "run" / "logs" / "ps.log").read_text()
+        assert "split_client_lost" in log and "a-victim" in log
+        assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3  # steps 0-2 stand, nothing half-done
+    finally:
+        fleet.stop()

@@ -25,7 +25,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
                   batch_size=args.batch_size, lr=args.lr, data=args.data, method=args.method,
                   local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                   aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank,
-                  tokenizer=args.tokenizer, init_from=args.init_from)
+                  tokenizer=args.tokenizer, init_from=args.init_from, split_layers=args.split_layers)
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.config:
         job = JobConfig.load(args.config, **fields)

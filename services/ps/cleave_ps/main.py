@@ -34,6 +34,7 @@ from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.persist import Fenced, Persister, restore, snapshot
 from cleave_ps.rounds import run_rounds
 from cleave_ps.settings import PsSettings
+from cleave_ps.split_server import run_split
 
 log = structlog.get_logger("ps")
 
@@ -215,6 +216,8 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     try:
         if job.method in ("diloco", "fedavg"):
             return await run_rounds(s, job, bus, stop)
+        if job.method == "split":
+            return await run_split(s, job, bus, stop)
         return await train(s, job, bus, stop)
     finally:
         await bus.close()

@@ -18,17 +18,21 @@ from cleave.profile import Pacer, parse_profile
 from cleave.schemas import (
     SUBJECT_HEARTBEAT,
     SUBJECT_ROUNDS,
+    SUBJECT_SPLIT,
     SUBJECT_TILES,
     DeviceProfile,
     Heartbeat,
     RoundTask,
     RoundUpdate,
+    SplitReply,
+    SplitTask,
     TileTask,
 )
 from cleave_worker.core import BlockCache, check_inputs, compute, measure_flops, reply_to
 from cleave_worker.probe import measure_links
 from cleave_worker.rounds import RoundRunner
 from cleave_worker.settings import WorkerSettings
+from cleave_worker.split_client import SplitRunner
 
 UNMEASURED_BYTES_PER_S = 100e6  # link speed reported until a probe measures it
 
@@ -44,6 +48,7 @@ class Worker:
         self.faults = Faults(settings.fail_at, settings.fault_dir, tag=settings.worker_id)
         self.pacer = Pacer(profile) if profile.declared else None
         self.rounds = RoundRunner(settings.worker_id, settings.data)
+        self.split = SplitRunner(settings.worker_id, str(settings.data) if settings.data else None)
         self.log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
 
     async def on_tile(self, task: TileTask, nbytes: int) -> None:
@@ -88,6 +93,17 @@ class Worker:
                                  error=repr(e)[:500])
         await self.bus.publish(task.reply, update)
 
+    async def on_split(self, task: SplitTask, nbytes: int) -> None:
+        """Split learning: this worker is the client; run its half of the step off the event loop."""
+        self.faults.hit("split", task.step)
+        try:
+            reply = await asyncio.to_thread(self.split.run, task)
+        except Exception as e:  # the PS hears why, and the step is not half-applied silently
+            self.log.warning("split_step_failed", job=task.job, step=task.step, phase=task.phase, error=repr(e))
+            reply = SplitReply(job=task.job, epoch=task.epoch, step=task.step, phase=task.phase,
+                               worker_id=self.s.worker_id, error=repr(e)[:500])
+        await self.bus.publish(task.reply, reply)
+
     def heartbeat(self) -> Heartbeat:
         return Heartbeat(
             worker_id=self.s.worker_id, profile=self.profile, sent_at=time.time(), started_at=self.started_at,
@@ -125,6 +141,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     worker = Worker(settings, bus, profile)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
+    splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, worker.on_split)
     log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
              up=f"{profile.uplink_bytes_per_s / 1e6:.0f}MB/s", declared=profile.declared,
              memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
@@ -134,6 +151,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
             tg.create_task(worker.reprobe(stop, flops))
     await sub.unsubscribe()
     await rounds.unsubscribe()
+    await splits.unsubscribe()
     await bus.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
     return 0

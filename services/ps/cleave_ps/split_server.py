@@ -1,0 +1,144 @@
+"""The PS's side of split learning: it runs every block after the cut, the head and the loss.
+
+One worker of the plan becomes the client for the whole job (it holds the embedding, the first k blocks,
+their optimizer and the data). Each step: ask the client for the activations at the cut, run the server
+half, send back the gradient at the cut, and apply the server's AdamW with the clip coefficient the client
+computed from the global gradient norm, exactly as one process would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from cleave import codec
+from cleave.bus import Bus
+from cleave.errors import CleaveError
+from cleave.job import JobConfig
+from cleave.lifecycle import wait_for_stop
+from cleave.methods import split
+from cleave.methods.common import make_adamw
+from cleave.metrics_file import MetricsFile
+from cleave.models import build_model, get_preset
+from cleave.schemas import (
+    PLAN_BUCKET,
+    PLAN_KEY,
+    SUBJECT_SPLIT,
+    SUBJECT_UPDATES,
+    Plan,
+    SplitReply,
+    SplitTask,
+    StepMetrics,
+)
+from cleave_ps.settings import PsSettings
+
+log = structlog.get_logger("ps")
+DEFAULT_POLL_S = 0.05
+
+
+class ClientLost(CleaveError):
+    """The split-learning client left: its half of the model went with it."""
+
+
+class SplitJob:
+    def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
+        self.s, self.job, self.bus, self.stop = s, job, bus, stop
+        self.epoch = time.time_ns() // 1_000_000
+        self.reply = SUBJECT_UPDATES.format(job=job.job_id, epoch=self.epoch)
+        self.workers: set[str] = set()
+        self.client = ""
+        self.waiting: dict[tuple[int, str], asyncio.Future] = {}
+        self.bytes_down = self.bytes_up = 0
+
+    def build(self) -> None:
+        _, half = split.split_model(build_model(get_preset(self.job.preset), seed=self.job.seed), self.job.split_layers)
+        self.server = split.SplitServer(half, make_adamw(split.server_params(half), self.job))
+
+    def on_plan(self, key: str, operation: str, value: bytes | None) -> None:
+        if value:
+            self.workers = {w.worker_id for w in codec.decode(value, Plan).workers}
+
+    async def on_reply(self, msg: SplitReply, nbytes: int) -> None:
+        self.bytes_up += nbytes
+        fut = self.waiting.get((msg.step, msg.phase))
+        if msg.worker_id != self.client or fut is None or fut.done():
+            self.bus.reject("unexpected_split_reply", f"split reply from {msg.worker_id}", f"step {msg.step}")
+            return
+        fut.set_result(msg)
+
+    async def ask(self, task: SplitTask) -> SplitReply:
+        fut = self.waiting[(task.step, task.phase)] = asyncio.get_running_loop().create_future()
+        self.bytes_down += await self.bus.publish(SUBJECT_SPLIT.format(worker_id=self.client), task)
+        deadline = time.monotonic() + self.job.round_timeout_s
+        try:
+            while not fut.done():
+                if self.client not in self.workers:
+                    raise ClientLost(f"split-learning client {self.client} left at step {task.step}: the client "
+                                     "half of the model lived only there; start the job again")
+                if time.monotonic() > deadline or self.stop.is_set():
+                    raise ClientLost(f"client {self.client} did not answer step {task.step} ({task.phase})")
+                await wait_for_stop(self.stop, DEFAULT_POLL_S)
+        finally:
+            self.waiting.pop((task.step, task.phase), None)
+        reply = fut.result()
+        if reply.error:
+            raise ClientLost(f"client {self.client} failed step {task.step}: {reply.error}")
+        return reply
+
+    async def step(self, s: int) -> StepMetrics:
+        t0 = time.perf_counter()
+        base = dict(job=self.job.job_id, epoch=self.epoch, step=s, job_config=self.job.model_dump_json(),
+                    split_layers=self.job.split_layers, reply=self.reply)
+        fwd = await self.ask(SplitTask(**base, phase="forward"))
+        if fwd.activations is None or fwd.targets is None:
+            raise ClientLost(f"client {self.client} sent no activations for step {s}")
+        tied = None if fwd.tied_weight is None else codec.data_to_tensor(fwd.tied_weight)
+        cut = split.CutForward(codec.data_to_tensor(fwd.activations), tied)
+        back = await asyncio.to_thread(self.server.step, cut, codec.data_to_tensor(fwd.targets))
+        bwd = await self.ask(SplitTask(
+            **base, phase="backward", grad=codec.tensor_to_data(back.grad), loss=back.loss,
+            tied_grad=None if back.tied_grad is None else codec.tensor_to_data(back.tied_grad),
+            grad_sq_norm=back.grad_sq_norm,
+        ))
+        await asyncio.to_thread(self.server.apply, bwd.clip_coef)
+        m = StepMetrics(job=self.job.job_id, method="split", step=s, loss=back.loss,
+                        step_time_s=time.perf_counter() - t0, workers=1, bytes_down=self.bytes_down,
+                        bytes_up=self.bytes_up, tokens=self.job.batch_size * self.job.seq, lr=self.job.lr,
+                        at=time.time())
+        self.bytes_down = self.bytes_up = 0
+        return m
+
+
+async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
+    sj = SplitJob(s, job, bus, stop)
+    await asyncio.to_thread(sj.build)
+    out = MetricsFile(s.metrics_out)
+    sub = await bus.subscribe(sj.reply, SplitReply, sj.on_reply, max_bytes=s.max_result_bytes)
+    code = 0
+    async with asyncio.TaskGroup() as tg:
+        watcher = tg.create_task(bus.watch(PLAN_BUCKET, PLAN_KEY, sj.on_plan, stop))
+        try:
+            while not sj.workers and not stop.is_set():
+                await wait_for_stop(stop, DEFAULT_POLL_S)
+            sj.client = min(sj.workers, default="")
+            log.info("ps_started", job=job.job_id, method="split", client=sj.client, steps=job.steps)
+            for step in range(job.steps):
+                if stop.is_set():
+                    break
+                m = await sj.step(step)
+                await asyncio.to_thread(out.write, m)
+                await bus.emit(m)
+                log.info("step_done", step=step, loss=round(m.loss, 5), step_time_s=round(m.step_time_s, 3))
+        except ClientLost as e:
+            log.error("split_client_lost", reason=str(e))
+            code = JOB_FAILED
+        finally:
+            stop.set()
+            watcher.cancel()
+    await sub.unsubscribe()
+    return code
+
+
+JOB_FAILED = 4  # the job cannot go on; the supervisor does not restart the PS for it
