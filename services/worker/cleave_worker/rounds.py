@@ -20,6 +20,7 @@ from cleave.methods.common import make_adamw, shard_batch, trainable
 from cleave.methods.lora import attach_lora
 from cleave.models import build_model, get_preset
 from cleave.schemas import RoundTask, RoundUpdate
+from cleave.training import load_init
 
 MAX_JOBS = 2  # models kept for different jobs at once
 
@@ -42,7 +43,10 @@ class RoundRunner:
         key = f"{task.job}.{task.epoch}"
         if key not in self.jobs:
             job = JobConfig.model_validate_json(task.job_config)
-            model = build_model(get_preset(job.preset), seed=job.seed)
+            cfg = get_preset(job.preset)
+            model = build_model(cfg, seed=job.seed)
+            if job.init_from:  # fine-tuning: the same base weights as the PS (the path must exist here too)
+                load_init(model, cfg, job)
             if job.lora_rank:
                 attach_lora(model, job.lora_rank, job.lora_alpha, seed=job.seed)
             corpus = Corpus(str(self.data) if self.data else job.data, job.val_fraction)
