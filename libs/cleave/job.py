@@ -17,7 +17,8 @@ class JobConfig(BaseModel):
 
     job_id: str = Field("job", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
-    split_layers: int = Field(1, ge=0)  # split learning: blocks the client keeps after the embedding
+    split_layers: int = Field(1, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes  # split learning: blocks the client keeps after the embedding
     local_steps: int = Field(1, ge=1)  # diloco's H / fedavg's E: local steps per round
     outer_lr: float = Field(0.7, gt=0)  # diloco's outer Nesterov step
     outer_momentum: float = Field(0.9, ge=0, lt=1)

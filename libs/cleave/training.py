@@ -34,13 +34,24 @@ def load_init(model: torch.nn.Module, cfg: ModelConfig, job: JobConfig) -> None:
     model.load_state_dict(sd)
 
 
+def resolve_device(name: str) -> torch.device:
+    """"auto" is CUDA when this machine has it, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but torch sees no CUDA device here; use device='auto' or 'cpu'")
+    return torch.device(name)
+
+
 class Trainer:
     def __init__(self, job: JobConfig, backend: tiled.GemmBackend | None = None, corpus: Corpus | None = None) -> None:
         self.job = job
         self.cfg = get_preset(job.preset)
-        self.model = build_model(self.cfg, seed=job.seed)
+        self.device = resolve_device(job.device)
+        self.model = build_model(self.cfg, seed=job.seed)  # initialised on the CPU: the same weights anywhere
         if job.init_from is not None:
             load_init(self.model, self.cfg, job)
+        self.model.to(self.device)
         if backend is not None:
             tiled.install(self.model, backend)
         self.corpus = corpus or Corpus(job.data, job.val_fraction, job.tokenizer)
@@ -59,6 +70,7 @@ class Trainer:
     def step(self, step: int) -> float:
         """Run training step `step` (its batch is fixed by the seed and the step number)."""
         x, y = self.corpus.batch(self.job.seed, step, self.job.batch_size, self.job.seq)
+        x, y = x.to(self.device), y.to(self.device)
         self.model.train()
         loss = self.loss(x, y)
         self.opt.zero_grad(set_to_none=True)
@@ -78,5 +90,5 @@ class Trainer:
         total = 0.0
         for i in range(batches):
             x, y = self.corpus.batch(self.job.seed, 1_000_000 + step * batches + i, self.job.batch_size, self.job.seq, "val")
-            total += self.loss(x, y).item()
+            total += self.loss(x.to(self.device), y.to(self.device)).item()
         return total / batches

@@ -56,8 +56,11 @@ class FleetGemm:
         self.op += 1
         if self.op == self.FAULT_OP:
             self.faults.hit("in_step", self.step)
-        fut = asyncio.run_coroutine_threadsafe(self.dispatcher.gemm(a, bt, self.step, self.op, name), self.loop)
-        return fut.result()
+        device = a.device  # a CUDA PS ships CPU copies; the assembled product goes back to its device
+        fut = asyncio.run_coroutine_threadsafe(
+            self.dispatcher.gemm(a.cpu(), bt.cpu(), self.step, self.op, name), self.loop
+        )
+        return fut.result().to(device)
 
 
 async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Event) -> None:

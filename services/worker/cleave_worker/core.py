@@ -11,6 +11,7 @@ from cleave import codec, tiles
 from cleave.schemas import BlockRef, TileResult, TileTask
 
 HALF = (torch.float16, torch.bfloat16)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # workers use CUDA when present
 
 
 class BlockCache:
@@ -69,7 +70,10 @@ def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, c
     start = time.perf_counter()
     if a.dtype in HALF:  # the approximate mode sends half-precision inputs; products accumulate in float32
         a, bt = a.float(), bt.float()
-    out = tiles.compute(a, bt)
+    if DEVICE.type == "cuda":
+        out = tiles.compute(a.to(DEVICE), bt.to(DEVICE)).cpu()
+    else:
+        out = tiles.compute(a, bt)
     if corrupt:
         out[0, 0] += corrupt
     return TileResult(
