@@ -86,10 +86,11 @@ def max_cols(r: Rates, tau: np.ndarray, h: np.ndarray | int, cap: int) -> np.nda
     """The widest block of `h` rows each device finishes within `tau` seconds after its latency (int64)."""
     h = np.asarray(h, dtype=np.int64)
     hf = h.astype(np.float64)
-    by_time = np.minimum(tau * r.lines - hf, tau * r.area / hf)
-    by_mem = (r.mem - h * r.k) // (r.k + h)
-    width = np.minimum(np.floor(by_time + 1e-9), by_mem)
-    return np.clip(width, 0, cap).astype(np.int64)
+    width = np.minimum(tau * r.lines - hf, tau * r.area / hf)
+    np.floor(width + 1e-9, out=width)
+    np.minimum(width, (r.mem - h * r.k) // (r.k + h), out=width)
+    np.clip(width, 0, cap, out=width)
+    return width.astype(np.int64)
 
 
 def ideal_side(r: Rates, tau: np.ndarray, cap: int) -> np.ndarray:
@@ -132,7 +133,9 @@ class Relaxation:
         self.tile_max = self.single(np.full(len(r.lat), np.inf))  # the largest block memory allows
         self.tile_sigma = np.where(  # ... and its rows + columns
             np.minimum(box_area(self.sig_b, lo, hi), r.mem - self.sig_b * r.k) >= self.tile_max,
-            self.sig_b, self.sig_a)
+            self.sig_b,
+            self.sig_a,
+        )
         # Several blocks: each covers at most rho·(its rows + columns), rho being the best ratio of area to
         # rows + columns under memory and the box, and at most the unboxed square area (superadditive).
         best = np.minimum(sig_x, lo + hi)
@@ -155,12 +158,16 @@ class Relaxation:
             j = np.maximum(c * T / (A + c * r.lat), 2)
             out = np.minimum(out, np.minimum(j * A, c * (T - j * r.lat)))
         lines2 = np.maximum(T - 2 * r.lat, 0) * r.lines
-        return np.clip(np.minimum(out, box_area(np.floor(lines2 + FLOOR_SLACK), self.lo, self.hi, False)), 0, None)
+        return np.clip(
+            np.minimum(out, box_area(np.floor(lines2 + FLOOR_SLACK), self.lo, self.hi, False)), 0, None
+        )
 
     def area(self, T: float) -> np.ndarray:
-        single = self.single(np.maximum(T - self.r.lat, 0))
-        both = np.minimum(np.maximum(single, self._multi(T)), float(self.lo) * self.hi)
-        return np.where(self.usable, both, 0.0)
+        tau = np.maximum(T - self.r.lat, 0)
+        single = self.single(tau)
+        if np.any(self.sig_a < tau * self.r.lines):  # several blocks can only pay where memory binds
+            single = np.maximum(single, self._multi(T))
+        return np.where(self.usable, np.minimum(single, float(self.lo) * self.hi), 0.0)
 
 
 def relaxed_area(r: Rates, T: float, lo: int, hi: int) -> np.ndarray:

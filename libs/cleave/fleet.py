@@ -68,7 +68,9 @@ class Fleet:
         """A Fleet from a Fleet (returned as is), `Device`s, or a `{id: DeviceProfile}` mapping."""
         if isinstance(devices, Fleet):
             return devices
-        items = list(devices.items()) if isinstance(devices, Mapping) else [(d.id, d.profile) for d in devices]
+        items = (
+            list(devices.items()) if isinstance(devices, Mapping) else [(d.id, d.profile) for d in devices]
+        )
         profiles = [p for _, p in items]
         return cls(
             ids=tuple(i for i, _ in items),
@@ -82,8 +84,14 @@ class Fleet:
     def take(self, index: Sequence[int] | np.ndarray) -> Fleet:
         """The sub-fleet of the devices at these positions, in that order."""
         idx = np.asarray(index, dtype=np.int64)
-        return Fleet(tuple(self.ids[i] for i in idx.tolist()), self.flops[idx], self.memory_bytes[idx],
-                     self.downlink[idx], self.uplink[idx], self.latency[idx])
+        return Fleet(
+            tuple(self.ids[i] for i in idx.tolist()),
+            self.flops[idx],
+            self.memory_bytes[idx],
+            self.downlink[idx],
+            self.uplink[idx],
+            self.latency[idx],
+        )
 
     def without(self, ids: Iterable[str]) -> Fleet:
         """The fleet less these devices (a leave); unknown ids are ignored."""
@@ -93,11 +101,16 @@ class Fleet:
     def devices(self) -> list[Device]:
         """The fleet as `Device` objects (the registry's shape)."""
         return [
-            Device(self.ids[i], DeviceProfile(
-                flops=float(self.flops[i]), memory_bytes=int(self.memory_bytes[i]),
-                downlink_bytes_per_s=float(self.downlink[i]), uplink_bytes_per_s=float(self.uplink[i]),
-                latency_s=float(self.latency[i]),
-            ))
+            Device(
+                self.ids[i],
+                DeviceProfile(
+                    flops=float(self.flops[i]),
+                    memory_bytes=int(self.memory_bytes[i]),
+                    downlink_bytes_per_s=float(self.downlink[i]),
+                    uplink_bytes_per_s=float(self.uplink[i]),
+                    latency_s=float(self.latency[i]),
+                ),
+            )
             for i in range(len(self))
         ]
 

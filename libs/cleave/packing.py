@@ -6,10 +6,11 @@ strip (published once), and devices in a band have nearly equal shapes when they
 are formed from devices sorted by the side of the largest square tile they finish within the target time.
 
 At a target time T each device (or each of its `j` rounds, when its memory forces several tiles) gets a
-budget; a band's height is the largest integer at which its devices' widths still add up to L. Two ways
-to group sorted devices into bands: `pack_greedy` (vectorised: consecutive devices whose square sides
-add up to L) for large fleets, and `pack_dp` (dynamic programme over all consecutive groupings, exact for
-that family) for small ones. `search` finds the smallest T at which a packing covers the S rows.
+budget of T minus its latency. Three ways to group the sorted devices into bands: `pack_dp` (a dynamic
+programme over all consecutive groupings, exact for that family; small fleets), `pack_scan` (band after
+band, each with exactly the devices its height needs) and `pack_greedy` (vectorised: consecutive devices
+whose square sides add up to L, each band at its largest integer height). `search` finds the smallest T
+at which a packer covers the S rows; `solve` picks packers and orientations by fleet size.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +26,11 @@ from cleave.costmodel import PlanError, Rates, Relaxation, box_area, ideal_side,
 
 DP_MAX_DEVICES = 40  # pack_dp's cost grows as n² x the number of candidate heights
 DP_MAX_HEIGHTS = 512  # candidate band heights for pack_dp when S is larger
+RTOL_LARGE = 2e-4  # relative precision of the makespan search for large fleets
+RTOL_SMALL = 1e-5  # ... with the exact-grouping packer (small fleets)
+GREEDY_MIN_SIDE = 48  # large fleets: typical tile side from which the greedy packer beats the scan
 MAX_VIRTUAL = 200_000  # tiles per GEMM beyond which memory is simply too small for the job
-SCAN_TRY_MAX_DEVICES = 2000  # smaller fleets try several heights per band
+SCAN_TRY_MAX_DEVICES = 500  # smaller fleets try several heights per band
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,7 +61,8 @@ def _rounds(relax: Relaxation, T: float) -> np.ndarray:
     by_time = np.minimum(tau * r.area, box_area(np.floor(tau * r.lines), relax.lo, relax.hi))
     per_tile = r.lat + np.maximum(relax.tile_sigma / r.lines, relax.tile_max / r.area)
     binds = (relax.tile_max >= 1) & (relax.tile_max < by_time)
-    j = np.where(binds, np.maximum(np.floor(T / per_tile), 1), 1).astype(np.int64)
+    fit = np.floor(T / np.maximum(per_tile, 1e-12))  # tiles of the largest size that fit in T
+    j = np.where(binds, np.clip(fit, 1, MAX_VIRTUAL + 1), 1).astype(np.int64)
     if binds.any():  # floor(T / per_tile) full tiles, or one or two more, smaller ones: whichever covers most
         cands = [j + d for d in (0, 1, 2)]
         covers = np.stack([c * relax.single(np.maximum(T / c - r.lat, 0)) for c in cands])
@@ -73,10 +79,12 @@ def virtual_devices(relax: Relaxation, T: float) -> Virtual:
     r = relax.r
     j = _rounds(relax, T)
     if int(j.sum()) > MAX_VIRTUAL:
-        raise PlanError(f"device memory is too small for this {relax.lo}x{relax.hi} output (k={r.k}): the "
-                        f"largest tile any device holds has {int(relax.tile_max.max())} elements, and the plan "
-                        f"would need more than {MAX_VIRTUAL} tiles; give the devices more memory or use a "
-                        "smaller batch")
+        raise PlanError(
+            f"device memory is too small for this {relax.lo}x{relax.hi} output (k={r.k}): the "
+            f"largest tile any device holds has {int(relax.tile_max.max())} elements, and the plan "
+            f"would need more than {MAX_VIRTUAL} tiles; give the devices more memory or use a "
+            "smaller batch"
+        )
     dev = np.repeat(np.arange(len(j)), j)
     tau = T / j[dev] - r.lat[dev]
     return Virtual(dev, tau, r.take(dev))
@@ -126,18 +134,36 @@ def _scan_band(rs: Rates, tau: np.ndarray, p: int, end: int, h: int, L: int) -> 
     return p + q + 1 if q < len(w) else -1
 
 
-def _scan_choose(rs: Rates, tau: np.ndarray, side: np.ndarray, sq: list[float], p: int, h0: int, L: int,
-                 tries: int) -> tuple[int, int]:
-    """(height, next start) of the band starting at p: of up to `tries` heights near h0, the one covering
-    the most rows per unit of square area its devices could have covered."""
-    n = len(side)
-    best = (-1.0, h0, -1)
-    for h in sorted({max(1, h0 + d) for d in range(-(tries // 2), tries - tries // 2)}):
-        nxt = _scan_band(rs, tau, p, n, h, L)
+def _scan_heights(side: np.ndarray, p: int, q0: int, rows_left: int, tries: int) -> list[int]:
+    """Candidate heights of the band starting at p whose square sides reach L at q0: the side of its
+    middle device (evening out the last bands), the side of its first device where that is much larger,
+    and with `tries` > 1 their neighbours and the whole remaining height."""
+    h0 = max(1, int(side[min((p + q0) // 2, len(side) - 1)]))
+    if rows_left < 3 * h0:  # even out the last bands rather than end on a thin one
+        h0 = -(-rows_left // max(1, round(rows_left / h0)))
+    first = max(1, int(side[p]))
+    cands = {h0, first} if first > 1.5 * h0 else {h0}
+    if tries > 1:
+        cands |= {c + d for c in tuple(cands) for d in range(-(tries // 2), tries - tries // 2)} | {rows_left}
+    return sorted({min(max(c, 1), rows_left) for c in cands})
+
+
+def _scan_next(
+    rs: Rates, tau: np.ndarray, sq: list[float], p: int, q0: int, hs: list[int], L: int
+) -> tuple[int, int]:
+    """(height, next start) of the band at p: of the candidate heights, the one covering the most rows per
+    unit of square area its devices could have covered; (0, -1) if no height closes the band."""
+    n, best = len(tau), (-1.0, 0, -1)
+    for h in hs:
+        nxt = _scan_band(rs, tau, p, min(n, p + 2 * (q0 - p + 1) + 8), h, L)
         if nxt < 0:
-            continue
-        eff = h / (sq[nxt - 1] - (sq[p - 1] if p else 0.0))
-        best = max(best, (eff, h, nxt))
+            nxt = _scan_band(rs, tau, p, n, h, L)
+        if nxt > 0:
+            best = max(best, (h / max(sq[nxt - 1] - (sq[p - 1] if p else 0.0), 1e-300), h, nxt))
+    while best[2] < 0 and hs[0] > 1:  # weak devices left: try thinner bands
+        hs = [hs[0] // 2]
+        nxt = _scan_band(rs, tau, p, n, hs[0], L)
+        best = (0.0, hs[0], nxt)
     return best[1], best[2]
 
 
@@ -153,35 +179,26 @@ def pack_scan(v: Virtual, S: int, L: int) -> tuple[int, Callable[[], Layout]]:
     p, covered = 0, 0
     while covered < S and p < n:
         q0 = bisect_left(cs, (cs[p - 1] if p else 0.0) + L, lo=p)
-        h0 = max(1, int(side[min((p + q0) // 2, n - 1)]))
-        h0 = -(-(S - covered) // max(1, round((S - covered) / h0)))  # even out the remaining bands
-        h, nxt = _scan_choose(rs, tau, side, sq, p, h0, L, tries) if tries > 1 else (h0, -1)
-        if nxt < 0:
-            h, nxt = h0, _scan_band(rs, tau, p, min(n, p + 2 * (q0 - p + 1) + 8), h0, L)
-            if nxt < 0:
-                nxt = _scan_band(rs, tau, p, n, h, L)
-        while nxt < 0 and h > 1:
-            h //= 2
-            nxt = _scan_band(rs, tau, p, n, h, L)
+        h, nxt = _scan_next(rs, tau, sq, p, q0, _scan_heights(side, p, q0, S - covered, tries), L)
         if nxt < 0:
             break
-        h = min(h, S - covered)
         starts.append(p)
         heights.append(h)
         covered += h
         p = nxt
     if not starts:
         return 0, lambda: _empty()
-    stops = [*starts[1:], p]
-    band = np.repeat(np.arange(len(starts)), np.subtract(stops, starts))
-    members = order[: p]
-    return covered, lambda: _build(v, members, band, np.array(heights, dtype=np.int64), S, L)
+    band = np.repeat(np.arange(len(starts)), np.diff([*starts, p]))
+    return covered, lambda: _build(v, order[:p], band, np.array(heights, dtype=np.int64), S, L)
 
 
 def _dp_heights(v: Virtual, order: np.ndarray, S: int, L: int) -> np.ndarray:
     """best[i, j]: the largest height a band of sorted devices i..j-1 can take (0 if none)."""
-    hs = np.arange(1, S + 1) if S <= DP_MAX_HEIGHTS else np.unique(
-        np.concatenate([np.geomspace(1, S, DP_MAX_HEIGHTS).astype(np.int64), [S]]))
+    hs = (
+        np.arange(1, S + 1)
+        if S <= DP_MAX_HEIGHTS
+        else np.unique(np.concatenate([np.geomspace(1, S, DP_MAX_HEIGHTS).astype(np.int64), [S]]))
+    )
     rs = v.rates.take(order)
     col = Rates(rs.lat[:, None], rs.lines[:, None], rs.area[:, None], rs.mem[:, None], rs.k)
     widths = max_cols(col, v.tau[order][:, None], hs[None, :], L)
@@ -298,3 +315,58 @@ def search(r: Rates, S: int, L: int, t_low: float, packer: Packer, rtol: float) 
             hi, best = mid, got
     v, build = best
     return v, build()
+
+
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """Blocks in canonical axes: `a` has the GEMM's shorter side, `b` its longer one."""
+
+    dev: np.ndarray
+    a0: np.ndarray
+    a1: np.ndarray
+    b0: np.ndarray
+    b1: np.ndarray
+    time_s: np.ndarray  # per block
+    device_time_s: float  # the busiest device's total
+
+
+def _oriented(r: Rates, v: Virtual, lay: Layout, swap: bool) -> Blocks:
+    dev = v.dev[lay.vdev]
+    t = tile_time(r, dev, lay.s1 - lay.s0, lay.l1 - lay.l0)
+    busiest = float(device_times(r, v, lay).max())
+    if swap:  # the frame's S axis is the longer side
+        return Blocks(dev, lay.l0, lay.l1, lay.s0, lay.s1, t, busiest)
+    return Blocks(dev, lay.s0, lay.s1, lay.l0, lay.l1, t, busiest)
+
+
+def _dp_or(packer: Packer) -> Packer:
+    def pick(v: Virtual, S: int, L: int) -> tuple[int, Any]:
+        return pack_dp(v, S, L) if len(v.dev) <= DP_MAX_DEVICES else packer(v, S, L)
+
+    return pick
+
+
+def solve(r: Rates, lo: int, hi: int, t_low: float) -> Blocks:
+    """Pack the lo x hi output. Small fleets group devices exactly (pack_dp) in both orientations; mid-size
+    ones keep the better of a scan along the long side and a greedy packing across it; large ones pick one:
+    many similar-device bands across the long side (greedy) unless tiles are small, where the greedy's
+    integer heights waste more than a scan of fewer, mixed bands along it."""
+    n = len(r.lat)
+    scan_long = (_dp_or(pack_scan), lo, hi, False)
+    greedy_across = (_dp_or(pack_greedy), hi, lo, True)
+    if n <= DP_MAX_DEVICES:
+        tries = [scan_long, (_dp_or(pack_scan), hi, lo, True)]
+    elif n <= SCAN_TRY_MAX_DEVICES:
+        tries = [scan_long, greedy_across]
+    else:
+        active = int(np.count_nonzero(Relaxation(r, lo, hi).area(t_low)))
+        side = np.sqrt(float(lo) * hi / max(active, 1))
+        tries = [greedy_across if side >= GREEDY_MIN_SIDE else scan_long]
+    best: Blocks | None = None
+    for packer, S, L, swap in tries:
+        v, lay = search(r, S, L, t_low, packer, RTOL_SMALL if n <= DP_MAX_DEVICES else RTOL_LARGE)
+        got = _oriented(r, v, lay, swap)
+        if best is None or got.device_time_s < best.device_time_s:
+            best = got
+    assert best is not None
+    return best

@@ -28,26 +28,21 @@ from cleave.costmodel import (
     tile_time,
 )
 from cleave.fleet import Fleet, FleetLike
-from cleave.packing import (
-    DP_MAX_DEVICES,
-    SCAN_TRY_MAX_DEVICES,
-    Layout,
-    Packer,
-    Virtual,
-    device_times,
-    pack_dp,
-    pack_greedy,
-    pack_scan,
-    search,
-)
+from cleave.packing import Blocks, solve
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-RTOL_LARGE = 2e-4  # relative precision of the makespan search with the greedy packer
-RTOL_SMALL = 1e-5  # ... with the exact-grouping packer (small fleets)
 
 __all__ = [
-    "DTYPE_BYTES", "Assignment", "GemmPlan", "ModelPlan", "PlanError", "even_split", "even_split_model",
-    "plan_gemm", "plan_model",
+    "DTYPE_BYTES",
+    "Assignment",
+    "GemmPlan",
+    "GemmShape",
+    "ModelPlan",
+    "PlanError",
+    "even_split",
+    "even_split_model",
+    "plan_gemm",
+    "plan_model",
 ]
 
 
@@ -77,19 +72,6 @@ class Assignment(NamedTuple):
     row1: int
     col0: int
     col1: int
-
-
-@dataclass(frozen=True, eq=False)
-class _Blocks:
-    """Blocks in canonical axes: `a` has the GEMM's shorter side, `b` its longer one."""
-
-    dev: np.ndarray
-    a0: np.ndarray
-    a1: np.ndarray
-    b0: np.ndarray
-    b1: np.ndarray
-    time_s: np.ndarray  # per block
-    device_time_s: float  # the busiest device's total
 
 
 @dataclass(frozen=True, eq=False)
@@ -137,15 +119,29 @@ class GemmPlan:
     @cached_property
     def assignments(self) -> list[Assignment]:
         ids = self.device_ids
-        cols = (self.dev.tolist(), self.row0.tolist(), self.row1.tolist(), self.col0.tolist(), self.col1.tolist())
+        cols = (
+            self.dev.tolist(),
+            self.row0.tolist(),
+            self.row1.tolist(),
+            self.col0.tolist(),
+            self.col1.tolist(),
+        )
         return [Assignment(ids[d], r0, r1, c0, c1) for d, r0, r1, c0, c1 in zip(*cols, strict=True)]
 
     def to_dict(self, assignments: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "name": self.name, "m": self.m, "n": self.n, "k": self.k, "count_per_step": self.count_per_step,
-            "makespan_s": self.makespan_s, "lower_bound_s": self.lower_bound_s, "gap": self.gap,
-            "device_time_s": self.device_time_s, "ps_egress_s": self.egress_s,
-            "ps_egress_bytes": self.ps_egress_bytes, "devices_used": self.devices_used,
+            "name": self.name,
+            "m": self.m,
+            "n": self.n,
+            "k": self.k,
+            "count_per_step": self.count_per_step,
+            "makespan_s": self.makespan_s,
+            "lower_bound_s": self.lower_bound_s,
+            "gap": self.gap,
+            "device_time_s": self.device_time_s,
+            "ps_egress_s": self.egress_s,
+            "ps_egress_bytes": self.ps_egress_bytes,
+            "devices_used": self.devices_used,
             "blocks": len(self.dev),
         }
         if assignments:
@@ -158,7 +154,8 @@ class ModelPlan:
     """Plans of every GEMM kind of one training step; step time = sum of makespan x count_per_step."""
 
     gemms: tuple[GemmPlan, ...]
-    plan_time_s: float
+    plan_time_s: float  # wall-clock seconds plan_model took
+    plan_cpu_s: float  # CPU seconds of this process (what other processes' load does not inflate)
     n_devices: int
     dtype_bytes: int
     ps_bandwidth: float | None
@@ -181,9 +178,15 @@ class ModelPlan:
 
     def to_dict(self, assignments: bool = True) -> dict[str, Any]:
         return {
-            "plan_time_s": self.plan_time_s, "predicted_step_s": self.predicted_step_s,
-            "lower_bound_s": self.lower_bound_s, "gap": self.gap, "devices_used": self.devices_used,
-            "devices_total": self.n_devices, "dtype_bytes": self.dtype_bytes, "ps_bandwidth": self.ps_bandwidth,
+            "plan_time_s": self.plan_time_s,
+            "plan_cpu_s": self.plan_cpu_s,
+            "predicted_step_s": self.predicted_step_s,
+            "lower_bound_s": self.lower_bound_s,
+            "gap": self.gap,
+            "devices_used": self.devices_used,
+            "devices_total": self.n_devices,
+            "dtype_bytes": self.dtype_bytes,
+            "ps_bandwidth": self.ps_bandwidth,
             "max_gemm_gap": max((g.gap for g in self.gemms), default=0.0),
             "gemms": [g.to_dict(assignments) for g in self.gemms],
         }
@@ -203,56 +206,43 @@ def _check(fleet: Fleet, m: int, n: int, k: int, b: int, ps_bandwidth: float | N
         raise PlanError(f"ps_bandwidth must be positive bytes/s or None (unlimited), got {ps_bandwidth}")
     need = (2 * k + 1) * b
     if int(fleet.memory_bytes.max()) < need:
-        raise PlanError(f"GEMM {name} ({m}x{n}, k={k}, {b} B/element) needs {need} bytes for its smallest "
-                        f"tile (1x1); the largest device memory is {int(fleet.memory_bytes.max())} bytes")
+        raise PlanError(
+            f"GEMM {name} ({m}x{n}, k={k}, {b} B/element) needs {need} bytes for its smallest "
+            f"tile (1x1); the largest device memory is {int(fleet.memory_bytes.max())} bytes"
+        )
 
 
-def _oriented(r: Rates, v: Virtual, lay: Layout, swap: bool) -> _Blocks:
-    dev = v.dev[lay.vdev]
-    t = tile_time(r, dev, lay.s1 - lay.s0, lay.l1 - lay.l0)
-    busiest = float(device_times(r, v, lay).max())
-    if swap:  # the frame's S axis is the longer side
-        return _Blocks(dev, lay.l0, lay.l1, lay.s0, lay.s1, t, busiest)
-    return _Blocks(dev, lay.s0, lay.s1, lay.l0, lay.l1, t, busiest)
-
-
-def _dp_or(packer: Packer) -> Packer:
-    def pick(v: Virtual, S: int, L: int) -> tuple[int, Any]:
-        return pack_dp(v, S, L) if len(v.dev) <= DP_MAX_DEVICES else packer(v, S, L)
-
-    return pick
-
-
-def _solve(r: Rates, lo: int, hi: int, t_low: float) -> _Blocks:
-    """Pack the lo x hi output. Small fleets group devices exactly (pack_dp) and try both orientations;
-    mid-size ones keep the better of the two fast packers; large ones scan (bands span the longer side)."""
-    n = len(r.lat)
-    if n <= DP_MAX_DEVICES:
-        tries = [(_dp_or(pack_scan), lo, hi, False), (_dp_or(pack_scan), hi, lo, True)]
-    elif n <= SCAN_TRY_MAX_DEVICES:
-        tries = [(_dp_or(pack_scan), lo, hi, False), (_dp_or(pack_greedy), lo, hi, False)]
-    else:
-        tries = [(_dp_or(pack_scan), lo, hi, False)]
-    best: _Blocks | None = None
-    for packer, S, L, swap in tries:
-        v, lay = search(r, S, L, t_low, packer, RTOL_SMALL if n <= DP_MAX_DEVICES else RTOL_LARGE)
-        got = _oriented(r, v, lay, swap)
-        if best is None or got.device_time_s < best.device_time_s:
-            best = got
-    assert best is not None
-    return best
-
-
-def _gemm_plan(fleet: Fleet, shape: GemmShape, b: int, blocks: _Blocks, bound: GemmBound) -> GemmPlan:
+def _gemm_plan(fleet: Fleet, shape: GemmShape, b: int, blocks: Blocks, bound: GemmBound) -> GemmPlan:
     rows_a = shape.m <= shape.n  # the shorter side is the rows
-    r0, r1, c0, c1 = (blocks.a0, blocks.a1, blocks.b0, blocks.b1) if rows_a else \
-        (blocks.b0, blocks.b1, blocks.a0, blocks.a1)
-    return GemmPlan(shape.name, shape.m, shape.n, shape.k, shape.count_per_step, b, fleet.ids, blocks.dev,
-                    r0, r1, c0, c1, blocks.time_s, blocks.device_time_s, bound.egress_s, bound)
+    r0, r1, c0, c1 = (
+        (blocks.a0, blocks.a1, blocks.b0, blocks.b1)
+        if rows_a
+        else (blocks.b0, blocks.b1, blocks.a0, blocks.a1)
+    )
+    return GemmPlan(
+        shape.name,
+        shape.m,
+        shape.n,
+        shape.k,
+        shape.count_per_step,
+        b,
+        fleet.ids,
+        blocks.dev,
+        r0,
+        r1,
+        c0,
+        c1,
+        blocks.time_s,
+        blocks.device_time_s,
+        bound.egress_s,
+        bound,
+    )
 
 
-def _plan_shapes(fleet: Fleet, shapes: Sequence[GemmShape], b: int, ps_bandwidth: float | None) -> list[GemmPlan]:
-    cache: dict[tuple[int, int, int], tuple[_Blocks, GemmBound]] = {}
+def _plan_shapes(
+    fleet: Fleet, shapes: Sequence[GemmShape], b: int, ps_bandwidth: float | None
+) -> list[GemmPlan]:
+    cache: dict[tuple[int, int, int], tuple[Blocks, GemmBound]] = {}
     rates: dict[int, Rates] = {}
     plans = []
     for s in shapes:
@@ -261,27 +251,44 @@ def _plan_shapes(fleet: Fleet, shapes: Sequence[GemmShape], b: int, ps_bandwidth
         if key not in cache:
             r = rates.setdefault(s.k, Rates.of(fleet, s.k, b))
             bound = gemm_bound(fleet, r, s.m, s.n, b, ps_bandwidth)
-            cache[key] = (_solve(r, key[0], key[1], bound.devices_s), bound)
+            cache[key] = (solve(r, key[0], key[1], bound.devices_s), bound)
         plans.append(_gemm_plan(fleet, s, b, *cache[key]))
     return plans
 
 
-def plan_gemm(devices: FleetLike, m: int, n: int, k: int, dtype_bytes: int, ps_bandwidth: float | None = None,
-              *, name: str = "gemm", count_per_step: int = 1) -> GemmPlan:
+def plan_gemm(
+    devices: FleetLike,
+    m: int,
+    n: int,
+    k: int,
+    dtype_bytes: int,
+    ps_bandwidth: float | None = None,
+    *,
+    name: str = "gemm",
+    count_per_step: int = 1,
+) -> GemmPlan:
     """Plan C[m, n] = A[m, k] · B[k, n] on these devices; blocks tile [0, m) x [0, n) exactly."""
     shape = _Shape(name, m, n, k, count_per_step)
     return _plan_shapes(Fleet.of(devices), [shape], dtype_bytes, ps_bandwidth)[0]
 
 
-def plan_model(devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int,
-               ps_bandwidth: float | None = None) -> ModelPlan:
+def plan_model(
+    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None
+) -> ModelPlan:
     """Plan every GEMM kind of a step (`cleave.models.gemm_shapes`); kinds of one shape share a plan."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fleet = Fleet.of(devices)
     if len(fleet) == 0:
         raise PlanError("the fleet is empty: no device to plan on")
     plans = _plan_shapes(fleet, shapes, dtype_bytes, ps_bandwidth)
-    return ModelPlan(tuple(plans), time.perf_counter() - start, len(fleet), dtype_bytes, ps_bandwidth)
+    return ModelPlan(
+        tuple(plans),
+        time.perf_counter() - start,
+        time.process_time() - cpu,
+        len(fleet),
+        dtype_bytes,
+        ps_bandwidth,
+    )
 
 
 def _even_blocks(m: int, n: int, count: int) -> tuple[np.ndarray, ...]:
@@ -301,34 +308,66 @@ def _even(fleet: Fleet, shape: GemmShape, b: int, ps_bandwidth: float | None) ->
     _check(fleet, shape.m, shape.n, shape.k, b, ps_bandwidth, shape.name)
     r = Rates.of(fleet, shape.k, b)
     bound = gemm_bound(fleet, r, shape.m, shape.n, b, ps_bandwidth)
-    nd, rounds = len(fleet), 1
-    while True:  # more rounds until every device's blocks fit its memory
-        count = min(nd * rounds, shape.m * shape.n)
+    # every device that can hold a 1x1 tile, in fleet order, with more rounds until all blocks fit
+    able = np.flatnonzero(fleet.memory_bytes >= (2 * shape.k + 1) * b)
+    rounds = 1
+    while True:
+        count = min(len(able) * rounds, shape.m * shape.n)
         r0, r1, c0, c1 = _even_blocks(shape.m, shape.n, count)
-        dev = np.arange(len(r0)) % nd
-        if np.all(tile_memory_bytes(r1 - r0, c1 - c0, shape.k, b) <= fleet.memory_bytes[dev]):
+        dev = able[np.arange(len(r0)) % len(able)]
+        if (
+            np.all(tile_memory_bytes(r1 - r0, c1 - c0, shape.k, b) <= fleet.memory_bytes[dev])
+            or count == shape.m * shape.n
+        ):
             break
-        if count == shape.m * shape.n:
-            raise PlanError(f"GEMM {shape.name}: some device cannot hold a 1x1 tile, so no even split exists")
         rounds *= 2
     t = tile_time(r, dev, r1 - r0, c1 - c0)
-    busiest = float(np.bincount(dev, weights=t, minlength=nd).max())
-    return GemmPlan(shape.name, shape.m, shape.n, shape.k, shape.count_per_step, b, fleet.ids, dev,
-                    r0, r1, c0, c1, t, busiest, bound.egress_s, bound)
+    busiest = float(np.bincount(dev, weights=t, minlength=len(fleet)).max())
+    return GemmPlan(
+        shape.name,
+        shape.m,
+        shape.n,
+        shape.k,
+        shape.count_per_step,
+        b,
+        fleet.ids,
+        dev,
+        r0,
+        r1,
+        c0,
+        c1,
+        t,
+        busiest,
+        bound.egress_s,
+        bound,
+    )
 
 
-def even_split(devices: FleetLike, m: int, n: int, k: int, dtype_bytes: int, ps_bandwidth: float | None = None,
-               *, name: str = "gemm", count_per_step: int = 1) -> GemmPlan:
-    """The naive baseline: every device (in fleet order) gets equal blocks, regardless of its profile."""
+def even_split(
+    devices: FleetLike,
+    m: int,
+    n: int,
+    k: int,
+    dtype_bytes: int,
+    ps_bandwidth: float | None = None,
+    *,
+    name: str = "gemm",
+    count_per_step: int = 1,
+) -> GemmPlan:
+    """The naive baseline: every device (in fleet order) gets equal blocks, regardless of its profile (all
+    in as many rounds as the smallest memory needs; devices that cannot hold even a 1x1 tile sit out)."""
     return _even(Fleet.of(devices), _Shape(name, m, n, k, count_per_step), dtype_bytes, ps_bandwidth)
 
 
-def even_split_model(devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int,
-                     ps_bandwidth: float | None = None) -> ModelPlan:
+def even_split_model(
+    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None
+) -> ModelPlan:
     """`even_split` for every GEMM kind of a step."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fleet = Fleet.of(devices)
     if len(fleet) == 0:
         raise PlanError("the fleet is empty: no device to plan on")
     plans = tuple(_even(fleet, s, dtype_bytes, ps_bandwidth) for s in shapes)
-    return ModelPlan(plans, time.perf_counter() - start, len(fleet), dtype_bytes, ps_bandwidth)
+    return ModelPlan(
+        plans, time.perf_counter() - start, time.process_time() - cpu, len(fleet), dtype_bytes, ps_bandwidth
+    )

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd
+from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd, plan_cmd
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     auth_cmd.register(sub)
     data_cmd.register(sub)
     export_cmd.register(sub)
+    plan_cmd.register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return monitor_cmd.run(args)
         if args.command == "auth":
             return auth_cmd.run(args)
+        if args.command == "plan":
+            return plan_cmd.run(args)
         if args.command == "export":
             return export_cmd.run(args)
         if args.command == "prepare-data":

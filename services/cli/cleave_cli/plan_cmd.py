@@ -23,19 +23,24 @@ from cleave.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `plan` subcommand to an argparse subparsers object; it dispatches to `run`."""
     p = subparsers.add_parser(
-        "plan", help="plan a model's GEMMs on a fleet: devices, blocks, predicted step time vs lower bound",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "plan",
+        help="plan a model's GEMMs on a fleet: devices, blocks, predicted step time vs lower bound",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, choices=sorted(PRESETS), help="a model preset")
     p.add_argument("--fleet", required=True, help="a fleet JSON file, or synthetic:N (the edge profile)")
     p.add_argument("--batch", type=int, required=True, help="sequences per step")
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="element type on the wire")
-    p.add_argument("--ps-bandwidth", type=float, default=None,
-                   help="the PS's egress in bytes/s (default: unlimited)")
+    p.add_argument(
+        "--ps-bandwidth", type=float, default=None, help="the PS's egress in bytes/s (default: unlimited)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of a synthetic fleet")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--no-assignments", action="store_true", help="leave the per-device blocks out of the JSON")
+    p.add_argument(
+        "--no-assignments", action="store_true", help="leave the per-device blocks out of the JSON"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -43,14 +48,30 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `cleave plan` (argparse namespace from `register`)."""
     return plan_command(
-        model=args.model, fleet=args.fleet, batch=args.batch, seq=args.seq, dtype=args.dtype,
-        ps_bandwidth=args.ps_bandwidth, seed=args.seed, as_json=args.json, assignments=not args.no_assignments,
+        model=args.model,
+        fleet=args.fleet,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+        ps_bandwidth=args.ps_bandwidth,
+        seed=args.seed,
+        as_json=args.json,
+        assignments=not args.no_assignments,
     )
 
 
-def plan_command(model: str, fleet: str, batch: int, seq: int, dtype: str = "fp16",
-                 ps_bandwidth: float | None = None, seed: int = 0, as_json: bool = False,
-                 assignments: bool = True, out: TextIO | None = None) -> int:
+def plan_command(
+    model: str,
+    fleet: str,
+    batch: int,
+    seq: int,
+    dtype: str = "fp16",
+    ps_bandwidth: float | None = None,
+    seed: int = 0,
+    as_json: bool = False,
+    assignments: bool = True,
+    out: TextIO | None = None,
+) -> int:
     """Plan `model` on `fleet` and print the result to `out` (stdout); raises CleaveError on bad input."""
     out = out or sys.stdout
     cfg = _check_job(model, batch, seq, dtype, ps_bandwidth)
@@ -59,9 +80,17 @@ def plan_command(model: str, fleet: str, batch: int, seq: int, dtype: str = "fp1
     plan = plan_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth)
     even = even_split_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth)
     if as_json:
-        doc = {"model": model, "batch": batch, "seq": seq, "dtype": dtype, "fleet": fleet, "seed": seed,
-               **plan.to_dict(assignments), "even_split_step_s": even.predicted_step_s,
-               "even_split_ratio": even.predicted_step_s / plan.predicted_step_s}
+        doc = {
+            "model": model,
+            "batch": batch,
+            "seq": seq,
+            "dtype": dtype,
+            "fleet": fleet,
+            "seed": seed,
+            **plan.to_dict(assignments),
+            "even_split_step_s": even.predicted_step_s,
+            "even_split_ratio": even.predicted_step_s / plan.predicted_step_s,
+        }
         json.dump(doc, out)
         out.write("\n")
     else:
@@ -87,12 +116,18 @@ def _check_job(model: str, batch: int, seq: int, dtype: str, ps_bandwidth: float
 
 def _print_table(plan: ModelPlan, even_step_s: float, title: str, out: TextIO) -> None:
     out.write(f"{title}\n")
-    out.write(f"{'gemm':<28} {'m':>7} {'n':>7} {'k':>7} {'count':>5} {'devices':>7} {'makespan s':>11} "
-              f"{'bound s':>10} {'gap':>7}\n")
+    out.write(
+        f"{'gemm':<28} {'m':>7} {'n':>7} {'k':>7} {'count':>5} {'devices':>7} {'makespan s':>11} "
+        f"{'bound s':>10} {'gap':>7}\n"
+    )
     for g in plan.gemms:
-        out.write(f"{g.name:<28} {g.m:>7} {g.n:>7} {g.k:>7} {g.count_per_step:>5} {g.devices_used:>7} "
-                  f"{g.makespan_s:>11.4f} {g.lower_bound_s:>10.4f} {g.gap:>7.2%}\n")
-    out.write(f"predicted step {plan.predicted_step_s:.3f} s, lower bound {plan.lower_bound_s:.3f} s "
-              f"(gap {plan.gap:.2%}); {plan.devices_used} of {plan.n_devices} devices used; "
-              f"even split over all devices {even_step_s:.3f} s ({even_step_s / plan.predicted_step_s:.2f}x); "
-              f"planned in {plan.plan_time_s:.3f} s\n")
+        out.write(
+            f"{g.name:<28} {g.m:>7} {g.n:>7} {g.k:>7} {g.count_per_step:>5} {g.devices_used:>7} "
+            f"{g.makespan_s:>11.4f} {g.lower_bound_s:>10.4f} {g.gap:>7.2%}\n"
+        )
+    out.write(
+        f"predicted step {plan.predicted_step_s:.3f} s, lower bound {plan.lower_bound_s:.3f} s "
+        f"(gap {plan.gap:.2%}); {plan.devices_used} of {plan.n_devices} devices used; "
+        f"even split over all devices {even_step_s:.3f} s ({even_step_s / plan.predicted_step_s:.2f}x); "
+        f"planned in {plan.plan_time_s:.3f} s\n"
+    )

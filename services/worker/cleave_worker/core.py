@@ -70,10 +70,7 @@ def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, c
     start = time.perf_counter()
     if a.dtype in HALF:  # the approximate mode sends half-precision inputs; products accumulate in float32
         a, bt = a.float(), bt.float()
-    if DEVICE.type == "cuda":
-        out = tiles.compute(a.to(DEVICE), bt.to(DEVICE)).cpu()
-    else:
-        out = tiles.compute(a, bt)
+    out = tiles.compute(a.to(DEVICE), bt.to(DEVICE)).cpu() if DEVICE.type == "cuda" else tiles.compute(a, bt)
     if corrupt:
         out[0, 0] += corrupt
     return TileResult(
