@@ -36,8 +36,10 @@ def test_one_worker_one_local_step_equals_plain_training(tmp_path, method):
     assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(5)])
 
 
-def test_diloco_survives_a_worker_killed_mid_round(tmp_path):
-    job = JobConfig(job_id="churn", preset="tiny", steps=6, method="diloco", local_steps=3, round_timeout_s=30)
+@pytest.mark.parametrize("method", ["diloco", "fedavg"])
+def test_a_worker_killed_mid_round_is_tolerated(tmp_path, method):
+    job = JobConfig(job_id=f"churn-{method}", preset="tiny", steps=6, method=method, local_steps=3,
+                    round_timeout_s=30)
     lines = run_job(tmp_path, job, workers=2, victim_env={"CLEAVE_WORKER_FAIL_AT": "round:2",
                                                           "CLEAVE_WORKER_FAULT_DIR": str(tmp_path / "faults")})
     assert [m["step"] for m in lines] == list(range(6))
