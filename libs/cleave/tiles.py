@@ -35,6 +35,22 @@ def cuts(size: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(s + block, size)) for s in range(0, size, block)]
 
 
+MIN_BLOCK = 16  # blocks are not cut thinner than this to feed more workers
+
+
+def fit_block(m: int, n: int, rows: int, cols: int, workers: int) -> tuple[int, int]:
+    """A rows x cols block for an m x n output, halved (larger side first) until every worker can get one."""
+    rows, cols = min(rows, m), min(cols, n)
+    while -(-m // rows) * -(-n // cols) < workers:
+        if rows >= cols and rows >= 2 * MIN_BLOCK:
+            rows = -(-rows // 2)
+        elif cols >= 2 * MIN_BLOCK:
+            cols = -(-cols // 2)
+        else:
+            break
+    return rows, cols
+
+
 def grid(m: int, n: int, block_rows: int, block_cols: int) -> list[Tile]:
     """Row-major grid of tiles covering the m x n output exactly (ragged last row and column)."""
     return [

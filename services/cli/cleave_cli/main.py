@@ -9,6 +9,9 @@ from pathlib import Path
 from cleave.errors import CleaveError
 from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd, plan_cmd
 
+TOOLS = {"chaos": chaos_cmd, "monitor": monitor_cmd, "auth": auth_cmd, "plan": plan_cmd, "export": export_cmd,
+         "prepare-data": data_cmd}  # subcommands whose module has register(subparsers) and run(args)
+
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", help="NATS URL (default: the service's setting, nats://127.0.0.1:4222)")
@@ -54,12 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
     p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")
 
-    chaos_cmd.register(sub)
-    monitor_cmd.register(sub)
-    auth_cmd.register(sub)
-    data_cmd.register(sub)
-    export_cmd.register(sub)
-    plan_cmd.register(sub)
+    for tool in dict.fromkeys(TOOLS.values()):
+        tool.register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -107,18 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("ps", "worker", "scheduler"):
             return run_service(args)
-        if args.command == "chaos":
-            return chaos_cmd.run(args)
-        if args.command == "monitor":
-            return monitor_cmd.run(args)
-        if args.command == "auth":
-            return auth_cmd.run(args)
-        if args.command == "plan":
-            return plan_cmd.run(args)
-        if args.command == "export":
-            return export_cmd.run(args)
-        if args.command == "prepare-data":
-            return data_cmd.run(args)
+        tool = TOOLS.get(args.command)
+        if tool is not None:
+            return tool.run(args)
         from cleave_cli import commands
 
         return getattr(commands, args.command)(args)

@@ -37,7 +37,6 @@ log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
 DEFAULT_BLOCK = 256
 SUSPECT_RETRY_FACTOR = 3  # a suspect worker still in the plan gets tiles again after 3 tile timeouts
-MIN_BLOCK = 16  # blocks are not cut thinner than this to feed more workers
 
 
 @dataclass
@@ -106,15 +105,7 @@ class GemmRun:
 def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
     """The plan's block shape, halved (larger side first) until every worker can get a tile."""
     rows, cols = (plan.tile_rows, plan.tile_cols) if plan else (DEFAULT_BLOCK, DEFAULT_BLOCK)
-    rows, cols = min(rows, m), min(cols, n)
-    while -(-m // rows) * -(-n // cols) < workers:
-        if rows >= cols and rows >= 2 * MIN_BLOCK:
-            rows = -(-rows // 2)
-        elif cols >= 2 * MIN_BLOCK:
-            cols = -(-cols // 2)
-        else:
-            break
-    return rows, cols
+    return tiles.fit_block(m, n, rows, cols, workers)
 
 
 class Dispatcher:
