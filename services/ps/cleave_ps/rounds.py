@@ -50,6 +50,7 @@ class Rounds:
         self.epoch = time.time_ns() // 1_000_000
         self.workers: set[str] = set()
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
+        self.failed: set[str] = set()  # workers that answered this round with an error
         self.raw_bytes = self.bytes_up = self.dropped = 0
 
     def build(self) -> None:
@@ -77,7 +78,8 @@ class Rounds:
         self.bytes_up += nbytes
         if msg.job != self.job.job_id or msg.epoch != self.epoch or msg.error or msg.delta is None:
             self.dropped += 1
-            if msg.error:
+            if msg.error and msg.round == self.server.round:  # it answered: the round does not wait for it
+                self.failed.add(msg.worker_id)
                 log.warning("round_update_failed", worker_id=msg.worker_id, round=msg.round, error=msg.error[:200])
             return
         try:
@@ -110,9 +112,13 @@ class Rounds:
         deadline = time.monotonic() + self.job.round_timeout_s
         while not self.stop.is_set() and time.monotonic() < deadline:
             expected &= self.workers  # a worker that left the plan is not waited for
-            if self.server.collector.complete(expected):
+            if self.server.collector.complete(expected - self.failed):
                 break
             await wait_for_stop(self.stop, DEFAULT_POLL_S)
+        else:
+            missing = sorted(expected - self.failed - self.server.collector.senders())
+            if missing:
+                log.warning("round_timed_out", round=r, missing=missing, timeout_s=self.job.round_timeout_s)
         report = self.server.close_round()
         losses = [self.losses[w] for w in report.senders if w in self.losses]
         loss = statistics.fmean(losses) if losses else float("nan")
@@ -122,6 +128,7 @@ class Rounds:
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
                         * self.job.batch_size * self.job.seq, lr=self.job.lr, at=time.time())
         self.losses.clear()
+        self.failed.clear()
         self.raw_bytes = self.bytes_up = self.dropped = 0
         return m
 
