@@ -85,19 +85,23 @@ def demo(args: argparse.Namespace) -> int:
     job = JobConfig.build(job_id=new_job_id("demo"), preset="small", steps=args.steps or 30, batch_size=8, lr=2e-3)
     run_dir = args.run_dir or default_run_dir("demo")
     metrics_out = run_dir / "metrics.jsonl"
-    fleet = LocalFleet(run_dir, args.workers)
+    fleet = LocalFleet(run_dir, 0)
     progress = Progress(job.steps)
-    killed = {}
+    killed = {"at_step": job.steps // 2}
 
     def on_line(m: dict) -> None:
         progress.update(m)
-        if not killed and m["step"] + 1 >= job.steps // 2:
-            killed["at_step"] = m["step"] + 1
-            fleet.stack.kill("worker-1", restart=False)
+        victim = fleet.stack.procs["worker-1"].popen
+        if "replacement" not in killed and victim.poll() is not None:
             killed["replacement"] = fleet.add_worker()
 
     try:
         fleet.start()
+        # worker-1 SIGKILLs itself as the first tile of the middle step reaches it: a death mid-GEMM
+        fleet.add_worker(env={"CLEAVE_WORKER_FAIL_AT": f"tile:{killed['at_step']}",
+                              "CLEAVE_WORKER_FAULT_DIR": str(run_dir / "faults")}, restart=False)
+        for _ in range(args.workers - 1):
+            fleet.add_worker()
         dashboard = start_monitor(fleet.stack)
         print(f"Cleave demo: preset {job.preset}, {args.workers} workers, {job.steps} steps; run dir {run_dir}")
         print(f"dashboard: {dashboard} (live while the demo runs)")
@@ -116,11 +120,12 @@ def report_recovery(lines: list[dict], killed: dict) -> None:
         return
     times = [m["step_time_s"] for m in lines]
     median = statistics.median(times)
-    print(f"killed worker-1 (SIGKILL) after step {killed['at_step']} and started {killed['replacement']}")
+    print(f"worker-1 was killed (SIGKILL) in the middle of step {killed['at_step']}; "
+          f"{killed.get('replacement', 'no replacement')} took its place")
     events = [(m, ev) for m in lines for ev in m.get("recovery", [])]
     for m, ev in events:
-        print(f"recovery in step {m['step']}: {ev['worker_id']} lost ({ev['cause']}); detected after "
-              f"{ev['detect_s']:.2f}s, its tiles re-sent within {ev['redispatch_s'] * 1e3:.0f} ms, done "
+        print(f"recovery in step {m['step']}: {ev['worker_id']} lost ({ev['cause']}) with tiles out for "
+              f"{ev['detect_s']:.2f}s; they were re-sent within {ev['redispatch_s'] * 1e3:.0f} ms and done "
               f"{ev['complete_s']:.2f}s after detection; the step took {m['step_time_s']:.2f}s "
               f"({m['step_time_s'] - median:+.2f}s against the median step)")
     if not events:

@@ -82,11 +82,11 @@ class LocalFleet:
             for _ in range(self.workers):
                 self.add_worker()
 
-    def add_worker(self) -> str:
+    def add_worker(self, env: dict[str, str] | None = None, restart: bool = True) -> str:
         self.next_worker += 1
         name = f"worker-{self.next_worker}"
         self.stack.service(name, "worker", ["--worker-id", f"{self.run_dir.name}-w{self.next_worker}"],
-                           env=self.worker_env)
+                           env={**self.worker_env, **(env or {})}, restart=restart)
         return name
 
     def start_ps(self, job: JobConfig, metrics_out: Path, ps_env: dict[str, str] | None = None) -> None:
