@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,43 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+# OPT (Zhang et al. 2022) as GPT-2-shaped decoders: fused q,k,v (same GEMM FLOPs and bytes as OPT's three),
+# FFN 4x, learned positions (OPT's table has 2 extra rows, left out), tied lm_head, vocab 50272. Used for
+# their GEMM shapes and sizes (cleave sim); OPT-350M's 512-wide embedding projection is left out.
+_OPT = {  # name: (n_layer, n_embd, n_head)
+    "opt-125m": (12, 768, 12),
+    "opt-350m": (24, 1024, 16),
+    "opt-1.3b": (24, 2048, 32),
+    "opt-2.7b": (32, 2560, 32),
+    "opt-6.7b": (32, 4096, 32),
+    "opt-13b": (40, 5120, 40),
+    "opt-30b": (48, 7168, 56),
+    "opt-66b": (64, 9216, 72),
+}
+# Llama 2 (Touvron et al. 2023): untied lm_head, vocab 32000, context 4096; 70B uses 8 KV heads.
+_LLAMA2 = {  # name: (n_layer, n_embd, n_head, n_kv_head, intermediate_size)
+    "llama2-7b": (32, 4096, 32, 32, 11008),
+    "llama2-13b": (40, 5120, 40, 40, 13824),
+    "llama2-70b": (80, 8192, 64, 8, 28672),
+}
+for _name, (_l, _d, _h) in _OPT.items():
+    PRESETS[_name] = ModelConfig(
+        family="gpt2", vocab_size=50272, block_size=2048, n_layer=_l, n_head=_h, n_embd=_d
+    )
+for _name, (_l, _d, _h, _kv, _ff) in _LLAMA2.items():
+    PRESETS[_name] = ModelConfig(
+        family="llama",
+        vocab_size=32000,
+        block_size=4096,
+        n_layer=_l,
+        n_head=_h,
+        n_kv_head=None if _kv == _h else _kv,  # None: plain multi-head attention (as HF writes it)
+        n_embd=_d,
+        intermediate_size=_ff,
+        bias=False,
+        tie_embeddings=False,
+    )
+
 
 def get_preset(name: str) -> ModelConfig:
     try:
@@ -83,12 +121,10 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
 
 
-def gemm_shapes(cfg: ModelConfig, batch: int, seq: int) -> list[GemmShape]:
-    """Forward Y=X·Wᵀ and backward dX=dY·W, dW=dYᵀ·X of every linear layer, grouped by kind.
-
-    Read off the model itself (built on the meta device, so even billion-parameter shapes are free).
-    """
-    M = batch * seq
+@functools.lru_cache(maxsize=32)
+def _linear_kinds(cfg: ModelConfig) -> tuple[tuple[str, int, int, int], ...]:
+    """(kind, in_features, out_features, count) of the model's linear layers; building even a meta model
+    takes a second or so for the big presets, hence the cache (configs are frozen, so hashable)."""
     counts: dict[tuple[str, int, int], int] = {}
     for name, lin in linear_layers(build_model(cfg, device="meta")).items():
         kind = ".".join(
@@ -96,8 +132,17 @@ def gemm_shapes(cfg: ModelConfig, batch: int, seq: int) -> list[GemmShape]:
         )
         key = (kind, lin.in_features, lin.out_features)
         counts[key] = counts.get(key, 0) + 1
+    return tuple((kind, K, N, count) for (kind, K, N), count in counts.items())
+
+
+def gemm_shapes(cfg: ModelConfig, batch: int, seq: int) -> list[GemmShape]:
+    """Forward Y=X·Wᵀ and backward dX=dY·W, dW=dYᵀ·X of every linear layer, grouped by kind.
+
+    Read off the model itself (built on the meta device, so even billion-parameter shapes are free).
+    """
+    M = batch * seq
     shapes = []
-    for (kind, K, N), count in counts.items():
+    for kind, K, N, count in _linear_kinds(cfg):
         shapes += [
             GemmShape(f"{kind}.fwd", M, N, K, count),  # Y = X·Wᵀ
             GemmShape(f"{kind}.dx", M, K, N, count),  # dX = dY·W

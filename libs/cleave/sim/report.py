@@ -1,0 +1,171 @@
+"""The evaluation report: sweep models and fleet sizes, compare every system, check the published claims
+point by point, and write `report.json` and PNG plots (`cleave sim --report DIR`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from cleave.errors import ConfigError
+from cleave.sim.systems import SimConfig, compare
+
+DEFAULT_MODELS = ("opt-350m", "opt-1.3b", "opt-13b", "llama2-7b")
+DEFAULT_DEVICES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+BASE_EXTRA_DEVICES = (10000,)  # the base model only (the PS's ledger is O(devices^2) per GEMM)
+CHURN_RATES = (0.0, 0.1, 0.5, 1.0)  # leaves per device-hour, at the base model and fleet
+
+
+@dataclass(frozen=True)
+class ReportSpec:
+    """What to sweep: `base` (the default point), the models, the fleet sizes and the churn rates."""
+
+    base: SimConfig
+    models: tuple[str, ...] = DEFAULT_MODELS
+    devices: tuple[int, ...] = DEFAULT_DEVICES
+    base_extra_devices: tuple[int, ...] = BASE_EXTRA_DEVICES
+    churn_rates: tuple[float, ...] = CHURN_RATES
+
+    @classmethod
+    def of(cls, base: SimConfig, models: str | None = None, devices: str | None = None) -> ReportSpec:
+        spec = cls(base)
+        if models:
+            spec = replace(spec, models=tuple(m.strip() for m in models.split(",") if m.strip()))
+        if devices:
+            try:
+                sizes = tuple(int(d) for d in devices.split(",") if d.strip())
+            except ValueError:
+                raise ConfigError(
+                    f"--report-devices {devices!r}: expected comma-separated integers"
+                ) from None
+            spec = replace(spec, devices=sizes, base_extra_devices=())
+        return spec
+
+
+def sweep(spec: ReportSpec, progress: TextIO | None = None) -> list[dict[str, Any]]:
+    """Every system at every (model, fleet size): one `compare` document each, without churn."""
+    points = []
+    for model in spec.models:
+        sizes = spec.devices + (spec.base_extra_devices if model == spec.base.model else ())
+        for n in sizes:
+            t0 = time.perf_counter()
+            cfg = replace(spec.base, model=model, devices=n, churn=0.0, steps=1)
+            doc = compare(cfg)
+            points.append(
+                {"model": model, "devices": n, "systems": doc["systems"], "params": doc["config"]["params"]}
+            )
+            if progress:
+                progress.write(f"sim {model} on {n} devices: {time.perf_counter() - t0:.1f} s\n")
+                progress.flush()
+    return points
+
+
+def churn_curve(spec: ReportSpec, progress: TextIO | None = None) -> list[dict[str, Any]]:
+    out = []
+    for rate in spec.churn_rates:
+        t0 = time.perf_counter()
+        doc = compare(replace(spec.base, churn=rate, steps=1))
+        out.append({"churn": rate, "systems": doc["systems"]})
+        if progress:
+            progress.write(f"sim churn {rate}/device-hour: {time.perf_counter() - t0:.1f} s\n")
+            progress.flush()
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _span(values: list[float]) -> dict[str, Any]:
+    return {"min": min(values), "max": max(values), "points": len(values)} if values else {"points": 0}
+
+
+def _time_ratios(points: list[dict[str, Any]], systems: list[str], key: str) -> dict[str, Any]:
+    """Per baseline: its `key` time over Cleave's where both have one (the baseline feasible for "step_s")."""
+    out = {}
+    for name in systems:
+        ratios = []
+        for p in points:
+            c, r = p["systems"]["cleave"], p["systems"][name]
+            if c["feasible"] and (r["feasible"] or key != "step_s"):
+                ratios.append(_ratio(r[key], c["step_s"]))
+        out[name] = _span([x for x in ratios if x is not None])
+    return out
+
+
+def _traffic(points: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    rows = [
+        (
+            p["devices"],
+            p["systems"]["cleave"]["per_device_down_bytes"],
+            p["systems"]["cleave"]["per_device_up_bytes"],
+        )
+        for p in points
+        if p["model"] == model and p["systems"]["cleave"]["feasible"]
+    ]
+    falls = all(b[1] <= a[1] and b[2] <= a[2] for a, b in zip(rows, rows[1:], strict=False))
+    return {"per_device": rows, "falls_as_devices_join": falls}
+
+
+def _recovery(points: list[dict[str, Any]], base: SimConfig) -> dict[str, Any]:
+    """Recovery per system at the base point (a baseline that does not fit: its memory-blind configuration)."""
+    at_base = next((p for p in points if p["model"] == base.model and p["devices"] == base.devices), None)
+    if at_base is None:
+        return {}
+    mine = at_base["systems"]["cleave"]["recovery_s"]
+    out = {}
+    for s, r in at_base["systems"].items():
+        value = r["recovery_s"] if r["feasible"] else r.get("unconstrained_recovery_s")
+        out[s] = {"recovery_s": value, "feasible": r["feasible"], "vs_cleave": _ratio(value, mine)}
+    return out
+
+
+def claims(points: list[dict[str, Any]], base: SimConfig) -> dict[str, Any]:
+    """The published claims, checked against the sweep."""
+    systems = [s for s in points[0]["systems"] if s != "cleave"] if points else []
+    models = list(dict.fromkeys(p["model"] for p in points))
+    largest = {
+        m: {
+            s: max(
+                (
+                    p["systems"][s]["devices_used"]
+                    for p in points
+                    if p["model"] == m and p["systems"][s]["feasible"]
+                ),
+                default=0,
+            )
+            for s in ["cleave", *systems]
+        }
+        for m in models
+    }
+    return {
+        "time_ratio_vs_cleave": _time_ratios(points, systems, "step_s"),
+        "time_ratio_vs_cleave_ignoring_memory": _time_ratios(points, systems, "unconstrained_step_s"),
+        "largest_fleet": largest,
+        "traffic": {m: _traffic(points, m) for m in models},
+        "recovery_at_base": _recovery(points, base),
+    }
+
+
+def write_report(spec: ReportSpec, out_dir: Path, progress: TextIO | None = None) -> dict[str, Any]:
+    """Run the sweep and the churn curve; write report.json and the plots into `out_dir`."""
+    from cleave.sim import plots
+
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    points = sweep(spec, progress)
+    churn = churn_curve(spec, progress) if spec.churn_rates else []
+    doc: dict[str, Any] = {
+        "spec": {**asdict(spec), "base": asdict(spec.base)},
+        "points": points,
+        "churn": churn,
+        "claims": claims(points, spec.base),
+    }
+    doc["files"] = plots.draw(doc, out_dir)
+    doc["wall_s"] = time.perf_counter() - t0
+    (out_dir / "report.json").write_text(json.dumps(doc, indent=1, default=float))
+    doc["files"].append(str(out_dir / "report.json"))
+    return doc

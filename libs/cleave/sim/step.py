@@ -1,0 +1,254 @@
+"""Training steps over a simulated fleet: every GEMM of a step, one after another as the PS runs them, each
+dealt by the PS's ledger (`cleave.sim.engine`) under the latest plan (`cleave.sim.plans`).
+
+A GEMM that nothing disturbs (no device of its plan leaves or is busy from before, no plan arrives, nobody
+is suspect) costs what the same GEMM cost last time under the same plan, so it is simulated once and then
+reused; any other is simulated event by event. `simulate_step` is the entry point for comparing with a
+measured step; `Simulation` runs steps with churn and stragglers (`cleave sim`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cleave.fleet import Fleet
+from cleave.models import GemmShape
+from cleave.schemas import DeviceProfile
+from cleave.sim.engine import GemmRun, Outcome, PsPolicy, Recovery, Slot, TileSet
+from cleave.sim.plans import Cutter, PlannerKind, Scheduler
+from cleave.sim.world import World
+
+HORIZON_FACTOR = 10.0  # churn is drawn this many predicted GEMM spans ahead ...
+HORIZON_MIN_S = 60.0  # ... and at least this far
+
+
+def step_order(shapes: Sequence[GemmShape]) -> list[int]:
+    """Indices into `shapes`, one per GEMM a step runs: forwards layer by layer, then backwards in reverse."""
+    fwd = [i for i, s in enumerate(shapes) if not s.name.endswith((".dx", ".dw"))]
+    bwd = [i for i, s in enumerate(shapes) if s.name.endswith((".dx", ".dw"))]
+    order: list[int] = []
+    for group, rev in ((fwd, False), (bwd, True)):
+        depth = max((shapes[i].count_per_step for i in group), default=0)
+        layers = [[i for i in group if shapes[i].count_per_step > d] for d in range(depth)]
+        for layer in reversed(layers) if rev else layers:
+            order += reversed(layer) if rev else layer
+    return order
+
+
+@dataclass
+class StepStats:
+    """One simulated step: its time and what the devices and the ledger did."""
+
+    step_s: float
+    down: dict[int, float]  # bytes per device number
+    up: dict[int, float]
+    tiles: int = 0
+    resent: int = 0
+    duplicates: int = 0
+    speculated: int = 0
+    gemms_simulated: int = 0  # event by event (the rest reused an undisturbed GEMM's cost)
+    flops: float = 0.0  # of the accepted tiles
+    recoveries: list[Recovery] = field(default_factory=list)
+
+    def add(self, out: Outcome) -> None:
+        for mine, theirs in ((self.down, out.down), (self.up, out.up)):
+            for d, v in theirs.items():
+                mine[d] = mine.get(d, 0.0) + v
+        self.tiles += out.tiles
+        self.resent += out.resent
+        self.duplicates += out.duplicates
+        self.speculated += out.speculated
+        self.flops += out.flops
+        self.recoveries += out.recoveries
+
+
+@dataclass
+class Simulation:
+    """Steps of one job on one world; state (plans, the PS's worker slots, busy devices) carries over."""
+
+    world: World
+    shapes: Sequence[GemmShape]
+    dtype_bytes: int
+    planner: PlannerKind = "cost"
+    tile: tuple[int, int] | None = None
+    ps_bandwidth: float | None = None
+    policy: PsPolicy = field(default_factory=PsPolicy)
+    liveness_s: float = 1.0
+    replan_every_s: float = 0.0
+    plan_delay_s: float = 1.0
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.scheduler = Scheduler(self.world, self.liveness_s, self.replan_every_s, self.plan_delay_s)
+        self.cutter = Cutter(self.world, self.dtype_bytes, self.planner, self.tile, self.ps_bandwidth)
+        self.version = 0
+        self.slots: dict[str, Slot] = {w: Slot() for w in self.scheduler.plans[0].ids(self.world)}
+        self.busy = np.zeros(len(self.world))
+        self.clean: dict[tuple, Outcome] = {}
+        self.order = step_order(self.shapes)
+
+    def _advance(self, until: float) -> None:
+        self.world.churn(until)
+        self.scheduler.extend(until)
+        if len(self.busy) < len(self.world):
+            self.busy = np.concatenate([self.busy, np.zeros(len(self.world) - len(self.busy))])
+
+    def _apply_ready_plans(self) -> None:
+        """Plans that reached the PS between GEMMs (`Dispatcher.set_plan` with no GEMM in flight)."""
+        plans = self.scheduler.plans
+        while self.version + 1 < len(plans) and plans[self.version + 1].ready_at <= self.now:
+            self.version += 1
+            ids = plans[self.version].ids(self.world)
+            self.slots = {w: self.slots.get(w) or Slot(last_progress=self.now) for w in ids}
+
+    def _undisturbed(self, span: float, members: np.ndarray) -> bool:
+        end = self.now + span
+        plans = self.scheduler.plans
+        if self.version + 1 < len(plans) and plans[self.version + 1].ready_at <= end:
+            return False
+        if any(s.suspect for s in self.slots.values()) or len(self.slots) != len(members):
+            return False
+        return bool(self.world.leave_at[members].min() > end and self.busy[members].max() <= self.now)
+
+    def gemm(self, shape: GemmShape) -> tuple[Outcome, bool]:
+        """Run one GEMM now; (its outcome, whether it was simulated event by event)."""
+        self._advance(self.now + HORIZON_MIN_S)
+        self._apply_ready_plans()
+        plan = self.scheduler.plans[self.version]
+        laid = self.scheduler.plans[plan.layout]
+        ts, predicted = self.cutter.tileset(plan.layout, laid, shape.m, shape.n, shape.k)
+        key = (self.version, shape.m, shape.n, shape.k)
+        known = self.clean.get(key)
+        guess = known.span if known else (predicted if math.isfinite(predicted) else HORIZON_MIN_S)
+        self._advance(self.now + max(HORIZON_FACTOR * guess, HORIZON_MIN_S))
+        if known is not None and self._undisturbed(known.span, plan.members):
+            return Outcome(
+                self.now,
+                self.now + known.span,
+                known.down,
+                known.up,
+                known.tiles,
+                0,
+                0,
+                known.speculated,
+                [],
+                0,
+                flops=known.flops,
+            ), False
+        later = [(p.ready_at, p.ids(self.world)) for p in self.scheduler.plans[self.version + 1 :]]
+        undisturbed = self._undisturbed(0.0, plan.members)
+        run = GemmRun(
+            ts,
+            self.now,
+            self.slots,
+            self.world.index,
+            self.world.declared,
+            self.world.actual,
+            self.world.leave_at,
+            self.busy,
+            self.policy,
+            later,
+        )
+        out = run.run()
+        self.version += out.plans_applied
+        if (
+            undisturbed
+            and not out.plans_applied
+            and not out.recoveries
+            and self.world.leave_at[plan.members].min() > out.end
+        ):
+            self.clean[key] = out
+        return out, True
+
+    def step(self) -> StepStats:
+        """One training step: every GEMM in order."""
+        start = self.now
+        stats = StepStats(0.0, {}, {})
+        for i in self.order:
+            out, simulated = self.gemm(self.shapes[i])
+            stats.add(out)
+            stats.gemms_simulated += simulated
+            self.now = out.end
+        stats.step_s = self.now - start
+        return stats
+
+
+def world_of(fleet_profiles: Mapping[str, DeviceProfile] | Fleet) -> World:
+    return World.build(Fleet.of(fleet_profiles))
+
+
+def simulate_step(
+    fleet_profiles: Mapping[str, DeviceProfile] | Fleet,
+    shapes: Sequence[GemmShape],
+    dtype_bytes: int,
+    *,
+    planner: PlannerKind = "cost",
+    tile_rows: int | None = 256,
+    tile_cols: int | None = 256,
+    ps_bandwidth: float | None = None,
+    policy: PsPolicy | None = None,
+    steps: int = 1,
+    ps_overhead_s: float = 0.0,
+) -> float:
+    """Seconds of one training step's GEMMs on this fleet, as the simulator predicts them, plus
+    `ps_overhead_s` (the PS's own work per step, which the simulator does not model).
+
+    The defaults are the running stack's: the scheduler's cost-aware plan, blocks cut into tiles of at most
+    256 x 256, the PS's window, deadlines and speculation (`PsPolicy()`). With `steps` > 1, the last step's
+    time (the PS's round-trip averages warmed up)."""
+    tile = (tile_rows, tile_cols) if tile_rows and tile_cols else None
+    sim = Simulation(
+        world_of(fleet_profiles), list(shapes), dtype_bytes, planner, tile, ps_bandwidth, policy or PsPolicy()
+    )
+    last = 0.0
+    for _ in range(max(1, steps)):
+        last = sim.step().step_s
+    return last + ps_overhead_s
+
+
+def busiest(world: World, ts: TileSet) -> str:
+    """The device (not a straggler) with the most planned output area in this GEMM."""
+    area: dict[str, int] = {}
+    for t, o in zip(ts.tiles, ts.owners, strict=True):
+        if o is not None and not world.straggler[world.index[o]]:
+            area[o] = area.get(o, 0) + t.rows * t.cols
+    return max(area, key=lambda w: area[w])
+
+
+def recovery_after_loss(
+    sim: Simulation, shape: GemmShape, at_fraction: float = 0.5
+) -> dict[str, float | str | None]:
+    """Lose the device with the most planned work halfway through its part of one GEMM (nothing else
+    leaves): `recovery_s` is the seconds from the loss until its unfinished tiles are done again, noticing
+    included (by deadline or the next plan, or sooner when an idle worker's speculative copy wins)."""
+    world = sim.world
+    plan = sim.scheduler.plans[0]
+    ts, _ = sim.cutter.tileset(0, plan, shape.m, shape.n, shape.k)
+    ids = plan.ids(world)
+
+    def run(leave_at: np.ndarray, plans: list) -> Outcome:
+        slots = {w: Slot() for w in ids}
+        busy = np.zeros(len(world))
+        return GemmRun(
+            ts, 0.0, slots, world.index, world.declared, world.actual, leave_at, busy, sim.policy, plans
+        ).run()
+
+    stay = np.full(len(world), math.inf)
+    clean = run(stay, [])
+    victim = busiest(world, ts)
+    leave = at_fraction * clean.last[world.index[victim]]
+    stay[world.index[victim]] = leave
+    out = run(stay, [(leave + sim.liveness_s + sim.plan_delay_s, tuple(w for w in ids if w != victim))])
+    lost = [i for i, o in enumerate(ts.owners) if o == victim and clean.accepted_at[i] > leave]
+    rec = next((r for r in out.recoveries if r.device == victim), None)
+    return {
+        "gemm": shape.name,
+        "tiles_lost": float(len(lost)),
+        "recovery_s": max((out.accepted_at[i] - leave for i in lost), default=0.0),
+        "detect_s": rec.detected_at - leave if rec else None,
+        "gemm_delay_s": out.span - clean.span,
+    }

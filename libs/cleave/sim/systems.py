@@ -1,0 +1,223 @@
+"""One comparison: Cleave (simulated step by step on the fleet) and the baselines (cost models) on the same
+job, fleet, churn and stragglers; the JSON that `cleave sim --json` prints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from cleave.costmodel import PlanError
+from cleave.errors import ConfigError
+from cleave.fleet import Fleet, load_fleet, synthetic_fleet
+from cleave.sim.baselines import SystemResult, alpa, dp_tp
+from cleave.sim.engine import PsPolicy
+from cleave.sim.pipelines import asteroid, dtfm, pipeline
+from cleave.sim.step import Simulation, StepStats, recovery_after_loss
+from cleave.sim.workload import Links, Workload
+from cleave.sim.world import World
+
+Baseline = Callable[[Workload, Links, Links, float], SystemResult]
+BASELINES: dict[str, Baseline] = {
+    "alpa": alpa,
+    "dp_tp": dp_tp,
+    "dtfm": dtfm,
+    "asteroid": asteroid,
+    "pipeline": pipeline,
+}
+SYSTEMS = ("cleave", *BASELINES)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated job on one fleet (the `cleave sim` flags)."""
+
+    model: str = "opt-13b"
+    devices: int = 256
+    fleet: str = "synthetic"  # or the path of a fleet file (its first `devices` devices)
+    batch: int = 128
+    seq: int = 1024
+    dtype: str = "fp16"
+    churn: float = 0.0  # leaves per device-hour (joins keep the expected fleet size)
+    stragglers: float = 0.0  # fraction of devices with compute and links x 0.1
+    hidden_stragglers: bool = False  # they register their full profile (the planner is not told)
+    seed: int = 0
+    steps: int = 1
+    memory_bytes: int | None = None  # every device's memory (default: the fleet's)
+    ps_bandwidth: float | None = None  # the PS's egress, bytes/s (default: unlimited, as published)
+    tile: tuple[int, int] | None = None  # cut planned blocks into tiles of at most this (default: whole)
+    window: int = 1  # tiles in flight per worker (1 with whole blocks: stealing then waits for idle workers)
+    replan_every_s: float = 0.0  # > 0: recompute the planner's layout at most this often
+    systems: tuple[str, ...] = SYSTEMS
+
+
+def build_fleet(cfg: SimConfig) -> Fleet:
+    if cfg.fleet == "synthetic":
+        fleet = synthetic_fleet(cfg.devices, cfg.seed)
+    else:
+        fleet = load_fleet(cfg.fleet)
+        if cfg.devices > len(fleet):
+            raise ConfigError(
+                f"--devices {cfg.devices}: the fleet file {cfg.fleet} has only {len(fleet)} devices"
+            )
+        fleet = fleet.take(np.arange(cfg.devices))
+    if cfg.memory_bytes is not None:
+        fleet = Fleet(
+            fleet.ids,
+            fleet.flops,
+            np.full(len(fleet), cfg.memory_bytes, dtype=np.int64),
+            fleet.downlink,
+            fleet.uplink,
+            fleet.latency,
+        )
+    return fleet
+
+
+def build_world(cfg: SimConfig) -> World:
+    return World.build(
+        build_fleet(cfg),
+        stragglers=cfg.stragglers,
+        hidden_stragglers=cfg.hidden_stragglers,
+        churn_per_hour=cfg.churn,
+        seed=cfg.seed,
+        synthetic=cfg.fleet == "synthetic",
+    )
+
+
+def simulation(cfg: SimConfig, work: Workload, world: World) -> Simulation:
+    policy = PsPolicy(window=cfg.window)
+    return Simulation(
+        world,
+        work.shapes,
+        work.dtype_bytes,
+        "cost",
+        cfg.tile,
+        cfg.ps_bandwidth,
+        policy,
+        replan_every_s=cfg.replan_every_s,
+    )
+
+
+def per_device(stats: list[StepStats]) -> tuple[dict[int, float], dict[int, float]]:
+    """Bytes down and up per device, averaged over the steps."""
+    down: dict[int, float] = {}
+    up: dict[int, float] = {}
+    for st in stats:
+        for mine, theirs in ((down, st.down), (up, st.up)):
+            for d, v in theirs.items():
+                mine[d] = mine.get(d, 0.0) + v / len(stats)
+    return down, up
+
+
+def predicted_step(sim: Simulation, work: Workload) -> float:
+    """The planner's step time on the starting fleet (its first layout)."""
+    by_key = {key[1:]: g for key, g in sim.cutter.gemm_plans.items() if key[0] == 0}
+    keys = [((min(s.m, s.n), max(s.m, s.n), s.k), s.count_per_step) for s in work.shapes]
+    return sum(by_key[k].makespan_s * count for k, count in keys if k in by_key)
+
+
+def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
+    """Cleave's steps, simulated; its recovery from losing the busiest device in the largest GEMM."""
+    t0 = time.perf_counter()
+    sim = simulation(cfg, work, world)
+    try:
+        stats = [sim.step() for _ in range(cfg.steps)]
+        calm = simulation(cfg, work, build_world(replace(cfg, churn=0.0, hidden_stragglers=False)))
+        recovery = recovery_after_loss(calm, max(work.shapes, key=lambda s: s.flops))
+    except PlanError as e:
+        return SystemResult(
+            "cleave", False, None, None, None, None, 0, note=f"the planner found no plan: {e}"
+        )
+    down, up = per_device(stats)
+    step = float(np.mean([st.step_s for st in stats]))
+    extra = {
+        "predicted_step_s": predicted_step(sim, work),
+        "steps": [st.step_s for st in stats],
+        "tiles": sum(st.tiles for st in stats),
+        "tiles_resent": sum(st.resent for st in stats),
+        "speculated": sum(st.speculated for st in stats),
+        "duplicates": sum(st.duplicates for st in stats),
+        "gemms_simulated": sum(st.gemms_simulated for st in stats),
+        "plans": len(sim.scheduler.plans),
+        "max_device_down_bytes": max(down.values()),
+        "recovery": recovery,
+        "sim_wall_s": time.perf_counter() - t0,
+    }
+    used = len(down)
+    return SystemResult(
+        "cleave",
+        True,
+        step,
+        float(recovery["recovery_s"]),
+        sum(down.values()) / used,
+        sum(up.values()) / used,
+        used,
+        None,
+        step,
+        "planned blocks, dealt by the PS's ledger",
+        extra,
+    )
+
+
+def links(p: Any) -> Links:
+    return Links(p.flops, p.up, p.down, p.lat, p.mem)
+
+
+def expected_step(step: float, recovery: float, failures_per_s: float) -> float | None:
+    """A synchronous step when failures arrive at `failures_per_s` and each costs `recovery` seconds
+    (noticing included): S' = S / (1 - rate x recovery), or never (None) when that is not below 1."""
+    load = failures_per_s * recovery
+    return step / (1 - load) if load < 1 else None
+
+
+def with_detection(r: SystemResult, detect_s: float) -> SystemResult:
+    """A baseline's recovery plus the seconds it takes to notice a failure (a heartbeat timeout)."""
+    extra = dict(r.extra)
+    if extra.get("unconstrained_recovery_s") is not None:
+        extra["unconstrained_recovery_s"] += detect_s
+    return replace(r, recovery_s=None if r.recovery_s is None else r.recovery_s + detect_s, extra=extra)
+
+
+def with_churn(r: SystemResult, churn_per_hour: float) -> SystemResult:
+    """A baseline with its expected step under `churn_per_hour` leaves per device-hour of the devices it
+    uses (`step_s_with_churn`; `unconstrained_step_s_with_churn` for its memory-blind configuration)."""
+    extra = dict(r.extra)
+    if r.feasible and r.step_s is not None and r.recovery_s is not None:
+        rate = churn_per_hour / 3600.0 * r.devices_used
+        extra["step_s_with_churn"] = expected_step(r.step_s, r.recovery_s, rate)
+    unc_rec = r.extra.get("unconstrained_recovery_s")
+    if r.unconstrained_step_s is not None and unc_rec is not None:
+        rate = churn_per_hour / 3600.0 * r.extra.get("unconstrained_devices", r.devices_used)
+        extra["unconstrained_step_s_with_churn"] = expected_step(r.unconstrained_step_s, unc_rec, rate)
+    return replace(r, extra=extra)
+
+
+def compare(cfg: SimConfig, liveness_s: float = 1.0) -> dict[str, Any]:
+    """Every system in `cfg.systems` on one job and fleet: the `cleave sim --json` document."""
+    work = Workload.of(cfg.model, cfg.batch, cfg.seq, cfg.dtype)
+    world = build_world(cfg)
+    declared, actual = links(world.declared), links(world.actual)  # the starting fleet (churn adds to it)
+    budget = float(world.declared.mem.min())
+    out: dict[str, Any] = {}
+    for name in cfg.systems:
+        if name == "cleave":
+            out[name] = run_cleave(cfg, work, world)
+            continue
+        r = BASELINES[name](work, declared, actual, budget)
+        out[name] = with_churn(with_detection(r, liveness_s), cfg.churn)
+    return {
+        "config": {**asdict(cfg), "params": work.params, "step_flops": work.step_flops},
+        "systems": {k: v.to_json() for k, v in out.items()},
+    }
+
+
+def parse_systems(text: str | Sequence[str]) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip())
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad:
+        raise ConfigError(f"unknown system {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
+    return names

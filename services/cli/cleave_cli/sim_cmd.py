@@ -1,0 +1,167 @@
+"""`cleave sim`: simulate training steps of a model on a large edge fleet, and compare with the baselines.
+
+    cleave sim --model opt-13b --devices 256 --fleet synthetic --batch 128 --seq 1024 [--dtype fp16]
+               [--churn RATE] [--stragglers FRACTION] [--hidden-stragglers] [--steps N] [--seed S]
+               [--memory BYTES] [--ps-bandwidth BYTES_PER_S] [--tile ROWSxCOLS] [--window N]
+               [--replan-every S] [--systems a,b,...]
+               [--json] [--report DIR]
+
+Cleave is simulated GEMM by GEMM with the planner and the PS's tile ledger; the baselines (alpa, dp_tp,
+dtfm, asteroid, pipeline) are cost models with a memory check. `--json` prints
+`{"config": {...}, "systems": {NAME: {"step_s", "feasible", "recovery_s", "per_device_down_bytes",
+"per_device_up_bytes", ...}}}`; `--report DIR` sweeps models and fleet sizes and writes report.json and
+PNG plots there (docs/evaluation.md describes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from cleave.errors import ConfigError
+from cleave.models import PRESETS
+from cleave.planner import DTYPE_BYTES
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `sim` subcommand to an argparse subparsers object; it dispatches to `run`."""
+    p = subparsers.add_parser(
+        "sim",
+        help="simulate training on a large edge fleet and compare with baselines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="opt-13b", choices=sorted(PRESETS), help="a model preset")
+    p.add_argument("--devices", type=int, default=256, help="devices in the fleet")
+    p.add_argument("--fleet", default="synthetic", help="'synthetic' (the edge profile) or a fleet JSON file")
+    p.add_argument("--batch", type=int, default=128, help="sequences per step")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16")
+    p.add_argument("--churn", type=float, default=0.0, help="leaves per device-hour (joins keep the size)")
+    p.add_argument("--stragglers", type=float, default=0.0, help="fraction of devices running at 0.1x")
+    p.add_argument("--hidden-stragglers", action="store_true", help="stragglers register their full profile")
+    p.add_argument("--steps", type=int, default=1, help="training steps to simulate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--memory", type=int, default=None, help="every device's memory in bytes (default 512 MiB)"
+    )
+    p.add_argument(
+        "--ps-bandwidth", type=float, default=None, help="the PS's egress, bytes/s (default unlimited)"
+    )
+    p.add_argument("--tile", default=None, help="cut planned blocks into tiles of at most ROWSxCOLS")
+    p.add_argument("--window", type=int, default=1, help="tiles in flight per worker")
+    p.add_argument(
+        "--replan-every",
+        type=float,
+        default=0.0,
+        help="seconds between fresh layouts (default: every change)",
+    )
+    p.add_argument("--systems", default=",".join(_systems()), help="comma-separated systems to run")
+    p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument(
+        "--report", type=Path, default=None, help="sweep models and fleet sizes; write JSON and PNGs"
+    )
+    p.add_argument("--report-models", default=None, help="models of the sweep (comma-separated)")
+    p.add_argument("--report-devices", default=None, help="fleet sizes of the sweep (comma-separated)")
+    return p
+
+
+def _systems() -> tuple[str, ...]:
+    from cleave.sim.systems import SYSTEMS
+
+    return SYSTEMS
+
+
+def _tile(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    rows, sep, cols = text.lower().partition("x")
+    if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
+        raise ConfigError(f"--tile {text!r}: expected ROWSxCOLS, e.g. 1024x1024")
+    return int(rows), int(cols)
+
+
+def config(args: argparse.Namespace) -> Any:
+    """The `SimConfig` of these flags, checked."""
+    from cleave.sim.systems import SimConfig, parse_systems
+
+    for flag, value, low in (
+        ("--devices", args.devices, 1),
+        ("--batch", args.batch, 1),
+        ("--seq", args.seq, 1),
+        ("--steps", args.steps, 1),
+        ("--window", args.window, 1),
+    ):
+        if value < low:
+            raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    if not 0 <= args.stragglers <= 1 or args.churn < 0:
+        raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
+    return SimConfig(
+        model=args.model,
+        devices=args.devices,
+        fleet=args.fleet,
+        batch=args.batch,
+        seq=args.seq,
+        dtype=args.dtype,
+        churn=args.churn,
+        stragglers=args.stragglers,
+        hidden_stragglers=args.hidden_stragglers,
+        seed=args.seed,
+        steps=args.steps,
+        memory_bytes=args.memory,
+        ps_bandwidth=args.ps_bandwidth,
+        tile=_tile(args.tile),
+        window=args.window,
+        replan_every_s=args.replan_every,
+        systems=parse_systems(args.systems),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from cleave.sim.systems import compare
+
+    cfg = config(args)
+    if args.report is not None:
+        from cleave.sim.report import ReportSpec, write_report
+
+        spec = ReportSpec.of(cfg, args.report_models, args.report_devices)
+        doc = write_report(spec, args.report, progress=sys.stderr)
+        print(json.dumps({"report": str(args.report), "files": doc["files"]}))
+        return 0
+    doc = compare(cfg)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=float))
+    else:
+        print_table(doc, sys.stdout)
+    return 0
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if unit == "B" and x >= scale:
+            return f"{x / scale:.1f}{suffix}B"
+    return f"{x:,.1f}{unit}"
+
+
+def print_table(doc: dict[str, Any], out: TextIO) -> None:
+    c = doc["config"]
+    out.write(
+        f"{c['model']} ({c['params'] / 1e9:.2f}B parameters), batch {c['batch']} x {c['seq']} tokens, "
+        f"{c['dtype']}, {c['devices']} devices ({c['fleet']}), churn {c['churn']}/device-hour, "
+        f"stragglers {c['stragglers']}\n"
+    )
+    out.write(
+        f"{'system':10s} {'step s':>12s} {'recovery s':>11s} {'down/dev':>10s} {'up/dev':>10s} "
+        f"{'devices':>8s}  note\n"
+    )
+    for name, r in doc["systems"].items():
+        step = _fmt(r["step_s"]) if r["feasible"] else "infeasible"
+        out.write(
+            f"{name:10s} {step:>12s} {_fmt(r['recovery_s']):>11s} {_fmt(r['per_device_down_bytes'], 'B'):>10s} "
+            f"{_fmt(r['per_device_up_bytes'], 'B'):>10s} {r['devices_used']:>8d}  {r['note']}\n"
+        )

@@ -1,0 +1,256 @@
+"""The simulator's invariants: work is conserved and never lost under churn, clean runs match the planner,
+the baselines refuse what memory forbids, traffic falls as devices join, and a seed fixes everything."""
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+
+from cleave import tiles
+from cleave.fleet import synthetic_fleet
+from cleave.models import PRESETS, build_model, gemm_shapes
+from cleave.schemas import DeviceProfile
+from cleave.sim import plans as simplans
+from cleave.sim.baselines import SystemResult
+from cleave.sim.engine import GemmRun, PsPolicy, Slot
+from cleave.sim.step import Simulation, simulate_step, step_order
+from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
+from cleave.sim.workload import Workload
+from cleave.sim.world import World
+from cleave_cli import sim_cmd
+from cleave_ps.dispatcher import block_shape
+
+SMALL = ("opt-125m", 8, 128)  # model, batch, seq: GEMMs of 1024 rows, simulated in milliseconds
+
+
+def shapes(model=SMALL[0], batch=SMALL[1], seq=SMALL[2]):
+    return gemm_shapes(PRESETS[model], batch, seq)
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    [
+        ("opt-125m", 0.125),
+        ("opt-1.3b", 1.316),
+        ("opt-13b", 12.85),
+        ("opt-30b", 29.97),
+        ("opt-66b", 65.7),
+        ("llama2-7b", 6.738),
+        ("llama2-13b", 13.016),
+        ("llama2-70b", 68.98),
+    ],
+)
+def test_presets_have_the_published_parameter_counts(name, billions):
+    params = sum(p.numel() for p in build_model(PRESETS[name], device="meta").parameters())
+    assert params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=()):
+    policy = policy or PsPolicy(window=1)
+    cutter = simplans.Cutter(world, 2, plan_kind, tile)
+    plan = simplans.Plan(0.0, np.arange(len(world)))
+    ts, predicted = cutter.tileset(0, plan, shape.m, shape.n, shape.k)
+    slots = {w: Slot() for w in world.ids}
+    run = GemmRun(
+        ts,
+        0.0,
+        slots,
+        world.index,
+        world.declared,
+        world.actual,
+        world.leave_at if leave_at is None else leave_at,
+        np.zeros(len(world)),
+        policy,
+        plans,
+    )
+    return run, run.run(), predicted
+
+
+def assert_done_once(run, shape):
+    assert run.ledger.complete
+    tiles.check_cover(run.ledger.tiles, shape.m, shape.n)  # the tiles cover the output exactly once
+    assert run.out.flops == pytest.approx(2.0 * shape.m * shape.n * shape.k)
+
+
+def test_an_undisturbed_gemm_takes_what_the_planner_predicts():
+    world = World.build(synthetic_fleet(24, seed=1))
+    for shape in shapes()[:6]:
+        run, out, predicted = gemm(world, shape)
+        assert_done_once(run, shape)
+        assert out.span == pytest.approx(predicted, rel=1e-9)
+        assert out.resent == out.duplicates == out.speculated == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lost_devices_never_lose_a_tile(seed):
+    rng = np.random.default_rng(seed)
+    world = World.build(synthetic_fleet(20, seed=seed), stragglers=0.2, hidden_stragglers=True, seed=seed)
+    shape = shapes()[0]
+    tile = [None, (64, 64)][seed % 2]
+    _, clean, _ = gemm(world, shape, tile=tile, policy=PsPolicy(window=1 + seed % 2))
+    leave_at = np.full(len(world), math.inf)
+    gone = rng.choice(sorted(clean.last), size=8, replace=False)  # devices that had work: each leaves midway
+    leave_at[gone] = [clean.last[i] * rng.uniform(0.1, 0.9) for i in gone.tolist()]
+    later = float(leave_at[gone].max()) + [0.01, 2.0][seed % 2]  # the new plan drops them, or comes late
+    plans = [(later, tuple(w for i, w in enumerate(world.ids) if i not in set(gone.tolist())))]
+    run, out, _ = gemm(
+        world, shape, tile=tile, policy=PsPolicy(window=1 + seed % 2), leave_at=leave_at, plans=plans
+    )
+    assert_done_once(run, shape)
+    assert out.resent + out.speculated >= 1  # re-sent when noticed, or copied first because it ran late
+    assert all(r.done_at is not None and not r.tiles for r in out.recoveries)
+    assert all(out.last.get(i, 0.0) <= leave_at[i] for i in gone.tolist())  # nothing comes back from the gone
+
+
+def test_a_step_with_churn_computes_every_flop_once():
+    world = World.build(synthetic_fleet(30, seed=3), churn_per_hour=400.0, stragglers=0.1, seed=3)
+    sim = Simulation(world, shapes(), 2, policy=PsPolicy(window=2), replan_every_s=1.0)
+    stats = sim.step()
+    assert stats.flops == pytest.approx(sum(s.flops * s.count_per_step for s in shapes()))
+    assert stats.recoveries and stats.resent >= 1
+    assert len(world) > 30  # devices joined, and some of them were planned
+    assert any(len(p.members) != 30 for p in sim.scheduler.plans)
+
+
+def test_the_step_runs_every_gemm_in_order():
+    sh = shapes()
+    order = step_order(sh)
+    assert len(order) == sum(s.count_per_step for s in sh)
+    assert sh[order[0]].name.endswith(".fwd") and sh[order[-1]].name.endswith((".dx", ".dw"))
+
+
+def test_uniform_tiles_are_cut_as_the_dispatcher_cuts_them():
+    for m, n, workers in [(1024, 768, 4), (1024, 768, 100), (64, 50272, 9), (8, 8, 1000), (4096, 4096, 5000)]:
+        assert simplans.block_shape(m, n, 256, 256, workers) == block_shape(m, n, None, workers)
+
+
+def test_simulate_step_takes_declared_profiles():
+    prof = {
+        f"w{i}": DeviceProfile(
+            flops=2e9 * (i + 1),
+            memory_bytes=64 * 2**20,
+            downlink_bytes_per_s=50e6,
+            uplink_bytes_per_s=20e6,
+            latency_s=0.002,
+        )
+        for i in range(4)
+    }
+    sh = gemm_shapes(PRESETS["tiny"], 8, 64)
+    t = simulate_step(prof, sh, 4)
+    assert t > 0
+    assert simulate_step(prof, sh, 4, ps_overhead_s=1.5) == pytest.approx(t + 1.5)
+    assert simulate_step(prof, sh, 4, planner="uniform", steps=2) > 0
+
+
+def test_baselines_refuse_what_memory_forbids():
+    work = Workload.of("opt-66b", 128, 1024)
+    doc = compare(SimConfig(model="opt-66b", devices=512, systems=("asteroid", "pipeline", "dtfm")))
+    for name, r in doc["systems"].items():
+        assert r["feasible"] is False and r["step_s"] is None and r["recovery_s"] is None, name
+        assert r["memory_bytes"] > 512 * 2**20 and r["unconstrained_step_s"] > 0
+    assert work.params > 65e9
+    roomy = compare(
+        SimConfig(
+            model="opt-125m",
+            devices=64,
+            memory_bytes=64 * 2**30,
+            systems=("alpa", "dp_tp", "dtfm", "asteroid", "pipeline"),
+        )
+    )
+    assert all(r["feasible"] and r["step_s"] > 0 for r in roomy["systems"].values())
+    assert roomy["systems"]["asteroid"]["devices_used"] <= 32  # 8 stages x 4 samples a micro-batch
+
+
+def test_cleave_traffic_per_device_falls_as_devices_join():
+    rows = []
+    for n in (16, 32, 64, 128):
+        r = compare(SimConfig(model="opt-125m", devices=n, batch=16, seq=256, systems=("cleave",)))[
+            "systems"
+        ]["cleave"]
+        rows.append((r["per_device_down_bytes"], r["per_device_up_bytes"], r["step_s"]))
+    for before, after in zip(rows, rows[1:], strict=False):
+        assert after[0] < before[0] and after[1] < before[1] and after[2] < before[2]
+
+
+def test_a_seed_fixes_the_simulation():
+    def run(seed):
+        cfg = SimConfig(
+            model="opt-125m",
+            devices=16,
+            batch=8,
+            seq=128,
+            churn=200.0,
+            replan_every_s=20.0,
+            stragglers=0.2,
+            hidden_stragglers=True,
+            seed=seed,
+            systems=("cleave", "asteroid"),
+        )
+        doc = compare(cfg)
+        doc["systems"]["cleave"].pop("sim_wall_s")
+        return json.dumps(doc, sort_keys=True, default=float)
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_expected_step_under_churn_for_a_baseline():
+    assert expected_step(100.0, 50.0, 0.01) == pytest.approx(100.0 / 0.5)
+    assert expected_step(100.0, 50.0, 0.05) is None  # a failure comes before it has recovered
+    r = SystemResult("x", True, 100.0, 50.0, 1.0, 1.0, 36)  # 36 devices at 1 leave per device-hour: 0.01/s
+    assert with_churn(r, 1.0).extra["step_s_with_churn"] == pytest.approx(200.0)
+
+
+def cli(argv, capsys):
+    parser = argparse.ArgumentParser()
+    sim_cmd.register(parser.add_subparsers(dest="command"))
+    assert sim_cmd.run(parser.parse_args(["sim", *argv])) == 0
+    return capsys.readouterr().out
+
+
+def test_cli_json_has_every_system(capsys):
+    doc = json.loads(
+        cli(["--model", "opt-125m", "--devices", "32", "--batch", "8", "--seq", "128", "--json"], capsys)
+    )
+    assert set(doc["systems"]) == {"cleave", "alpa", "dp_tp", "dtfm", "asteroid", "pipeline"}
+    for r in doc["systems"].values():
+        assert {"step_s", "feasible", "recovery_s", "per_device_down_bytes", "per_device_up_bytes"} <= set(r)
+    assert "cleave" in cli(["--model", "opt-125m", "--devices", "16", "--batch", "8", "--seq", "128"], capsys)
+
+
+def test_cli_report_writes_json_and_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = json.loads(
+        cli(
+            [
+                "--model",
+                "opt-125m",
+                "--devices",
+                "16",
+                "--batch",
+                "8",
+                "--seq",
+                "128",
+                "--report",
+                str(tmp_path),
+                "--report-models",
+                "opt-125m",
+                "--report-devices",
+                "16,32",
+            ],
+            capsys,
+        )
+    )
+    names = {p.split("/")[-1] for p in out["files"]}
+    assert {
+        "report.json",
+        "step_vs_devices.png",
+        "largest_fleet.png",
+        "traffic_vs_devices.png",
+        "recovery.png",
+        "churn.png",
+    } <= names
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["claims"]["traffic"]["opt-125m"]["falls_as_devices_join"] is True
