@@ -2,7 +2,7 @@
 by the planner and the PS's tile ledger, next to cost models of the edge-training baselines.
 
 - `world`: the devices, their declared and actual profiles, churn (Poisson leaves and joins), stragglers
-- `engine`: one GEMM, event by event, dealt by `cleave_ps.ledger.GemmLedger`
+- `engine`: one GEMM, event by event, dealt by `cleave.ledger.GemmLedger` (the PS's own)
 - `plans`, `step`: plans over time and whole training steps; `simulate_step` for validation runs
 - `workload`, `baselines`, `pipelines`: the baselines' cost and memory models
 - `systems`, `report`, `plots`: one comparison (`cleave sim --json`) and the evaluation report

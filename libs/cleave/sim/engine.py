@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from cleave.ledger import GemmLedger
 from cleave.sim.world import Profiles
 from cleave.tiles import Tile
 
@@ -35,11 +36,7 @@ FINISH, CHECK, SPEC, PLAN = 0, 1, 2, 3  # event kinds
 
 
 def ledger_class() -> Any:
-    """The PS's `GemmLedger`, imported from the service so that the simulator deals tiles with the very code
-    the PS runs. The one place `cleave` reaches into a service: the ledger is pure and depends only on
-    `cleave.tiles`, so it could move to `libs/` with `cleave_ps.ledger` re-exporting it."""
-    from cleave_ps.ledger import GemmLedger
-
+    """The PS's `GemmLedger` (`cleave.ledger`): the simulator deals tiles with the very code the PS runs."""
     return GemmLedger
 
 

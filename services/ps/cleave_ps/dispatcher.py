@@ -19,6 +19,7 @@ import torch
 from cleave import codec, tiles
 from cleave.bus import Bus
 from cleave.errors import StepAborted, StepSpoiled
+from cleave.ledger import Attempt, GemmLedger
 from cleave.schemas import (
     SUBJECT_RESULTS,
     SUBJECT_TILES,
@@ -29,7 +30,6 @@ from cleave.schemas import (
     TileResult,
     TileTask,
 )
-from cleave_ps.ledger import Attempt, GemmLedger
 from cleave_ps.settings import PsSettings
 from cleave_ps.verify import Check, Verifier
 
@@ -273,7 +273,9 @@ class Dispatcher:
         if msg.job != self.job_id or msg.epoch != self.epoch:
             return self._reject("wrong_job", msg)
         if run is None or (msg.step, msg.op) != (run.step, run.op):
-            self.c.dropped += 1  # late: from a GEMM that is already complete
+            self.c.dropped += 1  # late: from a GEMM that is already complete; but the worker is alive
+            if msg.worker_id in self.workers:
+                self.workers[msg.worker_id].suspect = False
             return None
         if not run.ledger.was_issued(msg.tile, msg.attempt):
             return self._reject("unknown_tile", msg)
