@@ -69,7 +69,7 @@ class GemmLedger:
             if tile not in self.done:
                 return self._issue(tile, worker, now)
         tile = self._shared(score)
-        if tile is None and (not self.owners or worker in self.owned_by):  # a device the plan left out
+        if tile is None and (not self.owners or worker in self.owned_by):  # a device the plan left out is slow
             victim = max(self.owned.values(), key=len, default=None)
             while victim:
                 tile = victim.pop()

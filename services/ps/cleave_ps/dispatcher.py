@@ -100,6 +100,7 @@ class GemmRun:
     blocks: dict[str, TensorData] = field(default_factory=dict)
     recoveries: list[Recovery] = field(default_factory=list)
     spoiled: str = ""  # a worker found lying during this GEMM
+    expected_s: float = 0.0  # the plan's makespan for this GEMM (0: no prediction)
 
 
 def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
@@ -151,10 +152,10 @@ class Dispatcher:
         return hit[0]
 
     async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str) -> torch.Tensor:
-        grid, owners = self._tiling(a.shape[0], bt.shape[0], a.shape[1])
+        grid, owners, expected_s = self._tiling(a.shape[0], bt.shape[0], a.shape[1])
         self.verifier.new_gemm()
         run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid, owners),
-                      torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype))
+                      torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype), expected_s=expected_s)
         self.run = run
         waited = time.monotonic()
         try:
@@ -180,20 +181,21 @@ class Dispatcher:
         self.c.dropped += run.ledger.duplicates
         return run.out
 
-    def _tiling(self, m: int, n: int, k: int) -> tuple[list[tiles.Tile], list[str | None] | None]:
-        """The plan's blocks for this shape, cut to at most one tile's size; else a uniform grid."""
+    def _tiling(self, m: int, n: int, k: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
+        """The plan's blocks for this shape, cut to at most one tile's size, and the planned makespan; else a
+        uniform grid (and 0: nothing predicted)."""
         plan = self.plan
         layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
         if layout is None:
             rows, cols = block_shape(m, n, plan, len(self._live()))
-            return tiles.grid(m, n, rows, cols), None
+            return tiles.grid(m, n, rows, cols), None, 0.0
         boxes, owners = [], []
         for i, owner in enumerate(layout.owners):
             box = tuple(layout.boxes[4 * i : 4 * i + 4])
             parts = tiles.subdivide([box], plan.tile_rows, plan.tile_cols)
             boxes += parts
             owners += [owner if owner in self.workers else None] * len(parts)
-        return tiles.from_boxes(boxes), owners
+        return tiles.from_boxes(boxes), owners, layout.makespan_s
 
     def _live(self) -> list[WorkerSlot]:
         now = time.monotonic()
@@ -380,7 +382,9 @@ class Dispatcher:
             if not inflight or slot.suspect:
                 continue
             since = max(slot.last_progress, min(a.sent_at for a in inflight))
-            deadline = max(self.s.tile_timeout_s, self.s.timeout_factor * slot.round_trip_s)
+            # a planned block may legitimately take its GEMM's predicted makespan, however slow the device
+            deadline = self.s.timeout_factor * max(slot.round_trip_s, run.expected_s)
+            deadline = max(self.s.tile_timeout_s, deadline)
             if now - since > deadline:
                 slot.suspect, slot.suspect_since = True, now
                 self._lose(slot.worker_id, now, cause="tile_deadline", silent_since=since)

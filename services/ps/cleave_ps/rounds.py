@@ -15,7 +15,6 @@ import time
 
 import structlog
 
-from cleave import codec
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
 from cleave.errors import WireError
@@ -27,17 +26,15 @@ from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
 from cleave.metrics_file import MetricsFile
 from cleave.schemas import (
-    PLAN_BUCKET,
-    PLAN_KEY,
     SUBJECT_ROUNDS,
     SUBJECT_UPDATES,
     PackedTensors,
-    Plan,
     RoundTask,
     RoundUpdate,
     StepMetrics,
 )
 from cleave.training import Trainer
+from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
@@ -48,7 +45,7 @@ class Rounds:
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
         self.epoch = time.time_ns() // 1_000_000
-        self.workers: set[str] = set()
+        self.plan = PlanView(bus)
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
         self.failed: set[str] = set()  # workers that answered this round with an error
         self.raw_bytes = self.bytes_up = self.dropped = 0
@@ -64,15 +61,6 @@ class Rounds:
                 outer_momentum=self.job.outer_momentum, rule=self.job.aggregate))
         else:
             self.server = FedAvgServer(params, FedAvgConfig(local_steps=self.job.local_steps, rule=self.job.aggregate))
-
-    def on_plan(self, key: str, operation: str, value: bytes | None) -> None:
-        if value:
-            try:
-                plan = codec.decode(value, Plan)
-            except WireError as e:
-                self.bus.reject(e.reason, "plan", str(e))
-                return
-            self.workers = {w.worker_id for w in plan.workers}
 
     async def on_update(self, msg: RoundUpdate, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -98,9 +86,9 @@ class Rounds:
 
     async def round(self, r: int) -> StepMetrics:
         t0 = time.perf_counter()
-        while not self.workers and not self.stop.is_set():
+        while not self.plan.workers and not self.stop.is_set():
             await wait_for_stop(self.stop, DEFAULT_POLL_S)
-        expected = set(self.workers)
+        expected = set(self.plan.workers)
         weights = get_compressor("none")
         packed = {k: weights.compress(v) for k, v in self.server.global_state().items()}
         bytes_down, reply = 0, SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch)
@@ -111,7 +99,7 @@ class Rounds:
             bytes_down += await self.bus.publish(SUBJECT_ROUNDS.format(worker_id=w), task)
         deadline = time.monotonic() + self.job.round_timeout_s
         while not self.stop.is_set() and time.monotonic() < deadline:
-            expected &= self.workers  # a worker that left the plan is not waited for
+            expected &= self.plan.workers  # a worker that left the plan is not waited for
             if self.server.collector.complete(expected - self.failed):
                 break
             await wait_for_stop(self.stop, DEFAULT_POLL_S)
@@ -141,7 +129,7 @@ async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Even
                               rounds.on_update, max_bytes=s.max_result_bytes)
     log.info("ps_started", job=job.job_id, method=job.method, rounds=job.steps, epoch=rounds.epoch)
     async with asyncio.TaskGroup() as tg:
-        watcher = tg.create_task(bus.watch(PLAN_BUCKET, PLAN_KEY, rounds.on_plan, stop))
+        watcher = tg.create_task(rounds.plan.follow(stop))
         try:
             for r in range(job.steps):
                 if stop.is_set():

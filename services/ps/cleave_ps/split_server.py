@@ -23,15 +23,13 @@ from cleave.methods.common import make_adamw
 from cleave.metrics_file import MetricsFile
 from cleave.models import build_model, get_preset
 from cleave.schemas import (
-    PLAN_BUCKET,
-    PLAN_KEY,
     SUBJECT_SPLIT,
     SUBJECT_UPDATES,
-    Plan,
     SplitReply,
     SplitTask,
     StepMetrics,
 )
+from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
@@ -47,7 +45,7 @@ class SplitJob:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
         self.epoch = time.time_ns() // 1_000_000
         self.reply = SUBJECT_UPDATES.format(job=job.job_id, epoch=self.epoch)
-        self.workers: set[str] = set()
+        self.plan = PlanView(bus)
         self.client = ""
         self.waiting: dict[tuple[int, str], asyncio.Future] = {}
         self.bytes_down = self.bytes_up = 0
@@ -55,10 +53,6 @@ class SplitJob:
     def build(self) -> None:
         _, half = split.split_model(build_model(get_preset(self.job.preset), seed=self.job.seed), self.job.split_layers)
         self.server = split.SplitServer(half, make_adamw(split.server_params(half), self.job))
-
-    def on_plan(self, key: str, operation: str, value: bytes | None) -> None:
-        if value:
-            self.workers = {w.worker_id for w in codec.decode(value, Plan).workers}
 
     async def on_reply(self, msg: SplitReply, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -74,7 +68,7 @@ class SplitJob:
         deadline = time.monotonic() + self.job.round_timeout_s
         try:
             while not fut.done():
-                if self.client not in self.workers:
+                if self.client not in self.plan.workers:
                     raise ClientLost(f"split-learning client {self.client} left at step {task.step}: the client "
                                      "half of the model lived only there; start the job again")
                 if time.monotonic() > deadline or self.stop.is_set():
@@ -118,11 +112,11 @@ async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event
     sub = await bus.subscribe(sj.reply, SplitReply, sj.on_reply, max_bytes=s.max_result_bytes)
     code = 0
     async with asyncio.TaskGroup() as tg:
-        watcher = tg.create_task(bus.watch(PLAN_BUCKET, PLAN_KEY, sj.on_plan, stop))
+        watcher = tg.create_task(sj.plan.follow(stop))
         try:
-            while not sj.workers and not stop.is_set():
+            while not sj.plan.workers and not stop.is_set():
                 await wait_for_stop(stop, DEFAULT_POLL_S)
-            sj.client = min(sj.workers, default="")
+            sj.client = min(sj.plan.workers, default="")
             log.info("ps_started", job=job.job_id, method="split", client=sj.client, steps=job.steps)
             for step in range(job.steps):
                 if stop.is_set():
