@@ -26,7 +26,7 @@ from cleave.job import JobConfig
 from cleave.models import gemm_shapes, get_preset
 from cleave.training import Trainer
 from cleave_cli.jobrun import LocalFleet
-from cleave_ps.dispatcher import block_shape
+from cleave_ps.dispatcher import DEFAULT_BLOCK, block_shape
 
 WARMUP_STEPS = 2
 DEFAULT_WINDOW = 32  # messages in flight while measuring NATS throughput
@@ -124,7 +124,10 @@ async def nats_throughput(url: str, size: int = 1 << 20, count: int = 300) -> fl
 
 def distributed(job: JobConfig, workers: int, run_dir: Path) -> tuple[list[dict], float]:
     # uniform tiles, so that the bytes the tile plan implies are known exactly (block_shape below)
-    fleet = LocalFleet(run_dir, workers, scheduler_env={"CLEAVE_SCHEDULER_PLANNER": "uniform"})
+    fleet = LocalFleet(run_dir, workers, scheduler_env={
+        "CLEAVE_SCHEDULER_PLANNER": "uniform",
+        "CLEAVE_SCHEDULER_TILE_ROWS": str(DEFAULT_BLOCK), "CLEAVE_SCHEDULER_TILE_COLS": str(DEFAULT_BLOCK),
+    })
     try:
         fleet.start()
         tput = asyncio.run(nats_throughput(fleet.stack.nats_url))
