@@ -9,6 +9,9 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+EXIT_FENCED = 3  # a PS whose job another PS took over: the supervisor does not restart it
+EXIT_JOB_FAILED = 4  # a job that cannot go on (e.g. split learning lost its client): not restarted either
+
 
 def install_stop_signals(stop: asyncio.Event) -> None:
     """SIGTERM/SIGINT set `stop`; a second signal exits at once with status 130."""

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleave.errors import CleaveError
+from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
-PS_FENCED = 3  # the PS's exit status when another PS took over its job: not restarted
-PS_JOB_FAILED = 4  # ... when the job cannot go on (e.g. split learning lost its client): not restarted
 NATS_CONFIG = """\
 listen: 127.0.0.1:{port}
 max_payload: {max_payload}
@@ -127,7 +126,7 @@ class Stack:
             code = proc.popen.poll() if proc.popen else None
             if code is None:
                 continue
-            if proc.restart and not (proc.role == "ps" and code in (0, PS_FENCED, PS_JOB_FAILED)):
+            if proc.restart and not (proc.role == "ps" and code in (0, EXIT_FENCED, EXIT_JOB_FAILED)):
                 proc.restarts += 1
                 if proc.role == "nats":
                     self._start(proc)

@@ -13,7 +13,7 @@ from cleave import bus as busmod
 from cleave.errors import StepAborted, StepSpoiled
 from cleave.faults import Faults
 from cleave.job import JobConfig
-from cleave.lifecycle import run
+from cleave.lifecycle import EXIT_FENCED, run
 from cleave.logs import configure
 from cleave.metrics_file import MetricsFile
 from cleave.models import gemm_shapes
@@ -201,7 +201,7 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
             log.warning("step_aborted", reason=str(e))
         except Fenced as e:
             log.warning("ps_fenced", reason=str(e))
-            code = 3
+            code = EXIT_FENCED
         finally:
             d.stopping = True
             stop.set()

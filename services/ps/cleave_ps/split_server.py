@@ -17,7 +17,7 @@ from cleave import codec
 from cleave.bus import Bus
 from cleave.errors import CleaveError
 from cleave.job import JobConfig
-from cleave.lifecycle import wait_for_stop
+from cleave.lifecycle import EXIT_JOB_FAILED, wait_for_stop
 from cleave.methods import split
 from cleave.methods.common import make_adamw
 from cleave.metrics_file import MetricsFile
@@ -127,12 +127,10 @@ async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event
                 log.info("step_done", step=step, loss=round(m.loss, 5), step_time_s=round(m.step_time_s, 3))
         except ClientLost as e:
             log.error("split_client_lost", reason=str(e))
-            code = JOB_FAILED
+            code = EXIT_JOB_FAILED
         finally:
             stop.set()
             watcher.cancel()
     await sub.unsubscribe()
     return code
 
-
-JOB_FAILED = 4  # the job cannot go on; the supervisor does not restart the PS for it
