@@ -363,10 +363,17 @@ def solve(r: Rates, lo: int, hi: int, t_low: float) -> Blocks:
         side = np.sqrt(float(lo) * hi / max(active, 1))
         tries = [greedy_across if side >= GREEDY_MIN_SIDE else scan_long]
     best: Blocks | None = None
+    failed: PlanError | None = None
     for packer, S, L, swap in tries:
-        v, lay = search(r, S, L, t_low, packer, RTOL_SMALL if n <= DP_MAX_DEVICES else RTOL_LARGE)
+        try:  # an orientation may find no plan (memory) where the other does
+            v, lay = search(r, S, L, t_low, packer, RTOL_SMALL if n <= DP_MAX_DEVICES else RTOL_LARGE)
+        except PlanError as e:
+            failed = e
+            continue
         got = _oriented(r, v, lay, swap)
         if best is None or got.device_time_s < best.device_time_s:
             best = got
-    assert best is not None
+    if best is None:
+        assert failed is not None
+        raise failed
     return best
