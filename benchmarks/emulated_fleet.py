@@ -3,7 +3,11 @@ cost-aware plan against the even split, side by side in one run.
 
 Six workers on loopback declare different device profiles (`cleave worker --profile ...`) and pace
 themselves to honour them; the scheduler plans the `small` preset's GEMMs for them (planner `cost`, then
-`even`: every device, equal blocks). Writes benchmarks/results/emulated_fleet.json.
+`even`: every device, equal blocks). For each plan it reports the measured step against the scheduler's
+prediction (`predicted_step_s`: the plan's GEMMs as the PS deals them, plus the PS's own work) and against
+the simulator's (`cleave.sim.simulate_step` with the same profiles and the PS's measured own work), and the
+GEMMs alone; and per GEMM kind, the median wall time against the plan's makespan (from the PS's debug log).
+Writes benchmarks/results/emulated_fleet.json.
 
     .venv/bin/python benchmarks/emulated_fleet.py [--steps 6] [--preset small]
 """
@@ -17,6 +21,9 @@ import tempfile
 from pathlib import Path
 
 from cleave.job import JobConfig
+from cleave.models import gemm_shapes, get_preset
+from cleave.profile import parse_profile
+from cleave.sim import simulate_step
 from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "emulated_fleet.json"
@@ -32,21 +39,45 @@ PROFILES = {
 }
 
 
+def gemm_table(log: Path) -> dict[str, dict]:
+    """Per GEMM kind, from the PS's debug log: median wall time against the plan's makespan."""
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for line in log.read_text().splitlines():
+        if '"gemm_done"' in line:
+            e = json.loads(line)
+            if e["step"] >= WARMUP_STEPS:
+                rows.setdefault(e["gemm"], []).append((e["wall_s"], e["planned_s"]))
+    return {name: {"runs": len(v), "wall_s": statistics.median(w for w, _ in v),
+                   "planned_s": statistics.median(p for _, p in v)} for name, v in rows.items()}
+
+
 def run(planner: str, job: JobConfig, run_dir: Path) -> dict:
     fleet = LocalFleet(run_dir, 0, scheduler_env={"CLEAVE_SCHEDULER_PLANNER": planner})
     try:
         fleet.start()
         for name, spec in PROFILES.items():
             fleet.stack.service(name, "worker", ["--worker-id", name, "--profile", spec])
-        fleet.start_ps(job, run_dir / "m.jsonl")
+        fleet.start_ps(job, run_dir / "m.jsonl", ps_env={"CLEAVE_LOG_JSON": "1", "CLEAVE_LOG_LEVEL": "debug"})
         lines = fleet.wait_ps(run_dir / "m.jsonl", timeout_s=1800)
     finally:
         fleet.stop()
     body = [m for m in lines if m["step"] >= WARMUP_STEPS]
-    measured = statistics.median(m["step_time_s"] for m in body)
-    predicted = body[-1].get("predicted_step_s")
+
+    def med(key: str) -> float | None:
+        vals = [m[key] for m in body if m.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    measured, predicted = med("step_time_s"), med("predicted_step_s")
+    gemm, planned = med("gemm_s"), med("predicted_gemm_s")
+    profiles = {name: parse_profile(spec) for name, spec in PROFILES.items()}
+    shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
+    simulated = simulate_step(profiles, shapes, 4, planner=planner, steps=2)
     return {"planner": planner, "measured_step_s": measured, "predicted_step_s": predicted,
             "measured_over_predicted": measured / predicted if predicted else None,
+            "measured_gemm_s": gemm, "predicted_gemm_s": planned,
+            "gemm_measured_over_predicted": gemm / planned if planned else None,
+            "simulated_gemm_s": simulated, "gemm_measured_over_simulated": gemm / simulated,
+            "ps_own_s": measured - gemm, "gemms": gemm_table(run_dir / "logs" / "ps.log"),
             "losses": [m["loss"] for m in lines]}
 
 
@@ -62,10 +93,17 @@ def main() -> None:
     out = {"preset": args.preset, "profiles": PROFILES, "cost": cost, "even": even,
            "even_over_cost_measured": even["measured_step_s"] / cost["measured_step_s"],
            "same_losses": all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(cost["losses"], even["losses"], strict=True))}
+    nan = float("nan")
     for r in (cost, even):
-        ratio = r["measured_over_predicted"]
         print(f"{r['planner']:>5}: measured {r['measured_step_s']:.2f}s/step, predicted "
-              f"{r['predicted_step_s'] or float('nan'):.2f}s -> measured/predicted {ratio or float('nan'):.2f}")
+              f"{r['predicted_step_s'] or nan:.2f}s -> measured/predicted {r['measured_over_predicted'] or nan:.2f} "
+              f"(GEMMs {r['measured_gemm_s']:.2f}s vs planned {r['predicted_gemm_s'] or nan:.2f}s: "
+              f"{r['gemm_measured_over_predicted'] or nan:.2f}, vs simulated {r['simulated_gemm_s']:.2f}s: "
+              f"{r['gemm_measured_over_simulated']:.2f}; the PS's own work {r['ps_own_s']:.2f}s)")
+    print("cost plan, per GEMM kind (median wall / planned makespan):")
+    for name, g in sorted(cost["gemms"].items(), key=lambda kv: -kv[1]["wall_s"]):
+        ratio = g["wall_s"] / g["planned_s"] if g["planned_s"] else nan
+        print(f"  {name:<28} {g['wall_s']:7.3f}s {g['planned_s']:7.3f}s  x{ratio:.2f}")
     print(f"even split / cost-aware plan (measured): x{out['even_over_cost_measured']:.2f}; "
           f"losses identical under both plans: {out['same_losses']}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

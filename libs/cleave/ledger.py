@@ -2,6 +2,8 @@
 
 A tile is done exactly once: the first valid result wins and later ones are counted as duplicates.
 A worker that stops making progress has its running tiles put back at the front of the queue.
+Running attempts are indexed by worker and by tile, so that a result, a loss or a worker's count of tiles
+in flight costs the same for 10,000 devices as for 10.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Literal
 from cleave.tiles import Tile
 
 Outcome = Literal["accepted", "duplicate", "unknown"]
+DEFAULT_WINDOW = 2  # tiles in flight per worker (one computing, one arriving); a planned block's pieces stream
 DEFAULT_AFFINITY_SCAN = 32  # pending tiles looked at when choosing one whose inputs a worker caches
 
 
@@ -33,6 +36,8 @@ class GemmLedger:
     owned: dict[str, deque[int]] = field(init=False)  # planned tiles not yet handed out, per device
     owned_by: set[str] = field(init=False)
     running: dict[tuple[int, int], Attempt] = field(default_factory=dict)  # (tile, attempt) -> attempt
+    by_worker: dict[str, dict[tuple[int, int], Attempt]] = field(default_factory=dict)  # index of running
+    by_tile: dict[int, set[int]] = field(default_factory=dict)  # tile -> its running attempts
     done: set[int] = field(default_factory=set)
     issued: list[int] = field(init=False)  # attempts handed out per tile
     resent: int = 0
@@ -52,24 +57,54 @@ class GemmLedger:
         return len(self.done) == len(self.tiles)
 
     def inflight(self, worker: str) -> list[Attempt]:
-        return [a for a in self.running.values() if a.worker == worker]
+        return list(self.by_worker.get(worker, {}).values())
+
+    def count(self, worker: str) -> int:
+        """Attempts running on `worker`."""
+        return len(self.by_worker.get(worker, ()))
+
+    def owns(self, worker: str) -> bool:
+        """Whether the plan still has tiles for `worker` that it has not been handed."""
+        own = self.owned.get(worker)
+        while own and own[0] in self.done:
+            own.popleft()
+        return bool(own)
 
     def _issue(self, tile: int, worker: str, now: float) -> Attempt:
         att = Attempt(tile, self.issued[tile], worker, now)
         self.issued[tile] += 1
-        self.running[(tile, att.attempt)] = att
+        key = (tile, att.attempt)
+        self.running[key] = att
+        self.by_worker.setdefault(worker, {})[key] = att
+        self.by_tile.setdefault(tile, set()).add(att.attempt)
+        return att
+
+    def drop(self, tile: int, attempt: int) -> Attempt | None:
+        """Forget a running attempt (its result came, or will not come); returns it if it was running."""
+        att = self.running.pop((tile, attempt), None)
+        if att is not None:
+            mine = self.by_worker[att.worker]
+            del mine[(tile, attempt)]
+            if not mine:
+                del self.by_worker[att.worker]
+            twins = self.by_tile[tile]
+            twins.discard(attempt)
+            if not twins:
+                del self.by_tile[tile]
         return att
 
     def take(self, worker: str, now: float, score: Callable[[Tile], int] | None = None) -> Attempt | None:
-        """The next tile for `worker`: its own planned ones, then shared ones (cached inputs first), then
-        one stolen from the device with the most left, so that fast devices take more."""
+        """The next tile for `worker`: its own planned ones, then shared ones (cached inputs first), then,
+        if it has nothing in flight, one stolen from the device with the most left, so that fast devices take
+        more (a busy worker would only queue the stolen tile behind its own work)."""
         own = self.owned.get(worker)
         while own:
             tile = own.popleft()
             if tile not in self.done:
                 return self._issue(tile, worker, now)
         tile = self._shared(score)
-        if tile is None and (not self.owners or worker in self.owned_by):  # a device the plan left out is slow
+        # a device the plan left out is slow for this GEMM: it does not steal
+        if tile is None and not self.count(worker) and (not self.owners or worker in self.owned_by):
             victim = max(self.owned.values(), key=len, default=None)
             while victim:
                 tile = victim.pop()
@@ -96,15 +131,13 @@ class GemmLedger:
 
     def speculate(self, worker: str, now: float, min_age_s: float) -> Attempt | None:
         """A second copy, for an idle `worker`, of the oldest tile running elsewhere for over `min_age_s`."""
-        counts: dict[int, int] = {}
-        for a in self.running.values():
-            counts[a.tile] = counts.get(a.tile, 0) + 1
-        old = [a for a in self.running.values()
-               if a.worker != worker and counts[a.tile] == 1 and now - a.sent_at > min_age_s]
-        if not old:
-            return None
-        self.speculated += 1
-        return self._issue(min(old, key=lambda a: a.sent_at).tile, worker, now)
+        for a in self.running.values():  # in the order they were issued: the oldest first
+            if now - a.sent_at <= min_age_s:
+                return None
+            if a.worker != worker and len(self.by_tile[a.tile]) == 1:
+                self.speculated += 1
+                return self._issue(a.tile, worker, now)
+        return None
 
     def issue_extra(self, tile: int, worker: str, now: float) -> Attempt:
         """One more attempt of a tile for `worker` (a verification copy); its result is not assembled."""
@@ -117,27 +150,26 @@ class GemmLedger:
         """Record a valid result; only the first for a tile is accepted."""
         if not self.was_issued(tile, attempt):
             return "unknown"
-        self.running.pop((tile, attempt), None)
+        self.drop(tile, attempt)
         if tile in self.done:
             self.duplicates += 1
             return "duplicate"
         self.done.add(tile)
-        for key in [k for k in self.running if k[0] == tile]:  # a speculative twin is no longer needed
-            del self.running[key]
+        for twin in list(self.by_tile.get(tile, ())):  # a speculative twin is no longer needed
+            self.drop(tile, twin)
         return "accepted"
 
     def retry(self, tile: int, attempt: int) -> None:
         """This attempt will not produce a block (cache miss, refusal): send the tile again, first."""
-        if self.running.pop((tile, attempt), None) is not None and tile not in self.done:
+        if self.drop(tile, attempt) is not None and tile not in self.done:
             self.pending.appendleft(tile)
 
     def give_back(self, worker: str) -> list[int]:
         """The worker is presumed gone: its running and planned tiles go back to the shared queue."""
-        lost = [a for a in self.running.values() if a.worker == worker]
+        lost = self.inflight(worker)
         for a in lost:
-            del self.running[(a.tile, a.attempt)]
-        running_elsewhere = {a.tile for a in self.running.values()}
-        tiles = sorted({a.tile for a in lost} - self.done - running_elsewhere)
+            self.drop(a.tile, a.attempt)
+        tiles = sorted({a.tile for a in lost if a.tile not in self.done and a.tile not in self.by_tile})
         self.pending.extendleft(reversed(tiles))
         self.pending.extend(self.owned.pop(worker, ()))
         self.resent += len(tiles)

@@ -1,11 +1,16 @@
 """Device profiles: parse a declared one, and pace a worker so that it behaves like it.
 
 A declared profile lets one machine emulate a heterogeneous edge fleet: the worker delays each result
-until the device it pretends to be would have finished the tile, by the cost model of DESIGN.md 5:
-latency + max(bytes down / downlink, bytes up / uplink, FLOPs / FLOPS), one tile after another.
+until the device it pretends to be would have finished the tile. The device streams (`streamed`): its
+downlink, compute and uplink work in parallel on consecutive tiles, so a long run of tiles costs the cost
+model of DESIGN.md 5, latency + max(bytes down / downlink, bytes up / uplink, FLOPs / FLOPS), plus one
+tile's other stages; a single tile costs the sum of its stages. `dealt_time` is that clock for tiles dealt
+a few at a time, which is how the scheduler predicts what a plan's blocks will take at run time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from cleave.errors import ConfigError
 from cleave.schemas import DeviceProfile
@@ -44,6 +49,30 @@ def parse_profile(spec: str) -> DeviceProfile:
         raise ConfigError(f"profile {spec!r}: {e}") from None
 
 
+Clock = tuple[float, float, float]  # when a device's downlink, compute and uplink are next free
+
+
+def streamed(free: Clock, arrived: float, latency_s: float, down_s: float, compute_s: float, up_s: float) -> Clock:
+    """A device's clock after one more tile that reaches it at `arrived` (+ latency): it downloads once its
+    downlink is free, computes once downloaded and the compute is free, uploads once computed and the uplink
+    is free. The last entry is when its result has left."""
+    down = max(arrived + latency_s, free[0]) + down_s
+    compute = max(down, free[1]) + compute_s
+    return down, compute, max(compute, free[2]) + up_s
+
+
+def dealt_time(p: DeviceProfile, tiles: Sequence[tuple[float, float, float]], in_flight: int) -> float:
+    """Seconds from dealing until the last result, for `tiles` (bytes down, bytes up, FLOPs) dealt
+    `in_flight` at a time, the next sent as a result comes back, on a device that streams as `Pacer`."""
+    clock, done = (0.0, 0.0, 0.0), []
+    for i, (down, up, flops) in enumerate(tiles):
+        sent = done[i - in_flight] if i >= in_flight else 0.0
+        clock = streamed(clock, sent, p.latency_s, down / p.downlink_bytes_per_s, flops / p.flops,
+                         up / p.uplink_bytes_per_s)
+        done.append(clock[2])
+    return done[-1] if done else 0.0
+
+
 class Pacer:
     """When a declared device would have finished each tile (wall-clock seconds).
 
@@ -64,7 +93,8 @@ class Pacer:
 
     def finish_at(self, arrived: float, bytes_down: int, bytes_up: int, flops: float) -> float:
         p = self.p
-        self.down_free = max(arrived + p.latency_s, self.down_free) + bytes_down / p.downlink_bytes_per_s
-        self.compute_free = max(self.down_free, self.compute_free) + flops / p.flops
-        self.up_free = max(self.compute_free, self.up_free) + bytes_up / p.uplink_bytes_per_s
+        self.down_free, self.compute_free, self.up_free = streamed(
+            (self.down_free, self.compute_free, self.up_free), arrived, p.latency_s,
+            bytes_down / p.downlink_bytes_per_s, flops / p.flops, bytes_up / p.uplink_bytes_per_s,
+        )
         return self.up_free

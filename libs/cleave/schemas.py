@@ -177,6 +177,7 @@ class Plan(Wire):
     workers: tuple[PlanWorker, ...]
     tile_rows: int = Field(gt=0)  # largest block sent as one tile (planned blocks are cut to this size)
     tile_cols: int = Field(gt=0)
+    chunks: int = Field(1, ge=1, le=64)  # a planned block is sent as at least this many pieces, streamed
     gemms: tuple[GemmLayout, ...] = ()  # per GEMM shape; a shape not listed is dealt as a uniform grid
     predicted_step_s: float | None = None  # the planner's step time for the job's GEMMs
     lower_bound_s: float | None = None
@@ -309,7 +310,9 @@ class StepMetrics(Wire):
     lr: float = 0.0
     val_loss: float | None = None
     recoveries: int = 0
-    predicted_step_s: float | None = None  # the plan's step time for the GEMMs (None: no cost-aware plan)
+    gemm_s: float = 0.0  # of step_time_s, the wall time of the distributed GEMMs; the rest is the PS's own work
+    predicted_gemm_s: float | None = None  # the plan's makespans of this step's GEMMs (None: not all planned)
+    predicted_step_s: float | None = None  # predicted_gemm_s + the PS's own time in its previous steps
     raw_bytes_up: int = 0  # what the workers' updates weighed before compression (data-parallel methods)
     updates: int = 0  # updates applied this round (data-parallel methods)
     updates_dropped: int = 0  # late, duplicate or invalid updates

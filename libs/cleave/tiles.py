@@ -36,6 +36,8 @@ def cuts(size: int, block: int) -> list[tuple[int, int]]:
 
 
 MIN_BLOCK = 16  # blocks are not cut thinner than this to feed more workers
+DEFAULT_TILE = 1024  # the largest block sent as one tile (the scheduler's tile_rows and tile_cols)
+DEFAULT_CHUNKS = 4  # a planned block goes out in at least this many pieces (the scheduler's chunks)
 
 
 def fit_block(m: int, n: int, rows: int, cols: int, workers: int) -> tuple[int, int]:
@@ -68,6 +70,26 @@ def subdivide(boxes: list[tuple[int, int, int, int]], max_rows: int, max_cols: i
         for a, b in cuts(r1 - r0, max_rows):
             for c, d in cuts(c1 - c0, max_cols):
                 out.append((r0 + a, r0 + b, c0 + c, c0 + d))
+    return out
+
+
+def cut_block(box: tuple[int, int, int, int], max_rows: int, max_cols: int, chunks: int = 1) -> list[tuple[int, int, int, int]]:
+    """A planned block as the PS sends it: pieces of at most max_rows x max_cols, and at least `chunks`
+    pieces where the block is large enough (cut along its longer side, whose input is the larger, into equal
+    parts no thinner than MIN_BLOCK), so that a device computes one piece while the next arrives and the
+    last leaves. Same cover as the block."""
+    parts = subdivide([box], max_rows, max_cols)
+    if len(parts) >= chunks:
+        return parts
+    out = []
+    per = -(-chunks // len(parts))
+    for r0, r1, c0, c1 in parts:
+        along_rows = r1 - r0 >= c1 - c0
+        lo, hi = (r0, r1) if along_rows else (c0, c1)
+        pieces = max(1, min(per, (hi - lo) // MIN_BLOCK))
+        edges = [lo + (hi - lo) * i // pieces for i in range(pieces + 1)]
+        for a, b in zip(edges, edges[1:], strict=False):
+            out.append((a, b, c0, c1) if along_rows else (r0, r1, a, b))
     return out
 
 

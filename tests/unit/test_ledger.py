@@ -53,8 +53,11 @@ def test_completes_after_every_tile():
 
 def test_planned_owners_first_then_stealing():
     led = GemmLedger(tiles.grid(4, 1, 1, 1), owners=["fast", "slow", "slow", "slow"])
-    assert led.take("fast", 0.0).tile == 0
-    stolen = led.take("fast", 0.0)  # its own list is empty: it steals from the device with the most left
+    own = led.take("fast", 0.0)
+    assert own.tile == 0
+    assert led.take("fast", 0.0) is None  # busy: a stolen tile would only queue behind its own
+    led.finish(own.tile, own.attempt)
+    stolen = led.take("fast", 0.0)  # idle, its own list empty: it steals from the device with the most left
     assert stolen.tile == 3
     assert led.take("slow", 0.0).tile == 1
 

@@ -47,9 +47,9 @@ def test_presets_have_the_published_parameter_counts(name, billions):
     assert params / 1e9 == pytest.approx(billions, rel=0.01)
 
 
-def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=()):
+def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=(), chunks=4):
     policy = policy or PsPolicy(window=1)
-    cutter = simplans.Cutter(world, 2, plan_kind, tile)
+    cutter = simplans.Cutter(world, 2, plan_kind, tile, chunks, window=policy.window)
     plan = simplans.Plan(0.0, np.arange(len(world)))
     ts, predicted = cutter.tileset(0, plan, shape.m, shape.n, shape.k)
     slots = {w: Slot() for w in world.ids}
@@ -61,7 +61,7 @@ def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, 
         world.declared,
         world.actual,
         world.leave_at if leave_at is None else leave_at,
-        np.zeros(len(world)),
+        np.zeros((len(world), 3)),
         policy,
         plans,
     )
@@ -123,7 +123,7 @@ def test_the_step_runs_every_gemm_in_order():
 
 def test_uniform_tiles_are_cut_as_the_dispatcher_cuts_them():
     for m, n, workers in [(1024, 768, 4), (1024, 768, 100), (64, 50272, 9), (8, 8, 1000), (4096, 4096, 5000)]:
-        assert simplans.block_shape(m, n, 256, 256, workers) == block_shape(m, n, None, workers)
+        assert tiles.fit_block(m, n, 256, 256, workers) == block_shape(m, n, None, workers)
 
 
 def test_simulate_step_takes_declared_profiles():

@@ -2,18 +2,21 @@
 at the cost model's pace, leave without notice, straggle, and get speculative copies and re-sent tiles.
 
 The dealing mirrors `cleave_ps.dispatcher` step for step, with simulated time in place of the event loop:
-every live worker keeps up to `window` tiles in flight (round-robin at the start, one more per result);
+every live worker keeps up to `window` tiles in flight, or the plan's `chunks` while it has planned pieces
+left (round-robin at the start, one more per result);
 a worker idle with nothing left to take gets a copy of a tile that runs past `speculate_factor` usual round
 trips; a worker silent past its deadline is presumed lost and `GemmLedger.give_back` re-queues its tiles;
-a new plan adds workers and drops those it no longer lists. A device works through its tiles one after
-another, each taking `latency + max(down / downlink, up / uplink, flops / FLOPS)` at its actual speed, as
-a worker that paces itself to a declared profile (`cleave.profile.Pacer`) does.
+a new plan adds workers and drops those it no longer lists. A device streams its tiles at its actual speed
+as a worker that paces itself to a declared profile does (`cleave.profile.streamed`, the `Pacer`'s clock):
+downlink, compute and uplink work on consecutive tiles in parallel, so a long run of tiles costs
+`latency + max(down / downlink, up / uplink, flops / FLOPS)` and a lone tile the sum of its stages.
 
-Where it differs from the dispatcher as it stands: block times vary 25-fold between GEMM kinds (k is 5120
-forward and 131072 for dW in OPT-13B), so round-trip averages are kept per GEMM shape, a worker's deadline
-is at least `timeout_factor` x its oldest tile's predicted time, and before any result the usual round trip
-is the median predicted tile time (the dispatcher uses `tile_timeout_s`). Results from an earlier GEMM are
-dropped without clearing a suspect worker, as the dispatcher does.
+Where it differs from the dispatcher: round-trip averages are kept per GEMM shape (the dispatcher keeps one
+per worker, across shapes whose tiles differ 25-fold in time), a worker's deadline is at least
+`timeout_factor` x its oldest tile's predicted time (the dispatcher's: x the GEMM's planned makespan), and
+before any result the usual round trip is the median predicted tile time (the dispatcher uses
+`tile_timeout_s`). A result from an earlier GEMM never reaches a later one here; the dispatcher counts it
+as late and clears its worker's suspicion.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from cleave.ledger import GemmLedger
+from cleave.ledger import DEFAULT_WINDOW, GemmLedger
+from cleave.profile import streamed
 from cleave.sim.world import Profiles
 from cleave.tiles import Tile
 
@@ -44,7 +48,7 @@ def ledger_class() -> Any:
 class PsPolicy:
     """The PS's dealing knobs; the defaults are `cleave_ps.settings.PsSettings`' and the worker's."""
 
-    window: int = 2  # tiles in flight per worker
+    window: int = DEFAULT_WINDOW  # tiles in flight per worker
     tile_timeout_s: float = 1.0  # a worker silent this long with tiles in flight is presumed lost ...
     timeout_factor: float = 4.0  # ... or this many times its usual tile time, if longer
     speculate_factor: float = 3.0  # copy a tile running this many usual round trips; 0 = never
@@ -77,6 +81,7 @@ class TileSet:
     owners: list[str | None]
     egress_s: float = 0.0  # the PS's egress floor for this GEMM (0 when unlimited)
     typical_s: float = 0.0  # the median predicted tile time: the usual round trip before any result
+    chunks: int = 1  # the plan's chunks: a worker's planned pieces may be this many in flight
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -123,7 +128,8 @@ class Outcome:
 class GemmRun:
     """Simulate one GEMM from `start` until every tile is done (see the module docstring).
 
-    `slots` (the PS's workers, in plan order) and `busy_until` (per device) carry over from GEMM to GEMM;
+    `slots` (the PS's workers, in plan order) and `busy_until` (per device, when its downlink, compute and
+    uplink are next free: `cleave.profile.streamed`) carry over from GEMM to GEMM;
     `plans` are (time, the new plan's worker ids) applied when their time comes within this GEMM."""
 
     def __init__(
@@ -189,7 +195,7 @@ class GemmRun:
         return [w for w, s in self.slots.items() if not s.suspect]
 
     def _fill_all(self) -> None:
-        for depth in range(1, self.p.window + 1):
+        for depth in range(1, max(self.p.window, self.ts.chunks) + 1):
             for w in self._live():
                 self._fill(w, depth)
         self._schedule_spec()
@@ -204,7 +210,7 @@ class GemmRun:
         if slot is None or slot.suspect:
             return
         mine = self.inflight[w]
-        while len(mine) < (depth or self.p.window):
+        while len(mine) < min(depth or math.inf, self._room(w)):
             att = self.ledger.take(w, self.now, self._score(slot)) if self._dealable() else None
             if att is None:
                 att = self._speculate(w)
@@ -217,6 +223,10 @@ class GemmRun:
             else:
                 self._send(w, att.tile, att.attempt)
         self._mark(w)
+
+    def _room(self, w: str) -> int:
+        """`Dispatcher._room`: a planned block's pieces stream, up to the plan's chunks in flight."""
+        return max(self.p.window, self.ts.chunks) if self.ledger.owns(w) else self.p.window
 
     def _mark(self, w: str) -> None:
         if self.inflight.get(w) or w not in self.slots or self.slots[w].suspect:
@@ -281,11 +291,11 @@ class GemmRun:
             return  # sent into the void: the device has left, the PS does not know yet
         a = self.act
         up, flops = t.rows * t.cols * ts.b, 2.0 * t.rows * t.cols * ts.k
-        start = max(self.now, self.busy[d])
-        self.busy[d] = start + a.lat[d] + max(down / a.down[d], up / a.up[d], flops / a.flops[d])
+        clock = streamed(tuple(self.busy[d]), self.now, a.lat[d], down / a.down[d], flops / a.flops[d], up / a.up[d])
+        self.busy[d] = clock
         self.out.down[d] = self.out.down.get(d, 0.0) + down
-        if self.busy[d] < self.leave_at[d]:
-            self._push(self.busy[d], FINISH, (w, tile, attempt, self.now))
+        if clock[2] < self.leave_at[d]:
+            self._push(clock[2], FINISH, (w, tile, attempt, self.now))
 
     # ---- results (dispatcher.on_result) -------------------------------------------------------------------
     def _on_finish(self, w: str, tile: int, attempt: int, sent_at: float) -> None:

@@ -9,8 +9,8 @@ at most that often and otherwise kept from the previous plan (a cheaper policy f
 leaver's blocks then go to the shared queue, and a joiner takes shared tiles until the next layout).
 
 The PS cuts each GEMM by the latest plan it holds when the GEMM starts, as `cleave_ps.dispatcher` does:
-the planned blocks (cut to at most `tile` rows x columns when set), each owned by its planned device if
-that device is still a worker, else by nobody.
+the planned blocks (cut by `tiles.cut_block`: to at most `tile` rows x columns when set, and into at least
+`chunks` pieces), each owned by its planned device if that device is still a worker, else by nobody.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import numpy as np
 
 from cleave import planner, tiles
 from cleave.costmodel import egress_bytes
+from cleave.dealing import dealt_makespan
+from cleave.ledger import DEFAULT_WINDOW
 from cleave.sim.engine import TileSet
 from cleave.sim.world import World
 
 PlannerKind = Literal["cost", "even", "uniform"]
-DEFAULT_TILE = 256  # the scheduler's tile_rows / tile_cols
-MIN_BLOCK = 16  # cleave_ps.dispatcher.MIN_BLOCK
 
 
 @dataclass(frozen=True)
@@ -79,20 +79,6 @@ class Scheduler:
             self.made_at = begin
 
 
-def block_shape(m: int, n: int, rows: int, cols: int, workers: int) -> tuple[int, int]:
-    """`cleave_ps.dispatcher.block_shape` (a uniform grid's tile, halved until every worker gets one);
-    tests check the two agree."""
-    rows, cols = min(rows, m), min(cols, n)
-    while -(-m // rows) * -(-n // cols) < workers:
-        if rows >= cols and rows >= 2 * MIN_BLOCK:
-            rows = -(-rows // 2)
-        elif cols >= 2 * MIN_BLOCK:
-            cols = -(-cols // 2)
-        else:
-            break
-    return rows, cols
-
-
 @dataclass
 class Cutter:
     """Each GEMM of a plan as the PS cuts it into tiles, cached per (plan, shape)."""
@@ -100,14 +86,17 @@ class Cutter:
     world: World
     dtype_bytes: int
     kind: PlannerKind = "cost"
-    tile: tuple[int, int] | None = None  # cut planned blocks to at most this; None = deal blocks whole
+    tile: tuple[int, int] | None = None  # cut planned blocks to at most this; None = no largest tile
+    chunks: int = tiles.DEFAULT_CHUNKS  # ... and into at least this many pieces (`tiles.cut_block`)
     ps_bandwidth: float | None = None
+    window: int = DEFAULT_WINDOW  # the PS's tiles in flight per worker (for the prediction)
     cache: dict[tuple, tuple[TileSet, float]] = field(default_factory=dict)
     gemm_plans: dict[tuple, Any] = field(default_factory=dict)
 
     def tileset(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
-        """(the tiles, the planner's predicted makespan) of C[m, n] = A[m, k] · B[k, n] under the layout
-        `version` (`plan` is that layout's own plan)."""
+        """(the tiles, the predicted makespan) of C[m, n] = A[m, k] · B[k, n] under the layout `version`
+        (`plan` is that layout's own plan); the prediction is the scheduler's (`cleave.dealing`): the
+        planner's blocks as the PS deals them and the devices stream them, or the PS's egress if longer."""
         key = (version, m, n, k)
         if key not in self.cache:
             self.cache[key] = self._cut(version, plan, m, n, k)
@@ -116,7 +105,7 @@ class Cutter:
     def _cut(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         b, ids = self.dtype_bytes, plan.ids(self.world)
         if self.kind == "uniform":
-            rows, cols = block_shape(m, n, *(self.tile or (DEFAULT_TILE, DEFAULT_TILE)), len(ids))
+            rows, cols = tiles.fit_block(m, n, *(self.tile or (tiles.DEFAULT_TILE, tiles.DEFAULT_TILE)), len(ids))
             grid = tiles.grid(m, n, rows, cols)
             egress = egress_bytes(m, n, k, b) / self.ps_bandwidth if self.ps_bandwidth else 0.0
             return TileSet(
@@ -126,18 +115,22 @@ class Cutter:
         r0, r1, c0, c1 = (
             (gp.row0, gp.row1, gp.col0, gp.col1) if m <= n else (gp.col0, gp.col1, gp.row0, gp.row1)
         )
+        blocks = list(zip(r0.tolist(), r1.tolist(), c0.tolist(), c1.tolist(), strict=True))
+        planned = [ids[d] for d in gp.dev.tolist()]
         boxes: list[tuple[int, int, int, int]] = []
         owners: list[str | None] = []
-        for d, box in zip(
-            gp.dev.tolist(), zip(r0.tolist(), r1.tolist(), c0.tolist(), c1.tolist(), strict=True), strict=True
-        ):
-            parts = tiles.subdivide([box], *self.tile) if self.tile else [box]
+        limit = self.tile or (m, n)
+        for owner, box in zip(planned, blocks, strict=True):
+            parts = tiles.cut_block(box, *limit, self.chunks)
             boxes += parts
-            owners += [ids[d]] * len(parts)
+            owners += [owner] * len(parts)
         cut = tiles.from_boxes(boxes)
+        fleet = self.world.fleet(plan.members)
+        profiles = {dev.id: dev.profile for dev in fleet.devices()}
+        dealt = dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window)
         return TileSet(
-            m, n, k, b, cut, owners, gp.egress_s, self._typical(plan, cut, k, owners)
-        ), gp.makespan_s
+            m, n, k, b, cut, owners, gp.egress_s, self._typical(plan, cut, k, owners), self.chunks
+        ), max(dealt, gp.egress_s)
 
     def gemm_plan(self, version: int, plan: Plan, m: int, n: int, k: int) -> planner.GemmPlan:
         """The planner's plan of the GEMM in its canonical orientation (rows = the shorter side): a GEMM and

@@ -21,6 +21,7 @@ from cleave.schemas import DeviceProfile
 from cleave.sim.engine import GemmRun, Outcome, PsPolicy, Recovery, Slot, TileSet
 from cleave.sim.plans import Cutter, PlannerKind, Scheduler
 from cleave.sim.world import World
+from cleave.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 
 HORIZON_FACTOR = 10.0  # churn is drawn this many predicted GEMM spans ahead ...
 HORIZON_MIN_S = 60.0  # ... and at least this far
@@ -80,14 +81,16 @@ class Simulation:
     liveness_s: float = 1.0
     replan_every_s: float = 0.0
     plan_delay_s: float = 1.0
+    chunks: int = DEFAULT_CHUNKS  # a planned block goes out in at least this many pieces (`tiles.cut_block`)
     now: float = 0.0
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.world, self.liveness_s, self.replan_every_s, self.plan_delay_s)
-        self.cutter = Cutter(self.world, self.dtype_bytes, self.planner, self.tile, self.ps_bandwidth)
+        self.cutter = Cutter(self.world, self.dtype_bytes, self.planner, self.tile, self.chunks, self.ps_bandwidth,
+                             self.policy.window)
         self.version = 0
         self.slots: dict[str, Slot] = {w: Slot() for w in self.scheduler.plans[0].ids(self.world)}
-        self.busy = np.zeros(len(self.world))
+        self.busy = np.zeros((len(self.world), 3))  # per device: downlink, compute, uplink next free
         self.clean: dict[tuple, Outcome] = {}
         self.order = step_order(self.shapes)
 
@@ -95,7 +98,7 @@ class Simulation:
         self.world.churn(until)
         self.scheduler.extend(until)
         if len(self.busy) < len(self.world):
-            self.busy = np.concatenate([self.busy, np.zeros(len(self.world) - len(self.busy))])
+            self.busy = np.concatenate([self.busy, np.zeros((len(self.world) - len(self.busy), 3))])
 
     def _apply_ready_plans(self) -> None:
         """Plans that reached the PS between GEMMs (`Dispatcher.set_plan` with no GEMM in flight)."""
@@ -187,8 +190,9 @@ def simulate_step(
     dtype_bytes: int,
     *,
     planner: PlannerKind = "cost",
-    tile_rows: int | None = 256,
-    tile_cols: int | None = 256,
+    tile_rows: int | None = DEFAULT_TILE,
+    tile_cols: int | None = DEFAULT_TILE,
+    chunks: int = DEFAULT_CHUNKS,
     ps_bandwidth: float | None = None,
     policy: PsPolicy | None = None,
     steps: int = 1,
@@ -198,11 +202,12 @@ def simulate_step(
     `ps_overhead_s` (the PS's own work per step, which the simulator does not model).
 
     The defaults are the running stack's: the scheduler's cost-aware plan, blocks cut into tiles of at most
-    256 x 256, the PS's window, deadlines and speculation (`PsPolicy()`). With `steps` > 1, the last step's
+    1024 x 1024 and at least 4 pieces a block, the PS's window, deadlines and speculation (`PsPolicy()`). With `steps` > 1, the last step's
     time (the PS's round-trip averages warmed up)."""
     tile = (tile_rows, tile_cols) if tile_rows and tile_cols else None
     sim = Simulation(
-        world_of(fleet_profiles), list(shapes), dtype_bytes, planner, tile, ps_bandwidth, policy or PsPolicy()
+        world_of(fleet_profiles), list(shapes), dtype_bytes, planner, tile, ps_bandwidth, policy or PsPolicy(),
+        chunks=chunks,
     )
     last = 0.0
     for _ in range(max(1, steps)):
@@ -232,7 +237,7 @@ def recovery_after_loss(
 
     def run(leave_at: np.ndarray, plans: list) -> Outcome:
         slots = {w: Slot() for w in ids}
-        busy = np.zeros(len(world))
+        busy = np.zeros((len(world), 3))
         return GemmRun(
             ts, 0.0, slots, world.index, world.declared, world.actual, leave_at, busy, sim.policy, plans
         ).run()

@@ -20,6 +20,7 @@ from cleave.sim.pipelines import asteroid, dtfm, pipeline
 from cleave.sim.step import Simulation, StepStats, recovery_after_loss
 from cleave.sim.workload import Links, Workload
 from cleave.sim.world import World
+from cleave.tiles import DEFAULT_CHUNKS
 
 Baseline = Callable[[Workload, Links, Links, float], SystemResult]
 BASELINES: dict[str, Baseline] = {
@@ -50,7 +51,8 @@ class SimConfig:
     memory_bytes: int | None = None  # every device's memory (default: the fleet's)
     ps_bandwidth: float | None = None  # the PS's egress, bytes/s (default: unlimited, as published)
     tile: tuple[int, int] | None = None  # cut planned blocks into tiles of at most this (default: whole)
-    window: int = 1  # tiles in flight per worker (1 with whole blocks: stealing then waits for idle workers)
+    chunks: int = DEFAULT_CHUNKS  # a planned block goes out in at least this many pieces, streamed
+    window: int = 1  # tiles in flight per worker beyond its planned pieces (1: stealing waits for idle workers)
     replan_every_s: float = 0.0  # > 0: recompute the planner's layout at most this often
     systems: tuple[str, ...] = SYSTEMS
 
@@ -99,6 +101,7 @@ def simulation(cfg: SimConfig, work: Workload, world: World) -> Simulation:
         cfg.ps_bandwidth,
         policy,
         replan_every_s=cfg.replan_every_s,
+        chunks=cfg.chunks,
     )
 
 

@@ -2,7 +2,7 @@
 
     cleave sim --model opt-13b --devices 256 --fleet synthetic --batch 128 --seq 1024 [--dtype fp16]
                [--churn RATE] [--stragglers FRACTION] [--hidden-stragglers] [--steps N] [--seed S]
-               [--memory BYTES] [--ps-bandwidth BYTES_PER_S] [--tile ROWSxCOLS] [--window N]
+               [--memory BYTES] [--ps-bandwidth BYTES_PER_S] [--tile ROWSxCOLS] [--chunks N] [--window N]
                [--replan-every S] [--systems a,b,...]
                [--json] [--report DIR]
 
@@ -52,7 +52,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--ps-bandwidth", type=float, default=None, help="the PS's egress, bytes/s (default unlimited)"
     )
     p.add_argument("--tile", default=None, help="cut planned blocks into tiles of at most ROWSxCOLS")
-    p.add_argument("--window", type=int, default=1, help="tiles in flight per worker")
+    p.add_argument("--chunks", type=int, default=4,
+                   help="a planned block goes out in at least N pieces, streamed (1: whole blocks)")
+    p.add_argument("--window", type=int, default=1, help="tiles in flight per worker beyond its planned pieces")
     p.add_argument(
         "--replan-every",
         type=float,
@@ -94,6 +96,7 @@ def config(args: argparse.Namespace) -> Any:
         ("--seq", args.seq, 1),
         ("--steps", args.steps, 1),
         ("--window", args.window, 1),
+        ("--chunks", args.chunks, 1),
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
@@ -115,6 +118,7 @@ def config(args: argparse.Namespace) -> Any:
         ps_bandwidth=args.ps_bandwidth,
         tile=_tile(args.tile),
         window=args.window,
+        chunks=args.chunks,
         replan_every_s=args.replan_every,
         systems=parse_systems(args.systems),
     )

@@ -33,6 +33,7 @@ def point(m: StepMetrics) -> dict:
         "loss": finite(m.loss),
         "val_loss": finite(m.val_loss),
         "step_time_s": finite(m.step_time_s),
+        "predicted_step_s": finite(m.predicted_step_s),
         "tokens_per_s": finite(m.tokens / m.step_time_s) if m.step_time_s > 0 else None,
         "workers": m.workers,
         "tiles": m.tiles,
@@ -215,7 +216,10 @@ class MonitorState:
             "devices": [w.worker_id for w in p.workers],
             "tile_rows": p.tile_rows,
             "tile_cols": p.tile_cols,
-            "predicted_step_s": p.predicted_step_s,
+            "predicted_step_s": p.predicted_step_s,  # the planner's: the GEMMs only
+            # the PS's: the plan's GEMMs plus its own work outside them (embeddings, attention, optimizer)
+            "predicted_with_ps_s": next((q["predicted_step_s"] for q in reversed(self.series())
+                                         if q.get("predicted_step_s") is not None), None),
             "measured_step_s": self.measured_step_s(),
         }
 

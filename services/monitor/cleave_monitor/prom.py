@@ -103,8 +103,14 @@ class StateCollector(Collector):
             if plan["predicted_step_s"] is not None:
                 yield GaugeMetricFamily(
                     "cleave_plan_predicted_step_seconds",
-                    "Step time the plan predicts.",
+                    "Time the plan predicts for the step's GEMMs.",
                     value=plan["predicted_step_s"],
+                )
+            if plan["predicted_with_ps_s"] is not None:
+                yield GaugeMetricFamily(
+                    "cleave_predicted_step_seconds",
+                    "Predicted step time: the plan's GEMMs plus the PS's own work outside them.",
+                    value=plan["predicted_with_ps_s"],
                 )
             if plan["measured_step_s"] is not None:
                 yield GaugeMetricFamily(

@@ -8,6 +8,7 @@ back to the queue; a late, duplicate or invalid result is counted and never reac
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ class Counters:
     speculated: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    gemm_s: float = 0.0  # wall time spent in distributed GEMMs
+    planned_gemm_s: float = 0.0  # the plan's makespans of the GEMMs run
+    unplanned: int = 0  # GEMMs run without a planned layout (dealt as a uniform grid)
     recoveries: list[Event] = field(default_factory=list)
 
 
@@ -157,7 +161,7 @@ class Dispatcher:
         run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid, owners),
                       torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype), expected_s=expected_s)
         self.run = run
-        waited = time.monotonic()
+        started = waited = time.monotonic()
         try:
             await self._fill_all()
             while not run.ledger.complete or self.verifier.checks:
@@ -175,6 +179,13 @@ class Dispatcher:
                                     pending=len(run.ledger.tiles) - len(run.ledger.done))
         finally:
             self.run = None
+        wall = time.monotonic() - started
+        log.debug("gemm_done", step=step, gemm=name, m=a.shape[0], n=bt.shape[0], k=a.shape[1], tiles=len(grid),
+                  wall_s=round(wall, 4), planned_s=round(expected_s, 4), resent=run.ledger.resent,
+                  speculated=run.ledger.speculated)
+        self.c.gemm_s += wall
+        self.c.planned_gemm_s += expected_s
+        self.c.unplanned += owners is None
         self.c.tiles += len(grid)
         self.c.resent += run.ledger.resent
         self.c.speculated += run.ledger.speculated
@@ -182,7 +193,7 @@ class Dispatcher:
         return run.out
 
     def _tiling(self, m: int, n: int, k: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
-        """The plan's blocks for this shape, cut to at most one tile's size, and the planned makespan; else a
+        """The plan's blocks for this shape, cut as `tiles.cut_block` says, and the planned makespan; else a
         uniform grid (and 0: nothing predicted)."""
         plan = self.plan
         layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
@@ -192,7 +203,7 @@ class Dispatcher:
         boxes, owners = [], []
         for i, owner in enumerate(layout.owners):
             box = tuple(layout.boxes[4 * i : 4 * i + 4])
-            parts = tiles.subdivide([box], plan.tile_rows, plan.tile_cols)
+            parts = tiles.cut_block(box, plan.tile_rows, plan.tile_cols, plan.chunks)
             boxes += parts
             owners += [owner if owner in self.workers else None] * len(parts)
         return tiles.from_boxes(boxes), owners, layout.makespan_s
@@ -205,29 +216,38 @@ class Dispatcher:
                 w.suspect = False
         return [w for w in self.workers.values() if not w.suspect]
 
+    def _room(self, ledger: GemmLedger, worker: str) -> int:
+        """Tiles `worker` may have in flight: the pieces of its planned block stream (up to the plan's
+        chunks at once); anything else is dealt `window` at a time."""
+        chunks = self.plan.chunks if self.plan else 1
+        return max(self.s.window, chunks) if ledger.owns(worker) else self.s.window
+
     async def _fill_all(self) -> None:
         """Deal round-robin: every live worker gets one tile before any gets a second."""
-        for depth in range(1, self.s.window + 1):
+        depth = 1
+        while depth <= max(self.s.window, self.plan.chunks if self.plan else 1):
             for w in list(self._live()):
                 await self._fill(w, depth)
+            depth += 1
 
     async def _fill(self, slot: WorkerSlot, depth: int | None = None) -> None:
         run = self.run
         if run is None or slot.suspect or slot.worker_id not in self.workers:
             return
-        while len(run.ledger.inflight(slot.worker_id)) < (depth or self.s.window):
-            att = run.ledger.take(slot.worker_id, time.monotonic(), lambda t: self._cached_score(slot, run, t))
+        w = slot.worker_id
+        while run.ledger.count(w) < min(depth or math.inf, self._room(run.ledger, w)):
+            att = run.ledger.take(w, time.monotonic(), lambda t: self._cached_score(slot, run, t))
             if att is None:
                 att = self._speculate(slot, run)
             if att is None:
                 return
-            if not slot.suspect and not run.ledger.inflight(slot.worker_id)[:-1]:
+            if not slot.suspect and run.ledger.count(w) == 1:
                 slot.last_progress = time.monotonic()  # the clock of an idle worker starts now
             await self._send(slot, run, att)
 
     def _speculate(self, slot: WorkerSlot, run: GemmRun) -> Attempt | None:
         """An idle worker takes a copy of a tile that runs far past the usual round trip (first wins)."""
-        if self.s.speculate_factor <= 0 or run.ledger.inflight(slot.worker_id):
+        if self.s.speculate_factor <= 0 or run.ledger.count(slot.worker_id):
             return None
         trips = sorted(w.round_trip_s for w in self.workers.values() if w.round_trip_s > 0)
         usual = trips[len(trips) // 2] if trips else self.s.tile_timeout_s
@@ -340,7 +360,7 @@ class Dispatcher:
         others = [w for w in self._live() if w.worker_id != first]
         if not others:
             return
-        slot = min(others, key=lambda w: len(run.ledger.inflight(w.worker_id)))
+        slot = min(others, key=lambda w: run.ledger.count(w.worker_id))
         t = run.ledger.tiles[tile]
         att = run.ledger.issue_extra(tile, slot.worker_id, time.monotonic())
         self.verifier.checks[tile] = Check(tile, att.attempt, first, slot.worker_id,
@@ -349,7 +369,7 @@ class Dispatcher:
 
     def _settle(self, run: GemmRun, check: Check, second: torch.Tensor) -> None:
         del self.verifier.checks[check.tile]
-        run.ledger.running.pop((check.tile, check.attempt), None)
+        run.ledger.drop(check.tile, check.attempt)
         t = run.ledger.tiles[check.tile]
         truth = tiles.compute(run.a[t.r0 : t.r1], run.bt[t.c0 : t.c1])
         liar = self.verifier.judge(check, second, truth)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
+from collections import deque
 
 import structlog
 import torch
@@ -37,6 +39,7 @@ from cleave_ps.settings import PsSettings
 from cleave_ps.split_server import run_split
 
 log = structlog.get_logger("ps")
+OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (median)
 
 
 class FleetGemm:
@@ -80,23 +83,27 @@ async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Eve
 
 
 def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatcher, before: dict,
-                 val: float | None, resumed: bool) -> StepMetrics:
+                 val: float | None, resumed: bool, ps_own_s: float | None) -> StepMetrics:
+    """This step's line; `ps_own_s` is the PS's usual time outside the GEMMs (None: not known yet)."""
     c = d.c
     recovery = tuple(c.recoveries[before["recoveries"]:])
+    planned = c.planned_gemm_s - before["planned_gemm_s"] if c.unplanned == before["unplanned"] else None
     return StepMetrics(
         job=job.job_id, step=step, loss=loss, step_time_s=dt, workers=len(d.workers), tiles=c.tiles - before["tiles"],
         tiles_resent=c.resent - before["resent"], tiles_dropped=c.dropped - before["dropped"],
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
         bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=job.lr, val_loss=val,
         recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(),
-        predicted_step_s=d.plan.predicted_step_s if d.plan else None,
+        gemm_s=c.gemm_s - before["gemm_s"], predicted_gemm_s=planned,
+        predicted_step_s=None if planned is None or ps_own_s is None else planned + ps_own_s,
     )
 
 
 def snapshot_counters(d: Dispatcher) -> dict:
     c = d.c
-    return dict(tiles=c.tiles, resent=c.resent, dropped=c.dropped, rejected=c.rejected,
-                bytes_down=c.bytes_down, bytes_up=c.bytes_up, recoveries=len(c.recoveries))
+    return dict(tiles=c.tiles, resent=c.resent, dropped=c.dropped, rejected=c.rejected, bytes_down=c.bytes_down,
+                bytes_up=c.bytes_up, recoveries=len(c.recoveries), gemm_s=c.gemm_s,
+                planned_gemm_s=c.planned_gemm_s, unplanned=c.unplanned)
 
 
 class Job:
@@ -108,6 +115,7 @@ class Job:
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
         self.persister = Persister(bus, job.job_id, job.model_dump_json())
         self.pending: list[StepMetrics] = []  # lines of steps run but not yet committed
+        self.own_s: deque[float] = deque(maxlen=OWN_TIME_WINDOW)  # the PS's time outside GEMMs, recent steps
 
     async def start(self) -> int:
         """Claim an epoch, build the model, restore the last committed state; returns the first step to run."""
@@ -159,7 +167,9 @@ class Job:
         if self.job.val_every and (step + 1) % self.job.val_every == 0:
             self.backend.begin(step)
             val = await asyncio.to_thread(self.trainer.val_loss, step)
-        m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed)
+        own = statistics.median(self.own_s) if self.own_s else None
+        m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed, own)
+        self.own_s.append(m.step_time_s - m.gemm_s)
         self.pending.append(m)
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
                  workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cleave.ledger import DEFAULT_WINDOW
+
 
 class PsSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CLEAVE_PS_", extra="ignore")
@@ -15,7 +17,7 @@ class PsSettings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     job_file: Path | None = None  # JSON JobConfig; None = the default job
     metrics_out: Path | None = None  # JSON lines, one per step
-    window: int = Field(2, ge=1)  # tiles in flight per worker: one computing, one arriving
+    window: int = Field(DEFAULT_WINDOW, ge=1)  # tiles in flight per worker (a planned block's pieces: the plan's chunks)
     tile_timeout_s: float = Field(1.0, gt=0)  # a worker silent this long with tiles in flight is presumed lost
     timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
     speculate_factor: float = Field(3.0, ge=0)  # copy a tile running this many usual round trips; 0 = never

@@ -115,7 +115,7 @@ class Scheduler:
             self.changed.clear()
             reason = ",".join(sorted(set(self.reasons)))
             self.reasons.clear()
-            plan = self.registry.plan(time.time(), self.s.tile_rows, self.s.tile_cols, reason)
+            plan = self.registry.plan(time.time(), self.s.tile_rows, self.s.tile_cols, reason, self.s.chunks)
             try:
                 plan = await asyncio.to_thread(with_layouts, plan, self.shapes, self.s.planner, self.s.ps_bandwidth)
             except PlanError as e:  # e.g. no device can hold a block: deal uniform tiles instead

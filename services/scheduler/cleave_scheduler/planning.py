@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cleave import planner
+from cleave.dealing import dealt_makespan
 from cleave.schemas import GemmLayout, JobShapes, Plan
 
 PLANNERS = ("cost", "even", "uniform")
@@ -10,7 +11,9 @@ PLANNERS = ("cost", "even", "uniform")
 
 def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: float | None) -> Plan:
     """`plan` with per-GEMM blocks from the cost-aware planner ("cost"), the even split over every device
-    ("even"), or none ("uniform": tiles of one shape dealt from a queue)."""
+    ("even"), or none ("uniform": tiles of one shape dealt from a queue). Each layout's `makespan_s` and the
+    plan's `predicted_step_s` are what the run time will take (`cleave.dealing`, and the PS's egress);
+    `lower_bound_s` is the planner's relaxation bound."""
     if kind == "uniform" or shapes is None or not plan.workers:
         return plan
     devices = {w.worker_id: w.profile for w in plan.workers}
@@ -18,15 +21,17 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
     model = (planner.plan_model if kind == "cost" else planner.even_split_model)(
         devices, specs, shapes.dtype_bytes, ps_bandwidth
     )
-    layouts = []
+    layouts, step_s = [], 0.0
     for g in model.gemms:
-        boxes: list[int] = []
-        owners: list[str] = []
-        for a in g.assignments:
-            boxes += [a.row0, a.row1, a.col0, a.col1]
-            owners.append(a.device)
-        layouts.append(GemmLayout(m=g.m, n=g.n, k=g.k, boxes=tuple(boxes), owners=tuple(owners), makespan_s=g.makespan_s))
+        boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
+        owners = [a.device for a in g.assignments]
+        dealt = dealt_makespan(boxes, owners, devices, g.k, shapes.dtype_bytes, plan.tile_rows, plan.tile_cols,
+                               plan.chunks)
+        makespan = max(dealt, g.egress_s)
+        step_s += makespan * g.count_per_step
+        layouts.append(GemmLayout(m=g.m, n=g.n, k=g.k, boxes=tuple(v for box in boxes for v in box),
+                                  owners=tuple(owners), makespan_s=makespan))
     return plan.model_copy(update={
-        "gemms": tuple(layouts), "predicted_step_s": model.predicted_step_s, "lower_bound_s": model.lower_bound_s,
+        "gemms": tuple(layouts), "predicted_step_s": step_s, "lower_bound_s": model.lower_bound_s,
         "planner": kind,
     })

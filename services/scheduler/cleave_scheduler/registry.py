@@ -33,7 +33,7 @@ class Registry:
             del self.devices[w]
         return gone
 
-    def plan(self, now: float, tile_rows: int, tile_cols: int, reason: str) -> Plan:
+    def plan(self, now: float, tile_rows: int, tile_cols: int, reason: str, chunks: int = 1) -> Plan:
         """The first, uniform plan: every live worker takes part, tiles of one shape dealt from a queue."""
         self.version += 1
         workers = tuple(
@@ -41,4 +41,4 @@ class Registry:
             for d in sorted(self.devices.values(), key=lambda d: d.worker_id)
         )
         return Plan(version=self.version, created_at=now, workers=workers, tile_rows=tile_rows,
-                    tile_cols=tile_cols, reason=reason)
+                    tile_cols=tile_cols, chunks=chunks, reason=reason)

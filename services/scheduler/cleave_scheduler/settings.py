@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cleave.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
+
 
 class SchedulerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CLEAVE_SCHEDULER_", extra="ignore")
@@ -15,8 +17,10 @@ class SchedulerSettings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     liveness_s: float = Field(1.0, gt=0)  # a worker silent this long has left
     sweep_s: float = Field(0.1, gt=0)  # how often liveness is checked
-    tile_rows: int = Field(1024, gt=0)  # the largest block sent as one tile (planned blocks are cut to it)
-    tile_cols: int = Field(1024, gt=0)  # 1024 measured 1.4x faster than 256 on the emulated fleet
+    tile_rows: int = Field(DEFAULT_TILE, gt=0)  # the largest block sent as one tile (planned blocks are cut to it)
+    tile_cols: int = Field(DEFAULT_TILE, gt=0)  # 1024 measured 1.4x faster than 256 on the emulated fleet
+    chunks: int = Field(DEFAULT_CHUNKS, ge=1, le=64)  # a planned block goes out in >= this many pieces, so that a device
+    # computes one while the next arrives and the last leaves (1: whole blocks, no overlap within a block)
     planner: Literal["cost", "even", "uniform"] = "cost"  # cost-aware blocks, even blocks, or a tile queue
     ps_bandwidth: float | None = Field(None, gt=0)  # the PS's egress, bytes/s, for the planner (None: unlimited)
     registry_refresh_s: float = Field(2.0, gt=0)  # rewrite a live worker's registry entry this often

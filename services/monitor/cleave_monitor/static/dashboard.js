@@ -132,9 +132,11 @@ function renderPlan() {
   row("made at", clock(p.created_at));
   row("devices used", `${p.devices.length}: ${p.devices.slice(0, 8).join(", ")}${p.devices.length > 8 ? ", …" : ""}`);
   row("tile", `${p.tile_rows} × ${p.tile_cols}`);
-  row("predicted step", p.predicted_step_s === null ? "not given by the planner" : secs(p.predicted_step_s));
+  row("predicted GEMMs", p.predicted_step_s === null ? "not given by the planner" : secs(p.predicted_step_s));
+  const pred = p.predicted_with_ps_s;
+  if (pred) row("predicted step", `${secs(pred)} (GEMMs + the PS's own work)`);
   row("measured step", secs(p.measured_step_s));
-  if (p.predicted_step_s && p.measured_step_s) row("measured / predicted", (p.measured_step_s / p.predicted_step_s).toFixed(2));
+  if (pred && p.measured_step_s) row("measured / predicted", (p.measured_step_s / pred).toFixed(2));
 }
 
 function renderFleet() {
