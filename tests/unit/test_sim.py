@@ -49,7 +49,7 @@ def test_presets_have_the_published_parameter_counts(name, billions):
 
 def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=(), chunks=4):
     policy = policy or PsPolicy(window=1)
-    cutter = simplans.Cutter(world, 2, plan_kind, tile, chunks, window=policy.window)
+    cutter = simplans.Cutter(world, 2, plan_kind, tile, chunks, window=policy.window, cache_bytes=policy.cache_bytes)
     plan = simplans.Plan(0.0, np.arange(len(world)))
     ts, predicted = cutter.tileset(0, plan, shape.m, shape.n, shape.k)
     slots = {w: Slot() for w in world.ids}

@@ -21,9 +21,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cleave import planner, tiles
+from cleave import dealing, planner, tiles
 from cleave.costmodel import egress_bytes
-from cleave.dealing import dealt_makespan
 from cleave.ledger import DEFAULT_WINDOW
 from cleave.sim.engine import TileSet
 from cleave.sim.world import World
@@ -90,6 +89,7 @@ class Cutter:
     chunks: int = tiles.DEFAULT_CHUNKS  # ... and into at least this many pieces (`tiles.cut_block`)
     ps_bandwidth: float | None = None
     window: int = DEFAULT_WINDOW  # the PS's tiles in flight per worker (for the prediction)
+    cache_bytes: int = dealing.UNLIMITED  # the workers' block cache (pieces stream only where it holds inputs)
     cache: dict[tuple, tuple[TileSet, float]] = field(default_factory=dict)
     gemm_plans: dict[tuple, Any] = field(default_factory=dict)
 
@@ -121,13 +121,14 @@ class Cutter:
         owners: list[str | None] = []
         limit = self.tile or (m, n)
         for owner, box in zip(planned, blocks, strict=True):
-            parts = tiles.cut_block(box, *limit, self.chunks)
+            parts = dealing.cut(box, k, b, *limit, self.chunks, self.cache_bytes)
             boxes += parts
             owners += [owner] * len(parts)
         cut = tiles.from_boxes(boxes)
         fleet = self.world.fleet(plan.members)
         profiles = {dev.id: dev.profile for dev in fleet.devices()}
-        dealt = dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window)
+        dealt = dealing.dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window,
+                                       dict.fromkeys(profiles, self.cache_bytes))
         return TileSet(
             m, n, k, b, cut, owners, gp.egress_s, self._typical(plan, cut, k, owners), self.chunks
         ), max(dealt, gp.egress_s)

@@ -87,7 +87,7 @@ class Simulation:
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.world, self.liveness_s, self.replan_every_s, self.plan_delay_s)
         self.cutter = Cutter(self.world, self.dtype_bytes, self.planner, self.tile, self.chunks, self.ps_bandwidth,
-                             self.policy.window)
+                             self.policy.window, self.policy.cache_bytes)
         self.version = 0
         self.slots: dict[str, Slot] = {w: Slot() for w in self.scheduler.plans[0].ids(self.world)}
         self.busy = np.zeros((len(self.world), 3))  # per device: downlink, compute, uplink next free

@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from cleave import codec, tiles
+from cleave import codec, dealing, tiles
 from cleave.bus import Bus
 from cleave.errors import StepAborted, StepSpoiled
 from cleave.ledger import Attempt, GemmLedger
@@ -156,7 +156,8 @@ class Dispatcher:
         return hit[0]
 
     async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str) -> torch.Tensor:
-        grid, owners, expected_s = self._tiling(a.shape[0], bt.shape[0], a.shape[1])
+        sent = self.tile_dtype or a.dtype  # the bytes per element that travel
+        grid, owners, expected_s = self._tiling(a.shape[0], bt.shape[0], a.shape[1], sent.itemsize)
         self.verifier.new_gemm()
         run = GemmRun(step, op, name, a, bt, self._uid(a), self._uid(bt), GemmLedger(grid, owners),
                       torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype), expected_s=expected_s)
@@ -192,7 +193,7 @@ class Dispatcher:
         self.c.dropped += run.ledger.duplicates
         return run.out
 
-    def _tiling(self, m: int, n: int, k: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
+    def _tiling(self, m: int, n: int, k: int, b: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
         """The plan's blocks for this shape, cut as `tiles.cut_block` says, and the planned makespan; else a
         uniform grid (and 0: nothing predicted)."""
         plan = self.plan
@@ -203,7 +204,9 @@ class Dispatcher:
         boxes, owners = [], []
         for i, owner in enumerate(layout.owners):
             box = tuple(layout.boxes[4 * i : 4 * i + 4])
-            parts = tiles.cut_block(box, plan.tile_rows, plan.tile_cols, plan.chunks)
+            slot = self.workers.get(owner)
+            cache = slot.cache_bytes if slot is not None else 0
+            parts = dealing.cut(box, k, b, plan.tile_rows, plan.tile_cols, plan.chunks, cache)
             boxes += parts
             owners += [owner if owner in self.workers else None] * len(parts)
         return tiles.from_boxes(boxes), owners, layout.makespan_s

@@ -17,6 +17,7 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
     if kind == "uniform" or shapes is None or not plan.workers:
         return plan
     devices = {w.worker_id: w.profile for w in plan.workers}
+    caches = {w.worker_id: w.cache_bytes for w in plan.workers}
     specs = list(shapes.gemms)
     model = (planner.plan_model if kind == "cost" else planner.even_split_model)(
         devices, specs, shapes.dtype_bytes, ps_bandwidth
@@ -26,7 +27,7 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
         boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
         owners = [a.device for a in g.assignments]
         dealt = dealt_makespan(boxes, owners, devices, g.k, shapes.dtype_bytes, plan.tile_rows, plan.tile_cols,
-                               plan.chunks)
+                               plan.chunks, cache_bytes=caches)
         makespan = max(dealt, g.egress_s)
         step_s += makespan * g.count_per_step
         layouts.append(GemmLayout(m=g.m, n=g.n, k=g.k, boxes=tuple(v for box in boxes for v in box),
