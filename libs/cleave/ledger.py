@@ -70,6 +70,11 @@ class GemmLedger:
             own.popleft()
         return bool(own)
 
+    def room(self, worker: str, window: int, chunks: int) -> int:
+        """Tiles `worker` may have in flight: the pieces of its planned blocks stream (up to `chunks` at
+        once); anything else is dealt `window` at a time."""
+        return max(window, chunks) if self.owns(worker) else window
+
     def _issue(self, tile: int, worker: str, now: float) -> Attempt:
         att = Attempt(tile, self.issued[tile], worker, now)
         self.issued[tile] += 1

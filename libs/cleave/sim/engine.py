@@ -210,7 +210,7 @@ class GemmRun:
         if slot is None or slot.suspect:
             return
         mine = self.inflight[w]
-        while len(mine) < min(depth or math.inf, self._room(w)):
+        while len(mine) < min(depth or math.inf, self.ledger.room(w, self.p.window, self.ts.chunks)):
             att = self.ledger.take(w, self.now, self._score(slot)) if self._dealable() else None
             if att is None:
                 att = self._speculate(w)
@@ -223,10 +223,6 @@ class GemmRun:
             else:
                 self._send(w, att.tile, att.attempt)
         self._mark(w)
-
-    def _room(self, w: str) -> int:
-        """`Dispatcher._room`: a planned block's pieces stream, up to the plan's chunks in flight."""
-        return max(self.p.window, self.ts.chunks) if self.ledger.owns(w) else self.p.window
 
     def _mark(self, w: str) -> None:
         if self.inflight.get(w) or w not in self.slots or self.slots[w].suspect:

@@ -219,12 +219,6 @@ class Dispatcher:
                 w.suspect = False
         return [w for w in self.workers.values() if not w.suspect]
 
-    def _room(self, ledger: GemmLedger, worker: str) -> int:
-        """Tiles `worker` may have in flight: the pieces of its planned block stream (up to the plan's
-        chunks at once); anything else is dealt `window` at a time."""
-        chunks = self.plan.chunks if self.plan else 1
-        return max(self.s.window, chunks) if ledger.owns(worker) else self.s.window
-
     async def _fill_all(self) -> None:
         """Deal round-robin: every live worker gets one tile before any gets a second."""
         depth = 1
@@ -238,7 +232,7 @@ class Dispatcher:
         if run is None or slot.suspect or slot.worker_id not in self.workers:
             return
         w = slot.worker_id
-        while run.ledger.count(w) < min(depth or math.inf, self._room(run.ledger, w)):
+        while run.ledger.count(w) < min(depth or math.inf, run.ledger.room(w, self.s.window, self.plan.chunks if self.plan else 1)):
             att = run.ledger.take(w, time.monotonic(), lambda t: self._cached_score(slot, run, t))
             if att is None:
                 att = self._speculate(slot, run)
