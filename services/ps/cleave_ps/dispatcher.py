@@ -47,7 +47,8 @@ class WorkerSlot:
     known: OrderedDict[str, int] = field(default_factory=OrderedDict)  # mirror of the worker's block LRU
     known_bytes: int = 0
     last_progress: float = 0.0
-    round_trip_s: float = 0.0  # moving average of a tile's send-to-result time
+    round_trips: dict[tuple[int, int, int], float] = field(default_factory=dict)  # moving average of a tile's
+    # send-to-result time per GEMM shape (m, n, k): tiles of different kinds differ 25-fold
     suspect: bool = False
     suspect_since: float = 0.0
 
@@ -105,6 +106,10 @@ class GemmRun:
     recoveries: list[Recovery] = field(default_factory=list)
     spoiled: str = ""  # a worker found lying during this GEMM
     expected_s: float = 0.0  # the plan's makespan for this GEMM (0: no prediction)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.a.shape[0], self.bt.shape[0], self.a.shape[1]
 
 
 def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
@@ -246,7 +251,7 @@ class Dispatcher:
         """An idle worker takes a copy of a tile that runs far past the usual round trip (first wins)."""
         if self.s.speculate_factor <= 0 or run.ledger.count(slot.worker_id):
             return None
-        trips = sorted(w.round_trip_s for w in self.workers.values() if w.round_trip_s > 0)
+        trips = sorted(r for w in self.workers.values() if (r := w.round_trips.get(run.shape, 0.0)) > 0)
         usual = trips[len(trips) // 2] if trips else self.s.tile_timeout_s
         return run.ledger.speculate(slot.worker_id, time.monotonic(),
                                     max(self.s.speculate_min_s, self.s.speculate_factor * usual))
@@ -306,7 +311,8 @@ class Dispatcher:
             now = time.monotonic()
             if att is not None:
                 rt = now - att.sent_at
-                slot.round_trip_s = rt if slot.round_trip_s == 0 else 0.8 * slot.round_trip_s + 0.2 * rt
+                old = slot.round_trips.get(run.shape, 0.0)
+                slot.round_trips[run.shape] = rt if old == 0 else 0.8 * old + 0.2 * rt
             slot.last_progress, slot.suspect = now, False
         if msg.missing:
             self.c.cache_misses += 1
@@ -400,7 +406,7 @@ class Dispatcher:
                 continue
             since = max(slot.last_progress, min(a.sent_at for a in inflight))
             # a planned block may legitimately take its GEMM's predicted makespan, however slow the device
-            deadline = self.s.timeout_factor * max(slot.round_trip_s, run.expected_s)
+            deadline = self.s.timeout_factor * max(slot.round_trips.get(run.shape, 0.0), run.expected_s)
             deadline = max(self.s.tile_timeout_s, deadline)
             if now - since > deadline:
                 slot.suspect, slot.suspect_since = True, now
