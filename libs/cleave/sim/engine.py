@@ -152,8 +152,6 @@ class GemmRun:
         for slot in slots.values():  # block ids are per input tensor: nothing cached hits in another GEMM
             slot.known.clear()
             slot.known_bytes = 0
-        self.inflight: dict[str, set[tuple[int, int]]] = {w: set() for w in slots}  # the ledger's view
-        self.holders: dict[int, set[tuple[str, int]]] = {}  # tile -> running (worker, attempt)
         self.fresh = len(ts.tiles)  # tiles never handed out
         self.heap: list[tuple[float, int, int, tuple]] = []
         self.seq = itertools.count()
@@ -209,14 +207,14 @@ class GemmRun:
         slot = self.slots.get(w)
         if slot is None or slot.suspect:
             return
-        mine = self.inflight[w]
-        while len(mine) < min(depth or math.inf, self.ledger.room(w, self.p.window, self.ts.chunks)):
-            att = self.ledger.take(w, self.now, self._score(slot)) if self._dealable() else None
+        led = self.ledger
+        while led.count(w) < min(depth or math.inf, led.room(w, self.p.window, self.ts.chunks)):
+            att = led.take(w, self.now, self._score(slot)) if self._dealable() else None
             if att is None:
                 att = self._speculate(w)
             if att is None:
                 break
-            if not mine:
+            if led.count(w) == 1:
                 slot.last_progress = self.now  # the clock of an idle worker starts now
                 self._send(w, att.tile, att.attempt)
                 self._arm(w)
@@ -225,7 +223,7 @@ class GemmRun:
         self._mark(w)
 
     def _mark(self, w: str) -> None:
-        if self.inflight.get(w) or w not in self.slots or self.slots[w].suspect:
+        if self.ledger.count(w) or w not in self.slots or self.slots[w].suspect:
             self.idle.discard(w)
         else:
             self.idle.add(w)
@@ -249,13 +247,14 @@ class GemmRun:
 
     def _oldest_single(self) -> Any:
         """The oldest attempt running with no twin (what `GemmLedger.speculate` would copy), or None."""
-        return next((a for a in self.ledger.running.values() if len(self.holders.get(a.tile, ())) == 1), None)
+        led = self.ledger
+        return next((a for a in led.running.values() if len(led.by_tile[a.tile]) == 1), None)
 
     def _threshold(self) -> float:
         return max(self.p.speculate_min_s, self.p.speculate_factor * self._usual_rt())
 
     def _speculate(self, w: str) -> Any:
-        if self.p.speculate_factor <= 0 or self.inflight[w]:
+        if self.p.speculate_factor <= 0 or self.ledger.count(w):
             return None
         oldest, age = self._oldest_single(), self._threshold()
         if oldest is None or self.now - oldest.sent_at <= age:
@@ -278,8 +277,6 @@ class GemmRun:
         t, ts, slot = self.ts.tiles[tile], self.ts, self.slots[w]
         if attempt == 0:
             self.fresh -= 1
-        self.inflight[w].add((tile, attempt))
-        self.holders.setdefault(tile, set()).add((w, attempt))
         down = self._block(slot, ("a", t.r0, t.r1), t.rows * ts.k * ts.b)
         down += self._block(slot, ("b", t.c0, t.c1), t.cols * ts.k * ts.b)
         d = self.index[w]
@@ -298,25 +295,24 @@ class GemmRun:
         d, t = self.index[w], self.ts.tiles[tile]
         self.out.up[d] = self.out.up.get(d, 0.0) + t.rows * t.cols * self.ts.b
         self.out.last[d] = self.now
-        slot = self.slots.get(w)
+        slot, led = self.slots.get(w), self.ledger
         if slot is not None:
-            if (tile, attempt) in self.inflight[w]:
+            if (tile, attempt) in led.running:
                 rt, old = self.now - sent_at, slot.rt.get(self.ts.key, 0.0)
                 slot.rt[self.ts.key] = rt if old == 0 else 0.8 * old + 0.2 * rt
             slot.last_progress, slot.suspect = self.now, False
-        if self.ledger.finish(tile, attempt) == "accepted":
+        twins = [led.running[(tile, a)].worker for a in led.by_tile.get(tile, ()) if a != attempt]
+        if led.finish(tile, attempt) == "accepted":
             self.out.flops += 2.0 * t.rows * t.cols * self.ts.k
             self.out.accepted_at[tile] = self.now
-            for other, att in self.holders.pop(tile, ()):  # the ledger drops a speculative twin too
-                if other in self.inflight:
-                    self.inflight[other].discard((tile, att))
-                    self._mark(other)
+            for other in twins:  # the ledger dropped a speculative twin too
+                self._mark(other)
             self._close_recoveries(tile)
         if self.ledger.complete:
             return
         if slot is not None:
             self._fill(w)
-            if self.inflight[w]:
+            if led.count(w):
                 self._arm(w)
         self._schedule_spec()
 
@@ -336,8 +332,8 @@ class GemmRun:
 
     def _oldest(self, w: str) -> tuple[int, float]:
         """(tile, sent_at) of the worker's oldest attempt in flight."""
-        running = self.ledger.running
-        return min(((t, running[(t, a)].sent_at) for t, a in self.inflight[w]), key=lambda x: x[1])
+        oldest = min(self.ledger.by_worker[w].values(), key=lambda a: a.sent_at)
+        return oldest.tile, oldest.sent_at
 
     def _since(self, w: str) -> float:
         return max(self.slots[w].last_progress, self._oldest(w)[1])
@@ -349,7 +345,7 @@ class GemmRun:
 
     def _on_check(self, w: str, token: int) -> None:
         slot = self.slots.get(w)
-        if slot is None or slot.token != token or slot.suspect or not self.inflight[w]:
+        if slot is None or slot.token != token or slot.suspect or not self.ledger.count(w):
             return
         since = self._since(w)
         if self.now - since < self._deadline(w) - 1e-9:
@@ -360,9 +356,6 @@ class GemmRun:
         self._fill_all()
 
     def _lose(self, w: str, cause: str, since: float) -> None:
-        for tile, attempt in self.inflight[w]:
-            self.holders.get(tile, set()).discard((w, attempt))
-        self.inflight[w] = set()
         self.idle.discard(w)
         lost = self.ledger.give_back(w)
         if lost:
@@ -373,7 +366,6 @@ class GemmRun:
         for w in ids:
             if w not in self.slots:
                 self.slots[w] = Slot(last_progress=self.now)
-                self.inflight[w] = set()
         for gone in [w for w in self.slots if w not in keep]:
             self._lose(gone, "heartbeat_timeout", self.slots[gone].last_progress)
             del self.slots[gone]
@@ -406,6 +398,6 @@ class GemmRun:
         for w in [w for w in self.slots if w in self.idle]:
             before = self.ledger.speculated
             self._fill(w)
-            if self.ledger.speculated == before and not self.inflight[w]:
+            if self.ledger.speculated == before and not self.ledger.count(w):
                 break  # nothing is old enough for anyone
         self._schedule_spec()
