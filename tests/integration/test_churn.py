@@ -141,8 +141,8 @@ async def test_an_older_ps_is_fenced(tmp_path, nats_url):
         assert await old.claim_epoch() == 1
         assert await new.claim_epoch() == 2
         with pytest.raises(Fenced):
-            await old.commit(snapshot(trainer, job.job_id, 0, old.epoch), ())
-        await new.commit(snapshot(trainer, job.job_id, 0, new.epoch), ())
+            await old.commit(snapshot(trainer.model, trainer.opt, job.job_id, 0, old.epoch), ())
+        await new.commit(snapshot(trainer.model, trainer.opt, job.job_id, 0, new.epoch), ())
         head, _ = await _reload(new_bus, job)
         assert head.epoch == 2 and head.step == 0
     finally:

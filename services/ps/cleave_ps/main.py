@@ -24,7 +24,6 @@ from cleave.schemas import (
     PLAN_KEY,
     SHAPES_KEY,
     SUBJECT_RESULTS,
-    Event,
     GemmSpec,
     JobShapes,
     Plan,
@@ -33,7 +32,7 @@ from cleave.schemas import (
 )
 from cleave.training import Trainer
 from cleave_ps.dispatcher import Dispatcher
-from cleave_ps.persist import Fenced, Persister, restore, snapshot
+from cleave_ps.persist import Fenced, Progress, announce_resume, restore, snapshot
 from cleave_ps.rounds import run_rounds
 from cleave_ps.settings import PsSettings
 from cleave_ps.split_server import run_split
@@ -111,31 +110,24 @@ class Job:
 
     def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
-        self.out = MetricsFile(s.metrics_out)
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
-        self.persister = Persister(bus, job.job_id, job.model_dump_json())
-        self.pending: list[StepMetrics] = []  # lines of steps run but not yet committed
+        self.progress = Progress(bus, job.job_id, job.model_dump_json(), MetricsFile(s.metrics_out), self.faults)
         self.own_s: deque[float] = deque(maxlen=OWN_TIME_WINDOW)  # the PS's time outside GEMMs, recent steps
 
     async def start(self) -> int:
         """Claim an epoch, build the model, restore the last committed state; returns the first step to run."""
-        await self.persister.open()
-        epoch = await self.persister.claim_epoch()
+        epoch = await self.progress.open()
         self.dispatcher = Dispatcher(self.bus, self.job.job_id, epoch, self.s)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
         self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend)
         await self.describe_job()
-        loaded = await self.persister.load()
-        if loaded is None:
+        ckpt = await self.progress.resume()
+        if ckpt is None:
             log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
             return 0
-        head, ckpt = loaded
-        await asyncio.to_thread(restore, self.trainer, ckpt)
-        await self._report(head.metrics)  # lines that were committed but not written before a crash
-        log.info("ps_resumed", job=self.job.job_id, from_step=head.step + 1, epoch=epoch)
-        await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job.job_id, step=head.step + 1,
-                                  cause="restart", detail={"epoch": epoch}))
-        return head.step + 1
+        await asyncio.to_thread(restore, self.trainer.model, self.trainer.opt, ckpt)
+        await announce_resume(self.bus, self.job.job_id, ckpt.step + 1, epoch)
+        return ckpt.step + 1
 
     async def describe_job(self) -> None:
         """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""
@@ -143,15 +135,6 @@ class Job:
                       for g in gemm_shapes(self.trainer.cfg, self.job.batch_size, self.job.seq))
         kv = await self.bus.kv(PLAN_BUCKET)
         await self.bus.kv_put(kv, SHAPES_KEY, JobShapes(job=self.job.job_id, gemms=specs, dtype_bytes=4))
-
-    async def _report(self, lines: tuple[StepMetrics, ...] | list[StepMetrics]) -> None:
-        written = await asyncio.to_thread(self.out.steps)
-        for m in lines:
-            if m.step not in written:
-                await asyncio.to_thread(self.out.write, m)
-            for ev in m.recovery:
-                await self.bus.emit(ev)
-            await self.bus.emit(m)
 
     async def run_step(self, step: int, resumed: bool) -> None:
         d = self.dispatcher
@@ -170,19 +153,16 @@ class Job:
         own = statistics.median(self.own_s) if self.own_s else None
         m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed, own)
         self.own_s.append(m.step_time_s - m.gemm_s)
-        self.pending.append(m)
+        self.progress.pending.append(m)
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
                  workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)
         if (step + 1) % self.s.persist_every == 0 or step + 1 == self.job.steps:
             await self.commit(step)
 
     async def commit(self, step: int) -> None:
-        ckpt = await asyncio.to_thread(snapshot, self.trainer, self.job.job_id, step, self.persister.epoch)
-        lines = tuple(self.pending)
-        await self.persister.commit(ckpt, lines, before_head=lambda: self.faults.hit("before_commit", step))
-        self.faults.hit("after_commit", step)
-        self.pending.clear()
-        await self._report(lines)
+        ckpt = await asyncio.to_thread(snapshot, self.trainer.model, self.trainer.opt, self.job.job_id, step,
+                                      self.progress.epoch)
+        await self.progress.commit(ckpt)
 
 
 async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> int:

@@ -1,4 +1,6 @@
 """PS persistence in JetStream: the checkpoint in the Object Store, then the KV head by compare-and-set.
+Pretraining commits its model and AdamW after steps, DiLoCo and FedAvg their global weights (and DiLoCo's
+outer momentum) after rounds; `Progress` reports each step's line once, after the state it led to.
 
 A crash at any point leaves the previous head and the checkpoint it names readable: the object is written
 first under a new name, the head is switched to it last, and a checkpoint is checked against the head's
@@ -13,12 +15,22 @@ import time
 
 import structlog
 import torch
+from torch import nn
 
 from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
 from cleave.errors import CleaveError, ConfigError, Conflict
-from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Checkpoint, StateHead, StepMetrics
-from cleave.training import Trainer
+from cleave.faults import Faults
+from cleave.metrics_file import MetricsFile
+from cleave.schemas import (
+    MAX_CONTROL_BYTES,
+    STATE_BUCKET,
+    STATE_OBJECTS,
+    Checkpoint,
+    Event,
+    StateHead,
+    StepMetrics,
+)
 
 log = structlog.get_logger("ps")
 MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024 * 1024
@@ -30,20 +42,22 @@ class Fenced(CleaveError):
     """Another PS took over this job (a higher epoch committed or claimed it)."""
 
 
-def snapshot(trainer: Trainer, job_id: str, step: int, epoch: int) -> Checkpoint:
-    tensors = {f"model.{k}": codec.tensor_to_data(v) for k, v in trainer.model.state_dict().items()}
-    opt = trainer.opt.state_dict()
-    for idx, state in opt["state"].items():
-        for name, value in state.items():
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None, job_id: str, step: int, epoch: int) -> Checkpoint:
+    """The model's weights, the optimizer's state (the trainer's AdamW, or DiLoCo's outer SGD; none for FedAvg)
+    and the RNG, after `step` (a training step, or a round)."""
+    tensors = {f"model.{k}": codec.tensor_to_data(v) for k, v in model.state_dict().items()}
+    state = opt.state_dict() if opt is not None else {"state": {}, "param_groups": []}
+    for idx, values in state["state"].items():
+        for name, value in values.items():
             tensors[f"opt.{idx}.{name}"] = codec.tensor_to_data(torch.as_tensor(value))
     return Checkpoint(job=job_id, step=step, epoch=epoch, created_at=time.time(), tensors=tensors,
-                      optimizer_groups=opt["param_groups"], rng=codec.tensor_to_data(torch.get_rng_state()))
+                      optimizer_groups=state["param_groups"], rng=codec.tensor_to_data(torch.get_rng_state()))
 
 
-def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
+def restore(model: nn.Module, opt: torch.optim.Optimizer | None, ckpt: Checkpoint) -> None:
     """Load weights, optimizer state and RNG; key sets are checked before anything is copied."""
-    model = {k.removeprefix("model."): codec.data_to_tensor(v) for k, v in ckpt.tensors.items() if k.startswith("model.")}
-    missing = set(trainer.model.state_dict()) ^ set(model)
+    weights = {k.removeprefix("model."): codec.data_to_tensor(v) for k, v in ckpt.tensors.items() if k.startswith("model.")}
+    missing = set(model.state_dict()) ^ set(weights)
     if missing:
         raise ConfigError(f"checkpoint of step {ckpt.step} does not fit this model: keys {sorted(missing)[:5]}")
     state: dict[int, dict[str, torch.Tensor]] = {}
@@ -51,8 +65,11 @@ def restore(trainer: Trainer, ckpt: Checkpoint) -> None:
         if k.startswith("opt."):
             _, idx, name = k.split(".", 2)
             state.setdefault(int(idx), {})[name] = codec.data_to_tensor(v)
-    trainer.model.load_state_dict(model)
-    trainer.opt.load_state_dict({"state": state, "param_groups": ckpt.optimizer_groups})
+    if (opt is None) != (not ckpt.optimizer_groups):
+        raise ConfigError(f"checkpoint of step {ckpt.step} does not fit this job's optimizer")
+    model.load_state_dict(weights)
+    if opt is not None:
+        opt.load_state_dict({"state": state, "param_groups": ckpt.optimizer_groups})
     torch.set_rng_state(codec.data_to_tensor(ckpt.rng))
 
 
@@ -135,3 +152,56 @@ class Persister:
                 await asyncio.wait_for(self.store.delete(name), DEFAULT_TIMEOUT_S)
             except Exception as e:
                 log.warning("checkpoint_not_pruned", object=name, error=repr(e))
+
+
+class Progress:
+    """Steps (or rounds) run but not yet committed: committed with the state that follows them, then written
+    to the metrics file and published, each exactly once (lines committed but not written before a crash are
+    written on resume)."""
+
+    def __init__(self, bus: Bus, job_id: str, job_config: str, out: MetricsFile, faults: Faults) -> None:
+        self.bus, self.out, self.faults = bus, out, faults
+        self.persister = Persister(bus, job_id, job_config)
+        self.pending: list[StepMetrics] = []
+
+    @property
+    def epoch(self) -> int:
+        return self.persister.epoch
+
+    async def open(self) -> int:
+        """Claim this incarnation's epoch (it fences off an older PS of the same job)."""
+        await self.persister.open()
+        return await self.persister.claim_epoch()
+
+    async def resume(self) -> Checkpoint | None:
+        """The last committed checkpoint (None for a new job), its lines reported."""
+        loaded = await self.persister.load()
+        if loaded is None:
+            return None
+        head, ckpt = loaded
+        await self.report(head.metrics)
+        return ckpt
+
+    async def commit(self, ckpt: Checkpoint) -> None:
+        """Persist `ckpt` with the lines of the steps up to it, then report them; raises Fenced."""
+        lines = tuple(self.pending)
+        await self.persister.commit(ckpt, lines, before_head=lambda: self.faults.hit("before_commit", ckpt.step))
+        self.faults.hit("after_commit", ckpt.step)
+        self.pending.clear()
+        await self.report(lines)
+
+    async def report(self, lines: tuple[StepMetrics, ...] | list[StepMetrics]) -> None:
+        written = await asyncio.to_thread(self.out.steps)
+        for m in lines:
+            if m.step not in written:
+                await asyncio.to_thread(self.out.write, m)
+            for ev in m.recovery:
+                await self.bus.emit(ev)
+            await self.bus.emit(m)
+
+
+async def announce_resume(bus: Bus, job_id: str, first: int, epoch: int) -> None:
+    """Say (log and event) that a PS took up `job_id` again at step or round `first`."""
+    log.info("ps_resumed", job=job_id, from_step=first, epoch=epoch)
+    await bus.emit(Event(kind="ps_resumed", at=time.time(), job=job_id, step=first, cause="restart",
+                         detail={"epoch": epoch}))

@@ -5,6 +5,11 @@ collects their compressed updates until all of them answered, the ones that left
 or `round_timeout_s` passes, and applies the aggregate (DiLoCo's outer Nesterov step or FedAvg's mean,
 median or trimmed mean). Late updates (from an earlier round) are dropped; a round with none applies
 nothing. The reported loss is the mean, over the workers, of their first local step's loss.
+
+The global weights, the round and DiLoCo's outer momentum are committed to JetStream after every
+`persist_every` rounds (`cleave_ps.persist`): a PS killed mid-round comes back at the first round not
+committed, and the workers' data shards and seeds depend only on the round, so the run goes on as if the PS
+had never died.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ import statistics
 import time
 
 import structlog
+import torch
 
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
 from cleave.errors import WireError
+from cleave.faults import Faults
 from cleave.job import JobConfig
-from cleave.lifecycle import wait_for_stop
+from cleave.lifecycle import EXIT_FENCED, wait_for_stop
 from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
@@ -34,6 +41,7 @@ from cleave.schemas import (
     StepMetrics,
 )
 from cleave.training import Trainer
+from cleave_ps.persist import Fenced, Progress, announce_resume, restore, snapshot
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
@@ -44,7 +52,9 @@ DEFAULT_POLL_S = 0.05
 class Rounds:
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
-        self.epoch = time.time_ns() // 1_000_000
+        self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
+        self.progress = Progress(bus, job.job_id, job.model_dump_json(), MetricsFile(s.metrics_out), self.faults)
+        self.epoch = 0  # claimed in `start`
         self.plan = PlanView(bus)
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
         self.failed: set[str] = set()  # workers that answered this round with an error
@@ -61,6 +71,31 @@ class Rounds:
                 outer_momentum=self.job.outer_momentum, rule=self.job.aggregate))
         else:
             self.server = FedAvgServer(params, FedAvgConfig(local_steps=self.job.local_steps, rule=self.job.aggregate))
+
+    @property
+    def outer_opt(self) -> torch.optim.Optimizer | None:
+        return self.server.opt if isinstance(self.server, DilocoServer) else None
+
+    async def start(self) -> int:
+        """Claim an epoch, build the model and the server, restore the last committed round; returns the first
+        round to run."""
+        self.epoch = await self.progress.open()
+        await asyncio.to_thread(self.build)
+        ckpt = await self.progress.resume()
+        if ckpt is None:
+            return 0
+        await asyncio.to_thread(restore, self.trainer.model, self.outer_opt, ckpt)
+        self.server.load_state_dict({**self.server.state_dict(), "round": ckpt.step + 1})
+        await announce_resume(self.bus, self.job.job_id, ckpt.step + 1, self.epoch)
+        return ckpt.step + 1
+
+    async def finish(self, m: StepMetrics) -> None:
+        """A round is over: commit it (every `persist_every` rounds, and the last) with the lines before it."""
+        self.progress.pending.append(m)
+        if (m.step + 1) % self.s.persist_every == 0 or m.step + 1 == self.job.steps:
+            ckpt = await asyncio.to_thread(snapshot, self.trainer.model, self.outer_opt, self.job.job_id, m.step,
+                                          self.epoch)
+            await self.progress.commit(ckpt)
 
     async def on_update(self, msg: RoundUpdate, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -84,7 +119,8 @@ class Rounds:
         if msg.losses:
             self.losses[msg.worker_id] = msg.losses[0]
 
-    async def round(self, r: int) -> StepMetrics:
+    async def round(self, r: int) -> StepMetrics | None:
+        """Run round `r`; None if the PS is stopping (nothing applied: the round runs again after a restart)."""
         t0 = time.perf_counter()
         while not self.plan.workers and not self.stop.is_set():
             await wait_for_stop(self.stop, DEFAULT_POLL_S)
@@ -97,6 +133,7 @@ class Rounds:
                              job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
                              shard=shard, reply=reply)
             bytes_down += await self.bus.publish(SUBJECT_ROUNDS.format(worker_id=w), task)
+        self.faults.hit("in_round", r)
         deadline = time.monotonic() + self.job.round_timeout_s
         while not self.stop.is_set() and time.monotonic() < deadline:
             expected &= self.plan.workers  # a worker that left the plan is not waited for
@@ -107,6 +144,8 @@ class Rounds:
             missing = sorted(expected - self.failed - self.server.collector.senders())
             if missing:
                 log.warning("round_timed_out", round=r, missing=missing, timeout_s=self.job.round_timeout_s)
+        if self.stop.is_set():
+            return None
         report = self.server.close_round()
         losses = [self.losses[w] for w in report.senders if w in self.losses]
         loss = statistics.fmean(losses) if losses else float("nan")
@@ -123,24 +162,28 @@ class Rounds:
 
 async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
     rounds = Rounds(s, job, bus, stop)
-    await asyncio.to_thread(rounds.build)
-    out = MetricsFile(s.metrics_out)
+    first = await rounds.start()
     sub = await bus.subscribe(SUBJECT_UPDATES.format(job=job.job_id, epoch=rounds.epoch), RoundUpdate,
                               rounds.on_update, max_bytes=s.max_result_bytes)
-    log.info("ps_started", job=job.job_id, method=job.method, rounds=job.steps, epoch=rounds.epoch)
+    log.info("ps_started", job=job.job_id, method=job.method, rounds=job.steps, epoch=rounds.epoch, first=first)
+    code = 0
     async with asyncio.TaskGroup() as tg:
         watcher = tg.create_task(rounds.plan.follow(stop))
         try:
-            for r in range(job.steps):
+            for r in range(first, job.steps):
                 if stop.is_set():
                     break
                 m = await rounds.round(r)
-                await asyncio.to_thread(out.write, m)
-                await bus.emit(m)
+                if m is None:
+                    break
                 log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers,
                          step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
+                await rounds.finish(m)
+        except Fenced as e:
+            log.warning("ps_fenced", reason=str(e))
+            code = EXIT_FENCED
         finally:
             stop.set()
             watcher.cancel()
     await sub.unsubscribe()
-    return 0
+    return code

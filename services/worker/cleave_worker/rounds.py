@@ -3,15 +3,22 @@
 A worker keeps one model and one AdamW per job across rounds (DiLoCo's inner optimizer state lives on the
 worker), trains on its own shard (or its own local data, `CLEAVE_WORKER_DATA`), and sends back the
 compressed update with error feedback. Runs off the event loop.
+
+Its state is kept per job (not per PS incarnation), and a round asked for again with the same global
+weights and shard (a PS that restarted mid-round resumes at that round) is answered with the update already
+computed: the inner optimizer and the error feedback step once per round, as in a run without the restart.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from torch import nn
 
+from cleave import codec
 from cleave.compression import ErrorFeedback, get_compressor, raw_bytes, unpack
 from cleave.data import Corpus
 from cleave.job import JobConfig
@@ -32,6 +39,10 @@ class LocalJob:
     opt: object
     corpus: Corpus
     feedback: ErrorFeedback
+    last: tuple[tuple, RoundUpdate] | None = None  # the last round's inputs and the update it gave
+
+
+log = structlog.get_logger("worker")
 
 
 class RoundRunner:
@@ -40,7 +51,7 @@ class RoundRunner:
         self.jobs: dict[str, LocalJob] = {}
 
     def _local(self, task: RoundTask) -> LocalJob:
-        key = f"{task.job}.{task.epoch}"
+        key = f"{task.job}.{hashlib.sha256(task.job_config.encode()).hexdigest()[:16]}"
         if key not in self.jobs:
             job = JobConfig.model_validate_json(task.job_config)
             cfg = get_preset(job.preset)
@@ -60,6 +71,10 @@ class RoundRunner:
         """One round: load the global weights, train locally, return the compressed update."""
         local = self._local(task)
         job = local.job
+        inputs = (task.method, task.round, task.shard, hashlib.sha256(codec.encode(task.weights)).digest())
+        if local.last is not None and local.last[0] == inputs:
+            log.info("round_replayed", job=task.job, round=task.round, epoch=task.epoch)
+            return local.last[1].model_copy(update={"epoch": task.epoch})
         weights = unpack(task.weights)
         first = task.round * job.local_steps
         batches = (shard_batch(local.corpus, job, task.shard, first + i) for i in range(job.local_steps))
@@ -70,8 +85,10 @@ class RoundRunner:
         else:
             update = fedavg.client_update(local.model, local.opt, weights, batches, job.local_steps, job.grad_clip)
             delta, losses, weight = update.delta, list(update.losses), float(update.samples)
-        return RoundUpdate(
+        update = RoundUpdate(
             job=task.job, epoch=task.epoch, round=task.round, worker_id=self.worker_id,
             delta=local.feedback.pack(delta), weight=weight, losses=tuple(losses),
             raw_bytes=sum(raw_bytes(t) for t in delta.values()),
         )
+        local.last = (inputs, update)
+        return update
