@@ -24,14 +24,14 @@ def resumed_losses(job: JobConfig, stop_after: int) -> list[float]:
     """Run steps [0, stop_after], persist as the PS does, restore into a fresh trainer, run to the end."""
     first = Trainer(job)
     losses = [first.step(s) for s in range(stop_after + 1)]
-    ckpt = snapshot(first, job.job_id, stop_after, epoch=1)
+    ckpt = snapshot(first.model, first.opt, job.job_id, stop_after, epoch=1)
     ckpt = codec.decode(
         codec.encode(ckpt), Checkpoint, 1 << 30
     )  # through the wire format, as JetStream stores it
     del first
     torch.manual_seed(12345)  # a new process: its RNG state is whatever it is until restored
     second = Trainer(job)
-    restore(second, ckpt)
+    restore(second.model, second.opt, ckpt)
     return losses + [second.step(s) for s in range(ckpt.step + 1, job.steps)]
 
 
