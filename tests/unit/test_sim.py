@@ -15,7 +15,8 @@ from cleave.schemas import DeviceProfile
 from cleave.sim import plans as simplans
 from cleave.sim.baselines import SystemResult
 from cleave.sim.engine import GemmRun, PsPolicy, Slot
-from cleave.sim.step import Simulation, simulate_step, step_order
+from cleave.sim.report import CHURN_RATES
+from cleave.sim.step import Simulation, recovery_over_step, simulate_step, step_order
 from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
 from cleave.sim.workload import Workload
 from cleave.sim.world import World
@@ -102,6 +103,17 @@ def test_lost_devices_never_lose_a_tile(seed):
     assert out.resent + out.speculated >= 1  # re-sent when noticed, or copied first because it ran late
     assert all(r.done_at is not None and not r.tiles for r in out.recoveries)
     assert all(out.last.get(i, 0.0) <= leave_at[i] for i in gone.tolist())  # nothing comes back from the gone
+
+
+def test_recovery_over_a_step_weighs_every_gemm_kind_by_its_time():
+    world = World.build(synthetic_fleet(24, seed=2))
+    sim = Simulation(world, shapes(), 2, policy=PsPolicy(window=1))
+    rec = recovery_over_step(sim, shapes())
+    kinds = {(s.m, s.n, s.k) for s in shapes()}
+    assert len(rec["per_gemm"]) == len(kinds)  # one loss per distinct GEMM kind
+    assert min(rec["per_gemm"].values()) <= rec["recovery_s"] <= rec["worst_s"]
+    assert rec["worst_s"] == max(rec["per_gemm"].values()) > 0
+    assert rec["worst"]["tiles_lost"] >= 1 and rec["worst"]["gemm_s"] > 0
 
 
 def test_a_step_with_churn_computes_every_flop_once():
@@ -254,3 +266,4 @@ def test_cli_report_writes_json_and_plots(tmp_path, capsys):
     } <= names
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["claims"]["traffic"]["opt-125m"]["falls_as_devices_join"] is True
+    assert {(r["devices"], r["churn"]) for r in doc["churn"]} == {(16, rate) for rate in CHURN_RATES}

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -224,12 +225,22 @@ def busiest(world: World, ts: TileSet) -> str:
     return max(area, key=lambda w: area[w])
 
 
-def recovery_after_loss(
-    sim: Simulation, shape: GemmShape, at_fraction: float = 0.5
-) -> dict[str, float | str | None]:
+@dataclass(frozen=True)
+class Loss:
+    """One device lost in one GEMM (`recovery_after_loss`)."""
+
+    gemm: str
+    tiles_lost: int
+    recovery_s: float  # from the loss until its unfinished tiles are done again, noticing included
+    detect_s: float | None  # from the loss until the PS gave its tiles back (None: a copy won first)
+    gemm_delay_s: float  # the GEMM's span over its span without the loss
+    gemm_s: float  # the GEMM's span without the loss
+
+
+def recovery_after_loss(sim: Simulation, shape: GemmShape, at_fraction: float = 0.5) -> Loss:
     """Lose the device with the most planned work halfway through its part of one GEMM (nothing else
-    leaves): `recovery_s` is the seconds from the loss until its unfinished tiles are done again, noticing
-    included (by deadline or the next plan, or sooner when an idle worker's speculative copy wins)."""
+    leaves): how long until its unfinished tiles are done again, noticing included (by deadline or the
+    next plan, or sooner when an idle worker's speculative copy wins)."""
     world = sim.world
     plan = sim.scheduler.plans[0]
     ts, _ = sim.cutter.tileset(0, plan, shape.m, shape.n, shape.k)
@@ -250,10 +261,30 @@ def recovery_after_loss(
     out = run(stay, [(leave + sim.liveness_s + sim.plan_delay_s, tuple(w for w in ids if w != victim))])
     lost = [i for i, o in enumerate(ts.owners) if o == victim and clean.accepted_at[i] > leave]
     rec = next((r for r in out.recoveries if r.device == victim), None)
+    return Loss(
+        shape.name,
+        len(lost),
+        float(max((out.accepted_at[i] - leave for i in lost), default=0.0)),
+        None if rec is None else float(rec.detected_at - leave),
+        float(out.span - clean.span),
+        float(clean.span),
+    )
+
+
+def recovery_over_step(sim: Simulation, shapes: Sequence[GemmShape]) -> dict[str, Any]:
+    """`recovery_after_loss` in every GEMM kind of a step: `recovery_s` is their mean weighted by the time
+    the step spends in each kind (a device fails at a random moment), `worst_s` the slowest kind's (a lost
+    weight-gradient block, whose inputs are k = tokens long, is redone whole by one device)."""
+    kinds: dict[tuple[int, int, int], tuple[GemmShape, int]] = {}
+    for s in shapes:
+        first, count = kinds.get((s.m, s.n, s.k), (s, 0))
+        kinds[(s.m, s.n, s.k)] = (first, count + s.count_per_step)
+    losses = [(recovery_after_loss(sim, s), count) for s, count in kinds.values()]
+    weight = sum(r.gemm_s * count for r, count in losses)
+    worst = max((r for r, _ in losses), key=lambda r: r.recovery_s)
     return {
-        "gemm": shape.name,
-        "tiles_lost": float(len(lost)),
-        "recovery_s": max((out.accepted_at[i] - leave for i in lost), default=0.0),
-        "detect_s": rec.detected_at - leave if rec else None,
-        "gemm_delay_s": out.span - clean.span,
+        "recovery_s": sum(r.recovery_s * r.gemm_s * count for r, count in losses) / weight,
+        "worst_s": worst.recovery_s,
+        "worst": asdict(worst),
+        "per_gemm": {r.gemm: r.recovery_s for r, _ in losses},
     }

@@ -169,3 +169,11 @@ def print_table(doc: dict[str, Any], out: TextIO) -> None:
             f"{name:10s} {step:>12s} {_fmt(r['recovery_s']):>11s} {_fmt(r['per_device_down_bytes'], 'B'):>10s} "
             f"{_fmt(r['per_device_up_bytes'], 'B'):>10s} {r['devices_used']:>8d}  {r['note']}\n"
         )
+    me = doc["systems"].get("cleave", {})
+    if me.get("feasible"):
+        rec = me["recovery"]
+        out.write(
+            f"cleave: scheduler's prediction {_fmt(me['predicted_step_s'])} s a step (planner's ideal "
+            f"{_fmt(me['planner_ideal_step_s'])} s); recovery is the mean over the step's GEMMs, the slowest "
+            f"{_fmt(rec['worst_s'])} s ({rec['worst']['gemm']})\n"
+        )
