@@ -104,6 +104,27 @@ def test_split_learning_equals_plain_training(tmp_path):
     assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(5)])
 
 
+def test_split_learning_ps_killed_mid_step_and_around_commits_resumes_exactly(tmp_path):
+    """The server half is committed after each step; the client keeps its state from before its last step
+    and goes back to it when the restarted PS asks for that step again: the losses are plain training's."""
+    out, faults = tmp_path / "m.jsonl", tmp_path / "faults"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cleave_cli", "train", "--method", "split", "--preset", "tiny", "--steps", "6",
+         "--workers", "1", "--job-id", "split-crashy", "--metrics-out", str(out), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "CLEAVE_PS_FAIL_AT": "in_step:1,before_commit:2,after_commit:4",
+             "CLEAVE_PS_FAULT_DIR": str(faults)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(list(faults.iterdir())) == 3  # all three faults fired
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(6))
+    trainer = Trainer(JobConfig(preset="tiny", steps=6))
+    assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(6)])
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("worker*.log"))
+    assert "split_step_rewound" in logs  # the kill before the commit made the client go back one step
+
+
 def test_split_learning_says_clearly_when_its_client_is_lost(tmp_path):
     """The client half of the model lives only on the client: losing it ends the job with a clear error."""
     job = JobConfig(job_id="split-lost", preset="tiny", steps=6, method="split", round_timeout_s=20)

@@ -4,6 +4,10 @@ One worker of the plan becomes the client for the whole job (it holds the embedd
 their optimizer and the data). Each step: ask the client for the activations at the cut, run the server
 half, send back the gradient at the cut, and apply the server's AdamW with the clip coefficient the client
 computed from the global gradient norm, exactly as one process would.
+
+The server half and its AdamW are committed every `persist_every` steps (`cleave_ps.persist`); a restarted
+PS resumes at the first step not committed, and the client (which keeps the state from before its last step)
+goes back one step if it had already applied that one.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import structlog
 
 from cleave import codec
 from cleave.bus import Bus
-from cleave.errors import CleaveError
+from cleave.errors import CleaveError, StepAborted
+from cleave.faults import Faults
 from cleave.job import JobConfig
-from cleave.lifecycle import EXIT_JOB_FAILED, wait_for_stop
+from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED, wait_for_stop
 from cleave.methods import split
 from cleave.methods.common import make_adamw
 from cleave.metrics_file import MetricsFile
@@ -29,6 +34,7 @@ from cleave.schemas import (
     SplitTask,
     StepMetrics,
 )
+from cleave_ps.persist import Fenced, Progress, announce_resume, restore, snapshot
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
@@ -43,8 +49,11 @@ class ClientLost(CleaveError):
 class SplitJob:
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
-        self.epoch = time.time_ns() // 1_000_000
-        self.reply = SUBJECT_UPDATES.format(job=job.job_id, epoch=self.epoch)
+        self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
+        self.progress = Progress(bus, job.job_id, job.model_dump_json(), MetricsFile(s.metrics_out), self.faults)
+        self.epoch = 0  # claimed in `start`
+        self.reply = ""
+        self.first = 0
         self.plan = PlanView(bus)
         self.client = ""
         self.waiting: dict[tuple[int, str], asyncio.Future] = {}
@@ -53,6 +62,26 @@ class SplitJob:
     def build(self) -> None:
         _, half = split.split_model(build_model(get_preset(self.job.preset), seed=self.job.seed), self.job.split_layers)
         self.server = split.SplitServer(half, make_adamw(split.server_params(half), self.job))
+
+    async def start(self) -> int:
+        """Claim an epoch, build the server half, restore the last committed step; returns the first step."""
+        self.epoch = await self.progress.open()
+        self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch)
+        await asyncio.to_thread(self.build)
+        ckpt = await self.progress.resume()
+        if ckpt is not None:
+            await asyncio.to_thread(restore, self.server.half, self.server.opt, ckpt)
+            self.first = ckpt.step + 1
+            await announce_resume(self.bus, self.job.job_id, self.first, self.epoch)
+        return self.first
+
+    async def finish(self, m: StepMetrics) -> None:
+        """A step is over: commit it (every `persist_every` steps, and the last) with the lines before it."""
+        self.progress.pending.append(m)
+        if (m.step + 1) % self.s.persist_every == 0 or m.step + 1 == self.job.steps:
+            ckpt = await asyncio.to_thread(snapshot, self.server.half, self.server.opt, self.job.job_id, m.step,
+                                          self.epoch)
+            await self.progress.commit(ckpt)
 
     async def on_reply(self, msg: SplitReply, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -71,7 +100,9 @@ class SplitJob:
                 if self.client not in self.plan.workers:
                     raise ClientLost(f"split-learning client {self.client} left at step {task.step}: the client "
                                      "half of the model lived only there; start the job again")
-                if time.monotonic() > deadline or self.stop.is_set():
+                if self.stop.is_set():
+                    raise StepAborted("the parameter server is stopping")
+                if time.monotonic() > deadline:
                     raise ClientLost(f"client {self.client} did not answer step {task.step} ({task.phase})")
                 await wait_for_stop(self.stop, DEFAULT_POLL_S)
         finally:
@@ -91,6 +122,7 @@ class SplitJob:
         tied = None if fwd.tied_weight is None else codec.data_to_tensor(fwd.tied_weight)
         cut = split.CutForward(codec.data_to_tensor(fwd.activations), tied)
         back = await asyncio.to_thread(self.server.step, cut, codec.data_to_tensor(fwd.targets))
+        self.faults.hit("in_step", s)
         bwd = await self.ask(SplitTask(
             **base, phase="backward", grad=codec.tensor_to_data(back.grad), loss=back.loss,
             tied_grad=None if back.tied_grad is None else codec.tensor_to_data(back.tied_grad),
@@ -100,15 +132,14 @@ class SplitJob:
         m = StepMetrics(job=self.job.job_id, method="split", step=s, loss=back.loss,
                         step_time_s=time.perf_counter() - t0, workers=1, bytes_down=self.bytes_down,
                         bytes_up=self.bytes_up, tokens=self.job.batch_size * self.job.seq, lr=self.job.lr,
-                        at=time.time())
+                        resumed=self.first > 0, at=time.time())
         self.bytes_down = self.bytes_up = 0
         return m
 
 
 async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
     sj = SplitJob(s, job, bus, stop)
-    await asyncio.to_thread(sj.build)
-    out = MetricsFile(s.metrics_out)
+    first = await sj.start()
     sub = await bus.subscribe(sj.reply, SplitReply, sj.on_reply, max_bytes=s.max_result_bytes)
     code = 0
     async with asyncio.TaskGroup() as tg:
@@ -117,20 +148,23 @@ async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event
             while not sj.plan.workers and not stop.is_set():
                 await wait_for_stop(stop, DEFAULT_POLL_S)
             sj.client = min(sj.plan.workers, default="")
-            log.info("ps_started", job=job.job_id, method="split", client=sj.client, steps=job.steps)
-            for step in range(job.steps):
+            log.info("ps_started", job=job.job_id, method="split", client=sj.client, steps=job.steps, first=first)
+            for step in range(first, job.steps):
                 if stop.is_set():
                     break
                 m = await sj.step(step)
-                await asyncio.to_thread(out.write, m)
-                await bus.emit(m)
                 log.info("step_done", step=step, loss=round(m.loss, 5), step_time_s=round(m.step_time_s, 3))
+                await sj.finish(m)
         except ClientLost as e:
             log.error("split_client_lost", reason=str(e))
             code = EXIT_JOB_FAILED
+        except StepAborted as e:
+            log.warning("step_aborted", reason=str(e))
+        except Fenced as e:
+            log.warning("ps_fenced", reason=str(e))
+            code = EXIT_FENCED
         finally:
             stop.set()
             watcher.cancel()
     await sub.unsubscribe()
     return code
-

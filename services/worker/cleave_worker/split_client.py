@@ -3,11 +3,21 @@
 Per step the PS asks for the forward half (the client answers with the activations at the cut and the
 labels), then sends the gradient at the cut (the client finishes backward, clips with the global norm
 and steps its own AdamW). The client half and its optimizer live only here.
+
+The state is kept per job (not per PS incarnation), with a copy of it from before the last step applied: a
+PS that restarts resumes at its last committed step + 1, which is the client's next step or the one it
+has just applied; in that case the client goes back one step, and the run goes on exactly as if the PS had
+not died. A client that lost its state (a restarted worker) cannot rejoin after step 0.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 from dataclasses import dataclass
+from typing import Any
+
+import structlog
 
 from cleave import codec
 from cleave.data import Corpus
@@ -23,6 +33,34 @@ class ClientState:
     job: JobConfig
     client: split.SplitClient
     corpus: Corpus
+    next_step: int = 0  # the step whose forward comes next
+    before: tuple[dict[str, Any], dict[str, Any]] | None = None  # half and optimizer before the last step
+
+    def rewind(self, step: int) -> None:
+        """Be ready for `step`'s forward: the next step, or the one just applied (then go back one step)."""
+        if step == self.next_step:
+            return
+        if step == self.next_step - 1 and self.before is not None:
+            self.client.half.load_state_dict(self.before[0])
+            self.client.opt.load_state_dict(self.before[1])
+            self.next_step, self.before = step, None
+            log.info("split_step_rewound", job=self.job.job_id, step=step)
+            return
+        raise RuntimeError(f"this client is at step {self.next_step} of job {self.job.job_id}: it cannot run "
+                           f"step {step}")
+
+    def apply(self, back: split.CutBackward, step: int) -> float:
+        """Finish `step` on the client (its backward and AdamW step), keeping the state from before it."""
+        if step != self.next_step:
+            raise RuntimeError(f"backward of step {step} while this client expects step {self.next_step}")
+        half = {k: v.detach().clone() for k, v in self.client.half.state_dict().items()}
+        self.before = (half, copy.deepcopy(self.client.opt.state_dict()))
+        coef = self.client.backward(back)
+        self.next_step = step + 1
+        return coef
+
+
+log = structlog.get_logger("worker")
 
 
 class SplitRunner:
@@ -31,7 +69,7 @@ class SplitRunner:
         self.state: dict[str, ClientState] = {}
 
     def _client(self, task: SplitTask) -> ClientState:
-        key = f"{task.job}.{task.epoch}"
+        key = f"{task.job}.{hashlib.sha256(task.job_config.encode()).hexdigest()[:16]}"
         if key not in self.state:
             if task.step != 0 or task.phase != "forward":
                 raise RuntimeError(f"this client holds no state for job {task.job}: it cannot join at step {task.step}")
@@ -45,6 +83,7 @@ class SplitRunner:
         st = self._client(task)
         base = dict(job=task.job, epoch=task.epoch, step=task.step, phase=task.phase, worker_id=self.worker_id)
         if task.phase == "forward":
+            st.rewind(task.step)
             x, y = shard_batch(st.corpus, st.job, 0, task.step)
             cut = st.client.forward(x)
             tied = None if cut.tied_weight is None else codec.tensor_to_data(cut.tied_weight)
@@ -55,6 +94,6 @@ class SplitRunner:
             tied_grad=None if task.tied_grad is None else codec.data_to_tensor(task.tied_grad),
             grad_sq_norm=task.grad_sq_norm,
         )
-        return SplitReply(**base, clip_coef=st.client.backward(back))
+        return SplitReply(**base, clip_coef=st.apply(back, task.step))
 
 
