@@ -1,7 +1,9 @@
 """The tile ledger of one GEMM (pure, no I/O): which tiles are pending, running where, and done.
 
 A tile is done exactly once: the first valid result wins and later ones are counted as duplicates.
-A worker that stops making progress has its running tiles put back at the front of the queue.
+A worker that stops making progress has its running tiles put back at the front of the queue, cut into
+smaller tiles when asked (`give_back(worker, split)`): a lost block is then redone by several devices at once
+instead of one. A tile cut that way is retired: its own late result is counted as a duplicate.
 Running attempts are indexed by worker and by tile, so that a result, a loss or a worker's count of tiles
 in flight costs the same for 10,000 devices as for 10.
 """
@@ -13,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cleave.tiles import Tile
+from cleave.tiles import Tile, cut_block
 
 Outcome = Literal["accepted", "duplicate", "unknown"]
 DEFAULT_WINDOW = 2  # tiles in flight per worker (one computing, one arriving); a planned block's pieces stream
@@ -40,21 +42,35 @@ class GemmLedger:
     by_tile: dict[int, set[int]] = field(default_factory=dict)  # tile -> its running attempts
     done: set[int] = field(default_factory=set)
     issued: list[int] = field(init=False)  # attempts handed out per tile
+    unissued: int = field(init=False)  # tiles (not retired) never handed out
+    retired: set[int] = field(default_factory=set)  # tiles given back and replaced by smaller ones
+    parent: dict[int, int] = field(default_factory=dict)  # a tile cut from a retired one -> that one
+    kids: dict[int, list[int]] = field(default_factory=dict)  # a retired tile -> the tiles cut from it
     resent: int = 0
     duplicates: int = 0
     speculated: int = 0
 
     def __post_init__(self) -> None:
+        self.tiles = list(self.tiles)  # tiles cut from retired ones are appended: never the caller's list
         self.pending, self.owned = deque(), {}
         for t in self.tiles:
             owner = self.owners[t.index] if self.owners else None
             (self.owned.setdefault(owner, deque()) if owner else self.pending).append(t.index)
         self.issued = [0] * len(self.tiles)
+        self.unissued = len(self.tiles)
         self.owned_by = set(self.owned)  # devices the plan gave work: only they steal (others would be slow)
 
     @property
     def complete(self) -> bool:
-        return len(self.done) == len(self.tiles)
+        return len(self.done) + len(self.retired) == len(self.tiles)
+
+    def covered(self, tile: int) -> bool:
+        """Whether `tile`'s output is done: by its own result, or by those of the tiles cut from it."""
+        return tile in self.done or (tile in self.retired and all(self.covered(k) for k in self.kids[tile]))
+
+    def dealable(self) -> bool:
+        """Whether `take` may find a tile: some were never handed out, or some were given back."""
+        return self.unissued > 0 or any(t not in self.done for t in self.pending)
 
     def inflight(self, worker: str) -> list[Attempt]:
         return list(self.by_worker.get(worker, {}).values())
@@ -77,6 +93,7 @@ class GemmLedger:
 
     def _issue(self, tile: int, worker: str, now: float) -> Attempt:
         att = Attempt(tile, self.issued[tile], worker, now)
+        self.unissued -= self.issued[tile] == 0
         self.issued[tile] += 1
         key = (tile, att.attempt)
         self.running[key] = att
@@ -156,7 +173,7 @@ class GemmLedger:
         if not self.was_issued(tile, attempt):
             return "unknown"
         self.drop(tile, attempt)
-        if tile in self.done:
+        if tile in self.done or tile in self.retired:
             self.duplicates += 1
             return "duplicate"
         self.done.add(tile)
@@ -169,13 +186,34 @@ class GemmLedger:
         if self.drop(tile, attempt) is not None and tile not in self.done:
             self.pending.appendleft(tile)
 
-    def give_back(self, worker: str) -> list[int]:
-        """The worker is presumed gone: its running and planned tiles go back to the shared queue."""
+    def give_back(self, worker: str, split: int = 1) -> list[int]:
+        """The worker is presumed gone: its running tiles go back to the front of the shared queue, its
+        planned ones to the back, each cut into at least `split` tiles where it is large enough
+        (`tiles.cut_block`). Returns the running tiles' replacements (those to be sent again)."""
         lost = self.inflight(worker)
         for a in lost:
             self.drop(a.tile, a.attempt)
         tiles = sorted({a.tile for a in lost if a.tile not in self.done and a.tile not in self.by_tile})
+        tiles = [k for t in tiles for k in self._cut(t, split)]
         self.pending.extendleft(reversed(tiles))
-        self.pending.extend(self.owned.pop(worker, ()))
+        self.pending.extend(k for t in self.owned.pop(worker, ()) if t not in self.done for k in self._cut(t, split))
         self.resent += len(tiles)
         return tiles
+
+    def _cut(self, tile: int, parts: int) -> list[int]:
+        """`tile` itself, or the tiles it is cut into (it is retired)."""
+        t = self.tiles[tile]
+        boxes = cut_block((t.r0, t.r1, t.c0, t.c1), t.rows, t.cols, parts) if parts > 1 else []
+        if len(boxes) < 2:
+            return [tile]
+        self.retired.add(tile)
+        self.unissued -= self.issued[tile] == 0
+        self.kids[tile] = []
+        for box in boxes:
+            kid = len(self.tiles)
+            self.tiles.append(Tile(kid, *box))
+            self.issued.append(0)
+            self.unissued += 1
+            self.parent[kid] = tile
+            self.kids[tile].append(kid)
+        return self.kids[tile]

@@ -81,3 +81,27 @@ def test_speculation_copies_the_oldest_straggler_once():
     assert led.finish(spec.tile, spec.attempt) == "accepted"  # first result wins
     assert led.finish(a.tile, a.attempt) == "duplicate"
     assert led.finish(b.tile, b.attempt) == "accepted" and led.complete
+
+
+def test_a_lost_block_is_cut_for_several_devices():
+    blocks = [tiles.Tile(0, 0, 256, 0, 64), tiles.Tile(1, 256, 512, 0, 64), tiles.Tile(2, 0, 512, 64, 128)]
+    led = GemmLedger(blocks, ["w1", "w2", "w1"])
+    a, b = led.take("w1", 0.0), led.take("w2", 0.0)
+    lost = led.give_back("w1", split=4)  # its running block and its planned one are cut in 4
+    assert len(lost) == 4 and led.retired == {a.tile, 2} and len(led.tiles) == 11
+    assert len(blocks) == 3  # the caller's list of tiles is left alone
+    assert all(led.parent[k] == a.tile for k in lost) and led.pending[0] == lost[0]  # running ones first
+    live = [t for t in led.tiles if t.index not in led.retired]
+    tiles.check_cover(live, 512, 128)  # the cut tiles and the others still cover the output once
+    assert led.finish(a.tile, a.attempt) == "duplicate"  # the lost worker's late answer for the whole block
+    assert led.finish(b.tile, b.attempt) == "accepted"
+    got = [led.take(w, 1.0) for w in ("w2", "w3", "w4", "w5")]
+    assert {g.tile for g in got} == set(lost) and led.dealable()
+    for g in got[:3]:
+        led.finish(g.tile, g.attempt)
+    assert not led.covered(a.tile) and not led.complete
+    led.finish(got[3].tile, got[3].attempt)
+    assert led.covered(a.tile) and not led.covered(2) and not led.complete
+    while (g := led.take("w2", 2.0)) is not None:
+        led.finish(g.tile, g.attempt)
+    assert led.complete and led.covered(2) and not led.dealable()

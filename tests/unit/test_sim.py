@@ -71,7 +71,8 @@ def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, 
 
 def assert_done_once(run, shape):
     assert run.ledger.complete
-    tiles.check_cover(run.ledger.tiles, shape.m, shape.n)  # the tiles cover the output exactly once
+    led = run.ledger  # the tiles (but those cut into smaller ones when lost) cover the output exactly once
+    tiles.check_cover([t for t in led.tiles if t.index not in led.retired], shape.m, shape.n)
     assert run.out.flops == pytest.approx(2.0 * shape.m * shape.n * shape.k)
 
 

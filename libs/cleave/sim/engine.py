@@ -152,7 +152,6 @@ class GemmRun:
         for slot in slots.values():  # block ids are per input tensor: nothing cached hits in another GEMM
             slot.known.clear()
             slot.known_bytes = 0
-        self.fresh = len(ts.tiles)  # tiles never handed out
         self.heap: list[tuple[float, int, int, tuple]] = []
         self.seq = itertools.count()
         self.spec_at = math.inf
@@ -198,18 +197,13 @@ class GemmRun:
                 self._fill(w, depth)
         self._schedule_spec()
 
-    def _dealable(self) -> bool:
-        """Whether `take` can return anything: tiles never handed out, or given back and not yet done."""
-        led = self.ledger
-        return self.fresh > 0 or any(t not in led.done for t in led.pending)
-
     def _fill(self, w: str, depth: int | None = None) -> None:
         slot = self.slots.get(w)
         if slot is None or slot.suspect:
             return
         led = self.ledger
         while led.count(w) < min(depth or math.inf, led.room(w, self.p.window, self.ts.chunks)):
-            att = led.take(w, self.now, self._score(slot)) if self._dealable() else None
+            att = led.take(w, self.now, self._score(slot)) if led.dealable() else None
             if att is None:
                 att = self._speculate(w)
             if att is None:
@@ -274,9 +268,7 @@ class GemmRun:
         return nbytes
 
     def _send(self, w: str, tile: int, attempt: int) -> None:
-        t, ts, slot = self.ts.tiles[tile], self.ts, self.slots[w]
-        if attempt == 0:
-            self.fresh -= 1
+        t, ts, slot = self.ledger.tiles[tile], self.ts, self.slots[w]
         down = self._block(slot, ("a", t.r0, t.r1), t.rows * ts.k * ts.b)
         down += self._block(slot, ("b", t.c0, t.c1), t.cols * ts.k * ts.b)
         d = self.index[w]
@@ -292,7 +284,7 @@ class GemmRun:
 
     # ---- results (dispatcher.on_result) -------------------------------------------------------------------
     def _on_finish(self, w: str, tile: int, attempt: int, sent_at: float) -> None:
-        d, t = self.index[w], self.ts.tiles[tile]
+        d, t = self.index[w], self.ledger.tiles[tile]
         self.out.up[d] = self.out.up.get(d, 0.0) + t.rows * t.cols * self.ts.b
         self.out.last[d] = self.now
         slot, led = self.slots.get(w), self.ledger
@@ -305,6 +297,10 @@ class GemmRun:
         if led.finish(tile, attempt) == "accepted":
             self.out.flops += 2.0 * t.rows * t.cols * self.ts.k
             self.out.accepted_at[tile] = self.now
+            up = led.parent.get(tile)
+            while up is not None and led.covered(up):  # the last piece of a block cut when it was lost
+                self.out.accepted_at[up] = self.now
+                up = led.parent.get(up)
             for other in twins:  # the ledger dropped a speculative twin too
                 self._mark(other)
             self._close_recoveries(tile)
@@ -321,7 +317,7 @@ class GemmRun:
         """max(tile_timeout_s, timeout_factor x the worker's usual tile time), the usual time being the larger
         of its round trips on this GEMM shape and the predicted time of its oldest tile."""
         d, ts, p = self.index[w], self.ts, self.dec
-        t = ts.tiles[self._oldest(w)[0]]
+        t = self.ledger.tiles[self._oldest(w)[0]]
         predicted = p.lat[d] + max(
             (t.rows + t.cols) * ts.k * ts.b / p.down[d],
             t.rows * t.cols * ts.b / p.up[d],
@@ -357,7 +353,7 @@ class GemmRun:
 
     def _lose(self, w: str, cause: str, since: float) -> None:
         self.idle.discard(w)
-        lost = self.ledger.give_back(w)
+        lost = self.ledger.give_back(w, self.ts.chunks)
         if lost:
             self.recoveries.append(Recovery(w, cause, since, self.now, set(lost), len(lost)))
 

@@ -422,7 +422,7 @@ class Dispatcher:
                 del self.verifier.checks[tile]
         if run.ledger.complete and not self.verifier.checks:
             run.done.set()
-        lost = run.ledger.give_back(worker)
+        lost = run.ledger.give_back(worker, self.plan.chunks if self.plan else 1)
         if lost:
             log.warning("tiles_resent", worker_id=worker, cause=cause, step=run.step, gemm=run.name, tiles=len(lost))
             run.recoveries.append(Recovery(worker, cause, silent_since or now, now, set(lost)))
