@@ -17,7 +17,6 @@ from cleave.faults import Faults
 from cleave.job import JobConfig
 from cleave.lifecycle import EXIT_FENCED, run
 from cleave.logs import configure
-from cleave.metrics_file import MetricsFile
 from cleave.models import gemm_shapes
 from cleave.schemas import (
     PLAN_BUCKET,
@@ -32,7 +31,7 @@ from cleave.schemas import (
 )
 from cleave.training import Trainer
 from cleave_ps.dispatcher import Dispatcher
-from cleave_ps.persist import Fenced, Progress, announce_resume, restore, snapshot
+from cleave_ps.persist import Fenced, Progress, announce_resume, restore
 from cleave_ps.rounds import run_rounds
 from cleave_ps.settings import PsSettings
 from cleave_ps.split_server import run_split
@@ -111,7 +110,7 @@ class Job:
     def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
-        self.progress = Progress(bus, job.job_id, job.model_dump_json(), MetricsFile(s.metrics_out), self.faults)
+        self.progress = Progress(bus, job, s, self.faults)
         self.own_s: deque[float] = deque(maxlen=OWN_TIME_WINDOW)  # the PS's time outside GEMMs, recent steps
 
     async def start(self) -> int:
@@ -153,16 +152,9 @@ class Job:
         own = statistics.median(self.own_s) if self.own_s else None
         m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed, own)
         self.own_s.append(m.step_time_s - m.gemm_s)
-        self.progress.pending.append(m)
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
                  workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)
-        if (step + 1) % self.s.persist_every == 0 or step + 1 == self.job.steps:
-            await self.commit(step)
-
-    async def commit(self, step: int) -> None:
-        ckpt = await asyncio.to_thread(snapshot, self.trainer.model, self.trainer.opt, self.job.job_id, step,
-                                      self.progress.epoch)
-        await self.progress.commit(ckpt)
+        await self.progress.done(m, self.trainer.model, self.trainer.opt)
 
 
 async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> int:

@@ -21,6 +21,7 @@ from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
 from cleave.errors import CleaveError, ConfigError, Conflict
 from cleave.faults import Faults
+from cleave.job import JobConfig
 from cleave.metrics_file import MetricsFile
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
@@ -31,6 +32,7 @@ from cleave.schemas import (
     StateHead,
     StepMetrics,
 )
+from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
 MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024 * 1024
@@ -155,13 +157,14 @@ class Persister:
 
 
 class Progress:
-    """Steps (or rounds) run but not yet committed: committed with the state that follows them, then written
-    to the metrics file and published, each exactly once (lines committed but not written before a crash are
-    written on resume)."""
+    """Steps (or rounds) run but not yet committed: committed with the state that follows them every
+    `persist_every` steps and after the last, then written to the metrics file and published, each exactly
+    once (lines committed but not written before a crash are written on resume)."""
 
-    def __init__(self, bus: Bus, job_id: str, job_config: str, out: MetricsFile, faults: Faults) -> None:
-        self.bus, self.out, self.faults = bus, out, faults
-        self.persister = Persister(bus, job_id, job_config)
+    def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults) -> None:
+        self.bus, self.faults, self.job_id, self.steps = bus, faults, job.job_id, job.steps
+        self.out, self.every = MetricsFile(s.metrics_out), s.persist_every
+        self.persister = Persister(bus, job.job_id, job.model_dump_json())
         self.pending: list[StepMetrics] = []
 
     @property
@@ -181,6 +184,12 @@ class Progress:
         head, ckpt = loaded
         await self.report(head.metrics)
         return ckpt
+
+    async def done(self, m: StepMetrics, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+        """Step (or round) `m.step` is over and `model` and `opt` hold its outcome: commit them when due."""
+        self.pending.append(m)
+        if (m.step + 1) % self.every == 0 or m.step + 1 == self.steps:
+            await self.commit(await asyncio.to_thread(snapshot, model, opt, self.job_id, m.step, self.epoch))
 
     async def commit(self, ckpt: Checkpoint) -> None:
         """Persist `ckpt` with the lines of the steps up to it, then report them; raises Fenced."""

@@ -31,7 +31,6 @@ from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
-from cleave.metrics_file import MetricsFile
 from cleave.schemas import (
     SUBJECT_ROUNDS,
     SUBJECT_UPDATES,
@@ -41,7 +40,7 @@ from cleave.schemas import (
     StepMetrics,
 )
 from cleave.training import Trainer
-from cleave_ps.persist import Fenced, Progress, announce_resume, restore, snapshot
+from cleave_ps.persist import Fenced, Progress, announce_resume, restore
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
@@ -53,7 +52,7 @@ class Rounds:
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
-        self.progress = Progress(bus, job.job_id, job.model_dump_json(), MetricsFile(s.metrics_out), self.faults)
+        self.progress = Progress(bus, job, s, self.faults)
         self.epoch = 0  # claimed in `start`
         self.plan = PlanView(bus)
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
@@ -88,14 +87,6 @@ class Rounds:
         self.server.load_state_dict({**self.server.state_dict(), "round": ckpt.step + 1})
         await announce_resume(self.bus, self.job.job_id, ckpt.step + 1, self.epoch)
         return ckpt.step + 1
-
-    async def finish(self, m: StepMetrics) -> None:
-        """A round is over: commit it (every `persist_every` rounds, and the last) with the lines before it."""
-        self.progress.pending.append(m)
-        if (m.step + 1) % self.s.persist_every == 0 or m.step + 1 == self.job.steps:
-            ckpt = await asyncio.to_thread(snapshot, self.trainer.model, self.outer_opt, self.job.job_id, m.step,
-                                          self.epoch)
-            await self.progress.commit(ckpt)
 
     async def on_update(self, msg: RoundUpdate, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -178,7 +169,7 @@ async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Even
                     break
                 log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers,
                          step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
-                await rounds.finish(m)
+                await rounds.progress.done(m, rounds.trainer.model, rounds.outer_opt)
         except Fenced as e:
             log.warning("ps_fenced", reason=str(e))
             code = EXIT_FENCED

@@ -25,7 +25,6 @@ from cleave.job import JobConfig
 from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED, wait_for_stop
 from cleave.methods import split
 from cleave.methods.common import make_adamw
-from cleave.metrics_file import MetricsFile
 from cleave.models import build_model, get_preset
 from cleave.schemas import (
     SUBJECT_SPLIT,
@@ -34,7 +33,7 @@ from cleave.schemas import (
     SplitTask,
     StepMetrics,
 )
-from cleave_ps.persist import Fenced, Progress, announce_resume, restore, snapshot
+from cleave_ps.persist import Fenced, Progress, announce_resume, restore
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
@@ -50,7 +49,7 @@ class SplitJob:
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
-        self.progress = Progress(bus, job.job_id, job.model_dump_json(), MetricsFile(s.metrics_out), self.faults)
+        self.progress = Progress(bus, job, s, self.faults)
         self.epoch = 0  # claimed in `start`
         self.reply = ""
         self.first = 0
@@ -74,14 +73,6 @@ class SplitJob:
             self.first = ckpt.step + 1
             await announce_resume(self.bus, self.job.job_id, self.first, self.epoch)
         return self.first
-
-    async def finish(self, m: StepMetrics) -> None:
-        """A step is over: commit it (every `persist_every` steps, and the last) with the lines before it."""
-        self.progress.pending.append(m)
-        if (m.step + 1) % self.s.persist_every == 0 or m.step + 1 == self.job.steps:
-            ckpt = await asyncio.to_thread(snapshot, self.server.half, self.server.opt, self.job.job_id, m.step,
-                                          self.epoch)
-            await self.progress.commit(ckpt)
 
     async def on_reply(self, msg: SplitReply, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -154,7 +145,7 @@ async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event
                     break
                 m = await sj.step(step)
                 log.info("step_done", step=step, loss=round(m.loss, 5), step_time_s=round(m.step_time_s, 3))
-                await sj.finish(m)
+                await sj.progress.done(m, sj.server.half, sj.server.opt)
         except ClientLost as e:
             log.error("split_client_lost", reason=str(e))
             code = EXIT_JOB_FAILED
