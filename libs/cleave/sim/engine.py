@@ -11,11 +11,10 @@ as a worker that paces itself to a declared profile does (`cleave.profile.stream
 downlink, compute and uplink work on consecutive tiles in parallel, so a long run of tiles costs
 `latency + max(down / downlink, up / uplink, flops / FLOPS)` and a lone tile the sum of its stages.
 
-Where it differs from the dispatcher: round-trip averages are kept per GEMM shape (the dispatcher keeps one
-per worker, across shapes whose tiles differ 25-fold in time), a worker's deadline is at least
-`timeout_factor` x its oldest tile's predicted time (the dispatcher's: x the GEMM's planned makespan), and
-before any result the usual round trip is the median predicted tile time (the dispatcher uses
-`tile_timeout_s`). A result from an earlier GEMM never reaches a later one here; the dispatcher counts it
+Where it differs from the dispatcher: a worker's deadline is at least `timeout_factor` x its oldest tile's
+predicted time (the dispatcher's: x the GEMM's planned makespan), and before any result on a GEMM shape the
+usual round trip is the median predicted tile time (the dispatcher uses `tile_timeout_s`); both keep
+round-trip averages per worker and GEMM shape. A result from an earlier GEMM never reaches a later one here; the dispatcher counts it
 as late and clears its worker's suspicion.
 """
 

@@ -233,7 +233,7 @@ class Loss:
     tiles_lost: int
     recovery_s: float  # from the loss until its unfinished tiles are done again, noticing included
     detect_s: float | None  # from the loss until the PS gave its tiles back (None: a copy won first)
-    gemm_delay_s: float  # the GEMM's span over its span without the loss
+    gemm_delay_s: float  # what the loss added to the GEMM's span
     gemm_s: float  # the GEMM's span without the loss
 
 
@@ -273,8 +273,8 @@ def recovery_after_loss(sim: Simulation, shape: GemmShape, at_fraction: float = 
 
 def recovery_over_step(sim: Simulation, shapes: Sequence[GemmShape]) -> dict[str, Any]:
     """`recovery_after_loss` in every GEMM kind of a step: `recovery_s` is their mean weighted by the time
-    the step spends in each kind (a device fails at a random moment), `worst_s` the slowest kind's (a lost
-    weight-gradient block, whose inputs are k = tokens long, is redone whole by one device)."""
+    the step spends in each kind (a device fails at a random moment), `worst_s` the slowest kind's (usually a
+    weight-gradient GEMM: its blocks go whole, their inputs being k = tokens long)."""
     kinds: dict[tuple[int, int, int], tuple[GemmShape, int]] = {}
     for s in shapes:
         first, count = kinds.get((s.m, s.n, s.k), (s, 0))

@@ -216,6 +216,11 @@ class Dispatcher:
             owners += [owner if owner in self.workers else None] * len(parts)
         return tiles.from_boxes(boxes), owners, layout.makespan_s
 
+    @property
+    def _chunks(self) -> int:
+        """The plan's pieces per block (1 without a plan)."""
+        return self.plan.chunks if self.plan else 1
+
     def _live(self) -> list[WorkerSlot]:
         now = time.monotonic()
         for w in self.workers.values():
@@ -227,7 +232,7 @@ class Dispatcher:
     async def _fill_all(self) -> None:
         """Deal round-robin: every live worker gets one tile before any gets a second."""
         depth = 1
-        while depth <= max(self.s.window, self.plan.chunks if self.plan else 1):
+        while depth <= max(self.s.window, self._chunks):
             for w in list(self._live()):
                 await self._fill(w, depth)
             depth += 1
@@ -237,7 +242,7 @@ class Dispatcher:
         if run is None or slot.suspect or slot.worker_id not in self.workers:
             return
         w = slot.worker_id
-        while run.ledger.count(w) < min(depth or math.inf, run.ledger.room(w, self.s.window, self.plan.chunks if self.plan else 1)):
+        while run.ledger.count(w) < min(depth or math.inf, run.ledger.room(w, self.s.window, self._chunks)):
             att = run.ledger.take(w, time.monotonic(), lambda t: self._cached_score(slot, run, t))
             if att is None:
                 att = self._speculate(slot, run)
@@ -422,7 +427,7 @@ class Dispatcher:
                 del self.verifier.checks[tile]
         if run.ledger.complete and not self.verifier.checks:
             run.done.set()
-        lost = run.ledger.give_back(worker, self.plan.chunks if self.plan else 1)
+        lost = run.ledger.give_back(worker, self._chunks)
         if lost:
             log.warning("tiles_resent", worker_id=worker, cause=cause, step=run.step, gemm=run.name, tiles=len(lost))
             run.recoveries.append(Recovery(worker, cause, silent_since or now, now, set(lost)))

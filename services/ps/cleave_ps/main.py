@@ -31,7 +31,7 @@ from cleave.schemas import (
 )
 from cleave.training import Trainer
 from cleave_ps.dispatcher import Dispatcher
-from cleave_ps.persist import Fenced, Progress, announce_resume, restore
+from cleave_ps.persist import Fenced, Progress
 from cleave_ps.rounds import run_rounds
 from cleave_ps.settings import PsSettings
 from cleave_ps.split_server import run_split
@@ -120,13 +120,10 @@ class Job:
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
         self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend)
         await self.describe_job()
-        ckpt = await self.progress.resume()
-        if ckpt is None:
+        first = await self.progress.resume(self.trainer.model, self.trainer.opt)
+        if not first:
             log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
-            return 0
-        await asyncio.to_thread(restore, self.trainer.model, self.trainer.opt, ckpt)
-        await announce_resume(self.bus, self.job.job_id, ckpt.step + 1, epoch)
-        return ckpt.step + 1
+        return first
 
     async def describe_job(self) -> None:
         """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""

@@ -1,6 +1,7 @@
 """PS persistence in JetStream: the checkpoint in the Object Store, then the KV head by compare-and-set.
 Pretraining commits its model and AdamW after steps, DiLoCo and FedAvg their global weights (and DiLoCo's
-outer momentum) after rounds; `Progress` reports each step's line once, after the state it led to.
+outer momentum) after rounds, split learning its server half and AdamW after steps; `Progress` reports each
+step's line once, after the state it led to.
 
 A crash at any point leaves the previous head and the checkpoint it names readable: the object is written
 first under a new name, the head is switched to it last, and a checkpoint is checked against the head's
@@ -176,14 +177,20 @@ class Progress:
         await self.persister.open()
         return await self.persister.claim_epoch()
 
-    async def resume(self) -> Checkpoint | None:
-        """The last committed checkpoint (None for a new job), its lines reported."""
+    async def resume(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> int:
+        """Restore `model` and `opt` from the last committed checkpoint, report its lines and say so (log and
+        event); the first step (or round) to run: 0 for a new job."""
         loaded = await self.persister.load()
         if loaded is None:
-            return None
+            return 0
         head, ckpt = loaded
-        await self.report(head.metrics)
-        return ckpt
+        await asyncio.to_thread(restore, model, opt, ckpt)
+        await self.report(head.metrics)  # lines that were committed but not written before a crash
+        first = ckpt.step + 1
+        log.info("ps_resumed", job=self.job_id, from_step=first, epoch=self.epoch)
+        await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job_id, step=first, cause="restart",
+                                  detail={"epoch": self.epoch}))
+        return first
 
     async def done(self, m: StepMetrics, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
         """Step (or round) `m.step` is over and `model` and `opt` hold its outcome: commit them when due."""
@@ -208,9 +215,3 @@ class Progress:
                 await self.bus.emit(ev)
             await self.bus.emit(m)
 
-
-async def announce_resume(bus: Bus, job_id: str, first: int, epoch: int) -> None:
-    """Say (log and event) that a PS took up `job_id` again at step or round `first`."""
-    log.info("ps_resumed", job=job_id, from_step=first, epoch=epoch)
-    await bus.emit(Event(kind="ps_resumed", at=time.time(), job=job_id, step=first, cause="restart",
-                         detail={"epoch": epoch}))

@@ -40,7 +40,7 @@ from cleave.schemas import (
     StepMetrics,
 )
 from cleave.training import Trainer
-from cleave_ps.persist import Fenced, Progress, announce_resume, restore
+from cleave_ps.persist import Fenced, Progress
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
@@ -80,13 +80,9 @@ class Rounds:
         round to run."""
         self.epoch = await self.progress.open()
         await asyncio.to_thread(self.build)
-        ckpt = await self.progress.resume()
-        if ckpt is None:
-            return 0
-        await asyncio.to_thread(restore, self.trainer.model, self.outer_opt, ckpt)
-        self.server.load_state_dict({**self.server.state_dict(), "round": ckpt.step + 1})
-        await announce_resume(self.bus, self.job.job_id, ckpt.step + 1, self.epoch)
-        return ckpt.step + 1
+        first = await self.progress.resume(self.trainer.model, self.outer_opt)
+        self.server.load_state_dict({**self.server.state_dict(), "round": first})
+        return first
 
     async def on_update(self, msg: RoundUpdate, nbytes: int) -> None:
         self.bytes_up += nbytes

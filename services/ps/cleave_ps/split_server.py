@@ -33,7 +33,7 @@ from cleave.schemas import (
     SplitTask,
     StepMetrics,
 )
-from cleave_ps.persist import Fenced, Progress, announce_resume, restore
+from cleave_ps.persist import Fenced, Progress
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings
 
@@ -67,11 +67,7 @@ class SplitJob:
         self.epoch = await self.progress.open()
         self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch)
         await asyncio.to_thread(self.build)
-        ckpt = await self.progress.resume()
-        if ckpt is not None:
-            await asyncio.to_thread(restore, self.server.half, self.server.opt, ckpt)
-            self.first = ckpt.step + 1
-            await announce_resume(self.bus, self.job.job_id, self.first, self.epoch)
+        self.first = await self.progress.resume(self.server.half, self.server.opt)
         return self.first
 
     async def on_reply(self, msg: SplitReply, nbytes: int) -> None:
