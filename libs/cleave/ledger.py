@@ -4,12 +4,15 @@ A tile is done exactly once: the first valid result wins and later ones are coun
 A worker that stops making progress has its running tiles put back at the front of the queue, cut into
 smaller tiles when asked (`give_back(worker, split)`): a lost block is then redone by several devices at once
 instead of one. A tile cut that way is retired: its own late result is counted as a duplicate.
-Running attempts are indexed by worker and by tile, so that a result, a loss or a worker's count of tiles
-in flight costs the same for 10,000 devices as for 10.
+Running attempts are indexed by worker and by tile, the planned queues by length (a steal takes from the
+longest) and the lone running attempts by age (speculation copies the oldest), so that every take, result,
+loss, steal and speculation costs O(log n) in the number of workers and tiles.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,13 +31,15 @@ class Attempt:
     attempt: int
     worker: str
     sent_at: float
+    order: int = 0  # issue order within the ledger (ties in sent_at)
 
 
 @dataclass
 class GemmLedger:
     tiles: list[Tile]
     owners: list[str | None] | None = None  # the planned device of each tile; None = anyone's
-    pending: deque[int] = field(init=False)  # tiles without an owner, or given back
+    pending: deque[int] = field(init=False)  # tiles without an owner, or given back (may hold done ones)
+    queued: set[int] = field(init=False)  # the tiles of `pending` still to deal
     owned: dict[str, deque[int]] = field(init=False)  # planned tiles not yet handed out, per device
     owned_by: set[str] = field(init=False)
     running: dict[tuple[int, int], Attempt] = field(default_factory=dict)  # (tile, attempt) -> attempt
@@ -56,9 +61,15 @@ class GemmLedger:
         for t in self.tiles:
             owner = self.owners[t.index] if self.owners else None
             (self.owned.setdefault(owner, deque()) if owner else self.pending).append(t.index)
+        self.queued = set(self.pending)
         self.issued = [0] * len(self.tiles)
         self.unissued = len(self.tiles)
         self.owned_by = set(self.owned)  # devices the plan gave work: only they steal (others would be slow)
+        self._rank = {w: i for i, w in enumerate(self.owned)}  # plan order: ties in a steal go to the first
+        self._longest = [(-len(q), self._rank[w], w) for w, q in self.owned.items()]  # lazy max-heap
+        heapq.heapify(self._longest)
+        self._lone: list[tuple[float, int, int, int]] = []  # (sent_at, order, tile, attempt), lazy min-heap
+        self._order = itertools.count()
 
     @property
     def complete(self) -> bool:
@@ -70,7 +81,7 @@ class GemmLedger:
 
     def dealable(self) -> bool:
         """Whether `take` may find a tile: some were never handed out, or some were given back."""
-        return self.unissued > 0 or any(t not in self.done for t in self.pending)
+        return self.unissued > 0 or bool(self.queued)
 
     def inflight(self, worker: str) -> list[Attempt]:
         return list(self.by_worker.get(worker, {}).values())
@@ -92,13 +103,15 @@ class GemmLedger:
         return max(window, chunks) if self.owns(worker) else window
 
     def _issue(self, tile: int, worker: str, now: float) -> Attempt:
-        att = Attempt(tile, self.issued[tile], worker, now)
+        att = Attempt(tile, self.issued[tile], worker, now, next(self._order))
         self.unissued -= self.issued[tile] == 0
         self.issued[tile] += 1
+        self.queued.discard(tile)
         key = (tile, att.attempt)
         self.running[key] = att
         self.by_worker.setdefault(worker, {})[key] = att
         self.by_tile.setdefault(tile, set()).add(att.attempt)
+        heapq.heappush(self._lone, (att.sent_at, att.order, tile, att.attempt))
         return att
 
     def drop(self, tile: int, attempt: int) -> Attempt | None:
@@ -113,6 +126,9 @@ class GemmLedger:
             twins.discard(attempt)
             if not twins:
                 del self.by_tile[tile]
+            elif len(twins) == 1:  # the survivor runs alone again: it may be copied
+                left = self.running[(tile, next(iter(twins)))]
+                heapq.heappush(self._lone, (left.sent_at, left.order, tile, left.attempt))
         return att
 
     def take(self, worker: str, now: float, score: Callable[[Tile], int] | None = None) -> Attempt | None:
@@ -127,39 +143,63 @@ class GemmLedger:
         tile = self._shared(score)
         # a device the plan left out is slow for this GEMM: it does not steal
         if tile is None and not self.count(worker) and (not self.owners or worker in self.owned_by):
-            victim = max(self.owned.values(), key=len, default=None)
-            while victim:
-                tile = victim.pop()
-                if tile not in self.done:
-                    break
-                tile = None
+            tile = self._steal()
         return None if tile is None else self._issue(tile, worker, now)
 
+    def _steal(self) -> int | None:
+        """The last planned tile of the device with the most left (the first in plan order on a tie)."""
+        heap = self._longest
+        while heap:
+            neg, rank, owner = heap[0]
+            queue = self.owned.get(owner)
+            if not queue:
+                heapq.heappop(heap)
+                continue
+            if len(queue) != -neg:  # stale: the queue has shrunk since
+                heapq.heapreplace(heap, (-len(queue), rank, owner))
+                continue
+            while queue:
+                tile = queue.pop()
+                if tile not in self.done:
+                    heapq.heapreplace(heap, (-len(queue), rank, owner))
+                    return tile
+        return None
+
     def _shared(self, score: Callable[[Tile], int] | None) -> int | None:
-        while self.pending and self.pending[0] in self.done:
+        while self.pending and self.pending[0] not in self.queued:
             self.pending.popleft()
         if not self.pending:
             return None
         pos = 0
         if score is not None:
             best = -1
-            for i, t in enumerate(list(self.pending)[:DEFAULT_AFFINITY_SCAN]):
-                s = score(self.tiles[t]) if t not in self.done else -1
+            for i, t in enumerate(itertools.islice(self.pending, DEFAULT_AFFINITY_SCAN)):
+                s = score(self.tiles[t]) if t in self.queued else -1
                 if s > best:
                     best, pos = s, i
         tile = self.pending[pos]
         del self.pending[pos]
         return tile
 
-    def speculate(self, worker: str, now: float, min_age_s: float) -> Attempt | None:
-        """A second copy, for an idle `worker`, of the oldest tile running elsewhere for over `min_age_s`."""
-        for a in self.running.values():  # in the order they were issued: the oldest first
-            if now - a.sent_at <= min_age_s:
-                return None
-            if a.worker != worker and len(self.by_tile[a.tile]) == 1:
-                self.speculated += 1
-                return self._issue(a.tile, worker, now)
+    def oldest_lone(self) -> Attempt | None:
+        """The oldest attempt that runs with no twin: what `speculate` would copy."""
+        heap = self._lone
+        while heap:
+            _, _, tile, attempt = heap[0]
+            att = self.running.get((tile, attempt))
+            if att is not None and len(self.by_tile[tile]) == 1:
+                return att
+            heapq.heappop(heap)  # done, dropped or copied: a survivor is pushed again by `drop`
         return None
+
+    def speculate(self, worker: str, now: float, min_age_s: float) -> Attempt | None:
+        """A second copy, for an idle `worker`, of the oldest tile running alone elsewhere for over
+        `min_age_s` (`worker` has nothing in flight, so none of them is its own)."""
+        oldest = self.oldest_lone()
+        if oldest is None or now - oldest.sent_at <= min_age_s or oldest.worker == worker:
+            return None
+        self.speculated += 1
+        return self._issue(oldest.tile, worker, now)
 
     def issue_extra(self, tile: int, worker: str, now: float) -> Attempt:
         """One more attempt of a tile for `worker` (a verification copy); its result is not assembled."""
@@ -177,6 +217,7 @@ class GemmLedger:
             self.duplicates += 1
             return "duplicate"
         self.done.add(tile)
+        self.queued.discard(tile)
         for twin in list(self.by_tile.get(tile, ())):  # a speculative twin is no longer needed
             self.drop(tile, twin)
         return "accepted"
@@ -185,6 +226,7 @@ class GemmLedger:
         """This attempt will not produce a block (cache miss, refusal): send the tile again, first."""
         if self.drop(tile, attempt) is not None and tile not in self.done:
             self.pending.appendleft(tile)
+            self.queued.add(tile)
 
     def give_back(self, worker: str, split: int = 1) -> list[int]:
         """The worker is presumed gone: its running tiles go back to the front of the shared queue, its
@@ -196,7 +238,10 @@ class GemmLedger:
         tiles = sorted({a.tile for a in lost if a.tile not in self.done and a.tile not in self.by_tile})
         tiles = [k for t in tiles for k in self._cut(t, split)]
         self.pending.extendleft(reversed(tiles))
-        self.pending.extend(k for t in self.owned.pop(worker, ()) if t not in self.done for k in self._cut(t, split))
+        planned = [k for t in self.owned.pop(worker, ()) if t not in self.done for k in self._cut(t, split)]
+        self.pending.extend(planned)
+        self.queued.update(tiles)
+        self.queued.update(planned)
         self.resent += len(tiles)
         return tiles
 

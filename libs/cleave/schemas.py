@@ -199,6 +199,7 @@ class TileTask(Wire):
     epoch: int  # PS incarnation: results for an older epoch are fenced off
     step: int
     op: int  # GEMM sequence number within the step
+    gemm: int = 0  # the GEMM run within the PS epoch (a step redone runs its GEMMs again): echoed in the result
     tile: int
     attempt: int = 0
     a: BlockRef
@@ -212,6 +213,7 @@ class TileResult(Wire):
     epoch: int
     step: int
     op: int
+    gemm: int = 0  # the task's GEMM run: a result for any other run is dropped
     tile: int
     attempt: int
     worker_id: str

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from cleave import tiles
+from cleave.dealer import DEFAULT_CACHE_BYTES, Dealer
+from cleave.dealer import Policy as PsPolicy
 from cleave.fleet import synthetic_fleet
 from cleave.models import PRESETS, build_model, gemm_shapes
 from cleave.schemas import DeviceProfile
 from cleave.sim import plans as simplans
 from cleave.sim.baselines import SystemResult
-from cleave.sim.engine import GemmRun, PsPolicy, Slot
+from cleave.sim.engine import GemmRun, fleet_of
 from cleave.sim.report import CHURN_RATES
 from cleave.sim.step import Simulation, recovery_over_step, simulate_step, step_order
 from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
@@ -50,22 +52,16 @@ def test_presets_have_the_published_parameter_counts(name, billions):
 
 def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=(), chunks=4):
     policy = policy or PsPolicy(window=1)
-    cutter = simplans.Cutter(world, 2, plan_kind, tile, chunks, window=policy.window, cache_bytes=policy.cache_bytes)
+    cutter = simplans.Cutter(world, 2, plan_kind, tile, chunks, window=policy.window, cache_bytes=DEFAULT_CACHE_BYTES)
     plan = simplans.Plan(0.0, np.arange(len(world)))
     ts, predicted = cutter.tileset(0, plan, shape.m, shape.n, shape.k)
-    slots = {w: Slot() for w in world.ids}
-    run = GemmRun(
-        ts,
-        0.0,
-        slots,
-        world.index,
-        world.declared,
-        world.actual,
-        world.leave_at if leave_at is None else leave_at,
-        np.zeros((len(world), 3)),
-        policy,
-        plans,
-    )
+    def fleet(ids):
+        return fleet_of(ids, world.index, world.declared, DEFAULT_CACHE_BYTES)
+
+    dealer = Dealer(policy)
+    dealer.set_fleet(fleet(world.ids), 0.0)
+    run = GemmRun(ts, 0.0, dealer, world.index, world.actual, world.leave_at if leave_at is None else leave_at,
+                  np.zeros((len(world), 3)), fleet, 1, plans)
     return run, run.run(), predicted
 
 

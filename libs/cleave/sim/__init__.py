@@ -2,14 +2,14 @@
 by the planner and the PS's tile ledger, next to cost models of the edge-training baselines.
 
 - `world`: the devices, their declared and actual profiles, churn (Poisson leaves and joins), stragglers
-- `engine`: one GEMM, event by event, dealt by `cleave.ledger.GemmLedger` (the PS's own)
+- `engine`: one GEMM, event by event, dealt by `cleave.dealer.Dealer` (the PS's own dealing core)
 - `plans`, `step`: plans over time and whole training steps; `simulate_step` for validation runs
 - `workload`, `baselines`, `pipelines`: the baselines' cost and memory models
 - `systems`, `report`, `plots`: one comparison (`cleave sim --json`) and the evaluation report
 """
 
-from cleave.sim.engine import PsPolicy
+from cleave.dealer import Policy
 from cleave.sim.step import Simulation, simulate_step
 from cleave.sim.systems import SYSTEMS, SimConfig, compare
 
-__all__ = ["SYSTEMS", "PsPolicy", "SimConfig", "Simulation", "compare", "simulate_step"]
+__all__ = ["SYSTEMS", "Policy", "SimConfig", "Simulation", "compare", "simulate_step"]

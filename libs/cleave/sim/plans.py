@@ -108,9 +108,7 @@ class Cutter:
             rows, cols = tiles.fit_block(m, n, *(self.tile or (tiles.DEFAULT_TILE, tiles.DEFAULT_TILE)), len(ids))
             grid = tiles.grid(m, n, rows, cols)
             egress = egress_bytes(m, n, k, b) / self.ps_bandwidth if self.ps_bandwidth else 0.0
-            return TileSet(
-                m, n, k, b, grid, [None] * len(grid), egress, self._typical(plan, grid, k)
-            ), math.nan
+            return TileSet(m, n, k, b, grid, [None] * len(grid), egress), math.nan
         gp = self.gemm_plan(version, plan, m, n, k)
         r0, r1, c0, c1 = (
             (gp.row0, gp.row1, gp.col0, gp.col1) if m <= n else (gp.col0, gp.col1, gp.row0, gp.row1)
@@ -129,9 +127,7 @@ class Cutter:
         profiles = {dev.id: dev.profile for dev in fleet.devices()}
         dealt = dealing.dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window,
                                        dict.fromkeys(profiles, self.cache_bytes))
-        return TileSet(
-            m, n, k, b, cut, owners, gp.egress_s, self._typical(plan, cut, k, owners), self.chunks
-        ), max(dealt, gp.egress_s)
+        return TileSet(m, n, k, b, cut, owners, gp.egress_s, self.chunks), max(dealt, gp.egress_s)
 
     def gemm_plan(self, version: int, plan: Plan, m: int, n: int, k: int) -> planner.GemmPlan:
         """The planner's plan of the GEMM in its canonical orientation (rows = the shorter side): a GEMM and
@@ -143,24 +139,3 @@ class Cutter:
                 self.world.fleet(plan.members), min(m, n), max(m, n), k, self.dtype_bytes, self.ps_bandwidth
             )
         return self.gemm_plans[key]
-
-    def _typical(
-        self, plan: Plan, cut: list[tiles.Tile], k: int, owners: list[str | None] | None = None
-    ) -> float:
-        """The median predicted tile time (on its owner, or on the plan's median device when unowned)."""
-        d = self.world.declared
-        if owners is None:
-            idx = np.full(len(cut), plan.members[len(plan.members) // 2])
-        else:
-            idx = np.array([self.world.index[o] if o else plan.members[0] for o in owners])
-        rows = np.array([t.rows for t in cut], dtype=np.float64)
-        cols = np.array([t.cols for t in cut], dtype=np.float64)
-        b = self.dtype_bytes
-        t = d.lat[idx] + np.maximum.reduce(
-            [
-                (rows + cols) * k * b / d.down[idx],
-                rows * cols * b / d.up[idx],
-                2 * rows * cols * k / d.flops[idx],
-            ]
-        )
-        return float(np.median(t))

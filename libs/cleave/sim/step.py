@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from cleave.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
 from cleave.fleet import Fleet
 from cleave.models import GemmShape
 from cleave.schemas import DeviceProfile
-from cleave.sim.engine import GemmRun, Outcome, PsPolicy, Recovery, Slot, TileSet
+from cleave.sim.engine import GemmRun, Outcome, TileSet, fleet_of
 from cleave.sim.plans import Cutter, PlannerKind, Scheduler
 from cleave.sim.world import World
 from cleave.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
@@ -78,22 +79,29 @@ class Simulation:
     planner: PlannerKind = "cost"
     tile: tuple[int, int] | None = None
     ps_bandwidth: float | None = None
-    policy: PsPolicy = field(default_factory=PsPolicy)
+    policy: Policy = field(default_factory=Policy)
     liveness_s: float = 1.0
     replan_every_s: float = 0.0
     plan_delay_s: float = 1.0
     chunks: int = DEFAULT_CHUNKS  # a planned block goes out in at least this many pieces (`tiles.cut_block`)
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # each worker's input-block cache, mirrored by the PS
     now: float = 0.0
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.world, self.liveness_s, self.replan_every_s, self.plan_delay_s)
         self.cutter = Cutter(self.world, self.dtype_bytes, self.planner, self.tile, self.chunks, self.ps_bandwidth,
-                             self.policy.window, self.policy.cache_bytes)
+                             self.policy.window, self.cache_bytes)
         self.version = 0
-        self.slots: dict[str, Slot] = {w: Slot() for w in self.scheduler.plans[0].ids(self.world)}
+        self.dealer = Dealer(self.policy)  # the PS's dealing core, members and all, from GEMM to GEMM
+        self._profiles: dict[int, DeviceProfile] = {}
+        self.dealer.set_fleet(self.fleet(self.scheduler.plans[0].ids(self.world)), 0.0)
+        self.seq = 0
         self.busy = np.zeros((len(self.world), 3))  # per device: downlink, compute, uplink next free
         self.clean: dict[tuple, Outcome] = {}
         self.order = step_order(self.shapes)
+
+    def fleet(self, ids: Sequence[str]) -> list[tuple[str, int, DeviceProfile]]:
+        return fleet_of(ids, self.world.index, self.world.declared, self.cache_bytes, self._profiles)
 
     def _advance(self, until: float) -> None:
         self.world.churn(until)
@@ -106,15 +114,15 @@ class Simulation:
         plans = self.scheduler.plans
         while self.version + 1 < len(plans) and plans[self.version + 1].ready_at <= self.now:
             self.version += 1
-            ids = plans[self.version].ids(self.world)
-            self.slots = {w: self.slots.get(w) or Slot(last_progress=self.now) for w in ids}
+            self.dealer.set_fleet(self.fleet(plans[self.version].ids(self.world)), self.now)
 
     def _undisturbed(self, span: float, members: np.ndarray) -> bool:
         end = self.now + span
         plans = self.scheduler.plans
         if self.version + 1 < len(plans) and plans[self.version + 1].ready_at <= end:
             return False
-        if any(s.suspect for s in self.slots.values()) or len(self.slots) != len(members):
+        members_now = self.dealer.members
+        if any(m.suspect for m in members_now.values()) or len(members_now) != len(members):
             return False
         return bool(self.world.leave_at[members].min() > end and self.busy[members].max() <= self.now)
 
@@ -145,18 +153,9 @@ class Simulation:
             ), False
         later = [(p.ready_at, p.ids(self.world)) for p in self.scheduler.plans[self.version + 1 :]]
         undisturbed = self._undisturbed(0.0, plan.members)
-        run = GemmRun(
-            ts,
-            self.now,
-            self.slots,
-            self.world.index,
-            self.world.declared,
-            self.world.actual,
-            self.world.leave_at,
-            self.busy,
-            self.policy,
-            later,
-        )
+        self.seq += 1
+        run = GemmRun(ts, self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at,
+                      self.busy, self.fleet, self.seq, later)
         out = run.run()
         self.version += out.plans_applied
         if (
@@ -195,7 +194,7 @@ def simulate_step(
     tile_cols: int | None = DEFAULT_TILE,
     chunks: int = DEFAULT_CHUNKS,
     ps_bandwidth: float | None = None,
-    policy: PsPolicy | None = None,
+    policy: Policy | None = None,
     steps: int = 1,
     ps_overhead_s: float = 0.0,
 ) -> float:
@@ -203,11 +202,11 @@ def simulate_step(
     `ps_overhead_s` (the PS's own work per step, which the simulator does not model).
 
     The defaults are the running stack's: the scheduler's cost-aware plan, blocks cut into tiles of at most
-    1024 x 1024 and at least 4 pieces a block, the PS's window, deadlines and speculation (`PsPolicy()`). With `steps` > 1, the last step's
+    1024 x 1024 and at least 4 pieces a block, the PS's window, deadlines and speculation (`Policy()`). With `steps` > 1, the last step's
     time (the PS's round-trip averages warmed up)."""
     tile = (tile_rows, tile_cols) if tile_rows and tile_cols else None
     sim = Simulation(
-        world_of(fleet_profiles), list(shapes), dtype_bytes, planner, tile, ps_bandwidth, policy or PsPolicy(),
+        world_of(fleet_profiles), list(shapes), dtype_bytes, planner, tile, ps_bandwidth, policy or Policy(),
         chunks=chunks,
     )
     last = 0.0
@@ -247,11 +246,10 @@ def recovery_after_loss(sim: Simulation, shape: GemmShape, at_fraction: float = 
     ids = plan.ids(world)
 
     def run(leave_at: np.ndarray, plans: list) -> Outcome:
-        slots = {w: Slot() for w in ids}
+        dealer = Dealer(sim.policy)
+        dealer.set_fleet(sim.fleet(ids), 0.0)
         busy = np.zeros((len(world), 3))
-        return GemmRun(
-            ts, 0.0, slots, world.index, world.declared, world.actual, leave_at, busy, sim.policy, plans
-        ).run()
+        return GemmRun(ts, 0.0, dealer, world.index, world.actual, leave_at, busy, sim.fleet, 1, plans).run()
 
     stay = np.full(len(world), math.inf)
     clean = run(stay, [])
@@ -260,7 +258,7 @@ def recovery_after_loss(sim: Simulation, shape: GemmShape, at_fraction: float = 
     stay[world.index[victim]] = leave
     out = run(stay, [(leave + sim.liveness_s + sim.plan_delay_s, tuple(w for w in ids if w != victim))])
     lost = [i for i, o in enumerate(ts.owners) if o == victim and clean.accepted_at[i] > leave]
-    rec = next((r for r in out.recoveries if r.device == victim), None)
+    rec = next((r for r in out.recoveries if r.worker == victim), None)
     return Loss(
         shape.name,
         len(lost),

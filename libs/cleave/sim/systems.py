@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from cleave.costmodel import PlanError
+from cleave.dealer import Policy
 from cleave.errors import ConfigError
 from cleave.fleet import Fleet, load_fleet, synthetic_fleet
 from cleave.sim.baselines import SystemResult, alpa, dp_tp
-from cleave.sim.engine import PsPolicy
 from cleave.sim.pipelines import asteroid, dtfm, pipeline
 from cleave.sim.step import Simulation, StepStats, recovery_over_step
 from cleave.sim.workload import Links, Workload
@@ -91,7 +91,7 @@ def build_world(cfg: SimConfig) -> World:
 
 
 def simulation(cfg: SimConfig, work: Workload, world: World) -> Simulation:
-    policy = PsPolicy(window=cfg.window)
+    policy = Policy(window=cfg.window)
     return Simulation(
         world,
         work.shapes,

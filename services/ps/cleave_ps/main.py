@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import statistics
 import time
 from collections import deque
@@ -61,7 +62,12 @@ class FleetGemm:
         fut = asyncio.run_coroutine_threadsafe(
             self.dispatcher.gemm(a.cpu(), bt.cpu(), self.step, self.op, name), self.loop
         )
-        return fut.result().to(device)
+        try:
+            return fut.result(timeout=self.dispatcher.s.gemm_timeout_s).to(device)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise StepAborted(f"GEMM {name} of step {self.step} took over gemm_timeout_s="
+                              f"{self.dispatcher.s.gemm_timeout_s}") from None
 
 
 async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Event) -> None:

@@ -74,16 +74,16 @@ def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, c
     if corrupt:
         out[0, 0] += corrupt
     return TileResult(
-        job=task.job, epoch=task.epoch, step=task.step, op=task.op, tile=task.tile, attempt=task.attempt,
-        worker_id=worker_id, out=codec.tensor_to_data(out), compute_s=time.perf_counter() - start,
+        job=task.job, epoch=task.epoch, step=task.step, op=task.op, gemm=task.gemm, tile=task.tile,
+        attempt=task.attempt, worker_id=worker_id, out=codec.tensor_to_data(out), compute_s=time.perf_counter() - start,
     )
 
 
 def reply_to(task: TileTask, worker_id: str, **fields: object) -> TileResult:
     """A result that carries no block: a cache miss or an error."""
     return TileResult(
-        job=task.job, epoch=task.epoch, step=task.step, op=task.op, tile=task.tile, attempt=task.attempt,
-        worker_id=worker_id, **fields,
+        job=task.job, epoch=task.epoch, step=task.step, op=task.op, gemm=task.gemm, tile=task.tile,
+        attempt=task.attempt, worker_id=worker_id, **fields,
     )
 
 

@@ -1,0 +1,506 @@
+"""The dealing of GEMM tiles to a fleet: one pure object that the PS and the simulator both drive.
+
+It decides everything about a GEMM's dealing: which tile goes to which worker next (its planned pieces
+first, then shared tiles with cached inputs first, then, once idle, a tile stolen from the device with the
+most left), which input blocks travel with a tile and which the worker already caches (a mirror of its
+LRU), how much a worker may have in flight (tiles and bytes), when a worker that makes no progress is
+presumed lost and its tiles given back (cut for several devices), when a straggling tile is copied to an
+idle worker, and when a suspect worker is tried again. It does no I/O and keeps no clock: every call
+takes `now`, and returns the tiles to send (`Send`) for the caller to put on its wire or its simulated
+links. Every event costs O(log n) in the number of workers and tiles: deadlines, suspicions and lone
+attempts are kept in heaps, the round trips of a GEMM shape in a sorted list (their median), and only
+workers that asked for work and found none are offered new work when some appears.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sortedcontainers import SortedList
+
+from cleave.ledger import DEFAULT_WINDOW, Attempt, GemmLedger
+from cleave.schemas import DeviceProfile
+from cleave.tiles import Tile
+
+Shape = tuple[int, int, int]  # (m, n, k) of a GEMM
+DEFAULT_CACHE_BYTES = 128 * 1024**2  # the worker's input-block cache (its default), mirrored here
+DEFAULT_SUSPECT_RETRY = 3.0  # a suspect worker still in the plan gets tiles again after 3 tile timeouts
+RT_WEIGHT = 0.2  # weight of a new round trip in a worker's moving average
+TYPICAL_SAMPLE = 256  # tiles sampled for the median predicted tile time
+DEFAULT_INFLIGHT_S = 2.0  # with a byte limit: no more in flight to a worker than 2 s of its downlink
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The PS's dealing knobs (`cleave_ps.settings.PsSettings` builds one; the simulator uses these)."""
+
+    window: int = DEFAULT_WINDOW  # tiles in flight per worker (a planned block's pieces: the plan's chunks)
+    tile_timeout_s: float = 1.0  # a worker silent this long with tiles in flight is presumed lost ...
+    timeout_factor: float = 4.0  # ... or this many times its usual tile time, if longer
+    speculate_factor: float = 3.0  # copy a tile running this many usual round trips; 0 = never
+    speculate_min_s: float = 0.2  # ... and at least this long
+    tick_s: float = 0.05  # how often the PS checks: the smallest gap between two speculation checks
+    suspect_retry: float = DEFAULT_SUSPECT_RETRY  # x tile_timeout_s until a suspect is tried again
+    max_inflight_bytes: int | None = None  # bytes sent to a worker and not yet answered, past its first
+    # tile; None = no limit (the PS sets it under the NATS server's max_pending, see docs/architecture.md)
+
+
+@dataclass
+class Member:
+    """The dealer's view of one worker."""
+
+    id: str
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    profile: DeviceProfile | None = None  # what it registered with: predicts its tile times
+    known: OrderedDict[str, int] = field(default_factory=OrderedDict)  # mirror of its block LRU
+    known_bytes: int = 0
+    last_progress: float = 0.0
+    round_trips: dict[Shape, float] = field(default_factory=dict)  # moving average per GEMM shape
+    suspect: bool = False
+    suspect_since: float = 0.0
+    inflight_bytes: int = 0
+    token: int = 0  # invalidates stale deadline entries
+
+    def remember(self, block_id: str, nbytes: int) -> None:
+        if nbytes > self.cache_bytes or block_id in self.known:
+            return
+        while self.known_bytes + nbytes > self.cache_bytes:
+            self.known_bytes -= self.known.popitem(last=False)[1]
+        self.known[block_id] = nbytes
+        self.known_bytes += nbytes
+
+    def forget(self, block_id: str) -> None:
+        self.known_bytes -= self.known.pop(block_id, 0)
+
+    def predicted_s(self, t: Tile, k: int, b: int) -> float:
+        """The cost model's time for tile `t` alone on this device (0 when its profile is unknown)."""
+        p = self.profile
+        if p is None:
+            return 0.0
+        return p.latency_s + max((t.rows + t.cols) * k * b / p.downlink_bytes_per_s,
+                                 t.rows * t.cols * b / p.uplink_bytes_per_s, 2.0 * t.rows * t.cols * k / p.flops)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One GEMM run to deal: C[m, n] = A[m, k] · Bᵀ[n, k] cut into `tiles` (each planned for `owners[i]`,
+    or anyone's); input blocks are named `<a_key>.<r0>.<r1>` and `<b_key>.<c0>.<c1>`."""
+
+    seq: int  # the GEMM run's number in the PS epoch: results of any other run are fenced off
+    m: int
+    n: int
+    k: int
+    b: int  # bytes per element that travel
+    tiles: Sequence[Tile]
+    owners: Sequence[str | None] | None = None
+    chunks: int = 1  # the plan's pieces per block: a worker's planned pieces stream this many at once
+    a_key: str = "a"
+    b_key: str = "b"
+
+    @property
+    def shape(self) -> Shape:
+        return (self.m, self.n, self.k)
+
+
+@dataclass(frozen=True)
+class BlockSend:
+    """An input block of a tile: its id and range, and whether its bytes travel (not cached there)."""
+
+    id: str
+    lo: int
+    hi: int
+    data: bool
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send tile `tile` (attempt `attempt`) to `worker` with blocks `a` (rows of A) and `b` (rows of Bᵀ)."""
+
+    worker: str
+    tile: Tile
+    attempt: int
+    a: BlockSend
+    b: BlockSend
+    nbytes: int  # input bytes that travel
+
+
+@dataclass
+class Recovery:
+    """A worker presumed lost during a GEMM: its tiles, when it went silent, when that was noticed, when its
+    tiles were sent again and when the last of them was done."""
+
+    worker: str
+    cause: str
+    silent_since: float
+    detected_at: float
+    tiles: set[int]
+    count: int
+    redispatched_at: float | None = None
+    done_at: float | None = None
+
+
+class Dealer:
+    """Deals one GEMM at a time to a changing set of members (see the module docstring).
+
+    The caller tells it what happens (`set_fleet`, `begin`, `done`, `failed`, `discard`, `heard`, `tick`)
+    and sends what each call returns; `next_check_at` says when `tick` next has something to do."""
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.p = policy or Policy()
+        self.members: dict[str, Member] = {}
+        self.work: Work | None = None
+        self.ledger: GemmLedger | None = None
+        self.recoveries: list[Recovery] = []  # of the GEMM in flight, open and closed
+        self.closed: list[Recovery] = []  # closed since the caller last took them (`take_closed`)
+        self.suspected: list[str] = []  # presumed lost by a deadline since the caller last looked
+        self._hungry: dict[str, None] = {}  # live members that asked for work and found none (in order)
+        self._idle: dict[str, None] = {}  # ... of which those with nothing in flight
+        self._deadlines: list[tuple[float, int, str, int]] = []  # (due, order, member, token)
+        self._suspects: list[tuple[float, int, str, float]] = []  # (retry at, order, member, suspect since)
+        self._rts: dict[Shape, SortedList] = {}  # each member's round trip on a shape, sorted
+        self._bytes: dict[tuple[int, int], int] = {}  # (tile, attempt) -> input bytes it carried
+        self._order = itertools.count()
+        self._typical = 0.0  # the median predicted tile time of the GEMM in flight
+
+    # ---- the fleet ---------------------------------------------------------------------------------
+    def set_fleet(self, fleet: Iterable[tuple[str, int, DeviceProfile | None]], now: float,
+                  cause: str = "heartbeat_timeout") -> list[Send]:
+        """The members are now exactly `fleet` (id, cache bytes, profile): newcomers join, the others are
+        lost (their tiles given back). Returns what to send."""
+        fleet = list(fleet)
+        for wid, cache, profile in fleet:
+            m = self.members.get(wid)
+            if m is None:
+                self.members[wid] = Member(wid, cache, profile, last_progress=now)
+            else:
+                m.cache_bytes, m.profile = cache, profile
+        keep = {wid for wid, _, _ in fleet}
+        for gone in [w for w in self.members if w not in keep]:
+            self.remove(gone, now, cause)
+        return self._offer(now, self.members)
+
+    def remove(self, worker: str, now: float, cause: str) -> None:
+        """`worker` is gone for good (left the plan, or caught lying): its tiles are given back."""
+        m = self.members.get(worker)
+        if m is None:
+            return
+        self._lose(m, now, cause, m.last_progress)
+        self._forget_rts(m)
+        del self.members[worker]
+
+    # ---- one GEMM ----------------------------------------------------------------------------------
+    def begin(self, work: Work, now: float) -> list[Send]:
+        """Start dealing `work`: every live member gets a tile before any gets a second."""
+        owners = [o if o in self.members else None for o in work.owners] if work.owners else None
+        self.work, self.ledger = work, GemmLedger(work.tiles, owners)
+        self.recoveries, self.closed, self._bytes = [], [], {}
+        self._deadlines, self._hungry, self._idle = [], {}, {}
+        for m in self.members.values():
+            m.inflight_bytes = 0
+        self._typical = self._median_predicted(work, owners)
+        out: list[Send] = []
+        for depth in range(1, max(self.p.window, work.chunks) + 1):
+            for m in list(self.members.values()):
+                out += self._fill(m, now, depth)
+        return out
+
+    def end(self) -> None:
+        """The GEMM is over (done, or abandoned): nothing of it is dealt any more."""
+        self.work = self.ledger = None
+        self._hungry, self._idle, self._deadlines, self._bytes = {}, {}, [], {}
+
+    @property
+    def complete(self) -> bool:
+        return self.ledger is not None and self.ledger.complete
+
+    def extra(self, tile: int, worker: str, now: float) -> Send:
+        """One more attempt of `tile` on `worker` whose result is not assembled (a verification copy)."""
+        m = self.members[worker]
+        return self._send(m, self.ledger.issue_extra(tile, worker, now), now)
+
+    # ---- results -----------------------------------------------------------------------------------
+    def done(self, worker: str, tile: int, attempt: int, now: float) -> tuple[str, list[Send]]:
+        """A valid block for (tile, attempt) from `worker`: "accepted" (the first), "duplicate" or
+        "unknown"; returns the outcome and what to send next."""
+        led = self.ledger
+        m = self._progress(worker, tile, attempt, now)
+        twins = [led.running[(tile, a)].worker for a in led.by_tile.get(tile, ()) if a != attempt]
+        for a in list(led.by_tile.get(tile, ())):
+            self._release(tile, a)
+        outcome = led.finish(tile, attempt)
+        if outcome == "accepted":
+            self._close(tile, now)
+        if led.complete:
+            return outcome, []
+        out = self._fill(m, now) if m is not None else []
+        for other in twins:  # a speculative twin was dropped: its worker has room again
+            if other in self.members:
+                out += self._fill(self.members[other], now)
+        return outcome, out
+
+    def failed(self, worker: str, tile: int, attempt: int, now: float, missing: Sequence[str] = ()) -> list[Send]:
+        """(tile, attempt) will not produce a block: the worker lacked cached `missing` blocks, or refused;
+        the tile goes to the front of the queue."""
+        m = self._progress(worker, tile, attempt, now)
+        if m is not None:
+            for block_id in missing:
+                m.forget(block_id)
+        self._release(tile, attempt)
+        self.ledger.retry(tile, attempt)
+        return self._offer(now, [worker])
+
+    def discard(self, worker: str, tile: int, attempt: int, now: float) -> list[Send]:
+        """(tile, attempt) answered, but its block is not assembled here (a verification copy)."""
+        m = self._progress(worker, tile, attempt, now)
+        self._release(tile, attempt)
+        self.ledger.drop(tile, attempt)
+        return self._fill(m, now) if m is not None else []
+
+    def heard(self, worker: str) -> None:
+        """`worker` answered for a GEMM that is over: it is alive."""
+        if worker in self.members:
+            self.members[worker].suspect = False
+
+    def running(self, worker: str, tile: int, attempt: int) -> Attempt | None:
+        return self.ledger.running.get((tile, attempt)) if self.ledger is not None else None
+
+    def take_closed(self) -> list[Recovery]:
+        closed, self.closed = self.closed, []
+        return closed
+
+    # ---- time --------------------------------------------------------------------------------------
+    def tick(self, now: float) -> list[Send]:
+        """Suspects whose retry time came are tried again, workers past their deadline are presumed lost,
+        their tiles dealt to whoever has room, and idle workers copy tiles that run far too long."""
+        if self.ledger is None:
+            return []
+        out: list[Send] = []
+        while self._suspects and self._suspects[0][0] <= now:
+            _, _, wid, since = heapq.heappop(self._suspects)
+            m = self.members.get(wid)
+            if m is not None and m.suspect and m.suspect_since == since:
+                m.suspect = False
+                out += self._fill(m, now)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, wid, token = heapq.heappop(self._deadlines)
+            m = self.members.get(wid)
+            if m is None or m.token != token or m.suspect or not self.ledger.count(wid):
+                continue
+            since = self._since(m)
+            if since + self._deadline_s(m) > now + 1e-9:
+                self._arm(m)
+                continue
+            m.suspect, m.suspect_since = True, now
+            self.suspected.append(wid)
+            heapq.heappush(self._suspects, (now + self.p.suspect_retry * self.p.tile_timeout_s,
+                                            next(self._order), wid, now))
+            self._lose(m, now, "tile_deadline", since)
+        out += self._offer(now, list(self._hungry) if self.ledger.queued else ())
+        return out + self._speculate_idle(now)
+
+    def next_check_at(self, now: float) -> float:
+        """When `tick` next may change something (deadlines exactly; copies at most once per `tick_s`)."""
+        at = math.inf
+        for heap in (self._deadlines, self._suspects):
+            if heap:
+                at = min(at, heap[0][0])
+        if self.ledger is not None and self.p.speculate_factor > 0 and self._idle:
+            oldest = self.ledger.oldest_lone()
+            if oldest is not None:
+                at = min(at, max(oldest.sent_at + self._threshold(), now + self.p.tick_s))
+        return at
+
+    # ---- dealing -----------------------------------------------------------------------------------
+    def _fill(self, m: Member, now: float, depth: int | None = None) -> list[Send]:
+        """Give `m` tiles up to its room (and `depth`): planned, shared, stolen, or a copy once idle."""
+        led, w, out = self.ledger, m.id, []
+        if led is None or m.suspect or w not in self.members:
+            return out
+        hungry = False
+        while led.count(w) < min(depth or math.inf, led.room(w, self.p.window, self.work.chunks)):
+            if led.count(w) and self._over_budget(m):
+                break
+            att = led.take(w, now, self._score(m)) if led.dealable() else None
+            if att is None and not led.count(w):
+                att = self._speculate(m, now)
+            if att is None:
+                hungry = True
+                break
+            if led.count(w) == 1:
+                m.last_progress = now  # the clock of an idle worker starts now
+            out.append(self._send(m, att, now))
+        self._mark(m, hungry)
+        if out or led.count(w):
+            self._arm(m)
+        return out
+
+    def _mark(self, m: Member, hungry: bool) -> None:
+        for group, member in ((self._hungry, hungry), (self._idle, hungry and not self.ledger.count(m.id))):
+            if member:
+                group[m.id] = None
+            else:
+                group.pop(m.id, None)
+
+    def _offer(self, now: float, ids: Iterable[str]) -> list[Send]:
+        """Work appeared in the shared queue: members in `ids` take what they have room for."""
+        out: list[Send] = []
+        if self.ledger is None:
+            return out
+        for wid in ids:
+            m = self.members.get(wid)
+            if m is not None:
+                out += self._fill(m, now)
+        return out
+
+    def _speculate_idle(self, now: float) -> list[Send]:
+        led, out = self.ledger, []
+        if self.p.speculate_factor <= 0 or not self._idle:
+            return out
+        oldest = led.oldest_lone()
+        if oldest is None or now - oldest.sent_at <= self._threshold():
+            return out
+        for wid in list(self._idle):
+            before = led.speculated
+            out += self._fill(self.members[wid], now)
+            if led.speculated == before:
+                break  # nothing is old enough for anyone
+        return out
+
+    def _speculate(self, m: Member, now: float) -> Attempt | None:
+        if self.p.speculate_factor <= 0:
+            return None
+        return self.ledger.speculate(m.id, now, self._threshold())
+
+    def _threshold(self) -> float:
+        return max(self.p.speculate_min_s, self.p.speculate_factor * self._usual())
+
+    def _usual(self) -> float:
+        """The median round trip of this GEMM's shape over the members, or the median predicted tile time
+        before any (or `tile_timeout_s` when no profile predicts one)."""
+        trips = self._rts.get(self.work.shape)
+        if trips:
+            return trips[len(trips) // 2]
+        return self._typical or self.p.tile_timeout_s
+
+    def _over_budget(self, m: Member) -> bool:
+        """Whether one more tile would put more bytes in flight to `m` than it may hold: the policy's limit,
+        or two seconds of its downlink when that is less."""
+        cap = self.p.max_inflight_bytes
+        if cap is None:
+            return False
+        if m.profile is not None:
+            cap = min(cap, int(DEFAULT_INFLIGHT_S * m.profile.downlink_bytes_per_s))
+        return m.inflight_bytes >= cap
+
+    def _score(self, m: Member):  # noqa: ANN202
+        if not m.known:
+            return None
+        work, known = self.work, m.known
+        return lambda t: ((f"{work.a_key}.{t.r0}.{t.r1}" in known) * t.rows
+                          + (f"{work.b_key}.{t.c0}.{t.c1}" in known) * t.cols)
+
+    def _send(self, m: Member, att: Attempt, now: float) -> Send:
+        work, t = self.work, self.ledger.tiles[att.tile]
+        a = self._block(m, f"{work.a_key}.{t.r0}.{t.r1}", t.r0, t.r1, t.rows * work.k * work.b)
+        b = self._block(m, f"{work.b_key}.{t.c0}.{t.c1}", t.c0, t.c1, t.cols * work.k * work.b)
+        nbytes = (a.data * t.rows + b.data * t.cols) * work.k * work.b
+        m.inflight_bytes += nbytes
+        self._bytes[(att.tile, att.attempt)] = nbytes
+        for rec in self.recoveries:
+            if att.tile in rec.tiles:
+                rec.redispatched_at = now
+        return Send(m.id, t, att.attempt, a, b, nbytes)
+
+    @staticmethod
+    def _block(m: Member, block_id: str, lo: int, hi: int, nbytes: int) -> BlockSend:
+        if block_id in m.known:
+            m.known.move_to_end(block_id)
+            return BlockSend(block_id, lo, hi, False)
+        m.remember(block_id, nbytes)
+        return BlockSend(block_id, lo, hi, True)
+
+    # ---- bookkeeping -------------------------------------------------------------------------------
+    def _progress(self, worker: str, tile: int, attempt: int, now: float) -> Member | None:
+        """`worker` answered (tile, attempt): its round trip, progress clock and suspicion."""
+        m = self.members.get(worker)
+        if m is None:
+            return None
+        att = self.ledger.running.get((tile, attempt))
+        if att is not None:
+            rt, shape = now - att.sent_at, self.work.shape
+            old = m.round_trips.get(shape, 0.0)
+            new = rt if old == 0 else (1 - RT_WEIGHT) * old + RT_WEIGHT * rt
+            trips = self._rts.setdefault(shape, SortedList())
+            if old:
+                trips.remove(old)
+            trips.add(new)
+            m.round_trips[shape] = new
+        m.last_progress, m.suspect = now, False
+        return m
+
+    def _forget_rts(self, m: Member) -> None:
+        for shape, rt in m.round_trips.items():
+            self._rts[shape].remove(rt)
+
+    def _release(self, tile: int, attempt: int) -> None:
+        att = self.ledger.running.get((tile, attempt))
+        nbytes = self._bytes.pop((tile, attempt), 0)
+        if att is not None and att.worker in self.members:
+            self.members[att.worker].inflight_bytes -= nbytes
+
+    def _close(self, tile: int, now: float) -> None:
+        for rec in self.recoveries:
+            if rec.done_at is None and tile in rec.tiles:
+                rec.tiles.discard(tile)
+                if not rec.tiles:
+                    rec.done_at = now
+                    self.closed.append(rec)
+
+    def _lose(self, m: Member, now: float, cause: str, silent_since: float) -> None:
+        self._hungry.pop(m.id, None)
+        self._idle.pop(m.id, None)
+        if self.ledger is None:
+            return
+        for att in self.ledger.inflight(m.id):
+            self._release(att.tile, att.attempt)
+        lost = self.ledger.give_back(m.id, self.work.chunks)
+        if lost:
+            self.recoveries.append(Recovery(m.id, cause, silent_since, now, set(lost), len(lost)))
+
+    def _since(self, m: Member) -> float:
+        """Since when `m` owes a result: its last progress, or its oldest tile in flight if later."""
+        oldest = next(iter(self.ledger.by_worker[m.id].values()))  # issued in time order
+        return max(m.last_progress, oldest.sent_at)
+
+    def _deadline_s(self, m: Member) -> float:
+        """How long `m` may owe a result: `timeout_factor` x its usual time for its oldest tile (its round
+        trips on this shape, or the cost model's time on its profile, whichever is longer), at least
+        `tile_timeout_s`."""
+        work = self.work
+        oldest = next(iter(self.ledger.by_worker[m.id].values()))
+        usual = max(m.round_trips.get(work.shape, 0.0), m.predicted_s(self.ledger.tiles[oldest.tile], work.k, work.b))
+        return max(self.p.tile_timeout_s, self.p.timeout_factor * usual)
+
+    def _arm(self, m: Member) -> None:
+        m.token += 1
+        due = self._since(m) + self._deadline_s(m)
+        heapq.heappush(self._deadlines, (due, next(self._order), m.id, m.token))
+
+    def _median_predicted(self, work: Work, owners: Sequence[str | None] | None) -> float:
+        """The median predicted tile time: each planned tile on its owner, else on a middle member."""
+        members = [m for m in self.members.values() if m.profile is not None]
+        if not members or not work.tiles:
+            return 0.0
+        middle = members[len(members) // 2]
+        step = max(1, len(work.tiles) // TYPICAL_SAMPLE)
+        times = sorted(
+            (self.members[o] if o is not None and self.members[o].profile is not None else middle)
+            .predicted_s(work.tiles[i], work.k, work.b)
+            for i, o in ((i, owners[i] if owners else None) for i in range(0, len(work.tiles), step))
+        )
+        return times[len(times) // 2]

@@ -1,0 +1,175 @@
+"""The dealing core on its own (no bus, no clock of its own): randomized fleets that join, vanish, freeze and
+answer late; every tile is done exactly once, and nothing waits for a worker that is gone."""
+
+import random
+
+import pytest
+
+from cleave import tiles
+from cleave.dealer import Dealer, Policy, Work
+from cleave.schemas import DeviceProfile
+
+
+def profile(flops=1e9, down=1e7, up=5e6):
+    return DeviceProfile(flops=flops, memory_bytes=1 << 30, downlink_bytes_per_s=down, uplink_bytes_per_s=up,
+                         latency_s=0.01)
+
+
+def work(m=64, n=48, rows=8, cols=8, owners=None, seq=1, chunks=1):
+    grid = tiles.grid(m, n, rows, cols)
+    return Work(seq, m, n, 16, 4, grid, owners(grid) if owners else None, chunks)
+
+
+def drive(dealer: Dealer, w: Work, rng: random.Random, workers: list[str], *, joins=(), vanish=0.2,
+          freeze=0.1, late=0.3, max_events=200_000):
+    """Play a fleet against the dealer until the GEMM is complete: each send is answered after a random
+    delay, except by workers that vanish (never answer), freeze (answer very late) or are dropped by a
+    plan; results come back in random order. Returns how often each tile was accepted."""
+    now = 0.0
+    inbox: list[tuple[float, str, int, int]] = []
+    gone, frozen = set(), set()
+    accepted: dict[int, int] = {}
+
+    def post(sends):
+        for s in sends:
+            if s.worker in gone:
+                continue
+            delay = rng.uniform(0.01, 0.2) * (50 if s.worker in frozen else 1)
+            inbox.append((now + delay, s.worker, s.tile.index, s.attempt))
+
+    post(dealer.begin(w, now))
+    pending_joins = list(joins)
+    for _ in range(max_events):
+        if dealer.complete:
+            return accepted, gone
+        if pending_joins and rng.random() < 0.01:
+            workers.append(pending_joins.pop())
+            post(dealer.set_fleet([(x, 1 << 20, profile()) for x in workers if x not in gone], now))
+        if rng.random() < 0.05 * vanish and len(workers) - len(gone) > 2:
+            victim = rng.choice([x for x in workers if x not in gone])
+            gone.add(victim)
+            if rng.random() < 0.5:  # the scheduler notices, or only the deadline does
+                post(dealer.set_fleet([(x, 1 << 20, profile()) for x in workers if x not in gone], now))
+        if rng.random() < 0.05 * freeze:
+            frozen.add(rng.choice(workers))
+        inbox.sort()
+        if inbox and (rng.random() > late or len(inbox) == 1):
+            at, worker, tile, attempt = inbox.pop(0)
+        elif inbox:
+            at, worker, tile, attempt = inbox.pop(rng.randrange(len(inbox)))  # out of order
+        else:
+            at = now + 0.05
+            worker = None
+        now = max(now, at)
+        if worker is not None and worker not in gone:
+            outcome, sends = dealer.done(worker, tile, attempt, now)
+            if outcome == "accepted":
+                accepted[tile] = accepted.get(tile, 0) + 1
+            post(sends)
+        post(dealer.tick(now))
+        if not inbox and not dealer.complete:
+            now = max(now, min(dealer.next_check_at(now), now + 1.0))
+            post(dealer.tick(now))
+    raise AssertionError("the GEMM never completed")
+
+
+def run_fleet(seed):
+    """One randomized GEMM (see `drive`); checks that every tile was done exactly once."""
+    rng = random.Random(seed)
+    workers = [f"w{i}" for i in range(rng.randint(3, 12))]
+    dealer = Dealer(Policy(window=rng.choice([1, 2, 3]), tile_timeout_s=0.5, speculate_min_s=0.05,
+                           max_inflight_bytes=rng.choice([None, 4096])))
+    dealer.set_fleet([(x, 1 << 20, profile()) for x in workers], 0.0)
+    planned = seed % 2 == 0
+
+    def owners(grid):
+        return [workers[i % len(workers)] for i in range(len(grid))] if planned else None
+
+    w = work(m=128, n=96, owners=owners if planned else None, chunks=1 + seed % 3)
+    accepted, gone = drive(dealer, w, rng, workers, joins=[f"late{i}" for i in range(3)])
+    led = dealer.ledger
+    live = [t for t in led.tiles if t.index not in led.retired]
+    tiles.check_cover(live, w.m, w.n)  # the live tiles (lost blocks cut into pieces) cover the output once
+    assert all(accepted.get(t.index) == 1 for t in live)  # each exactly once
+    assert all(led.covered(t.index) for t in led.tiles)
+    for rec in dealer.recoveries:
+        assert rec.done_at is not None and not rec.tiles
+    return len(gone), len(dealer.recoveries), led.speculated, led.duplicates
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_tile_is_done_exactly_once_under_churn(seed):
+    run_fleet(seed)
+
+
+def test_the_randomized_fleets_do_lose_workers_and_copy_tiles():
+    stats = [run_fleet(seed) for seed in range(12)]
+    assert sum(g for g, _, _, _ in stats) >= 6 and sum(r for _, r, _, _ in stats) >= 6
+    assert sum(s for _, _, s, _ in stats) >= 6 and sum(d for _, _, _, d in stats) >= 1
+
+
+def test_deadline_suspects_a_silent_worker_and_tries_it_again_later():
+    dealer = Dealer(Policy(window=1, tile_timeout_s=1.0, speculate_factor=0))
+    dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
+    sends = dealer.begin(work(m=8, n=8, rows=4, cols=4), 0.0)
+    first_b = next(s for s in sends if s.worker == "b")
+    assert dealer.next_check_at(0.0) == pytest.approx(1.0)
+    # a answers promptly, b says nothing: at t = 1 b is presumed lost and its tile goes to a
+    for s in sends:
+        if s.worker == "a":
+            _, more = dealer.done("a", s.tile.index, s.attempt, 0.1)
+    again = dealer.tick(1.01)
+    assert dealer.members["b"].suspect and dealer.suspected == ["b"]
+    assert dealer.recoveries[0].worker == "b" and dealer.recoveries[0].cause == "tile_deadline"
+    assert not any(s.worker == "b" for s in again)
+    # b's late answer still counts if it comes first, and clears its suspicion
+    outcome, _ = dealer.done("b", first_b.tile.index, first_b.attempt, 1.2)
+    assert outcome == "accepted" and not dealer.members["b"].suspect
+
+
+def test_cached_blocks_do_not_travel_again_and_misses_resend_them():
+    dealer = Dealer(Policy(window=1))
+    dealer.set_fleet([("a", 1 << 20, None)], 0.0)
+    w = work(m=4, n=8, rows=4, cols=4)  # two tiles sharing rows 0:4 of A
+    (s1,) = dealer.begin(w, 0.0)
+    assert s1.a.data and s1.b.data and s1.nbytes == (4 + 4) * 16 * 4
+    _, (s2,) = dealer.done("a", s1.tile.index, s1.attempt, 0.1)
+    assert not s2.a.data and s2.b.data  # the shared row block is cached: only the columns travel
+    (s3,) = dealer.failed("a", s2.tile.index, s2.attempt, 0.2, missing=[s2.a.id])  # the worker evicted it
+    assert s3.tile == s2.tile and s3.a.data  # sent again, with its data
+
+
+def test_a_byte_budget_keeps_one_tile_in_flight_past_it():
+    dealer = Dealer(Policy(window=4, max_inflight_bytes=600))
+    dealer.set_fleet([("a", 1 << 20, None)], 0.0)
+    sends = dealer.begin(work(m=4, n=32, rows=4, cols=4), 0.0)  # each tile carries >= 256 bytes
+    assert 1 <= len(sends) < 4
+    assert dealer.members["a"].inflight_bytes >= 600 or len(sends) == 1
+
+
+def test_stealing_takes_from_the_device_with_the_most_left():
+    owners = lambda grid: ["fast"] + ["slow"] * (len(grid) - 1)  # noqa: E731
+    dealer = Dealer(Policy(window=1))
+    dealer.set_fleet([("fast", 1 << 20, None), ("slow", 1 << 20, None)], 0.0)
+    w = work(m=4, n=16, rows=4, cols=4, owners=owners)
+    sends = dealer.begin(w, 0.0)
+    fast = next(s for s in sends if s.worker == "fast")
+    _, more = dealer.done("fast", fast.tile.index, fast.attempt, 0.1)
+    assert [s.tile.index for s in more] == [3]  # the last of slow's planned tiles
+
+
+def test_an_idle_worker_copies_a_straggling_tile():
+    dealer = Dealer(Policy(window=1, speculate_factor=3.0, speculate_min_s=0.2, tick_s=0.05))
+    dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
+    sends = dealer.begin(work(m=4, n=8, rows=4, cols=4), 0.0)
+    a = next(s for s in sends if s.worker == "a")
+    b = next(s for s in sends if s.worker == "b")
+    _, more = dealer.done("a", a.tile.index, a.attempt, 0.1)  # a is now idle; its round trip is 0.1 s
+    assert more == []
+    at = dealer.next_check_at(0.1)
+    assert at == pytest.approx(0.3)  # b's tile runs past max(0.2, 3 x 0.1)
+    copy = dealer.tick(at + 1e-6)
+    assert [(s.worker, s.tile.index) for s in copy] == [("a", b.tile.index)]
+    outcome, _ = dealer.done("a", b.tile.index, copy[0].attempt, 0.5)
+    assert outcome == "accepted" and dealer.complete
+    assert dealer.done("b", b.tile.index, b.attempt, 0.6)[0] == "duplicate"

@@ -1,0 +1,145 @@
+"""The simulator and the PS deal alike: a GEMM simulated with a device lost midway is recorded event by event
+(plans, results, checks, at their simulated times), replayed into the PS's real Dispatcher (its clock set to
+the recorded times, its tiles encoded as for NATS and read back), and every tile it sends, to whom, which
+attempt and whether its input blocks travel, is what the simulator's dealer decided."""
+
+import asyncio
+
+import numpy as np
+import torch
+
+from cleave import codec
+from cleave.dealer import Dealer, Policy
+from cleave.fleet import synthetic_fleet
+from cleave.schemas import GemmLayout, Plan, PlanWorker, TileResult, TileTask
+from cleave.sim import plans as simplans
+from cleave.sim.engine import GemmRun, fleet_of
+from cleave.sim.world import World
+from cleave_ps.dispatcher import Dispatcher
+from cleave_ps.settings import PsSettings
+
+M, N, K, B, TILE, CHUNKS, CACHE = 192, 256, 32, 4, 64, 2, 1 << 20
+
+
+class Recording(Dealer):
+    """The simulator's dealer, writing down what it is told and what it decides."""
+
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.events: list[tuple] = []
+
+    def _log(self, event, sends):
+        self.events.append((event, [(s.worker, s.tile.index, s.attempt, s.a.data, s.b.data) for s in sends]))
+        return sends
+
+    def set_fleet(self, fleet, now, cause="heartbeat_timeout"):
+        fleet = list(fleet)
+        return self._log(("plan", now, tuple(w for w, _, _ in fleet)), super().set_fleet(fleet, now, cause))
+
+    def begin(self, work, now):
+        return self._log(("begin", now), super().begin(work, now))
+
+    def done(self, worker, tile, attempt, now):
+        outcome, sends = super().done(worker, tile, attempt, now)
+        self._log(("done", now, worker, tile, attempt), sends)
+        return outcome, sends
+
+    def tick(self, now):
+        return self._log(("tick", now), super().tick(now))
+
+
+class Wire:
+    """Where the Dispatcher publishes: every frame decoded back into the TileTask a worker would get."""
+
+    def __init__(self):
+        self.sent: list[tuple] = []
+        self.published = asyncio.Event()
+
+    async def publish_frame(self, subject, frame):
+        task = codec.decode(frame, TileTask)
+        worker = subject.rsplit(".", 1)[1]
+        self.sent.append((worker, task.tile, task.attempt, task.a.tensor is not None, task.b.tensor is not None))
+        self.published.set()
+        return len(frame)
+
+    def reject(self, *args):
+        raise AssertionError(f"the PS rejected a replayed result: {args}")
+
+
+def simulate(policy):
+    world = World.build(synthetic_fleet(6, seed=4))
+    cutter = simplans.Cutter(world, B, "cost", (TILE, TILE), CHUNKS, window=policy.window, cache_bytes=CACHE)
+    first = simplans.Plan(0.0, np.arange(len(world)))
+    ts, predicted = cutter.tileset(0, first, M, N, K)
+    gp = cutter.gemm_plan(0, first, M, N, K)
+    r0, r1, c0, c1 = (gp.row0, gp.row1, gp.col0, gp.col1) if M <= N else (gp.col0, gp.col1, gp.row0, gp.row1)
+    boxes = [int(v) for box in zip(r0, r1, c0, c1, strict=True) for v in box]
+    owners = [world.ids[d] for d in gp.dev.tolist()]
+
+    def fleet(ids):
+        return fleet_of(ids, world.index, world.declared, CACHE)
+
+    dealer = Recording(policy)
+    dealer.set_fleet(fleet(world.ids), 0.0)
+    leave_at = np.full(len(world), np.inf)
+    victim, frozen = owners[0], next(o for o in owners if o != owners[0])  # one leaves, one just stops
+    fresh = Dealer(policy)
+    fresh.set_fleet(fleet(world.ids), 0.0)
+    clean = GemmRun(ts, 0.0, fresh, world.index, world.actual, leave_at.copy(), np.zeros((len(world), 3)),
+                    fleet, 1).run()
+    leave_at[world.index[victim]] = clean.last[world.index[victim]] / 2
+    leave_at[world.index[frozen]] = clean.last[world.index[frozen]] / 3
+    later = [(float(leave_at[world.index[victim]]) + 0.1, tuple(w for w in world.ids if w != victim))]
+    dealer.set_fleet(fleet(world.ids), 0.0)
+    dealer.events.clear()
+    out = GemmRun(ts, 0.0, dealer, world.index, world.actual, leave_at, np.zeros((len(world), 3)), fleet, 1,
+                  later).run()
+    layout = GemmLayout(m=M, n=N, k=K, boxes=tuple(boxes), owners=tuple(owners), makespan_s=predicted)
+    profiles = {w: p for w, _, p in fleet(world.ids)}
+    return dealer.events, out, layout, profiles
+
+
+def plan_of(ids, layout, profiles, version):
+    workers = tuple(PlanWorker(worker_id=w, profile=profiles[w], cache_bytes=CACHE) for w in ids)
+    return Plan(version=version, created_at=0.0, workers=workers, tile_rows=TILE, tile_cols=TILE, chunks=CHUNKS,
+                gemms=(layout,))
+
+
+async def replay(events, layout, profiles, policy):
+    wire, clock = Wire(), [0.0]
+    d = Dispatcher(wire, "job", 1, PsSettings(tick_s=1e6))  # it ticks only when the replay says so
+    d.dealer.p = policy
+    d.clock = lambda: clock[0]
+    await d.set_plan(plan_of(profiles, layout, profiles, 1))
+    decided = []
+    a, bt = torch.randn(M, K), torch.randn(N, K)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=1, op=1, name="x"))
+    for i, ((kind, now, *args), sends) in enumerate(events):
+        clock[0] = now
+        before = len(wire.sent)
+        if kind == "begin":
+            while len(wire.sent) < len(sends):  # the GEMM task deals its first tiles
+                await asyncio.wait_for(wire.published.wait(), 10)
+                wire.published.clear()
+        elif kind == "done":
+            worker, tile, attempt = args
+            t = d.dealer.ledger.tiles[tile]
+            out = codec.tensor_to_data(torch.zeros(t.rows, t.cols))
+            await d.on_result(TileResult(job="job", epoch=1, step=1, op=1, gemm=d.run.seq, tile=tile,
+                                         attempt=attempt, worker_id=worker, out=out), 0)
+        elif kind == "tick":
+            await d._tick()
+        else:
+            await d.set_plan(plan_of(args[0], layout, profiles, 2 + i))
+        decided.append(((kind, now, *args), wire.sent[before:]))
+    await asyncio.wait_for(gemm, 10)
+    return decided
+
+
+async def test_the_simulator_and_the_ps_make_the_same_decisions():
+    policy = Policy(window=2, tile_timeout_s=0.5, speculate_factor=3.0, speculate_min_s=0.2)
+    events, out, layout, profiles = simulate(policy)
+    kinds = {e[0][0] for e in events}
+    assert {"begin", "done", "tick", "plan"} <= kinds and out.recoveries  # a loss, checks and a new plan
+    assert out.resent >= 1  # tiles were sent again
+    assert await replay(events, layout, profiles, policy) == events
