@@ -4,13 +4,16 @@ Pure: everything here builds text, keys and option dicts; `cleave auth init` wri
 subject comes from `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, events and its own state (KV + Object Store); subscribe to results.
+- ps: publish tiles, fan-out blocks and joins, events and its own state (KV + Object Store); subscribe to
+  results.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and probe
   requests, and answer each probe once (`allow_responses`).
 - monitor: reads the events stream, the registry and plan buckets, live heartbeats and events; writes
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
-- worker: subscribe to its tiles, publish results, heartbeats and probe requests, read the replies to its
-  probes; no JetStream. With `worker_id`, tiles, heartbeats and probe replies are pinned to that id; the
+- worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
+  carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
+  probe requests, answer the PS's fan-out joins (`allow_responses`), read the replies to its probes; no
+  JetStream. With `worker_id`, tiles, heartbeats and probe replies are pinned to that id; the
   shared worker credential gets a `*` (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
@@ -35,7 +38,9 @@ from cleave.schemas import (
     REGISTRY_BUCKET,
     STATE_BUCKET,
     STATE_OBJECTS,
+    SUBJECT_CONTROL,
     SUBJECT_EVENTS_ALL,
+    SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
@@ -122,7 +127,8 @@ def _service(role: str, publish: list[str], subscribe: list[str], allow_response
 def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
-        pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
+        pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_ROUNDS),
+               _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
             pub += _js_create(s)
@@ -149,8 +155,9 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_HEARTBEAT.format(worker_id=wid),
                      SUBJECT_PROBE),
-            subscribe=(SUBJECT_TILES.format(worker_id=wid), SUBJECT_ROUNDS.format(worker_id=wid),
-                       SUBJECT_SPLIT.format(worker_id=wid), inbox),
+            subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
+                       SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_SPLIT.format(worker_id=wid), inbox),
+            allow_responses=True,  # its answers to the PS's fan-out joins
         )
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
 

@@ -18,11 +18,12 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedList
 
+from cleave.fanout import a_id, b_id
 from cleave.ledger import DEFAULT_WINDOW, Attempt, GemmLedger
 from cleave.schemas import DeviceProfile
 from cleave.tiles import Tile
@@ -101,6 +102,7 @@ class Work:
     chunks: int = 1  # the plan's pieces per block: a worker's planned pieces stream this many at once
     a_key: str = "a"
     b_key: str = "b"
+    shared: Mapping[str, tuple[str, frozenset[str]]] | None = None  # block -> fan-out group (`cleave.fanout`)
 
     @property
     def shape(self) -> Shape:
@@ -109,12 +111,15 @@ class Work:
 
 @dataclass(frozen=True)
 class BlockSend:
-    """An input block of a tile: its id and range, and whether its bytes travel (not cached there)."""
+    """An input block of a tile: its id and range, and whether its bytes travel with it (`data`: not cached
+    there), or come on the fan-out subject of group `fanout` (published with this send when `publish`)."""
 
     id: str
     lo: int
     hi: int
     data: bool
+    fanout: str = ""
+    publish: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,8 @@ class Send:
     attempt: int
     a: BlockSend
     b: BlockSend
-    nbytes: int  # input bytes that travel
+    nbytes: int  # input bytes that travel with the tile
+    pushed: int = 0  # input bytes published to a fan-out group with it (once for all its members)
 
 
 @dataclass
@@ -166,6 +172,8 @@ class Dealer:
         self._bytes: dict[tuple[int, int], int] = {}  # (tile, attempt) -> input bytes it carried
         self._order = itertools.count()
         self._typical = 0.0  # the median predicted tile time of the GEMM in flight
+        self.joined: dict[str, set[str]] = {}  # worker -> the fan-out groups it has subscribed to
+        self._published: dict[str, str] = {}  # blocks of the GEMM in flight published -> their group
 
     # ---- the fleet ---------------------------------------------------------------------------------
     def set_fleet(self, fleet: Iterable[tuple[str, int, DeviceProfile | None]], now: float,
@@ -184,6 +192,10 @@ class Dealer:
             self.remove(gone, now, cause)
         return self._offer(now, self.members)
 
+    def join(self, worker: str, groups: Iterable[str]) -> None:
+        """`worker` now receives what is published to `groups` (and nothing else of this job)."""
+        self.joined[worker] = set(groups)
+
     def remove(self, worker: str, now: float, cause: str) -> None:
         """`worker` is gone for good (left the plan, or caught lying): its tiles are given back."""
         m = self.members.get(worker)
@@ -191,6 +203,7 @@ class Dealer:
             return
         self._lose(m, now, cause, m.last_progress)
         self._forget_rts(m)
+        self.joined.pop(worker, None)
         del self.members[worker]
 
     # ---- one GEMM ----------------------------------------------------------------------------------
@@ -198,7 +211,7 @@ class Dealer:
         """Start dealing `work`: every live member gets a tile before any gets a second."""
         owners = [o if o in self.members else None for o in work.owners] if work.owners else None
         self.work, self.ledger = work, GemmLedger(work.tiles, owners)
-        self.recoveries, self.closed, self._bytes = [], [], {}
+        self.recoveries, self.closed, self._bytes, self._published = [], [], {}, {}
         self._deadlines, self._hungry, self._idle = [], {}, {}
         for m in self.members.values():
             m.inflight_bytes = 0
@@ -401,26 +414,37 @@ class Dealer:
         if not m.known:
             return None
         work, known = self.work, m.known
-        return lambda t: ((f"{work.a_key}.{t.r0}.{t.r1}" in known) * t.rows
-                          + (f"{work.b_key}.{t.c0}.{t.c1}" in known) * t.cols)
+        return lambda t: (a_id(work.a_key, t) in known) * t.rows + (b_id(work.b_key, t) in known) * t.cols
 
     def _send(self, m: Member, att: Attempt, now: float) -> Send:
         work, t = self.work, self.ledger.tiles[att.tile]
-        a = self._block(m, f"{work.a_key}.{t.r0}.{t.r1}", t.r0, t.r1, t.rows * work.k * work.b)
-        b = self._block(m, f"{work.b_key}.{t.c0}.{t.c1}", t.c0, t.c1, t.cols * work.k * work.b)
+        a = self._block(m, a_id(work.a_key, t), t.r0, t.r1, t.rows * work.k * work.b)
+        b = self._block(m, b_id(work.b_key, t), t.c0, t.c1, t.cols * work.k * work.b)
         nbytes = (a.data * t.rows + b.data * t.cols) * work.k * work.b
-        m.inflight_bytes += nbytes
-        self._bytes[(att.tile, att.attempt)] = nbytes
+        pushed = (a.publish * t.rows + b.publish * t.cols) * work.k * work.b
+        m.inflight_bytes += nbytes + pushed
+        self._bytes[(att.tile, att.attempt)] = nbytes + pushed
         for rec in self.recoveries:
             if att.tile in rec.tiles:
                 rec.redispatched_at = now
-        return Send(m.id, t, att.attempt, a, b, nbytes)
+        return Send(m.id, t, att.attempt, a, b, nbytes, pushed)
 
-    @staticmethod
-    def _block(m: Member, block_id: str, lo: int, hi: int, nbytes: int) -> BlockSend:
-        if block_id in m.known:
+    def _block(self, m: Member, block_id: str, lo: int, hi: int, nbytes: int) -> BlockSend:
+        """How a block reaches `m`: it caches it already, or it comes from its fan-out group (published now
+        if it is the first of the group to need it), or it travels with the tile."""
+        if block_id in m.known:  # (a published one may still be on its way: the worker waits for it)
             m.known.move_to_end(block_id)
-            return BlockSend(block_id, lo, hi, False)
+            return BlockSend(block_id, lo, hi, False, self._published.get(block_id, ""))
+        group = self.work.shared.get(block_id) if self.work.shared else None
+        if group is not None and group[0] in self.joined.get(m.id, ()) and nbytes <= m.cache_bytes:
+            name, members = group
+            first = block_id not in self._published
+            if first:  # every subscribed member receives it, and caches it
+                self._published[block_id] = name
+                for wid in members:
+                    if wid in self.members and name in self.joined.get(wid, ()):
+                        self.members[wid].remember(block_id, nbytes)
+            return BlockSend(block_id, lo, hi, False, name, first)
         m.remember(block_id, nbytes)
         return BlockSend(block_id, lo, hi, True)
 

@@ -15,6 +15,8 @@ PREFIX = "cleave"
 SUBJECT_HEARTBEAT = PREFIX + ".hb.{worker_id}"  # worker -> scheduler: liveness and profile
 SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
+SUBJECT_FANOUT = PREFIX + ".fan.{job}.{epoch}.{group}"  # PS -> every worker of a group: a shared input block
+SUBJECT_CONTROL = PREFIX + ".ctl.{worker_id}"  # PS -> one worker (request/reply): join fan-out groups
 SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}"  # worker -> PS: finished blocks
 SUBJECT_ROUNDS = PREFIX + ".round.{worker_id}"  # PS -> one worker: train locally for a round (diloco, fedavg)
 SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}"  # worker -> PS: a round's update, a split step's reply
@@ -186,10 +188,36 @@ class Plan(Wire):
 
 
 class BlockRef(Wire):
-    """An input block of a tile: its id, and its data unless the worker already caches it."""
+    """An input block of a tile: its id, and its data unless the worker already caches it or it comes on a
+    fan-out subject (`fanout`: wait briefly for it before answering that it is missing)."""
 
     id: str = Field(max_length=256)
     tensor: TensorData | None = None
+    fanout: bool = False
+
+
+class BlockPush(Wire):
+    """PS -> a fan-out group: one input block that several planned workers need, published once."""
+
+    job: str
+    epoch: int
+    gemm: int
+    block: BlockRef
+
+
+class FanoutJoin(Wire):
+    """PS -> one worker: subscribe to these fan-out subjects (and leave the job's others)."""
+
+    job: str
+    epoch: int
+    version: int  # the plan they were made for
+    subjects: tuple[str, ...] = Field((), max_length=4096)
+
+
+class FanoutAck(Wire):
+    worker_id: str
+    joined: tuple[str, ...] = Field((), max_length=4096)
+    error: str = ""
 
 
 class TileTask(Wire):

@@ -37,10 +37,10 @@ def test_a_worker_gets_no_jetstream_and_only_its_own_replies() -> None:
     for perms in (auth.permissions("worker"), auth.permissions("worker", "w-1")):
         for subject in perms.publish + perms.subscribe:
             assert subject.startswith(("cleave.", "_INBOX.worker.")), subject
-        assert not perms.allow_responses
+        assert perms.allow_responses  # it answers the PS's fan-out joins, once per request it received
     pinned = auth.permissions("worker", "w-1")
-    assert set(pinned.subscribe) == {"cleave.tile.w-1", "cleave.round.w-1", "cleave.split.w-1",
-                                      "_INBOX.worker.w-1.>"}
+    assert set(pinned.subscribe) == {"cleave.tile.w-1", "cleave.ctl.w-1", "cleave.fan.*.*.*", "cleave.round.w-1",
+                                      "cleave.split.w-1", "_INBOX.worker.w-1.>"}
     assert "cleave.hb.w-1" in pinned.publish and "cleave.hb.*" not in pinned.publish
 
 
@@ -48,7 +48,7 @@ def test_each_service_reads_replies_under_its_own_prefix_only() -> None:
     for role in auth.SERVICE_ROLES:
         inboxes = [s for s in auth.permissions(role).subscribe if s.startswith("_INBOX")]
         assert inboxes == [f"_INBOX.{role}.>"]
-        assert auth.permissions(role).allow_responses == (role == "scheduler")  # it answers probes
+        assert auth.permissions(role).allow_responses == (role in ("scheduler", "worker"))  # probes, joins
 
 
 @pytest.mark.parametrize("bad", ["", "a.b", "a*", "x" * 129, "w 1"])

@@ -20,15 +20,20 @@ import numpy as np
 import structlog
 import torch
 
-from cleave import codec, dealing, tiles
+from cleave import codec, dealing, fanout, tiles
 from cleave.bus import Bus
 from cleave.dealer import Dealer, Policy, Recovery, Send, Work
 from cleave.errors import StepAborted, StepSpoiled
 from cleave.schemas import (
+    SUBJECT_CONTROL,
+    SUBJECT_FANOUT,
     SUBJECT_RESULTS,
     SUBJECT_TILES,
+    BlockPush,
     BlockRef,
     Event,
+    FanoutAck,
+    FanoutJoin,
     Plan,
     TensorData,
     TileResult,
@@ -40,6 +45,8 @@ from cleave_ps.verify import Check, Verifier
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
 DEFAULT_BLOCK = 256
+DEFAULT_JOIN_TIMEOUT_S = 2.0  # a worker that does not confirm its fan-out groups by then gets blocks direct
+DEFAULT_JOIN_CONCURRENCY = 64
 OFF_LOOP_BYTES = 1 << 20  # byte work on more than this runs in a worker thread
 
 
@@ -73,6 +80,7 @@ class GemmRun:
     blocks: dict[str, TensorData] = field(default_factory=dict)  # encoded once, for every worker that needs it
     spoiled: str = ""  # a worker found lying during this GEMM
     expected_s: float = 0.0  # the plan's makespan for this GEMM (0: no prediction)
+    bytes_down: int = 0  # what the PS published for it (tiles and fan-out blocks)
 
 
 def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
@@ -104,7 +112,9 @@ class Dispatcher:
         self.tile_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[s.tile_dtype]
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
         self._logged = 0  # the dealer's recoveries of the GEMM in flight already logged
-
+        self._joining: asyncio.Task | None = None  # telling the workers their fan-out groups
+        self._joined_epoch: set[str] = set()  # workers that confirmed a join of this epoch
+        self._sent_bytes = self.tile_dtype.itemsize if self.tile_dtype else 4  # bytes per element that travel
     @property
     def workers(self) -> dict:
         return self.dealer.members
@@ -120,6 +130,39 @@ class Dispatcher:
         self._log_losses()
         log.info("plan_applied", version=plan.version, workers=len(fleet), reason=plan.reason)
         await self._post(sends)
+        if self.s.fanout:
+            if self._joining is not None:
+                self._joining.cancel()
+            self._joining = asyncio.create_task(self._join_groups(plan))
+
+    async def _join_groups(self, plan: Plan) -> None:
+        """Tell each planned worker the fan-out groups of this plan (`cleave.fanout`); only those that confirm
+        are sent shared blocks that way, the others get them with their tiles."""
+        cut = [self._tiling(g.m, g.n, g.k, self._sent_bytes)[:2] for g in plan.gemms]
+        groups = fanout.memberships(cut)
+        gate = asyncio.Semaphore(DEFAULT_JOIN_CONCURRENCY)
+
+        async def join(worker: str) -> None:
+            names = sorted(groups.get(worker, ()))
+            if set(names) == self.dealer.joined.get(worker, set()) and worker in self._joined_epoch:
+                return
+            subjects = tuple(SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=g) for g in names)
+            async with gate:
+                try:
+                    ack = await self.bus.request(SUBJECT_CONTROL.format(worker_id=worker), FanoutJoin(
+                        job=self.job_id, epoch=self.epoch, version=plan.version, subjects=subjects),
+                        FanoutAck, timeout_s=DEFAULT_JOIN_TIMEOUT_S)
+                except Exception as e:  # an old worker, or one that is gone: blocks go with its tiles
+                    log.info("fanout_not_joined", worker_id=worker, error=repr(e)[:200])
+                    return
+            if ack.error:
+                log.warning("fanout_not_joined", worker_id=worker, error=ack.error[:200])
+                return
+            joined = {s.rsplit(".", 1)[1] for s in ack.joined}
+            self.dealer.join(worker, joined & set(names))
+            self._joined_epoch.add(worker)
+
+        await asyncio.gather(*(join(w) for w in list(self.dealer.members)))
 
     # ---- one GEMM ------------------------------------------------------------------------------------
     def new_step(self) -> None:
@@ -140,6 +183,7 @@ class Dispatcher:
         sent = self.tile_dtype or a.dtype  # the bytes per element that travel
         m, n, k = a.shape[0], bt.shape[0], a.shape[1]
         grid, owners, expected_s = self._tiling(m, n, k, sent.itemsize)
+        self._sent_bytes = sent.itemsize
         self.seq += 1
         self._logged = 0
         self.verifier.new_gemm()
@@ -148,7 +192,8 @@ class Dispatcher:
             a, bt = await asyncio.to_thread(lambda: (a.to(self.tile_dtype), bt.to(self.tile_dtype)))
         run = self.run = GemmRun(self.seq, step, op, name, a, bt, torch.empty(m, n, dtype=torch.float32
                                  if self.tile_dtype else a.dtype), expected_s=expected_s)
-        work = Work(self.seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key)
+        shared = fanout.shared(grid, owners, a_key, b_key) if self.s.fanout else None
+        work = Work(self.seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared)
         started = waited = self.clock()
         try:
             await self._post(self.dealer.begin(work, started))
@@ -172,7 +217,8 @@ class Dispatcher:
             self.run = None
         wall = self.clock() - started
         log.debug("gemm_done", step=step, gemm=name, m=m, n=n, k=k, tiles=len(grid), wall_s=round(wall, 4),
-                  planned_s=round(expected_s, 4), resent=led.resent, speculated=led.speculated)
+                  planned_s=round(expected_s, 4), resent=led.resent, speculated=led.speculated,
+                  bytes_down=run.bytes_down, distinct=(m + n) * k * sent.itemsize)
         c = self.c
         c.gemm_s += wall
         c.planned_gemm_s += expected_s
@@ -226,35 +272,44 @@ class Dispatcher:
         if not sends or run is None:
             return
         frames = await asyncio.to_thread(self._frames, run, sends)
-        for send, frame in zip(sends, frames, strict=True):
+        for worker, subject, frame in frames:
             try:
-                self.c.bytes_down += await self.bus.publish_frame(SUBJECT_TILES.format(worker_id=send.worker), frame)
+                sent = await self.bus.publish_frame(subject, frame)
+                self.c.bytes_down += sent
+                run.bytes_down += sent
             except Exception as e:  # disconnected: the deadline check will hand the tile to someone else
-                log.warning("tile_not_sent", worker_id=send.worker, error=repr(e))
+                log.warning("tile_not_sent", worker_id=worker, error=repr(e))
 
-    def _frames(self, run: GemmRun, sends: list[Send]) -> list[bytes]:
-        """The encoded TileTask of each send (runs off the event loop)."""
+    def _frames(self, run: GemmRun, sends: list[Send]) -> list[tuple[str, str, bytes]]:
+        """(worker, subject, encoded message) for each send: a shared block published to its group first,
+        then the TileTask (runs off the event loop)."""
         out = []
         for s in sends:
+            for block, src in ((s.a, run.a), (s.b, run.bt)):
+                if block.publish:
+                    push = BlockPush.model_construct(job=self.job_id, epoch=self.epoch, gemm=run.seq,
+                                                     block=self._ref(run, block, src, data=True))
+                    subject = SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=block.fanout)
+                    out.append((s.worker, subject, codec.encode(push, compress=False)))
             task = TileTask.model_construct(
                 job=self.job_id, epoch=self.epoch, step=run.step, op=run.op, gemm=run.seq, tile=s.tile.index,
                 attempt=s.attempt, a=self._ref(run, s.a, run.a), b=self._ref(run, s.b, run.bt),
                 reply=self.reply_to(s.worker), sent_at=time.time(),
             )
-            out.append(codec.encode(task, compress=False))
+            out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode(task, compress=False)))
         return out
 
     def reply_to(self, worker: str) -> str:
         return SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch)
 
     @staticmethod
-    def _ref(run: GemmRun, block, src: torch.Tensor) -> BlockRef:  # noqa: ANN001
-        if not block.data:
-            return BlockRef.model_construct(id=block.id, tensor=None)
-        data = run.blocks.get(block.id)
-        if data is None:
-            data = run.blocks[block.id] = codec.tensor_to_data(src[block.lo : block.hi])
-        return BlockRef.model_construct(id=block.id, tensor=data)
+    def _ref(run: GemmRun, block, src: torch.Tensor, data: bool = False) -> BlockRef:  # noqa: ANN001
+        if not (block.data or data):
+            return BlockRef.model_construct(id=block.id, tensor=None, fanout=bool(block.fanout))
+        tensor = run.blocks.get(block.id)
+        if tensor is None:
+            tensor = run.blocks[block.id] = codec.tensor_to_data(src[block.lo : block.hi])
+        return BlockRef.model_construct(id=block.id, tensor=tensor, fanout=False)
 
     # ---- results -------------------------------------------------------------------------------------
     async def on_result(self, msg: TileResult, nbytes: int) -> None:

@@ -25,6 +25,7 @@ class PsSettings(BaseSettings):
     tile_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: an approximate mode, half the downlink
     verify_fraction: float = Field(0.0, ge=0, le=1)  # tiles also computed by a second worker, to catch liars
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
+    fanout: bool = True  # publish an input block several planned workers need once, to their group subject
     gemm_timeout_s: float = Field(3600.0, gt=0)  # a GEMM not done by then aborts the step (nothing applied)
     max_inflight_bytes: int = Field(48 * 1024 * 1024, ge=0)  # input bytes in flight to one worker past its
     # first tile (and no more than 2 s of its downlink): under nats-server's max_pending (64 MiB); 0 = no limit

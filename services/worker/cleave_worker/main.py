@@ -16,11 +16,16 @@ from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.profile import Pacer, parse_profile
 from cleave.schemas import (
+    SUBJECT_CONTROL,
+    SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
     SUBJECT_ROUNDS,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
+    BlockPush,
     DeviceProfile,
+    FanoutAck,
+    FanoutJoin,
     Heartbeat,
     RoundTask,
     RoundUpdate,
@@ -35,6 +40,7 @@ from cleave_worker.settings import WorkerSettings
 from cleave_worker.split_client import SplitRunner
 
 UNMEASURED_BYTES_PER_S = 100e6  # link speed reported until a probe measures it
+DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
 
 
 class Worker:
@@ -50,6 +56,44 @@ class Worker:
         self.rounds = RoundRunner(settings.worker_id, settings.data)
         self.split = SplitRunner(settings.worker_id, str(settings.data) if settings.data else None)
         self.log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
+        self.groups: dict[str, object] = {}  # fan-out subject -> its subscription
+        self.arrivals: dict[str, asyncio.Event] = {}  # fan-out blocks a tile waits for
+
+    async def on_join(self, join: FanoutJoin) -> FanoutAck:
+        """The PS's fan-out groups for this worker: subscribe to them, leave the job's others."""
+        if join.epoch < self.epochs.get(join.job, 0):
+            return FanoutAck(worker_id=self.s.worker_id, error=f"epoch {join.epoch} is fenced off")
+        self.epochs[join.job] = join.epoch
+        prefix = SUBJECT_FANOUT.split("{epoch}")[0].format(job=join.job)  # this job's fan-out subjects
+        try:
+            for subject in [s for s in self.groups if s.startswith(prefix) and s not in join.subjects]:
+                await self.groups.pop(subject).unsubscribe()
+            for subject in join.subjects:
+                if subject not in self.groups:
+                    self.groups[subject] = await self.bus.subscribe(subject, BlockPush, self.on_push)
+            await self.bus.nc.flush(timeout=busmod.DEFAULT_TIMEOUT_S)  # subscribed at the server before we say so
+        except Exception as e:  # the PS then sends this worker's shared blocks with its tiles
+            return FanoutAck(worker_id=self.s.worker_id, error=repr(e)[:500])
+        return FanoutAck(worker_id=self.s.worker_id, joined=tuple(s for s in join.subjects if s in self.groups))
+
+    async def on_push(self, push: BlockPush, nbytes: int) -> None:
+        """A shared input block published to one of this worker's groups: cache it for the tiles that need it."""
+        if push.epoch < self.epochs.get(push.job, 0) or push.block.tensor is None:
+            return
+        self.cache.resolve(push.block)
+        waiting = self.arrivals.pop(push.block.id, None)
+        if waiting is not None:
+            waiting.set()
+
+    async def _arrived(self, ref) -> None:  # noqa: ANN001
+        """Wait (a little) for a block that comes on a fan-out subject and is not here yet."""
+        if not ref.fanout or ref.tensor is not None or self.cache.get(ref.id) is not None:
+            return
+        event = self.arrivals.setdefault(ref.id, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), DEFAULT_FANOUT_WAIT_S)
+        except TimeoutError:
+            self.arrivals.pop(ref.id, None)  # the tile answers that it is missing; the PS sends it direct
 
     async def on_tile(self, task: TileTask, nbytes: int) -> None:
         self.faults.hit("tile", task.step)
@@ -57,6 +101,8 @@ class Worker:
             self.log.warning("tile_fenced", job=task.job, epoch=task.epoch, newest=self.epochs[task.job])
             return
         self.epochs[task.job] = task.epoch
+        await self._arrived(task.a)
+        await self._arrived(task.b)
         a, bt = self.cache.resolve(task.a), self.cache.resolve(task.b)
         missing = tuple(ref.id for ref, t in ((task.a, a), (task.b, bt)) if t is None)
         if missing:
@@ -142,6 +188,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
     splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, worker.on_split)
+    control = await bus.serve(SUBJECT_CONTROL.format(worker_id=settings.worker_id), FanoutJoin, worker.on_join)
     log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
              up=f"{profile.uplink_bytes_per_s / 1e6:.0f}MB/s", declared=profile.declared,
              memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
@@ -152,6 +199,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     await sub.unsubscribe()
     await rounds.unsubscribe()
     await splits.unsubscribe()
+    await control.unsubscribe()
     await bus.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
     return 0
