@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +32,7 @@ Shape = tuple[int, int, int]  # (m, n, k) of a GEMM
 DEFAULT_CACHE_BYTES = 128 * 1024**2  # the worker's input-block cache (its default), mirrored here
 DEFAULT_SUSPECT_RETRY = 3.0  # a suspect worker still in the plan gets tiles again after 3 tile timeouts
 RT_WEIGHT = 0.2  # weight of a new round trip in a worker's moving average
+JOINS_KEPT = 2  # a worker stays in the fan-out groups of its latest two joins (the PS's and the worker's rule)
 TYPICAL_SAMPLE = 256  # tiles sampled for the median predicted tile time
 DEFAULT_INFLIGHT_S = 2.0  # with a byte limit: no more in flight to a worker than 2 s of its downlink
 
@@ -173,6 +174,7 @@ class Dealer:
         self._order = itertools.count()
         self._typical = 0.0  # the median predicted tile time of the GEMM in flight
         self.joined: dict[str, set[str]] = {}  # worker -> the fan-out groups it has subscribed to
+        self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
         self._published: dict[str, str] = {}  # blocks of the GEMM in flight published -> their group
 
     # ---- the fleet ---------------------------------------------------------------------------------
@@ -193,8 +195,11 @@ class Dealer:
         return self._offer(now, self.members)
 
     def join(self, worker: str, groups: Iterable[str]) -> None:
-        """`worker` now receives what is published to `groups` (and nothing else of this job)."""
-        self.joined[worker] = set(groups)
+        """`worker` has subscribed to `groups`, and keeps those of its previous join (`JOINS_KEPT`: a GEMM in
+        flight when a plan changes goes on with the groups it began with); it left any older ones."""
+        joins = self._joins.setdefault(worker, deque(maxlen=JOINS_KEPT))
+        joins.append(set(groups))
+        self.joined[worker] = set().union(*joins)
 
     def remove(self, worker: str, now: float, cause: str) -> None:
         """`worker` is gone for good (left the plan, or caught lying): its tiles are given back."""
@@ -204,6 +209,7 @@ class Dealer:
         self._lose(m, now, cause, m.last_progress)
         self._forget_rts(m)
         self.joined.pop(worker, None)
+        self._joins.pop(worker, None)
         del self.members[worker]
 
     # ---- one GEMM ----------------------------------------------------------------------------------
@@ -273,6 +279,12 @@ class Dealer:
         self._release(tile, attempt)
         self.ledger.drop(tile, attempt)
         return self._fill(m, now) if m is not None else []
+
+    def departed(self, tile: int, attempt: int, at: float) -> None:
+        """A send left the PS only at `at` (behind others on the PS's link): the worker owes its result, and
+        the tile's age for a copy counts, from then."""
+        if self.ledger is not None:
+            self.ledger.departed(tile, attempt, at)
 
     def heard(self, worker: str) -> None:
         """`worker` answered for a GEMM that is over: it is alive."""

@@ -185,12 +185,21 @@ class GemmLedger:
         """The oldest attempt that runs with no twin: what `speculate` would copy."""
         heap = self._lone
         while heap:
-            _, _, tile, attempt = heap[0]
+            sent_at, _, tile, attempt = heap[0]
             att = self.running.get((tile, attempt))
             if att is not None and len(self.by_tile[tile]) == 1:
-                return att
+                if att.sent_at == sent_at:
+                    return att
+                heapq.heapreplace(heap, (att.sent_at, att.order, tile, attempt))  # it left the PS later
+                continue
             heapq.heappop(heap)  # done, dropped or copied: a survivor is pushed again by `drop`
         return None
+
+    def departed(self, tile: int, attempt: int, at: float) -> None:
+        """The attempt left the PS only at `at` (it queued behind other sends): its age counts from then."""
+        att = self.running.get((tile, attempt))
+        if att is not None and at > att.sent_at:
+            att.sent_at = at
 
     def speculate(self, worker: str, now: float, min_age_s: float) -> Attempt | None:
         """A second copy, for an idle `worker`, of the oldest tile running alone elsewhere for over

@@ -1,7 +1,8 @@
 """The simulator and the PS deal alike: a GEMM simulated with a device lost midway is recorded event by event
 (plans, results, checks, at their simulated times), replayed into the PS's real Dispatcher (its clock set to
-the recorded times, its tiles encoded as for NATS and read back), and every tile it sends, to whom, which
-attempt and whether its input blocks travel, is what the simulator's dealer decided."""
+the recorded times, its tiles and fan-out blocks encoded as for NATS and read back), and every tile it sends,
+to whom, which attempt, whether its input blocks travel with it and which are published to their fan-out
+group, is what the simulator's dealer decided."""
 
 import asyncio
 
@@ -11,7 +12,7 @@ import torch
 from cleave import codec
 from cleave.dealer import Dealer, Policy
 from cleave.fleet import synthetic_fleet
-from cleave.schemas import GemmLayout, Plan, PlanWorker, TileResult, TileTask
+from cleave.schemas import BlockPush, FanoutAck, GemmLayout, Plan, PlanWorker, TileResult, TileTask
 from cleave.sim import plans as simplans
 from cleave.sim.engine import GemmRun, fleet_of
 from cleave.sim.world import World
@@ -29,7 +30,8 @@ class Recording(Dealer):
         self.events: list[tuple] = []
 
     def _log(self, event, sends):
-        self.events.append((event, [(s.worker, s.tile.index, s.attempt, s.a.data, s.b.data) for s in sends]))
+        self.events.append((event, [(s.worker, s.tile.index, s.attempt, s.a.data, s.a.publish, s.b.data, s.b.publish)
+                                    for s in sends]))
         return sends
 
     def set_fleet(self, fleet, now, cause="heartbeat_timeout"):
@@ -53,14 +55,25 @@ class Wire:
 
     def __init__(self):
         self.sent: list[tuple] = []
+        self.pushed: set[str] = set()  # ids of the blocks published to a group, just before their tile
         self.published = asyncio.Event()
 
     async def publish_frame(self, subject, frame):
+        if subject.startswith("cleave.fan."):
+            self.pushed.add(codec.decode(frame, BlockPush).block.id)
+            return len(frame)
         task = codec.decode(frame, TileTask)
         worker = subject.rsplit(".", 1)[1]
-        self.sent.append((worker, task.tile, task.attempt, task.a.tensor is not None, task.b.tensor is not None))
+        a, b = task.a, task.b
+        self.sent.append((worker, task.tile, task.attempt, a.tensor is not None, a.id in self.pushed,
+                          b.tensor is not None, b.id in self.pushed))
+        self.pushed.clear()
         self.published.set()
         return len(frame)
+
+    async def request(self, subject, join, schema, timeout_s):
+        """A worker joining every fan-out group it is asked to."""
+        return FanoutAck(worker_id=subject.rsplit(".", 1)[1], joined=join.subjects)
 
     def reject(self, *args):
         raise AssertionError(f"the PS rejected a replayed result: {args}")
@@ -111,6 +124,8 @@ async def replay(events, layout, profiles, policy):
     d.dealer.p = policy
     d.clock = lambda: clock[0]
     await d.set_plan(plan_of(profiles, layout, profiles, 1))
+    await d._joining
+    assert any(d.dealer.joined.values())  # the fan-out groups are joined
     decided = []
     a, bt = torch.randn(M, K), torch.randn(N, K)
     gemm = asyncio.create_task(d.gemm(a, bt, step=1, op=1, name="x"))
@@ -142,4 +157,5 @@ async def test_the_simulator_and_the_ps_make_the_same_decisions():
     kinds = {e[0][0] for e in events}
     assert {"begin", "done", "tick", "plan"} <= kinds and out.recoveries  # a loss, checks and a new plan
     assert out.resent >= 1  # tiles were sent again
+    assert any(send[4] or send[6] for _, sends in events for send in sends)  # blocks published to groups
     assert await replay(events, layout, profiles, policy) == events

@@ -50,7 +50,7 @@ def test_presets_have_the_published_parameter_counts(name, billions):
     assert params / 1e9 == pytest.approx(billions, rel=0.01)
 
 
-def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=(), chunks=4):
+def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=(), chunks=4, fan_out=True):
     policy = policy or PsPolicy(window=1)
     cutter = simplans.Cutter(world, 2, plan_kind, tile, chunks, window=policy.window, cache_bytes=DEFAULT_CACHE_BYTES)
     plan = simplans.Plan(0.0, np.arange(len(world)))
@@ -61,7 +61,7 @@ def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, 
     dealer = Dealer(policy)
     dealer.set_fleet(fleet(world.ids), 0.0)
     run = GemmRun(ts, 0.0, dealer, world.index, world.actual, world.leave_at if leave_at is None else leave_at,
-                  np.zeros((len(world), 3)), fleet, 1, plans)
+                  np.zeros((len(world), 3)), fleet, 1, plans, fan_out=fan_out)
     return run, run.run(), predicted
 
 
@@ -73,12 +73,19 @@ def assert_done_once(run, shape):
 
 
 def test_an_undisturbed_gemm_takes_what_the_planner_predicts():
+    """Each device's blocks sent with its tiles take exactly the scheduler's dealt prediction; with fan-out a
+    shared block reaches every device of its group when the first needs it, which that per-device
+    prediction does not order: never faster, and close."""
     world = World.build(synthetic_fleet(24, seed=1))
     for shape in shapes()[:6]:
-        run, out, predicted = gemm(world, shape)
+        run, out, predicted = gemm(world, shape, fan_out=False)
         assert_done_once(run, shape)
         assert out.span == pytest.approx(predicted, rel=1e-9)
         assert out.resent == out.duplicates == out.speculated == 0
+        run, shared, _ = gemm(world, shape)
+        assert_done_once(run, shape)
+        assert predicted * (1 - 1e-9) <= shared.span <= 1.15 * predicted
+        assert shared.ps_bytes < out.ps_bytes and shared.resent == 0
 
 
 @pytest.mark.parametrize("seed", range(6))

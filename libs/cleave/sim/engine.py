@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cleave.dealer import Dealer, Recovery, Send, Work
+from cleave import fanout
+from cleave.dealer import BlockSend, Dealer, Recovery, Send, Work
 from cleave.profile import streamed
 from cleave.schemas import DeviceProfile
 from cleave.sim.world import Profiles
@@ -44,12 +45,29 @@ class TileSet:
     b: int
     tiles: list[Tile]
     owners: list[str | None]
-    egress_s: float = 0.0  # the PS's egress floor for this GEMM (0 when unlimited)
+    egress_s: float = 0.0  # the planner's bound on the PS's egress time (the run charges what is sent)
     chunks: int = 1  # the plan's chunks: a worker's planned pieces may be this many in flight
 
     @property
     def key(self) -> tuple[int, int, int]:
         return (self.m, self.n, self.k)
+
+
+@dataclass
+class PsLink:
+    """The PS's egress: what it sends leaves one message after another at `bandwidth` bytes/s (None:
+    unlimited), tiles direct and fan-out blocks once for their whole group, as the runtime sends them."""
+
+    bandwidth: float | None = None
+    free_at: float = 0.0
+    sent: float = 0.0  # bytes
+
+    def depart(self, now: float, nbytes: float) -> float:
+        self.sent += nbytes
+        if not self.bandwidth:
+            return now
+        self.free_at = max(now, self.free_at) + nbytes / self.bandwidth
+        return self.free_at
 
 
 @dataclass
@@ -70,6 +88,8 @@ class Outcome:
     flops: float = 0.0  # of the accepted results: 2·rows·cols·k summed, m·n·k·2 once the GEMM is done
     last: dict[int, float] = field(default_factory=dict)  # per device, when its last result came
     accepted_at: dict[int, float] = field(default_factory=dict)  # per tile
+    ps_bytes: float = 0.0  # what the PS sent for this GEMM
+    ps_busy_s: float = 0.0  # from the start until the PS's link had sent it all
 
     @property
     def span(self) -> float:
@@ -96,15 +116,20 @@ class GemmRun:
     """Simulate one GEMM from `start` until every tile is done (see the module docstring).
 
     `dealer` (the PS's, with its members) and `busy_until` (per device, when its downlink, compute and
-    uplink are next free) carry over from GEMM to GEMM; `plans` are (time, the new plan's worker ids)
-    applied when their time comes within this GEMM; `fleet` makes the dealer's members of ids."""
+    uplink are next free) and `link` (the PS's egress) carry over from GEMM to GEMM; `plans` are (time, the
+    new plan's worker ids) applied when their time comes within this GEMM; `fleet` makes the dealer's members
+    of ids. With `fan_out`, blocks several planned devices need are published once to all of them, as the PS
+    does for workers that joined their group (here every planned device has)."""
 
     def __init__(self, ts: TileSet, start: float, dealer: Dealer, index: dict[str, int], actual: Profiles,
                  leave_at: np.ndarray, busy_until: np.ndarray, fleet, seq: int = 0,  # noqa: ANN001
-                 plans: Sequence[tuple[float, tuple[str, ...]]] = ()) -> None:
+                 plans: Sequence[tuple[float, tuple[str, ...]]] = (), link: PsLink | None = None,
+                 fan_out: bool = True) -> None:
         self.ts, self.now, self.dealer, self.index = ts, start, dealer, index
         self.act, self.leave_at, self.busy, self.fleet = actual, leave_at, busy_until, fleet
         self.seq, self.plans = seq, list(plans)
+        self.link = link or PsLink()
+        self.fan_out = fan_out
         self.heap: list[tuple[float, int, int, tuple]] = []
         self.order = itertools.count()
         self.check_at = math.inf
@@ -114,7 +139,14 @@ class GemmRun:
         ts, d = self.ts, self.dealer
         for i, (t, ids) in enumerate(self.plans):
             self._push(max(t, self.now), PLAN, (i, ids))
-        work = Work(self.seq, ts.m, ts.n, ts.k, ts.b, ts.tiles, ts.owners, ts.chunks, f"g{self.seq}a", f"g{self.seq}b")
+        a_key, b_key = f"g{self.seq}a", f"g{self.seq}b"
+        shared = fanout.shared(ts.tiles, ts.owners, a_key, b_key) if self.fan_out else None
+        if shared:
+            for w, groups in fanout.memberships([(ts.tiles, ts.owners)]).items():
+                d.join(w, groups)
+        self.shared = shared or {}
+        work = Work(self.seq, ts.m, ts.n, ts.k, ts.b, ts.tiles, ts.owners, ts.chunks, a_key, b_key, shared)
+        sent_before = self.link.sent
         self._deliver(d.begin(work, self.now))
         while not d.complete:
             self._schedule_check()
@@ -131,7 +163,9 @@ class GemmRun:
             else:
                 self._on_plan(*args)
         led = self.ledger = d.ledger  # kept for the caller to inspect
-        self.out.end = max(self.now, self.out.start + ts.egress_s)
+        self.out.end = self.now
+        self.out.ps_bytes = self.link.sent - sent_before
+        self.out.ps_busy_s = max(0.0, self.link.free_at - self.out.start)
         self.out.resent, self.out.duplicates, self.out.speculated = led.resent, led.duplicates, led.speculated
         self.out.recoveries = list(d.recoveries)
         d.end()
@@ -152,17 +186,32 @@ class GemmRun:
             self._device(s)
 
     def _device(self, s: Send) -> None:
-        """Tile `s` reaches its device, which streams it through its links and compute."""
-        d, t, ts = self.index[s.worker], s.tile, self.ts
-        if self.now >= self.leave_at[d]:
+        """Tile `s` leaves the PS (after what it sent before), its shared blocks reach their whole group, and
+        its device streams it through its links and compute."""
+        d, t, ts, a = self.index[s.worker], s.tile, self.ts, self.act
+        at = self.link.depart(self.now, s.nbytes + s.pushed)
+        if at > self.now:
+            self.dealer.departed(t.index, s.attempt, at)
+        for block, size in ((s.a, t.rows), (s.b, t.cols)):
+            if block.publish:
+                self._publish(block, size * ts.k * ts.b, at)
+        if at >= self.leave_at[d]:
             return  # sent into the void: the device has left, the PS does not know yet
-        a = self.act
         up, flops = t.rows * t.cols * ts.b, 2.0 * t.rows * t.cols * ts.k
-        clock = streamed(tuple(self.busy[d]), self.now, a.lat[d], s.nbytes / a.down[d], flops / a.flops[d], up / a.up[d])
+        clock = streamed(tuple(self.busy[d]), at, a.lat[d], s.nbytes / a.down[d], flops / a.flops[d], up / a.up[d])
         self.busy[d] = clock
         self.out.down[d] = self.out.down.get(d, 0.0) + s.nbytes
         if clock[2] < self.leave_at[d]:
             self._push(clock[2], FINISH, (s.worker, t.index, s.attempt))
+
+    def _publish(self, block: BlockSend, nbytes: float, at: float) -> None:
+        """A block published to its group: every member still there downloads it, in turn with its tiles."""
+        name, members = self.shared[block.id]
+        for w in members:
+            d = self.index[w]
+            if at < self.leave_at[d] and name in self.dealer.joined.get(w, ()):
+                self.busy[d][0] = max(at + self.act.lat[d], self.busy[d][0]) + nbytes / self.act.down[d]
+                self.out.down[d] = self.out.down.get(d, 0.0) + nbytes
 
     def _on_finish(self, w: str, tile: int, attempt: int) -> None:
         d, led, ts = self.index[w], self.dealer.ledger, self.ts

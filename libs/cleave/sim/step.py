@@ -20,7 +20,7 @@ from cleave.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
 from cleave.fleet import Fleet
 from cleave.models import GemmShape
 from cleave.schemas import DeviceProfile
-from cleave.sim.engine import GemmRun, Outcome, TileSet, fleet_of
+from cleave.sim.engine import GemmRun, Outcome, PsLink, TileSet, fleet_of
 from cleave.sim.plans import Cutter, PlannerKind, Scheduler
 from cleave.sim.world import World
 from cleave.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
@@ -55,6 +55,7 @@ class StepStats:
     speculated: int = 0
     gemms_simulated: int = 0  # event by event (the rest reused an undisturbed GEMM's cost)
     flops: float = 0.0  # of the accepted tiles
+    ps_bytes: float = 0.0  # what the PS sent (tiles, and fan-out blocks once per group)
     recoveries: list[Recovery] = field(default_factory=list)
 
     def add(self, out: Outcome) -> None:
@@ -66,6 +67,7 @@ class StepStats:
         self.duplicates += out.duplicates
         self.speculated += out.speculated
         self.flops += out.flops
+        self.ps_bytes += out.ps_bytes
         self.recoveries += out.recoveries
 
 
@@ -96,6 +98,7 @@ class Simulation:
         self._profiles: dict[int, DeviceProfile] = {}
         self.dealer.set_fleet(self.fleet(self.scheduler.plans[0].ids(self.world)), 0.0)
         self.seq = 0
+        self.link = PsLink(self.ps_bandwidth)  # the PS's egress, busy from GEMM to GEMM
         self.busy = np.zeros((len(self.world), 3))  # per device: downlink, compute, uplink next free
         self.clean: dict[tuple, Outcome] = {}
         self.order = step_order(self.shapes)
@@ -124,7 +127,8 @@ class Simulation:
         members_now = self.dealer.members
         if any(m.suspect for m in members_now.values()) or len(members_now) != len(members):
             return False
-        return bool(self.world.leave_at[members].min() > end and self.busy[members].max() <= self.now)
+        return bool(self.world.leave_at[members].min() > end and self.busy[members].max() <= self.now
+                    and self.link.free_at <= self.now)
 
     def gemm(self, shape: GemmShape) -> tuple[Outcome, bool]:
         """Run one GEMM now; (its outcome, whether it was simulated event by event)."""
@@ -138,6 +142,9 @@ class Simulation:
         guess = known.span if known else (predicted if math.isfinite(predicted) else HORIZON_MIN_S)
         self._advance(self.now + max(HORIZON_FACTOR * guess, HORIZON_MIN_S))
         if known is not None and self._undisturbed(known.span, plan.members):
+            self.link.sent += known.ps_bytes
+            if self.link.bandwidth:
+                self.link.free_at = self.now + known.ps_busy_s
             return Outcome(
                 self.now,
                 self.now + known.span,
@@ -150,12 +157,14 @@ class Simulation:
                 [],
                 0,
                 flops=known.flops,
+                ps_bytes=known.ps_bytes,
+                ps_busy_s=known.ps_busy_s,
             ), False
         later = [(p.ready_at, p.ids(self.world)) for p in self.scheduler.plans[self.version + 1 :]]
         undisturbed = self._undisturbed(0.0, plan.members)
         self.seq += 1
         run = GemmRun(ts, self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at,
-                      self.busy, self.fleet, self.seq, later)
+                      self.busy, self.fleet, self.seq, later, self.link)
         out = run.run()
         self.version += out.plans_applied
         if (
@@ -249,7 +258,8 @@ def recovery_after_loss(sim: Simulation, shape: GemmShape, at_fraction: float = 
         dealer = Dealer(sim.policy)
         dealer.set_fleet(sim.fleet(ids), 0.0)
         busy = np.zeros((len(world), 3))
-        return GemmRun(ts, 0.0, dealer, world.index, world.actual, leave_at, busy, sim.fleet, 1, plans).run()
+        return GemmRun(ts, 0.0, dealer, world.index, world.actual, leave_at, busy, sim.fleet, 1, plans,
+                       PsLink(sim.ps_bandwidth)).run()
 
     stay = np.full(len(world), math.inf)
     clean = run(stay, [])

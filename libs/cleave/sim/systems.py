@@ -33,6 +33,9 @@ BASELINES: dict[str, Baseline] = {
 SYSTEMS = ("cleave", *BASELINES)
 
 
+DEFAULT_PS_BANDWIDTH = 1.25e9  # 10 Gbit/s: a cloud VM's egress
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """One simulated job on one fleet (the `cleave sim` flags)."""
@@ -49,7 +52,7 @@ class SimConfig:
     seed: int = 0
     steps: int = 1
     memory_bytes: int | None = None  # every device's memory (default: the fleet's)
-    ps_bandwidth: float | None = None  # the PS's egress, bytes/s (default: unlimited, as published)
+    ps_bandwidth: float | None = DEFAULT_PS_BANDWIDTH  # the PS's egress, bytes/s (None: unlimited, as published)
     tile: tuple[int, int] | None = None  # cut planned blocks into tiles of at most this (default: whole)
     chunks: int = DEFAULT_CHUNKS  # a planned block goes out in at least this many pieces, streamed
     window: int = 1  # tiles in flight per worker beyond its planned pieces (1: stealing waits for idle workers)

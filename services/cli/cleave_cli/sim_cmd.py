@@ -49,7 +49,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--memory", type=int, default=None, help="every device's memory in bytes (default 512 MiB)"
     )
     p.add_argument(
-        "--ps-bandwidth", type=float, default=None, help="the PS's egress, bytes/s (default unlimited)"
+        "--ps-bandwidth", type=float, default=None,
+        help="the PS's egress, bytes/s (default 1.25e9: 10 Gbit/s; 0: unlimited, as the published baselines assume)"
     )
     p.add_argument("--tile", default=None, help="cut planned blocks into tiles of at most ROWSxCOLS")
     p.add_argument("--chunks", type=int, default=4,
@@ -88,7 +89,7 @@ def _tile(text: str | None) -> tuple[int, int] | None:
 
 def config(args: argparse.Namespace) -> Any:
     """The `SimConfig` of these flags, checked."""
-    from cleave.sim.systems import SimConfig, parse_systems
+    from cleave.sim.systems import DEFAULT_PS_BANDWIDTH, SimConfig, parse_systems
 
     for flag, value, low in (
         ("--devices", args.devices, 1),
@@ -115,7 +116,7 @@ def config(args: argparse.Namespace) -> Any:
         seed=args.seed,
         steps=args.steps,
         memory_bytes=args.memory,
-        ps_bandwidth=args.ps_bandwidth,
+        ps_bandwidth=DEFAULT_PS_BANDWIDTH if args.ps_bandwidth is None else (args.ps_bandwidth or None),
         tile=_tile(args.tile),
         window=args.window,
         chunks=args.chunks,

@@ -113,7 +113,7 @@ class Dispatcher:
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
         self._logged = 0  # the dealer's recoveries of the GEMM in flight already logged
         self._joining: asyncio.Task | None = None  # telling the workers their fan-out groups
-        self._joined_epoch: set[str] = set()  # workers that confirmed a join of this epoch
+        self._last_join: dict[str, list[str]] = {}  # worker -> the groups it last confirmed
         self._sent_bytes = self.tile_dtype.itemsize if self.tile_dtype else 4  # bytes per element that travel
     @property
     def workers(self) -> dict:
@@ -144,7 +144,7 @@ class Dispatcher:
 
         async def join(worker: str) -> None:
             names = sorted(groups.get(worker, ()))
-            if set(names) == self.dealer.joined.get(worker, set()) and worker in self._joined_epoch:
+            if self._last_join.get(worker) == names:
                 return
             subjects = tuple(SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=g) for g in names)
             async with gate:
@@ -160,7 +160,7 @@ class Dispatcher:
                 return
             joined = {s.rsplit(".", 1)[1] for s in ack.joined}
             self.dealer.join(worker, joined & set(names))
-            self._joined_epoch.add(worker)
+            self._last_join[worker] = names
 
         await asyncio.gather(*(join(w) for w in list(self.dealer.members)))
 
@@ -272,15 +272,17 @@ class Dispatcher:
         if not sends or run is None:
             return
         frames = await asyncio.to_thread(self._frames, run, sends)
-        for worker, subject, frame in frames:
+        for worker, subject, frame, send in frames:
             try:
                 sent = await self.bus.publish_frame(subject, frame)
                 self.c.bytes_down += sent
                 run.bytes_down += sent
             except Exception as e:  # disconnected: the deadline check will hand the tile to someone else
                 log.warning("tile_not_sent", worker_id=worker, error=repr(e))
+            if send is not None and self.run is run:  # its clock starts when it leaves, not when dealt
+                self.dealer.departed(send.tile.index, send.attempt, self.clock())
 
-    def _frames(self, run: GemmRun, sends: list[Send]) -> list[tuple[str, str, bytes]]:
+    def _frames(self, run: GemmRun, sends: list[Send]) -> list[tuple[str, str, bytes, Send | None]]:
         """(worker, subject, encoded message) for each send: a shared block published to its group first,
         then the TileTask (runs off the event loop)."""
         out = []
@@ -290,13 +292,13 @@ class Dispatcher:
                     push = BlockPush.model_construct(job=self.job_id, epoch=self.epoch, gemm=run.seq,
                                                      block=self._ref(run, block, src, data=True))
                     subject = SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=block.fanout)
-                    out.append((s.worker, subject, codec.encode(push, compress=False)))
+                    out.append((s.worker, subject, codec.encode(push, compress=False), None))
             task = TileTask.model_construct(
                 job=self.job_id, epoch=self.epoch, step=run.step, op=run.op, gemm=run.seq, tile=s.tile.index,
                 attempt=s.attempt, a=self._ref(run, s.a, run.a), b=self._ref(run, s.b, run.bt),
                 reply=self.reply_to(s.worker), sent_at=time.time(),
             )
-            out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode(task, compress=False)))
+            out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode(task, compress=False), s))
         return out
 
     def reply_to(self, worker: str) -> str:

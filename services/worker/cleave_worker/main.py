@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import structlog
 import torch
 
 from cleave import auth
 from cleave import bus as busmod
+from cleave.dealer import JOINS_KEPT
 from cleave.errors import WireError
 from cleave.faults import Faults
 from cleave.lifecycle import run, wait_for_stop
@@ -57,6 +59,7 @@ class Worker:
         self.split = SplitRunner(settings.worker_id, str(settings.data) if settings.data else None)
         self.log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
         self.groups: dict[str, object] = {}  # fan-out subject -> its subscription
+        self.joins: dict[str, deque[tuple[str, ...]]] = {}  # job -> subjects of its latest joins (JOINS_KEPT)
         self.arrivals: dict[str, asyncio.Event] = {}  # fan-out blocks a tile waits for
 
     async def on_join(self, join: FanoutJoin) -> FanoutAck:
@@ -65,8 +68,11 @@ class Worker:
             return FanoutAck(worker_id=self.s.worker_id, error=f"epoch {join.epoch} is fenced off")
         self.epochs[join.job] = join.epoch
         prefix = SUBJECT_FANOUT.split("{epoch}")[0].format(job=join.job)  # this job's fan-out subjects
+        joins = self.joins.setdefault(join.job, deque(maxlen=JOINS_KEPT))
+        joins.append(join.subjects)
+        keep = set().union(*joins)  # a GEMM in flight when the plan changed goes on with its groups
         try:
-            for subject in [s for s in self.groups if s.startswith(prefix) and s not in join.subjects]:
+            for subject in [s for s in self.groups if s.startswith(prefix) and s not in keep]:
                 await self.groups.pop(subject).unsubscribe()
             for subject in join.subjects:
                 if subject not in self.groups:
