@@ -43,13 +43,32 @@ def needs(tiles: Sequence[Tile], owners: Sequence[str | None], a_key: str = "a",
     return out
 
 
+def in_step(tiles: Sequence[Tile], owners: Sequence[str | None], a_key: str = "a",
+            b_key: str = "b") -> dict[str, set[str]]:
+    """Every input block -> the planned workers that first need it at the same point of their own pieces as
+    the most others do: a block published to its group reaches every member at once, so it goes only to
+    members whose pipeline wants it then (a band's strip: everyone's first piece), the others get it with
+    their tile rather than while they download something they need sooner."""
+    seen: dict[str, int] = {}
+    first: dict[str, dict[int, set[str]]] = {}
+    for t, owner in zip(tiles, owners, strict=True):
+        if owner is None:
+            continue
+        n = seen[owner] = seen.get(owner, -1) + 1
+        for block in (a_id(a_key, t), b_id(b_key, t)):
+            at = first.setdefault(block, {})
+            if not any(owner in who for who in at.values()):
+                at.setdefault(n, set()).add(owner)
+    return {block: max(at.values(), key=len) for block, at in first.items()}
+
+
 def shared(tiles: Sequence[Tile], owners: Sequence[str | None] | None, a_key: str = "a",
            b_key: str = "b") -> dict[str, tuple[str, frozenset[str]]]:
     """Blocks that several planned workers need -> (their group's name, its members)."""
     if not owners:
         return {}
     out = {}
-    for block, who in needs(tiles, owners, a_key, b_key).items():
+    for block, who in in_step(tiles, owners, a_key, b_key).items():
         if len(who) >= MIN_MEMBERS:
             members = frozenset(who)
             out[block] = (group_name(members), members)
