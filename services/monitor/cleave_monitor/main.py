@@ -24,6 +24,7 @@ from cleave.logs import configure
 from cleave.schemas import (
     EVENTS_STREAM,
     MAX_CONTROL_BYTES,
+    MAX_PLAN_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
@@ -82,7 +83,7 @@ class Feed:
         if not value:
             return
         try:
-            plan = codec.decode(value, Plan, MAX_CONTROL_BYTES)
+            plan = codec.decode(value, Plan, MAX_PLAN_BYTES)
         except WireError as e:
             self.state.rejected += 1
             log.warning("plan_rejected", reason=e.reason)

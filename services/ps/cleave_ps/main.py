@@ -19,6 +19,7 @@ from cleave.lifecycle import EXIT_FENCED, run
 from cleave.logs import configure
 from cleave.models import gemm_shapes
 from cleave.schemas import (
+    MAX_PLAN_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
     SHAPES_KEY,
@@ -71,7 +72,7 @@ async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Eve
         if not value:
             return
         try:
-            plan = busmod.codec.decode(value, Plan)
+            plan = busmod.codec.decode(value, Plan, MAX_PLAN_BYTES)
         except busmod.WireError as e:
             bus.reject(e.reason, "plan", str(e))
             return

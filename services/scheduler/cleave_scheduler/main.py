@@ -15,6 +15,7 @@ from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
+    MAX_PLAN_BYTES,
     MAX_PROBE_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
@@ -47,7 +48,7 @@ class Scheduler:
     async def start(self) -> None:
         self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
         self.plan_kv = await self.bus.kv(PLAN_BUCKET)
-        current = await self.bus.kv_get(self.plan_kv, PLAN_KEY, Plan)
+        current = await self.bus.kv_get(self.plan_kv, PLAN_KEY, Plan, MAX_PLAN_BYTES)
         if current is not None:  # a restarted scheduler continues the version sequence
             self.registry.version = current[0].version
 
