@@ -111,7 +111,7 @@ async def wait_any(timeout_s: float, *events: asyncio.Event) -> None:
 
 
 async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event) -> None:
-    connecting = asyncio.create_task(busmod.connect(s.nats_url, "monitor", **auth.connect_options(s, "monitor")))
+    connecting = asyncio.create_task(busmod.connect(s.nats_url, "cleave-monitor", **auth.connect_options(s, "monitor")))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

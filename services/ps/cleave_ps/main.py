@@ -194,7 +194,7 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     job = JobConfig.load(s.job_file) if s.job_file else JobConfig()
     if s.threads:
         torch.set_num_threads(s.threads)
-    bus = await busmod.connect(s.nats_url, "ps", **auth.connect_options(s, "ps"))
+    bus = await busmod.connect(s.nats_url, f"cleave-ps-{job.job_id}", **auth.connect_options(s, "ps"))
     await bus.setup()
     try:
         if job.method in ("diloco", "fedavg"):

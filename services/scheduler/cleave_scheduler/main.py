@@ -135,7 +135,7 @@ class Scheduler:
 
 
 async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
-    bus = await busmod.connect(s.nats_url, "scheduler", **auth.connect_options(s, "scheduler"))
+    bus = await busmod.connect(s.nats_url, "cleave-scheduler", **auth.connect_options(s, "scheduler"))
     await bus.setup()
     sched = Scheduler(s, bus)
     await sched.start()
