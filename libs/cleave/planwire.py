@@ -14,7 +14,6 @@ Python side reads (`layout.boxes`, `layout.owners`, `plan.workers`), unpacked la
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,8 @@ MAX_PLAN_WORKERS = 1 << 17  # workers in one plan (131,072)
 MAX_LAYOUT_BOXES = 1 << 21  # boxes in one GEMM's layout
 BOX_BYTES = 16  # four int32 per box
 _I32, _I64, _F64, _U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f8"), np.dtype("u1")
-_ID = re.compile(rb"[A-Za-z0-9_-]{1,128}(\n[A-Za-z0-9_-]{1,128})*")
+_ID_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
+MAX_ID = 128
 PROFILE_FLOATS = ("flops", "downlink_bytes_per_s", "uplink_bytes_per_s", "latency_s")
 WORKER_INTS = ("memory_bytes", "cache_bytes")
 
@@ -50,9 +50,12 @@ def unpack_boxes(data: bytes) -> np.ndarray:
     if count > MAX_LAYOUT_BOXES:
         raise ValueError(f"{count} boxes in one layout, over the limit of {MAX_LAYOUT_BOXES}")
     dr0, height, dc0, width = np.frombuffer(data, dtype=_I32).astype(np.int64).reshape(4, count)
-    r0 = np.cumsum(dr0)
-    c1 = np.cumsum(dc0 + width)
-    flat = np.stack([r0, r0 + height, c1 - width, c1], axis=1).reshape(-1)
+    out = np.empty((count, 4), dtype=np.int64)
+    np.cumsum(dr0, out=out[:, 0])
+    np.add(out[:, 0], height, out=out[:, 1])
+    np.cumsum(dc0 + width, out=out[:, 3])
+    np.subtract(out[:, 3], width, out=out[:, 2])
+    flat = out.reshape(-1)
     flat.flags.writeable = False
     return flat
 
@@ -66,7 +69,9 @@ def check_boxes(flat: np.ndarray, m: int, n: int) -> None:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"box {i} {tuple(flat[4 * i : 4 * i + 4].tolist())} is empty or outside the {m}x{n} output")
-    area = sum(((r1 - r0) * (c1 - c0)).tolist())  # Python ints: garbage must not wrap around
+    areas = (r1 - r0) * (c1 - c0)  # each <= m * n < 2**62; their sum is checked in float first, so that the
+    approx = float(areas.sum(dtype=np.float64))  # int64 sum of garbage cannot wrap around to m * n
+    area = int(areas.sum()) if approx < 2.0**62 else int(approx)
     if len(r0) and area != m * n:
         raise ValueError(f"boxes cover {area} elements of the {m}x{n} = {m * n} output")
 
@@ -234,10 +239,11 @@ def unpack_workers(doc: Mapping[str, Any]) -> WorkerColumns:
     raw = doc.get("ids", b"")
     if not isinstance(raw, bytes):
         raise ValueError("workers.ids must be bytes")
-    if raw and not _ID.fullmatch(raw):
-        raise ValueError("workers.ids must be newline-separated ids of 1-128 letters, digits, '_' or '-'")
-    ids = tuple(raw.decode("ascii").split("\n")) if raw else ()
+    ids = tuple(raw.decode("latin-1").split("\n")) if raw else ()
     n = len(ids)
+    if raw and (raw.translate(None, _ID_BYTES) != b"\n" * (n - 1) or min(map(len, ids)) < 1
+                or max(map(len, ids)) > MAX_ID):
+        raise ValueError(f"workers.ids must be newline-separated ids of 1-{MAX_ID} letters, digits, '_' or '-'")
     if n > MAX_PLAN_WORKERS:
         raise ValueError(f"{n} workers, over the limit of {MAX_PLAN_WORKERS}")
     if len(set(ids)) != n:

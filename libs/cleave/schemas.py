@@ -251,9 +251,10 @@ class Plan(Wire):
 
     @model_validator(mode="after")
     def _owners_are_workers(self) -> Plan:
-        known = set(self.workers.ids)
-        for g in self.gemms:
-            if g.owners.table is not self.workers.ids and not known.issuperset(g.owners.table):
+        foreign = [g for g in self.gemms if g.owners.table is not self.workers.ids]  # none once decoded
+        known = set(self.workers.ids) if foreign else set()
+        for g in foreign:
+            if not known.issuperset(g.owners.table):
                 stranger = next(w for w in g.owners.table if w not in known)
                 raise ValueError(f"layout {g.m}x{g.n}x{g.k} names {stranger!r}, not a worker of the plan")
         return self
@@ -272,12 +273,13 @@ class Plan(Wire):
         return doc
 
 
-def _unpack_layout(doc: Any, ids: tuple[str, ...]) -> GemmLayout:
+def _unpack_layout(doc: Any, ids: tuple[str, ...]) -> dict[str, Any]:
+    """A packed layout as the fields GemmLayout validates (once, as a field of the Plan)."""
     if not isinstance(doc, Mapping) or not isinstance(doc.get("boxes"), bytes) or not isinstance(doc.get("owners"), bytes):
         raise ValueError("a packed layout needs bytes fields boxes and owners")
     flat = planwire.unpack_boxes(doc["boxes"])
     owners = planwire.Owners(planwire.unpack_owners(doc["owners"], len(flat) // 4, len(ids)), ids)
-    return GemmLayout.model_validate({**doc, "boxes": planwire.Boxes(flat), "owners": owners})
+    return {**doc, "boxes": planwire.Boxes(flat), "owners": owners}
 
 
 class BlockRef(Wire):

@@ -14,8 +14,8 @@ from cleave import bus as busmod
 from cleave.schemas import MAX_PLAN_BYTES, PLAN_BUCKET, PLAN_KEY, Plan
 from cleave_scheduler.main import Scheduler
 from cleave_scheduler.settings import SchedulerSettings
+from cleave_scheduler.synthetic import job_shapes, synthetic_registry
 from tests.integration.fleet import InProcessPS
-from tests.plans import job_shapes, synthetic_registry
 
 DEVICES = 10_000
 APPLY_TIMEOUT_S = 120.0  # planning 10,000 devices takes seconds on a loaded 2-core machine

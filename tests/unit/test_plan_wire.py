@@ -11,7 +11,7 @@ import pytest
 from cleave import codec, planwire
 from cleave.errors import WireError
 from cleave.schemas import MAX_PLAN_BYTES, DeviceProfile, GemmLayout, Plan, PlanWorker
-from tests.plans import job_shapes, scheduler_plan, synthetic_registry
+from cleave_scheduler.synthetic import job_shapes, scheduler_plan, synthetic_registry
 
 NATS_DEFAULT_MAX_PAYLOAD = 1024 * 1024
 JOBS = {  # the two points: gpt2-medium as in the report, OPT-13B at the simulator's defaults (fp16)

@@ -1,4 +1,5 @@
-"""Test helpers: a registry of synthetic devices and the scheduler's real planning path over it."""
+"""The scheduler's real planning path without heartbeats: a registry of synthetic devices and a job's shapes
+(for tests, benchmarks and load tools that need a plan for thousands of devices in seconds)."""
 
 from __future__ import annotations
 
