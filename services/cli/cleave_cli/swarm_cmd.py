@@ -37,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--processes must be between 1 and --workers ({args.workers}), got {args.processes}")
     if not ID_PREFIX.fullmatch(args.prefix):
         raise ConfigError(f"--prefix must be 1-96 letters, digits, '_' or '-', got {args.prefix!r}")
+    if args.profile:
+        from cleave.profile import parse_profile
+
+        parse_profile(args.profile)  # a bad one is refused here, not by each worker
     if args.processes == 1:
         return _one_process(args)
     return _supervise(args)
