@@ -12,7 +12,8 @@ processes (each holds 10% of the swarm), then a PS training a tiny-shaped job. M
                        `plan_applied` for the smaller fleet. It includes the scheduler's detection (detect_s:
                        the kill -> its last `worker_lost`, about liveness_s); replan_after_detect_s is the rest
   steps_ok             steps whose loss equals the single-process reference (rtol 1e-4), of `steps`
-A size that does not finish within `--time-limit-s` reports what it reached (`status: time_limit`).
+A size that does not finish within `--time-limit-s` reports what it reached (`status: time_limit`, `gemms_done`,
+`gemm_wall_s_median`, and `ps_cpu_s_per_tile_upper`: the PS's CPU since its start over the tiles of its done GEMMs).
 Ratios against the smallest size are printed; rows go to benchmarks/results/fleet_scale.json.
 
     nice -n 10 .venv/bin/python benchmarks/fleet_scale.py --workers 10,100,1000 [--steps 6] [--time-limit-s 600]
@@ -111,6 +112,17 @@ def gemm_tails(ps_log: Path, last_result: dict[tuple[int, int], float]) -> list[
     return tails
 
 
+def gemm_figures(row: dict, ps_log: Path, last_result: dict[tuple[int, int], float]) -> None:
+    """The slowest tail, and what the GEMMs reached (for a size stopped by the time limit, the only figures)."""
+    row["gemm_tail_s"] = max(gemm_tails(ps_log, last_result), default=None)
+    done = log_events(ps_log, "gemm_done")
+    row["gemms_done"] = len(done)
+    row["gemm_wall_s_median"] = statistics.median(e["wall_s"] for e in done) if done else None
+    tiles = sum(e["tiles"] for e in done)
+    if "ps_cpu_s_at_limit" in row and tiles:  # an upper bound: the PS's start-up is in it
+        row["ps_cpu_s_per_tile_upper"] = row["ps_cpu_s_at_limit"] / tiles
+
+
 def split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
@@ -146,7 +158,7 @@ async def run_size(w: int, args: argparse.Namespace, tmp: Path) -> dict:
         row["status"] = f"time_limit: {e}"
     finally:
         if (run_dir / "logs" / "ps.log").exists():
-            row["gemm_tail_s"] = max(gemm_tails(run_dir / "logs" / "ps.log", watch.last_result), default=None)
+            gemm_figures(row, run_dir / "logs" / "ps.log", watch.last_result)
         if bus is not None:
             with contextlib.suppress(Exception):
                 await bus.close()
@@ -170,6 +182,7 @@ async def run_job(fleet: LocalFleet, job: JobConfig, metrics: Path, row: dict, v
     try:
         while "ps" not in {p.name for p in fleet.stack.supervise()}:
             if time.monotonic() > deadline:
+                row["ps_cpu_s_at_limit"] = cpu_s(ps)  # since the PS started (its start-up included)
                 raise TimeoutError(f"{len(cpu_at)} of {job.steps} steps done")
             for m in tail.read():
                 cpu_at[m["step"]], tiles[m["step"]] = cpu_s(ps), m["tiles"]
