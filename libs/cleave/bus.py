@@ -142,8 +142,10 @@ class Bus:
         except Exception:  # created concurrently by another service: use theirs
             return await asyncio.wait_for(self.js.key_value(bucket), DEFAULT_TIMEOUT_S)
 
-    async def kv_get(self, kv: KeyValue, key: str, schema: type[T]) -> tuple[T, int] | None:
-        """The decoded value and its revision, or None when absent (or unreadable, which is logged)."""
+    async def kv_get(self, kv: KeyValue, key: str, schema: type[T],
+                     max_bytes: int = MAX_CONTROL_BYTES) -> tuple[T, int] | None:
+        """The decoded value and its revision, or None when absent (or unreadable, which is logged);
+        `max_bytes` bounds the value once decompressed (MAX_PLAN_BYTES for a Plan)."""
         try:
             entry = await asyncio.wait_for(kv.get(key), DEFAULT_TIMEOUT_S)
         except KeyNotFoundError:
@@ -151,7 +153,7 @@ class Bus:
         if entry.value is None:
             return None
         try:
-            return codec.decode(entry.value, schema, MAX_CONTROL_BYTES), entry.revision
+            return codec.decode(entry.value, schema, max_bytes), entry.revision
         except WireError as e:
             self.reject(e.reason, f"kv:{kv._name}.{key}", str(e))
             return None

@@ -74,10 +74,16 @@ def tensor_nbytes(d: TensorData) -> int:
 
 # ---- messages ----------------------------------------------------------------------------------------
 def _pays(body: bytes) -> bool:
+    """Whether zstd pays, judged on DEFAULT_ZSTD_SAMPLE_BYTES taken from four evenly spaced places (a
+    message made of parts, such as a plan's random profiles next to its boxes, is judged as a whole)."""
     if len(body) < DEFAULT_ZSTD_MIN_BYTES:
         return False
-    mid = max(0, len(body) // 2 - DEFAULT_ZSTD_SAMPLE_BYTES // 2)
-    sample = body[mid : mid + DEFAULT_ZSTD_SAMPLE_BYTES]
+    if len(body) <= DEFAULT_ZSTD_SAMPLE_BYTES:
+        sample = body
+    else:
+        part = DEFAULT_ZSTD_SAMPLE_BYTES // 4
+        step = (len(body) - part) // 3
+        sample = b"".join(body[i * step : i * step + part] for i in range(4))
     return len(_compressor.compress(sample)) <= DEFAULT_ZSTD_MAX_RATIO * len(sample)
 
 

@@ -27,6 +27,7 @@ from cleave.schemas import (
     BlockRef,
     DeviceProfile,
     Event,
+    GemmLayout,
     Heartbeat,
     Plan,
     PlanWorker,
@@ -83,6 +84,9 @@ def sample_messages() -> list:
         Heartbeat(worker_id="w-1", profile=profile, sent_at=1.0, started_at=0.5),
         Plan(version=1, created_at=1.0, workers=(PlanWorker(worker_id="w", profile=profile),), tile_rows=8,
              tile_cols=8),
+        Plan(version=2, created_at=1.0, tile_rows=8, tile_cols=8,  # packed workers, boxes and owners
+             workers=(PlanWorker(worker_id="w", profile=profile), PlanWorker(worker_id="v", profile=profile)),
+             gemms=(GemmLayout(m=4, n=4, k=2, boxes=(0, 4, 0, 3, 0, 4, 3, 4), owners=("v", "w")),)),
         Event(kind="worker_lost", at=1.0, detail={"n": 1}),
     ]
 

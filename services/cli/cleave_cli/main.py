@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd, plan_cmd, sim_cmd
+from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd, plan_cmd, sim_cmd, swarm_cmd
 
 TOOLS = {"chaos": chaos_cmd, "monitor": monitor_cmd, "auth": auth_cmd, "plan": plan_cmd, "export": export_cmd,
-         "prepare-data": data_cmd, "sim": sim_cmd}  # subcommands whose module has register(subparsers) and run(args)
+         "prepare-data": data_cmd, "sim": sim_cmd, "swarm": swarm_cmd}  # subcommands whose module has register(subparsers) and run(args)
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:

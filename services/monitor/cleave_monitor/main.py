@@ -24,6 +24,7 @@ from cleave.logs import configure
 from cleave.schemas import (
     EVENTS_STREAM,
     MAX_CONTROL_BYTES,
+    MAX_PLAN_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
@@ -82,7 +83,7 @@ class Feed:
         if not value:
             return
         try:
-            plan = codec.decode(value, Plan, MAX_CONTROL_BYTES)
+            plan = codec.decode(value, Plan, MAX_PLAN_BYTES)
         except WireError as e:
             self.state.rejected += 1
             log.warning("plan_rejected", reason=e.reason)
@@ -110,7 +111,7 @@ async def wait_any(timeout_s: float, *events: asyncio.Event) -> None:
 
 
 async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event) -> None:
-    connecting = asyncio.create_task(busmod.connect(s.nats_url, "monitor", **auth.connect_options(s, "monitor")))
+    connecting = asyncio.create_task(busmod.connect(s.nats_url, "cleave-monitor", **auth.connect_options(s, "monitor")))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

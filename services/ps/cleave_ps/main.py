@@ -20,6 +20,7 @@ from cleave.lifecycle import EXIT_FENCED, run
 from cleave.logs import configure
 from cleave.models import gemm_shapes
 from cleave.schemas import (
+    MAX_PLAN_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
     SHAPES_KEY,
@@ -77,7 +78,7 @@ async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Eve
         if not value:
             return
         try:
-            plan = busmod.codec.decode(value, Plan)
+            plan = busmod.codec.decode(value, Plan, MAX_PLAN_BYTES)
         except busmod.WireError as e:
             bus.reject(e.reason, "plan", str(e))
             return
@@ -199,7 +200,7 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     job = JobConfig.load(s.job_file) if s.job_file else JobConfig()
     if s.threads:
         torch.set_num_threads(s.threads)
-    bus = await busmod.connect(s.nats_url, "ps", **auth.connect_options(s, "ps"))
+    bus = await busmod.connect(s.nats_url, f"cleave-ps-{job.job_id}", **auth.connect_options(s, "ps"))
     await bus.setup()
     try:
         if job.method in ("diloco", "fedavg"):

@@ -7,7 +7,7 @@ import asyncio
 from cleave import codec
 from cleave.bus import Bus
 from cleave.errors import WireError
-from cleave.schemas import PLAN_BUCKET, PLAN_KEY, Plan
+from cleave.schemas import MAX_PLAN_BYTES, PLAN_BUCKET, PLAN_KEY, Plan
 
 
 class PlanView:
@@ -19,7 +19,7 @@ class PlanView:
         if not value:
             return
         try:
-            plan = codec.decode(value, Plan)
+            plan = codec.decode(value, Plan, MAX_PLAN_BYTES)
         except WireError as e:  # a bad plan is refused; the last good one stays
             self.bus.reject(e.reason, "plan", str(e))
             return

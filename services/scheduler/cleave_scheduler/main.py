@@ -15,6 +15,7 @@ from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
+    MAX_PLAN_BYTES,
     MAX_PROBE_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
@@ -28,6 +29,7 @@ from cleave.schemas import (
     Plan,
     Probe,
 )
+from cleave_scheduler.outbox import Outbox
 from cleave_scheduler.planning import with_layouts
 from cleave_scheduler.registry import Registry
 from cleave_scheduler.settings import SchedulerSettings
@@ -46,21 +48,23 @@ class Scheduler:
 
     async def start(self) -> None:
         self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
+        self.outbox = Outbox(self.bus, self.reg_kv)
         self.plan_kv = await self.bus.kv(PLAN_BUCKET)
-        current = await self.bus.kv_get(self.plan_kv, PLAN_KEY, Plan)
+        current = await self.bus.kv_get(self.plan_kv, PLAN_KEY, Plan, MAX_PLAN_BYTES)
         if current is not None:  # a restarted scheduler continues the version sequence
             self.registry.version = current[0].version
 
     async def on_heartbeat(self, hb: Heartbeat, nbytes: int) -> None:
+        """Record a heartbeat; what goes to JetStream is queued (the outbox), never awaited here."""
         now = time.time()
         if self.registry.heartbeat(hb, now):
             log.info("worker_joined", worker_id=hb.worker_id, flops=f"{hb.profile.flops / 1e9:.1f}G")
             self.reasons.append("join")
             self.changed.set()
-            await self.bus.emit(Event(kind="worker_joined", at=now, worker_id=hb.worker_id))
+            self.outbox.emit(Event(kind="worker_joined", at=now, worker_id=hb.worker_id))
         if now - self.written.get(hb.worker_id, 0.0) >= self.s.registry_refresh_s:
             self.written[hb.worker_id] = now
-            await self.bus.kv_put(self.reg_kv, hb.worker_id, self.registry.devices[hb.worker_id])
+            self.outbox.put(self.registry.devices[hb.worker_id])
 
     def on_shapes(self, key: str, operation: str, value: bytes | None) -> None:
         """A PS described its job's GEMMs: plan them."""
@@ -93,12 +97,9 @@ class Scheduler:
                 self.reasons.append("leave")
                 self.changed.set()
                 self.written.pop(w, None)
-                await self.bus.emit(Event(kind="worker_lost", at=now, worker_id=w, cause="heartbeat_timeout",
-                                          detect_s=self.s.liveness_s))
-                try:
-                    await asyncio.wait_for(self.reg_kv.delete(w), busmod.DEFAULT_TIMEOUT_S)
-                except Exception as e:
-                    log.warning("registry_delete_failed", worker_id=w, error=repr(e))
+                self.outbox.emit(Event(kind="worker_lost", at=now, worker_id=w, cause="heartbeat_timeout",
+                                       detect_s=self.s.liveness_s))
+                self.outbox.delete(w)
             await wait_for_stop(stop, self.s.sweep_s)
 
     async def publish_plans(self, stop: asyncio.Event) -> None:
@@ -124,8 +125,8 @@ class Scheduler:
                 await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
                 log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason,
                          planner=plan.planner, predicted_step_s=plan.predicted_step_s)
-                await self.bus.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,
-                                          detail={"version": plan.version, "workers": len(plan.workers)}))
+                self.outbox.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,
+                                       detail={"version": plan.version, "workers": len(plan.workers)}))
             except Exception as e:  # NATS down: try again when it is back
                 log.warning("plan_not_published", error=repr(e))
                 self.reasons.append(reason)
@@ -134,7 +135,7 @@ class Scheduler:
 
 
 async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
-    bus = await busmod.connect(s.nats_url, "scheduler", **auth.connect_options(s, "scheduler"))
+    bus = await busmod.connect(s.nats_url, "cleave-scheduler", **auth.connect_options(s, "scheduler"))
     await bus.setup()
     sched = Scheduler(s, bus)
     await sched.start()
@@ -143,6 +144,7 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     log.info("scheduler_started", nats=s.nats_url, liveness_s=s.liveness_s)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(sched.sweep(stop))
+        tg.create_task(sched.outbox.run(stop))
         tg.create_task(sched.publish_plans(stop))
         tg.create_task(bus.watch(PLAN_BUCKET, SHAPES_KEY, sched.on_shapes, stop))
     await sub.unsubscribe()

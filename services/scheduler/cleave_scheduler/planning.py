@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from cleave import planner
 from cleave.dealing import dealt_makespan
 from cleave.schemas import GemmLayout, JobShapes, Plan
@@ -30,9 +32,10 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
                                plan.chunks, cache_bytes=caches)
         makespan = max(dealt, g.egress_s)
         step_s += makespan * g.count_per_step
-        layouts.append(GemmLayout(m=g.m, n=g.n, k=g.k, boxes=tuple(v for box in boxes for v in box),
-                                  owners=tuple(owners), makespan_s=makespan))
-    return plan.model_copy(update={
-        "gemms": tuple(layouts), "predicted_step_s": step_s, "lower_bound_s": model.lower_bound_s,
+        layouts.append(GemmLayout(m=g.m, n=g.n, k=g.k, boxes=np.array(boxes, dtype=np.int64).reshape(-1),
+                                  owners=owners, makespan_s=makespan))
+    # validated (model_copy would not be): every box inside its GEMM, every owner a worker of the plan
+    return Plan.model_validate({
+        **dict(plan), "gemms": tuple(layouts), "predicted_step_s": step_s, "lower_bound_s": model.lower_bound_s,
         "planner": kind,
     })

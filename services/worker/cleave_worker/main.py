@@ -183,13 +183,19 @@ async def measured_profile(s: WorkerSettings, bus: busmod.Bus, flops: float) -> 
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
-    log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
     torch.set_num_threads(settings.threads)
+    return await run_worker(settings, stop, measure_flops())
+
+
+async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float,
+                     shared: DeviceProfile | None = None) -> int:
+    """One worker on its own NATS connection until `stop`: what `serve` runs, and what `cleave swarm` runs
+    many of in one event loop. `shared`: a profile measured once for the whole process (not re-probed)."""
+    log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
     declared = parse_profile(settings.profile) if settings.profile else None
-    flops = measure_flops()
-    bus = await busmod.connect(settings.nats_url, f"worker-{settings.worker_id}",
+    bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
                                **auth.connect_options(settings, "worker"))
-    profile = declared or await measured_profile(settings, bus, flops)
+    profile = declared or shared or await measured_profile(settings, bus, flops)
     worker = Worker(settings, bus, profile)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
@@ -200,7 +206,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
              memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(worker.heartbeats(stop))
-        if declared is None:
+        if declared is None and shared is None:
             tg.create_task(worker.reprobe(stop, flops))
     await sub.unsubscribe()
     await rounds.unsubscribe()
