@@ -115,7 +115,7 @@ def simulate(policy):
 def plan_of(ids, layout, profiles, version):
     workers = tuple(PlanWorker(worker_id=w, profile=profiles[w], cache_bytes=CACHE) for w in ids)
     return Plan(version=version, created_at=0.0, workers=workers, tile_rows=TILE, tile_cols=TILE, chunks=CHUNKS,
-                gemms=(layout,))
+                gemms=(layout,) if layout else ())
 
 
 async def replay(events, layout, profiles, policy):
@@ -145,7 +145,7 @@ async def replay(events, layout, profiles, policy):
         elif kind == "tick":
             await d._tick()
         else:
-            await d.set_plan(plan_of(args[0], layout, profiles, 2 + i))
+            await d.set_plan(plan_of(args[0], None, profiles, 2 + i))  # its layout is for later GEMMs
         decided.append(((kind, now, *args), wire.sent[before:]))
     await asyncio.wait_for(gemm, 10)
     return decided
