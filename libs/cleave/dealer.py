@@ -174,6 +174,7 @@ class Dealer:
         self._order = itertools.count()
         self._typical = 0.0  # the median predicted tile time of the GEMM in flight
         self.joined: dict[str, set[str]] = {}  # worker -> the fan-out groups it has subscribed to
+        self._refused: dict[int, set[str]] = {}  # tile -> workers that refused it in the GEMM in flight
         self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
         self._published: dict[str, str] = {}  # blocks of the GEMM in flight published -> their group
 
@@ -217,7 +218,7 @@ class Dealer:
         """Start dealing `work`: every live member gets a tile before any gets a second."""
         owners = [o if o in self.members else None for o in work.owners] if work.owners else None
         self.work, self.ledger = work, GemmLedger(work.tiles, owners)
-        self.recoveries, self.closed, self._bytes, self._published = [], [], {}, {}
+        self.recoveries, self.closed, self._bytes, self._published, self._refused = [], [], {}, {}, {}
         self._deadlines, self._hungry, self._idle = [], {}, {}
         for m in self.members.values():
             m.inflight_bytes = 0
@@ -263,15 +264,22 @@ class Dealer:
         return outcome, out
 
     def failed(self, worker: str, tile: int, attempt: int, now: float, missing: Sequence[str] = ()) -> list[Send]:
-        """(tile, attempt) will not produce a block: the worker lacked cached `missing` blocks, or refused;
-        the tile goes to the front of the queue."""
+        """(tile, attempt) will not produce a block: the worker lacked cached `missing` blocks (it gets the
+        tile again, with them), or it refused the tile (it goes to another worker, unless every live member
+        has refused it: then they all try again). The tile goes to the front of the queue."""
         m = self._progress(worker, tile, attempt, now)
         if m is not None:
             for block_id in missing:
                 m.forget(block_id)
         self._release(tile, attempt)
         self.ledger.retry(tile, attempt)
-        return self._offer(now, [worker])
+        if missing:
+            return self._offer(now, [worker])
+        refused = self._refused.setdefault(tile, set())
+        refused.add(worker)
+        if all(w in refused for w, m in self.members.items() if not m.suspect):
+            refused.clear()  # nobody else can: do not leave the tile undealt
+        return self._offer(now, [*self._hungry, worker])
 
     def discard(self, worker: str, tile: int, attempt: int, now: float) -> list[Send]:
         """(tile, attempt) answered, but its block is not assembled here (a verification copy)."""
@@ -350,7 +358,7 @@ class Dealer:
         while led.count(w) < min(depth or math.inf, led.room(w, self.p.window, self.work.chunks)):
             if led.count(w) and self._over_budget(m):
                 break
-            att = led.take(w, now, self._score(m)) if led.dealable() else None
+            att = led.take(w, now, self._score(m), self._avoid(w)) if led.dealable() else None
             if att is None and not led.count(w):
                 att = self._speculate(m, now)
             if att is None:
@@ -363,6 +371,10 @@ class Dealer:
         if out or led.count(w):
             self._arm(m)
         return out
+
+    def _avoid(self, worker: str) -> set[int]:
+        """The tiles `worker` refused in this GEMM."""
+        return {t for t, who in self._refused.items() if worker in who} if self._refused else set()
 
     def _mark(self, m: Member, hungry: bool) -> None:
         for group, member in ((self._hungry, hungry), (self._idle, hungry and not self.ledger.count(m.id))):

@@ -131,7 +131,8 @@ class GemmLedger:
                 heapq.heappush(self._lone, (left.sent_at, left.order, tile, left.attempt))
         return att
 
-    def take(self, worker: str, now: float, score: Callable[[Tile], int] | None = None) -> Attempt | None:
+    def take(self, worker: str, now: float, score: Callable[[Tile], int] | None = None,
+             avoid: set[int] | frozenset[int] = frozenset()) -> Attempt | None:
         """The next tile for `worker`: its own planned ones, then shared ones (cached inputs first), then,
         if it has nothing in flight, one stolen from the device with the most left, so that fast devices take
         more (a busy worker would only queue the stolen tile behind its own work)."""
@@ -140,7 +141,7 @@ class GemmLedger:
             tile = own.popleft()
             if tile not in self.done:
                 return self._issue(tile, worker, now)
-        tile = self._shared(score)
+        tile = self._shared(score, avoid)
         # a device the plan left out is slow for this GEMM: it does not steal
         if tile is None and not self.count(worker) and (not self.owners or worker in self.owned_by):
             tile = self._steal()
@@ -165,18 +166,24 @@ class GemmLedger:
                     return tile
         return None
 
-    def _shared(self, score: Callable[[Tile], int] | None) -> int | None:
+    def _shared(self, score: Callable[[Tile], int] | None, avoid: set[int] | frozenset[int]) -> int | None:
+        """The next shared tile (among the first few, the one whose inputs `score` best), never one in `avoid`
+        (tiles this worker refused)."""
         while self.pending and self.pending[0] not in self.queued:
             self.pending.popleft()
         if not self.pending:
             return None
-        pos = 0
-        if score is not None:
-            best = -1
-            for i, t in enumerate(itertools.islice(self.pending, DEFAULT_AFFINITY_SCAN)):
-                s = score(self.tiles[t]) if t in self.queued else -1
-                if s > best:
-                    best, pos = s, i
+        pos, best = None, -1
+        for i, t in enumerate(itertools.islice(self.pending, DEFAULT_AFFINITY_SCAN)):
+            if t not in self.queued or t in avoid:
+                continue
+            s = score(self.tiles[t]) if score is not None else 0
+            if s > best:
+                best, pos = s, i
+            if score is None:
+                break
+        if pos is None:
+            return None
         tile = self.pending[pos]
         del self.pending[pos]
         return tile

@@ -173,3 +173,20 @@ def test_an_idle_worker_copies_a_straggling_tile():
     outcome, _ = dealer.done("a", b.tile.index, copy[0].attempt, 0.5)
     assert outcome == "accepted" and dealer.complete
     assert dealer.done("b", b.tile.index, b.attempt, 0.6)[0] == "duplicate"
+
+
+def test_a_refused_tile_goes_to_another_worker_unless_nobody_else_is_there():
+    dealer = Dealer(Policy(window=1))
+    dealer.set_fleet([("small", 1 << 20, None), ("big", 1 << 20, None)], 0.0)
+    sends = dealer.begin(work(m=4, n=12, rows=4, cols=4), 0.0)  # three tiles, one each, one queued
+    small = next(s for s in sends if s.worker == "small")
+    big = next(s for s in sends if s.worker == "big")
+    again = dealer.failed("small", small.tile.index, small.attempt, 0.1)  # "over my memory budget"
+    assert all(s.tile != small.tile for s in again if s.worker == "small")
+    _, more = dealer.done("big", big.tile.index, big.attempt, 0.2)
+    assert [s.tile.index for s in more] == [small.tile.index]  # big, once free, takes the refused tile
+    alone = Dealer(Policy(window=1))
+    alone.set_fleet([("only", 1 << 20, None)], 0.0)
+    (s,) = alone.begin(work(m=4, n=4, rows=4, cols=4), 0.0)
+    retry = alone.failed("only", s.tile.index, s.attempt, 0.1)
+    assert [x.tile for x in retry] == [s.tile]  # nobody else: it is tried again rather than left undealt
