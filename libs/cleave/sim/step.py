@@ -1,5 +1,5 @@
 """Training steps over a simulated fleet: every GEMM of a step, one after another as the PS runs them, each
-dealt by the PS's ledger (`cleave.sim.engine`) under the latest plan (`cleave.sim.plans`).
+dealt by the PS's dealing core (`cleave.sim.engine`) under the latest plan (`cleave.sim.plans`).
 
 A GEMM that nothing disturbs (no device of its plan leaves or is busy from before, no plan arrives, nobody
 is suspect) costs what the same GEMM cost last time under the same plan, so it is simulated once and then
@@ -87,6 +87,7 @@ class Simulation:
     plan_delay_s: float = 1.0
     chunks: int = DEFAULT_CHUNKS  # a planned block goes out in at least this many pieces (`tiles.cut_block`)
     cache_bytes: int = DEFAULT_CACHE_BYTES  # each worker's input-block cache, mirrored by the PS
+    fan_out: bool = True  # shared blocks published once to their group (the PS's `fanout` setting)
     now: float = 0.0
 
     def __post_init__(self) -> None:
@@ -164,7 +165,7 @@ class Simulation:
         undisturbed = self._undisturbed(0.0, plan.members)
         self.seq += 1
         run = GemmRun(ts, self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at,
-                      self.busy, self.fleet, self.seq, later, self.link)
+                      self.busy, self.fleet, self.seq, later, self.link, self.fan_out)
         out = run.run()
         self.version += out.plans_applied
         if (
@@ -259,7 +260,7 @@ def recovery_after_loss(sim: Simulation, shape: GemmShape, at_fraction: float = 
         dealer.set_fleet(sim.fleet(ids), 0.0)
         busy = np.zeros((len(world), 3))
         return GemmRun(ts, 0.0, dealer, world.index, world.actual, leave_at, busy, sim.fleet, 1, plans,
-                       PsLink(sim.ps_bandwidth)).run()
+                       PsLink(sim.ps_bandwidth), sim.fan_out).run()
 
     stay = np.full(len(world), math.inf)
     clean = run(stay, [])

@@ -57,6 +57,7 @@ class SimConfig:
     chunks: int = DEFAULT_CHUNKS  # a planned block goes out in at least this many pieces, streamed
     window: int = 1  # tiles in flight per worker beyond its planned pieces (1: stealing waits for idle workers)
     replan_every_s: float = 0.0  # > 0: recompute the planner's layout at most this often
+    fan_out: bool = True  # shared blocks published once to their group, as the PS does
     systems: tuple[str, ...] = SYSTEMS
 
 
@@ -105,6 +106,7 @@ def simulation(cfg: SimConfig, work: Workload, world: World) -> Simulation:
         policy,
         replan_every_s=cfg.replan_every_s,
         chunks=cfg.chunks,
+        fan_out=cfg.fan_out,
     )
 
 
@@ -170,7 +172,7 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         used,
         None,
         step,
-        "planned blocks, dealt by the PS's ledger",
+        "planned blocks, dealt by the PS's dealing core",
         extra,
     )
 

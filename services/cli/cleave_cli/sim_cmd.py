@@ -3,7 +3,7 @@
     cleave sim --model opt-13b --devices 256 --fleet synthetic --batch 128 --seq 1024 [--dtype fp16]
                [--churn RATE] [--stragglers FRACTION] [--hidden-stragglers] [--steps N] [--seed S]
                [--memory BYTES] [--ps-bandwidth BYTES_PER_S] [--tile ROWSxCOLS] [--chunks N] [--window N]
-               [--replan-every S] [--systems a,b,...]
+               [--replan-every S] [--no-fanout] [--systems a,b,...]
                [--json] [--report DIR]
 
 Cleave is simulated GEMM by GEMM with the planner and the PS's tile ledger; the baselines (alpa, dp_tp,
@@ -52,6 +52,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--ps-bandwidth", type=float, default=None,
         help="the PS's egress, bytes/s (default 1.25e9: 10 Gbit/s; 0: unlimited, as the published baselines assume)"
     )
+    p.add_argument("--no-fanout", action="store_true",
+                   help="send every block with its tile (the PS's CLEAVE_PS_FANOUT=false)")
     p.add_argument("--tile", default=None, help="cut planned blocks into tiles of at most ROWSxCOLS")
     p.add_argument("--chunks", type=int, default=4,
                    help="a planned block goes out in at least N pieces, streamed (1: whole blocks)")
@@ -121,6 +123,7 @@ def config(args: argparse.Namespace) -> Any:
         window=args.window,
         chunks=args.chunks,
         replan_every_s=args.replan_every,
+        fan_out=not args.no_fanout,
         systems=parse_systems(args.systems),
     )
 
