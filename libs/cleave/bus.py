@@ -16,6 +16,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import SlowConsumerError
 from nats.js.api import DeliverPolicy, KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
 from nats.js.errors import (
     BadRequestError,
@@ -63,6 +64,7 @@ class Bus:
         self.nc, self.name = nc, name
         self.js = nc.jetstream(timeout=DEFAULT_TIMEOUT_S)
         self.rejected: dict[str, int] = {}  # reason -> count of messages refused on receipt
+        self.on_dropped: list[Callable[[str], None]] = []  # told the subject of a message dropped unread
 
     @property
     def reconnects(self) -> int:
@@ -276,7 +278,12 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options
     """Connect with unlimited reconnects; the first connection is retried with back-off until it works."""
     delay = 0.2
 
+    made: list[Bus] = []
+
     async def on_error(e: Exception) -> None:
+        if isinstance(e, SlowConsumerError) and made:  # a message was dropped unread: whoever waits for it
+            for handler in made[0].on_dropped:           # hears now, not at a deadline
+                handler(e.subject)
         log.warning("nats_error", service=name, error=repr(e))
 
     async def on_disconnected() -> None:
@@ -292,9 +299,10 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options
                 servers, name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
                 reconnect_time_wait=DEFAULT_RECONNECT_WAIT_S, allow_reconnect=True,
                 error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
-                **options,
+                flush_timeout=DEFAULT_TIMEOUT_S, **options,
             )
-            return Bus(nc, name)
+            made.append(Bus(nc, name))
+            return made[0]
         except Exception as e:
             if "authorization violation" in str(e).lower():  # retrying cannot fix wrong credentials
                 raise CleaveError(f"NATS at {url} refused {name}'s credentials: {e}") from None

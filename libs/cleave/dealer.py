@@ -294,6 +294,15 @@ class Dealer:
         if self.ledger is not None:
             self.ledger.departed(tile, attempt, at)
 
+    def redo(self, worker: str, now: float) -> list[Send]:
+        """What `worker` has in flight will not be heard of (its results were dropped unread): deal it again."""
+        if self.ledger is None:
+            return []
+        for att in self.ledger.inflight(worker):
+            self._release(att.tile, att.attempt)
+            self.ledger.retry(att.tile, att.attempt)
+        return self._offer(now, [*self._hungry, worker])
+
     def heard(self, worker: str) -> None:
         """`worker` answered for a GEMM that is over: it is alive."""
         if worker in self.members:

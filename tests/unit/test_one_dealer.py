@@ -54,6 +54,7 @@ class Wire:
     """Where the Dispatcher publishes: every frame decoded back into the TileTask a worker would get."""
 
     def __init__(self):
+        self.on_dropped = []
         self.sent: list[tuple] = []
         self.pushed: set[str] = set()  # ids of the blocks published to a group, just before their tile
         self.published = asyncio.Event()

@@ -112,6 +112,8 @@ class Dispatcher:
         self.tile_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[s.tile_dtype]
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
         self._logged = 0  # the dealer's recoveries of the GEMM in flight already logged
+        self._tasks: set[asyncio.Task] = set()
+        bus.on_dropped.append(self._dropped)
         self._joining: asyncio.Task | None = None  # telling the workers their fan-out groups
         self._last_join: dict[str, list[str]] = {}  # worker -> the groups it last confirmed
         self._sent_bytes = self.tile_dtype.itemsize if self.tile_dtype else 4  # bytes per element that travel
@@ -417,6 +419,21 @@ class Dispatcher:
         self.bus.reject(reason, f"result from {msg.worker_id}", f"step {msg.step} op {msg.op} tile {msg.tile} {detail}")
 
     # ---- loss of workers -----------------------------------------------------------------------------
+    def _dropped(self, subject: str) -> None:
+        """The bus dropped a message unread (a slow consumer): if it was a result, deal the sender's tiles
+        again now rather than at their deadline (results name their sender in the subject; without a name,
+        every worker's)."""
+        prefix = SUBJECT_RESULTS.split("{", 1)[0]
+        if self.run is None or not subject.startswith(prefix):
+            return
+        tokens = subject[len(prefix):].split(".")
+        workers = tokens[2:3] if len(tokens) > 2 else list(self.dealer.members)
+        log.warning("results_dropped", subject=subject, workers=len(workers))
+        sends = [s for w in workers for s in self.dealer.redo(w, self.clock())]
+        task = asyncio.get_running_loop().create_task(self._post(sends))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _forget_checks(self, worker: str) -> None:
         """A verifier that vanished verifies nothing."""
         for tile, check in list(self.verifier.checks.items()):

@@ -1,5 +1,6 @@
-"""GEMM fencing in the PS's dispatcher: a step redone (after a lying worker was caught) runs its GEMMs again
-under the same (step, op); a late result from the first run must never be assembled into the second."""
+"""The PS's dispatcher without a bus: GEMM fencing (a step redone after a lying worker was caught runs its
+GEMMs again under the same (step, op); a late result from the first run must never be assembled into the
+second), and results the bus dropped unread (a slow consumer) dealt again at once."""
 
 import asyncio
 
@@ -7,7 +8,7 @@ import torch
 
 from cleave import codec
 from cleave.errors import StepSpoiled
-from cleave.schemas import DeviceProfile, Plan, PlanWorker, TileResult, TileTask
+from cleave.schemas import SUBJECT_RESULTS, DeviceProfile, Plan, PlanWorker, TileResult, TileTask
 from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.settings import PsSettings
 
@@ -17,6 +18,7 @@ PROFILE = DeviceProfile(flops=1e9, memory_bytes=1 << 30, downlink_bytes_per_s=1e
 
 class Wire:
     def __init__(self):
+        self.on_dropped = []
         self.tasks: list[tuple[str, TileTask]] = []
         self.published = asyncio.Event()
         self.rejected: list[str] = []
@@ -73,3 +75,24 @@ async def test_a_late_result_of_a_spoiled_run_never_reaches_the_redone_gemm():
         await d.on_result(result(task, w, truth[t.r0 : t.r1, t.c0 : t.c1]), 0)
     out = await asyncio.wait_for(second, 10)
     assert torch.equal(out, truth)
+
+
+async def test_results_dropped_by_the_bus_are_dealt_again_at_once():
+    wire = Wire()
+    d = Dispatcher(wire, "job", 1, PsSettings(window=1, tick_s=1e6))
+    workers = tuple(PlanWorker(worker_id=w, profile=PROFILE, cache_bytes=1 << 20) for w in ("a", "b"))
+    await d.set_plan(Plan(version=1, created_at=0.0, workers=workers, tile_rows=4, tile_cols=4))
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    assert len(wire.on_dropped) == 1
+    wire.on_dropped[0]("cleave.tile.a")  # not a result: nothing to do
+    wire.on_dropped[0](SUBJECT_RESULTS.format(job="job", epoch=1, worker_id="a") if "{worker_id}" in SUBJECT_RESULTS
+                       else SUBJECT_RESULTS.format(job="job", epoch=1))
+    await wire.wait_for(3)
+    again = wire.tasks[2:]
+    assert again and all(task.attempt == 1 for _, task in again)  # new attempts, before any deadline
+    for w, task in wire.tasks:
+        t = d.dealer.ledger.tiles[task.tile]
+        await d.on_result(result(task, w, (a @ bt.T)[t.r0 : t.r1, t.c0 : t.c1]), 0)
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
