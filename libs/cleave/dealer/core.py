@@ -17,138 +17,27 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 from sortedcontainers import SortedList
 
+from cleave.dealer.model import (
+    DEFAULT_INFLIGHT_S,
+    JOINS_KEPT,
+    RT_WEIGHT,
+    TYPICAL_SAMPLE,
+    BlockSend,
+    Member,
+    Policy,
+    Recovery,
+    Send,
+    Shape,
+    Work,
+)
 from cleave.fanout import a_id, b_id
-from cleave.ledger import DEFAULT_WINDOW, Attempt, GemmLedger
+from cleave.ledger import Attempt, GemmLedger
 from cleave.schemas import DeviceProfile
-from cleave.tiles import Tile
-
-Shape = tuple[int, int, int]  # (m, n, k) of a GEMM
-DEFAULT_CACHE_BYTES = 128 * 1024**2  # the worker's input-block cache (its default), mirrored here
-DEFAULT_SUSPECT_RETRY = 3.0  # a suspect worker still in the plan gets tiles again after 3 tile timeouts
-RT_WEIGHT = 0.2  # weight of a new round trip in a worker's moving average
-JOINS_KEPT = 2  # a worker stays in the fan-out groups of its latest two joins (the PS's and the worker's rule)
-TYPICAL_SAMPLE = 256  # tiles sampled for the median predicted tile time
-DEFAULT_INFLIGHT_S = 2.0  # with a byte limit: no more in flight to a worker than 2 s of its downlink
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The PS's dealing knobs (`cleave_ps.settings.PsSettings` builds one; the simulator uses these)."""
-
-    window: int = DEFAULT_WINDOW  # tiles in flight per worker (a planned block's pieces: the plan's chunks)
-    tile_timeout_s: float = 1.0  # a worker silent this long with tiles in flight is presumed lost ...
-    timeout_factor: float = 4.0  # ... or this many times its usual tile time, if longer
-    speculate_factor: float = 3.0  # copy a tile running this many usual round trips; 0 = never
-    speculate_min_s: float = 0.2  # ... and at least this long
-    tick_s: float = 0.05  # how often the PS checks: the smallest gap between two speculation checks
-    suspect_retry: float = DEFAULT_SUSPECT_RETRY  # x tile_timeout_s until a suspect is tried again
-    max_inflight_bytes: int | None = None  # bytes sent to a worker and not yet answered, past its first
-    # tile; None = no limit (the PS sets it under the NATS server's max_pending, see docs/architecture.md)
-
-
-@dataclass
-class Member:
-    """The dealer's view of one worker."""
-
-    id: str
-    cache_bytes: int = DEFAULT_CACHE_BYTES
-    profile: DeviceProfile | None = None  # what it registered with: predicts its tile times
-    known: OrderedDict[str, int] = field(default_factory=OrderedDict)  # mirror of its block LRU
-    known_bytes: int = 0
-    last_progress: float = 0.0
-    round_trips: dict[Shape, float] = field(default_factory=dict)  # moving average per GEMM shape
-    suspect: bool = False
-    suspect_since: float = 0.0
-    inflight_bytes: int = 0
-    token: int = 0  # invalidates stale deadline entries
-
-    def remember(self, block_id: str, nbytes: int) -> None:
-        if nbytes > self.cache_bytes or block_id in self.known:
-            return
-        while self.known_bytes + nbytes > self.cache_bytes:
-            self.known_bytes -= self.known.popitem(last=False)[1]
-        self.known[block_id] = nbytes
-        self.known_bytes += nbytes
-
-    def forget(self, block_id: str) -> None:
-        self.known_bytes -= self.known.pop(block_id, 0)
-
-    def predicted_s(self, t: Tile, k: int, b: int) -> float:
-        """The cost model's time for tile `t` alone on this device (0 when its profile is unknown)."""
-        p = self.profile
-        if p is None:
-            return 0.0
-        return p.latency_s + max((t.rows + t.cols) * k * b / p.downlink_bytes_per_s,
-                                 t.rows * t.cols * b / p.uplink_bytes_per_s, 2.0 * t.rows * t.cols * k / p.flops)
-
-
-@dataclass(frozen=True)
-class Work:
-    """One GEMM run to deal: C[m, n] = A[m, k] · Bᵀ[n, k] cut into `tiles` (each planned for `owners[i]`,
-    or anyone's); input blocks are named `<a_key>.<r0>.<r1>` and `<b_key>.<c0>.<c1>`."""
-
-    seq: int  # the GEMM run's number in the PS epoch: results of any other run are fenced off
-    m: int
-    n: int
-    k: int
-    b: int  # bytes per element that travel
-    tiles: Sequence[Tile]
-    owners: Sequence[str | None] | None = None
-    chunks: int = 1  # the plan's pieces per block: a worker's planned pieces stream this many at once
-    a_key: str = "a"
-    b_key: str = "b"
-    shared: Mapping[str, tuple[str, frozenset[str]]] | None = None  # block -> fan-out group (`cleave.fanout`)
-
-    @property
-    def shape(self) -> Shape:
-        return (self.m, self.n, self.k)
-
-
-@dataclass(frozen=True)
-class BlockSend:
-    """An input block of a tile: its id and range, and whether its bytes travel with it (`data`: not cached
-    there), or come on the fan-out subject of group `fanout` (published with this send when `publish`)."""
-
-    id: str
-    lo: int
-    hi: int
-    data: bool
-    fanout: str = ""
-    publish: bool = False
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send tile `tile` (attempt `attempt`) to `worker` with blocks `a` (rows of A) and `b` (rows of Bᵀ)."""
-
-    worker: str
-    tile: Tile
-    attempt: int
-    a: BlockSend
-    b: BlockSend
-    nbytes: int  # input bytes that travel with the tile
-    pushed: int = 0  # input bytes published to a fan-out group with it (once for all its members)
-
-
-@dataclass
-class Recovery:
-    """A worker presumed lost during a GEMM: its tiles, when it went silent, when that was noticed, when its
-    tiles were sent again and when the last of them was done."""
-
-    worker: str
-    cause: str
-    silent_since: float
-    detected_at: float
-    tiles: set[int]
-    count: int
-    redispatched_at: float | None = None
-    done_at: float | None = None
 
 
 class Dealer:

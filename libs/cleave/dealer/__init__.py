@@ -1,0 +1,15 @@
+"""The dealing of GEMM tiles to a fleet (pure): `Dealer` decides, `model` holds what it reads and returns."""
+
+from cleave.dealer.core import Dealer
+from cleave.dealer.model import (
+    DEFAULT_CACHE_BYTES,
+    JOINS_KEPT,
+    BlockSend,
+    Member,
+    Policy,
+    Recovery,
+    Send,
+    Work,
+)
+
+__all__ = ["DEFAULT_CACHE_BYTES", "JOINS_KEPT", "BlockSend", "Dealer", "Member", "Policy", "Recovery", "Send", "Work"]
