@@ -10,8 +10,9 @@ Roles and what they may do (anything not listed is refused by nats-server):
 - monitor: reads the events stream, the registry and plan buckets, live heartbeats and events; writes
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
 - worker: subscribe to its tiles, publish results, heartbeats and probe requests, read the replies to its
-  probes; no JetStream. With `worker_id`, tiles, heartbeats and probe replies are pinned to that id; the
-  shared worker credential gets a `*` (or `>`) in place of the id.
+  probes; no JetStream. With `worker_id`, tiles, results, round updates, heartbeats and probe replies are
+  pinned to that id (results and updates go on per-worker subjects); the shared worker credential gets a
+  `*` (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -147,7 +148,8 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         wid = "*" if worker_id is None else check_worker_id(worker_id)
         inbox = f"{inbox_prefix(role)}.>" if worker_id is None else f"{inbox_prefix(role, worker_id)}.>"
         return Permissions(
-            publish=(_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_HEARTBEAT.format(worker_id=wid),
+            publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
+                     SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
                      SUBJECT_PROBE),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), SUBJECT_ROUNDS.format(worker_id=wid),
                        SUBJECT_SPLIT.format(worker_id=wid), inbox),

@@ -121,7 +121,7 @@ def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, i
 class Dispatcher:
     def __init__(self, bus: Bus, job_id: str, epoch: int, s: PsSettings) -> None:
         self.bus, self.job_id, self.epoch, self.s = bus, job_id, epoch, s
-        self.reply = SUBJECT_RESULTS.format(job=job_id, epoch=epoch)
+        self.reply = SUBJECT_RESULTS.format(job=job_id, epoch=epoch, worker_id="{worker_id}")  # one per worker
         self.workers: dict[str, WorkerSlot] = {}
         self.plan: Plan | None = None
         self.run: GemmRun | None = None
@@ -285,7 +285,7 @@ class Dispatcher:
         task = TileTask.model_construct(
             job=self.job_id, epoch=self.epoch, step=run.step, op=run.op, tile=t.index, attempt=att.attempt,
             a=self._block(run, slot, a_id, run.a, t.r0, t.r1), b=self._block(run, slot, b_id, run.bt, t.c0, t.c1),
-            reply=self.reply, sent_at=time.time(),
+            reply=self.reply.format(worker_id=slot.worker_id), sent_at=time.time(),
         )
         try:
             self.c.bytes_down += await self.bus.publish(SUBJECT_TILES.format(worker_id=slot.worker_id), task, compress=False)
