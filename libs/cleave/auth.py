@@ -13,8 +13,9 @@ Roles and what they may do (anything not listed is refused by nats-server):
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
   carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
   probe requests, answer the PS's fan-out joins (`allow_responses`), read the replies to its probes; no
-  JetStream. With `worker_id`, tiles, heartbeats and probe replies are pinned to that id; the
-  shared worker credential gets a `*` (or `>`) in place of the id.
+  JetStream. With `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that
+  id (results and updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in
+  place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -153,7 +154,8 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         wid = "*" if worker_id is None else check_worker_id(worker_id)
         inbox = f"{inbox_prefix(role)}.>" if worker_id is None else f"{inbox_prefix(role, worker_id)}.>"
         return Permissions(
-            publish=(_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_HEARTBEAT.format(worker_id=wid),
+            publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
+                     SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
                      SUBJECT_PROBE),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_SPLIT.format(worker_id=wid), inbox),

@@ -65,6 +65,7 @@ class Bus:
         self.js = nc.jetstream(timeout=DEFAULT_TIMEOUT_S)
         self.rejected: dict[str, int] = {}  # reason -> count of messages refused on receipt
         self.on_dropped: list[Callable[[str], None]] = []  # told the subject of a message dropped unread
+        self.closing = False  # set by close(): the disconnection that follows is expected
 
     @property
     def reconnects(self) -> int:
@@ -101,8 +102,13 @@ class Bus:
         queue: str = "",
         max_bytes: int = MAX_MESSAGE_BYTES,
         pending_bytes: int = DEFAULT_PENDING_BYTES,
+        sender: str = "",
     ):
-        """Subscribe with reassembly and validation; `handler(msg, wire_bytes)` sees only valid messages."""
+        """Subscribe with reassembly and validation; `handler(msg, wire_bytes)` sees only valid messages.
+
+        With `sender` (a field name, e.g. "worker_id"), a message whose field differs from the last token of
+        the subject it came on is rejected (`wrong_sender`): per-worker subjects, which per-worker credentials
+        restrict, then also bind the id a message claims."""
         reasm = codec.Reassembler(max_bytes=max_bytes)  # partial messages: at most 2 x max_bytes held
 
         async def on_msg(m: Msg) -> None:
@@ -113,6 +119,9 @@ class Bus:
                 msg = codec.decode(frame, schema, max_bytes)
             except WireError as e:
                 self.reject(e.reason, m.subject, str(e))
+                return
+            if sender and getattr(msg, sender) != m.subject.rsplit(".", 1)[-1]:
+                self.reject("wrong_sender", m.subject, f"{sender}={getattr(msg, sender)!r}")
                 return
             await handler(msg, len(frame))
 
@@ -258,6 +267,8 @@ class Bus:
             log.warning("event_not_stored", kind=kind, error=repr(e))
 
     async def close(self) -> None:
+        """Drain and close; the disconnection this causes is not reported as a warning."""
+        self.closing = True
         try:
             await asyncio.wait_for(self.nc.drain(), DEFAULT_TIMEOUT_S)
         except Exception:
@@ -277,17 +288,22 @@ async def _ensure_stream(js, config: StreamConfig) -> None:
 async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options) -> Bus:
     """Connect with unlimited reconnects; the first connection is retried with back-off until it works."""
     delay = 0.2
-
-    made: list[Bus] = []
+    made: list[Bus] = []  # the Bus, once connected, for the callbacks
 
     async def on_error(e: Exception) -> None:
         if isinstance(e, SlowConsumerError) and made:  # a message was dropped unread: whoever waits for it
             for handler in made[0].on_dropped:           # hears now, not at a deadline
                 handler(e.subject)
-        log.warning("nats_error", service=name, error=repr(e))
+        if made and made[0].closing:
+            log.debug("nats_error_while_closing", service=name, error=repr(e))
+        else:
+            log.warning("nats_error", service=name, error=repr(e))
 
     async def on_disconnected() -> None:
-        log.warning("nats_disconnected", service=name)
+        if made and made[0].closing:
+            log.info("nats_closed", service=name)  # our own close, not a lost connection
+        else:
+            log.warning("nats_disconnected", service=name)
 
     async def on_reconnected() -> None:
         log.info("nats_reconnected", service=name)

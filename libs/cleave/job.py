@@ -11,6 +11,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 
+ROUND_METHODS = ("diloco", "fedavg")
+# A setting -> the methods it applies to. Under any other method a value other than its default is refused
+# at parse time (it would be silently ignored). A new method-specific setting needs one line here.
+METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
+    "split_layers": ("split",),
+    "local_steps": ROUND_METHODS,
+    "outer_lr": ("diloco",),
+    "outer_momentum": ("diloco",),
+    "aggregate": ROUND_METHODS,
+    "compress": ROUND_METHODS,
+    "lora_rank": ROUND_METHODS,
+    "lora_alpha": ROUND_METHODS,
+    "round_timeout_s": (*ROUND_METHODS, "split"),
+    "val_every": ("cleave",),
+    "init_from": ("cleave", *ROUND_METHODS),
+}
+# A setting -> (another setting, a test on it, what the test says): the first only applies when it holds
+SETTING_NEEDS = {
+    "lora_alpha": ("lora_rank", lambda v: v > 0, "lora_rank > 0"),
+}
+
 
 class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -50,7 +71,25 @@ class JobConfig(BaseModel):
         block = PRESETS[self.preset].block_size
         if self.seq_len is not None and self.seq_len > block:
             raise ValueError(f"seq_len={self.seq_len} exceeds the preset's block_size={block}")
+        self._check_settings_apply()
+        if self.compress != "none":
+            from cleave.compression import get_compressor  # noqa: PLC0415 - compression imports torch
+
+            get_compressor(self.compress)  # a ConfigError naming the bad spec
         return self
+
+    def _check_settings_apply(self) -> None:
+        """Refuse a setting (not at its default) that the job's method, or another setting, would ignore."""
+        wrong = [f"{name}={getattr(self, name)!r} does not apply to method={self.method!r}: "
+                 f"it needs method {' or '.join(methods)}"
+                 for name, methods in METHOD_SETTINGS.items()
+                 if self.method not in methods and getattr(self, name) != type(self).model_fields[name].default]
+        if wrong:
+            raise ValueError("; ".join(wrong))
+        for name, (other, holds, says) in SETTING_NEEDS.items():
+            value = getattr(self, name)
+            if value != type(self).model_fields[name].default and not holds(getattr(self, other)):
+                raise ValueError(f"{name}={value!r} has no effect unless {says}")
 
     @property
     def seq(self) -> int:
@@ -71,5 +110,6 @@ class JobConfig(BaseModel):
             return cls(**{k: v for k, v in fields.items() if v is not None})
         except ValidationError as e:
             first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "job"
-            raise ConfigError(f"invalid job setting {where}: {first['msg']}") from None
+            where = ".".join(str(p) for p in first["loc"])
+            msg = first["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"invalid job setting {where}: {msg}" if where else f"invalid job: {msg}") from None

@@ -28,9 +28,11 @@ SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
 SUBJECT_FANOUT = PREFIX + ".fan.{job}.{epoch}.{group}"  # PS -> every worker of a group: a shared input block
 SUBJECT_CONTROL = PREFIX + ".ctl.{worker_id}"  # PS -> one worker (request/reply): join fan-out groups
-SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}"  # worker -> PS: finished blocks
+# worker -> PS: finished blocks, on the worker's own subject (per-worker credentials may publish only there);
+# the PS subscribes with worker_id="*" and checks that a message's worker_id is the subject's
+SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}.{worker_id}"
 SUBJECT_ROUNDS = PREFIX + ".round.{worker_id}"  # PS -> one worker: train locally for a round (diloco, fedavg)
-SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}"  # worker -> PS: a round's update, a split step's reply
+SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}.{worker_id}"  # worker -> PS: a round's update, a split reply
 SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
 SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
 SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)

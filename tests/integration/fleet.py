@@ -39,8 +39,9 @@ class InProcessPS:
         self.epoch = time.time_ns()
         self.dispatcher = Dispatcher(self.bus, self.job_id, self.epoch, self.settings)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher)
-        self.sub = await self.bus.subscribe(SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch), TileResult,
-                                            self.dispatcher.on_result, max_bytes=self.settings.max_result_bytes)
+        self.sub = await self.bus.subscribe(SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch, worker_id="*"),
+                                            TileResult, self.dispatcher.on_result,
+                                            max_bytes=self.settings.max_result_bytes, sender="worker_id")
         self.watcher = asyncio.create_task(watch_plans(self.bus, self.dispatcher, self.stop))
         return self
 

@@ -33,10 +33,12 @@ from cleave.schemas import (
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
     SUBJECT_TILES,
+    SUBJECT_UPDATES,
     DeviceProfile,
     Event,
     Heartbeat,
     Plan,
+    TileResult,
 )
 from cleave_cli import auth_cmd
 from cleave_cli.stack import free_port, nats_server_binary
@@ -184,6 +186,10 @@ def discard(nc: nats.NATS) -> None:
             writer.close()
 
 
+def tile_result(worker_id: str) -> TileResult:
+    return TileResult(job="j", epoch=1, step=0, op=1, tile=0, attempt=0, worker_id=worker_id, error="test")
+
+
 def heartbeat(worker_id: str) -> bytes:
     profile = DeviceProfile(flops=1e9, memory_bytes=1 << 20, downlink_bytes_per_s=1e6, uplink_bytes_per_s=1e6,
                             latency_s=0.0)
@@ -229,7 +235,7 @@ async def test_worker_cannot_publish_tiles_plans_or_state(server: AuthServer, co
 
 async def test_worker_cannot_subscribe_to_results_or_heartbeats(server: AuthServer, connect) -> None:
     hostile = await connect(server.settings("worker"), "worker")
-    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1), "cleave.hb.*", SUBJECT_PROBE, "_INBOX.ps.>", "$KV.>"):
+    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="*"), "cleave.hb.*", SUBJECT_PROBE, "_INBOX.ps.>", "$KV.>"):
         await hostile.nc.subscribe(subject)
         assert "permissions violation for subscription" in await hostile.violation(subject)
 
@@ -242,7 +248,7 @@ async def test_worker_publishes_results_and_heartbeats(server: AuthServer, conne
     await ps.nc.flush(timeout=OP_TIMEOUT_S)
     await sched.nc.flush(timeout=OP_TIMEOUT_S)
     worker = await connect(server.settings("worker"), "worker")
-    await worker.nc.publish(SUBJECT_RESULTS.format(job="j", epoch=7), b"block")
+    await worker.nc.publish(SUBJECT_RESULTS.format(job="j", epoch=7, worker_id="w1"), b"block")
     await worker.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w1"), heartbeat("w1"))
     assert (await results.next_msg(timeout=OP_TIMEOUT_S)).data == b"block"
     assert codec.decode((await beats.next_msg(timeout=OP_TIMEOUT_S)).data, Heartbeat).worker_id == "w1"
@@ -285,6 +291,34 @@ async def test_pinned_worker_credential_covers_only_its_own_id(pinned_server: Au
     assert "subscription" in await w1.violation(SUBJECT_TILES.format(worker_id="w2"))
     await w1.nc.subscribe("_INBOX.worker.w2.>")  # or w2's probe replies
     assert "subscription" in await w1.violation("_INBOX.worker.w2.>")
+
+
+async def test_pinned_worker_publishes_results_only_as_itself(pinned_server: AuthServer, connect) -> None:
+    """Results and round updates travel on per-worker subjects: the server refuses w1 publishing on w2's,
+    and the PS's bus refuses a result on w1's subject that claims to come from w2."""
+    ps_c = await connect(pinned_server.settings("ps"), "ps")
+    ps, got = Bus(ps_c.nc, "ps"), asyncio.Queue()
+
+    async def on_result(msg: TileResult, nbytes: int) -> None:
+        await got.put(msg)
+
+    await ps.subscribe(SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="*"), TileResult, on_result,
+                       sender="worker_id")
+    updates = await ps_c.nc.subscribe(SUBJECT_UPDATES.format(job="j", epoch=1, worker_id="*"))
+    await ps_c.nc.flush(timeout=OP_TIMEOUT_S)
+    w1 = await connect(pinned_server.settings("worker", "worker-w1"), "worker")
+    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="w2"),
+                    SUBJECT_UPDATES.format(job="j", epoch=1, worker_id="w2")):
+        await w1.nc.publish(subject, codec.encode(tile_result("w2")))  # impersonating w2
+        assert "permissions violation for publish" in await w1.violation(subject)
+    own = SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="w1")
+    await w1.nc.publish(own, codec.encode(tile_result("w2")))  # its own subject, w2's name inside
+    await w1.nc.publish(own, codec.encode(tile_result("w1")))
+    await w1.nc.publish(SUBJECT_UPDATES.format(job="j", epoch=1, worker_id="w1"), b"update")
+    assert (await asyncio.wait_for(got.get(), OP_TIMEOUT_S)).worker_id == "w1"
+    assert (await updates.next_msg(timeout=OP_TIMEOUT_S)).data == b"update"
+    assert ps.rejected == {"wrong_sender": 1} and got.empty()
+    assert len(w1.errors) == 2  # the two refused publishes; its own subjects raised none
 
 
 # ---- what the services may do through the real Bus ---------------------------------------------------

@@ -49,9 +49,12 @@ async def test_flood_of_bad_results_never_reaches_the_model(tmp_path, nats_url):
         a, b = task.a.tensor, task.b.tensor
         if a is None or b is None:
             return
+        own = task.reply.rsplit(".", 1)[0] + ".mallory"  # results go on per-worker subjects: its own ...
         for frame in forgeries(task, a.shape[0], b.shape[0]):
-            await attacker.nc.publish(task.reply, frame)
+            await attacker.nc.publish(own, frame)
             sent += 1
+        await attacker.nc.publish(task.reply, forgeries(task, a.shape[0], b.shape[0])[-1])  # ... or the victim's
+        sent += 1
 
     sub = await attacker.subscribe("cleave.tile.*", TileTask, on_task)
     try:
@@ -64,7 +67,7 @@ async def test_flood_of_bad_results_never_reaches_the_model(tmp_path, nats_url):
             reasons = ps.bus.rejected
             assert sent > 0
             assert {"bad_magic", "too_large", "bad_schema", "bad_shape", "not_finite", "wrong_job",
-                    "unknown_tile", "wrong_worker"} <= set(reasons), reasons
+                    "unknown_tile", "wrong_worker", "wrong_sender"} <= set(reasons), reasons
             assert ps.dispatcher.c.rejected > 0
     finally:
         await sub.unsubscribe()

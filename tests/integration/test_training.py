@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -10,8 +11,12 @@ import sys
 
 import torch
 
+from cleave import bus as busmod
+from cleave import codec
 from cleave.job import JobConfig
+from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
 from cleave.training import Trainer
+from cleave_cli.export_cmd import state_server
 from tests.integration.fleet import InProcessPS, assert_same, grads, start_fleet
 
 
@@ -35,6 +40,22 @@ def test_cli_train_matches_reference(tmp_path):
     assert all(m["workers"] == 3 and m["tiles"] > 0 and m["bytes_down"] > 0 and m["bytes_up"] > 0 for m in lines)
     stack = json.loads((tmp_path / "run" / "stack.json").read_text())
     assert {p["role"] for p in stack["processes"]} >= {"nats", "scheduler", "worker", "ps"}
+    ps_log = (tmp_path / "run" / "logs" / "ps.log").read_text()
+    assert "job_done" in ps_log and "nats_disconnected" not in ps_log, ps_log[-3000:]  # its own close is no loss
+    done = asyncio.run(last_event(tmp_path / "run", "job_done"))
+    job_id = json.loads((tmp_path / "run" / "job.json").read_text())["job_id"]
+    assert done.job == job_id and done.step == 19 and done.detail["steps"] == 20
+
+
+async def last_event(run_dir, kind: str) -> Event:
+    """The newest `kind` event in the run's JetStream store (the stack is down: a server on its store)."""
+    with state_server(run_dir) as url:
+        bus = await busmod.connect(url, "test-events")
+        try:
+            msg = await bus.js.get_last_msg(EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind))
+            return codec.decode(msg.data, Event)
+        finally:
+            await bus.close()
 
 
 async def test_gradients_match_plain_pytorch(tmp_path, nats_url):

@@ -90,7 +90,8 @@ def test_commands_exist_in_the_cli(role: str) -> None:
 def test_the_image_runs_cleave_as_an_unprivileged_user() -> None:
     dockerfile = (COMPOSE / "Dockerfile").read_text()
     assert re.search(r'^ENTRYPOINT \["cleave"\]$', dockerfile, re.M), "exec-form entrypoint, so cleave gets SIGTERM"
-    assert re.search(r"^FROM python:3\.11-slim", dockerfile, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)  # the public image by default
+    assert re.findall(r"^FROM (\S+)", dockerfile, re.M) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
     users = re.findall(r"^USER (\S+)$", dockerfile, re.M)
     assert users and users[-1] not in ("root", "0")
     pin = re.search(r'"torch==([^"]+)"', (COMPOSE.parent / "pyproject.toml").read_text()).group(1)
@@ -196,10 +197,11 @@ def test_chaos_scripts_cover_every_scenario_and_parse():
     from pathlib import Path
 
     chaos = Path(__file__).resolve().parents[2] / "compose" / "chaos"
-    for name in ("kill.sh", "freeze.sh", "restart.sh", "lib.sh"):
+    for name in ("kill.sh", "freeze.sh", "restart.sh", "lib.sh", "../e2e/engine.sh", "../e2e/chaos-check.sh"):
         script = chaos / name
         assert script.exists(), name
         subprocess.run(["bash", "-n", str(script)], check=True)
     kill = (chaos / "kill.sh").read_text()
     assert "docker kill" in kill and "docker start" in kill  # docker kill bypasses restart policies
+    assert "compose up" not in kill  # `up` resets `--scale worker=N` to deploy.replicas (e2e/chaos-check.sh)
     assert "docker pause" in (chaos / "freeze.sh").read_text()

@@ -13,6 +13,7 @@ from cleave.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import Progress
+from cleave_cli.supervisor import Stopped
 
 
 def new_job_id(kind: str) -> str:
@@ -67,15 +68,15 @@ def up(args: argparse.Namespace) -> int:
     fleet = LocalFleet(run_dir, args.workers)
     try:
         fleet.start()
-        print(f"NATS {fleet.stack.nats_url}; stack.json in {run_dir}")
+        print(f"NATS {fleet.stack.nats_url} (monitoring {fleet.stack.nats_monitor}); stack.json in {run_dir}")
         print(f"dashboard: {start_monitor(fleet.stack)}")
         print(f"train on it with: cleave train --nats {fleet.stack.nats_url} --preset tiny")
-        print("Ctrl-C stops everything")
+        print("Ctrl-C (or SIGTERM, SIGHUP) stops everything", flush=True)
         while True:
             fleet.stack.supervise()
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        print("stopping")
+    except Stopped as e:
+        print(f"stopping ({e})", flush=True)
         return 0
     finally:
         fleet.stop()

@@ -110,8 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         if tool is not None:
             return tool.run(args)
         from cleave_cli import commands
+        from cleave_cli.supervisor import Stopped, stop_signals
 
-        return getattr(commands, args.command)(args)
+        try:
+            with stop_signals():
+                return getattr(commands, args.command)(args)
+        except Stopped as e:
+            print(f"cleave: stopped by {e}; the stack was shut down", file=sys.stderr)
+            return e.exit_code
     except CleaveError as e:
         print(f"cleave: error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
 """The local stack: nats-server from the wheel plus the services as supervised processes.
 
 Restarts a service that dies (as compose would), records every process in `<run_dir>/stack.json`, and
-stops everything on exit. Each process logs to `<run_dir>/logs/<name>.log`.
+stops everything on exit. Each process logs to `<run_dir>/logs/<name>.log`. Children die with the
+supervisor even when it is killed (see cleave_cli.supervisor). nats-server's HTTP monitoring port
+(`/varz`, `/connz`, `/jsz`) listens on 127.0.0.1 at a free port, recorded as `nats_monitor`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from pathlib import Path
 
 from cleave.errors import CleaveError
 from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
+from cleave_cli.supervisor import parent_death_signal
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
 NATS_CONFIG = """\
 listen: 127.0.0.1:{port}
+http: 127.0.0.1:{monitor_port}
 max_payload: {max_payload}
 jetstream {{
   store_dir: "{store}"
@@ -65,20 +69,25 @@ class Stack:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
         self.nats_url = ""
+        self.nats_monitor = ""  # nats-server's HTTP monitoring endpoint, e.g. http://127.0.0.1:PORT
         self.dashboard_url = ""
         self.max_payload = max_payload
         self._nats_port = 0
+        self._monitor_port = 0
 
     # ---- nats ----------------------------------------------------------------------------------------
     def start_nats(self) -> str:
         """Start (or restart on the same port and store) the embedded nats-server; returns its URL."""
         self._nats_port = self._nats_port or free_port()
+        self._monitor_port = self._monitor_port or free_port()
         conf = self.run_dir / "nats.conf"
-        conf.write_text(NATS_CONFIG.format(port=self._nats_port, max_payload=self.max_payload,
+        conf.write_text(NATS_CONFIG.format(port=self._nats_port, monitor_port=self._monitor_port,
+                                           max_payload=self.max_payload,
                                            store=(self.run_dir / "jetstream").as_posix()))
         proc = self.spawn("nats", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
         self._wait_ready(proc)
         self.nats_url = f"nats://127.0.0.1:{self._nats_port}"
+        self.nats_monitor = f"http://127.0.0.1:{self._monitor_port}"
         self.write_stack_json()
         return self.nats_url
 
@@ -113,8 +122,11 @@ class Stack:
         proc.log_offset = log.stat().st_size if log.exists() else 0
         logf = open(log, "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
+        # nats-server closes its store on SIGTERM; a service is killed outright (as in a crash)
+        on_orphaned = signal.SIGTERM if proc.role == "nats" else signal.SIGKILL
         proc.popen = subprocess.Popen(proc.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=parent_death_signal(on_orphaned))  # noqa: PLW1509
         logf.close()
         proc.started_at = time.time()
         self.write_stack_json()
@@ -166,6 +178,7 @@ class Stack:
     def write_stack_json(self) -> None:
         doc = {
             "nats_url": self.nats_url,
+            "nats_monitor": self.nats_monitor,
             "dashboard_url": self.dashboard_url,
             "run_dir": str(self.run_dir),
             "processes": [

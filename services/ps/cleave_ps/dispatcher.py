@@ -304,7 +304,7 @@ class Dispatcher:
         return out
 
     def reply_to(self, worker: str) -> str:
-        return SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch)
+        return SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch, worker_id=worker)
 
     @staticmethod
     def _ref(run: GemmRun, block, src: torch.Tensor, data: bool = False) -> BlockRef:  # noqa: ANN001
@@ -426,7 +426,7 @@ class Dispatcher:
         prefix = SUBJECT_RESULTS.split("{", 1)[0]
         if self.run is None or not subject.startswith(prefix):
             return
-        tokens = subject[len(prefix):].split(".")
+        tokens = subject[len(prefix):].split(".")  # job, epoch, worker
         workers = tokens[2:3] if len(tokens) > 2 else list(self.dealer.members)
         log.warning("results_dropped", subject=subject, workers=len(workers))
         sends = [s for w in workers for s in self.dealer.redo(w, self.clock())]

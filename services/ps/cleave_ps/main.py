@@ -165,8 +165,9 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
     run = Job(s, job, bus, stop)
     first = await run.start()
     d = run.dispatcher
-    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=d.epoch), TileResult, d.on_result,
-                              max_bytes=s.max_result_bytes, pending_bytes=s.max_pending_bytes)
+    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=d.epoch, worker_id="*"), TileResult,
+                              d.on_result, max_bytes=s.max_result_bytes, pending_bytes=s.max_pending_bytes,
+                              sender="worker_id")
 
     async def abort_on_stop() -> None:
         await stop.wait()
@@ -181,8 +182,8 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
                 if stop.is_set():
                     break
                 await run.run_step(step, resumed=first > 0)
-            if first >= job.steps:
-                log.info("job_already_done", job=job.job_id, steps=job.steps)
+            else:  # every step ran (none, when a restarted PS finds the job already done)
+                await run.progress.finish(first)
         except StepAborted as e:
             log.warning("step_aborted", reason=str(e))
         except Fenced as e:

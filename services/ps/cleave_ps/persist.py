@@ -198,6 +198,12 @@ class Progress:
         if (m.step + 1) % self.every == 0 or m.step + 1 == self.steps:
             await self.commit(await asyncio.to_thread(snapshot, model, opt, self.job_id, m.step, self.epoch))
 
+    async def finish(self, first: int) -> None:
+        """Every step (or round) is committed: say so, in the log and as a `job_done` event."""
+        log.info("job_done", job=self.job_id, steps=self.steps, first=first, epoch=self.epoch)
+        await self.bus.emit(Event(kind="job_done", at=time.time(), job=self.job_id, step=self.steps - 1,
+                                  detail={"steps": self.steps, "first": first, "epoch": self.epoch}))
+
     async def commit(self, ckpt: Checkpoint) -> None:
         """Persist `ckpt` with the lines of the steps up to it, then report them; raises Fenced."""
         lines = tuple(self.pending)

@@ -114,11 +114,12 @@ class Rounds:
         expected = set(self.plan.workers)
         weights = get_compressor("none")
         packed = {k: weights.compress(v) for k, v in self.server.global_state().items()}
-        bytes_down, reply = 0, SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch)
+        bytes_down = 0
         for shard, w in enumerate(sorted(expected)):
             task = RoundTask(job=self.job.job_id, epoch=self.epoch, method=self.job.method, round=r,
                              job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
-                             shard=shard, reply=reply)
+                             shard=shard, reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch,
+                                                                       worker_id=w))
             bytes_down += await self.bus.publish(SUBJECT_ROUNDS.format(worker_id=w), task)
         self.faults.hit("in_round", r)
         deadline = time.monotonic() + self.job.round_timeout_s
@@ -150,8 +151,8 @@ class Rounds:
 async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
     rounds = Rounds(s, job, bus, stop)
     first = await rounds.start()
-    sub = await bus.subscribe(SUBJECT_UPDATES.format(job=job.job_id, epoch=rounds.epoch), RoundUpdate,
-                              rounds.on_update, max_bytes=s.max_result_bytes)
+    sub = await bus.subscribe(SUBJECT_UPDATES.format(job=job.job_id, epoch=rounds.epoch, worker_id="*"), RoundUpdate,
+                              rounds.on_update, max_bytes=s.max_result_bytes, sender="worker_id")
     log.info("ps_started", job=job.job_id, method=job.method, rounds=job.steps, epoch=rounds.epoch, first=first)
     code = 0
     async with asyncio.TaskGroup() as tg:
@@ -166,6 +167,8 @@ async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Even
                 log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers,
                          step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
                 await rounds.progress.done(m, rounds.trainer.model, rounds.outer_opt)
+            else:
+                await rounds.progress.finish(first)
         except Fenced as e:
             log.warning("ps_fenced", reason=str(e))
             code = EXIT_FENCED

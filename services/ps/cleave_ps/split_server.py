@@ -65,7 +65,7 @@ class SplitJob:
     async def start(self) -> int:
         """Claim an epoch, build the server half, restore the last committed step; returns the first step."""
         self.epoch = await self.progress.open()
-        self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch)
+        self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id="*")  # subscribed
         await asyncio.to_thread(self.build)
         self.first = await self.progress.resume(self.server.half, self.server.opt)
         return self.first
@@ -102,7 +102,8 @@ class SplitJob:
     async def step(self, s: int) -> StepMetrics:
         t0 = time.perf_counter()
         base = dict(job=self.job.job_id, epoch=self.epoch, step=s, job_config=self.job.model_dump_json(),
-                    split_layers=self.job.split_layers, reply=self.reply)
+                    split_layers=self.job.split_layers,
+                    reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id=self.client))
         fwd = await self.ask(SplitTask(**base, phase="forward"))
         if fwd.activations is None or fwd.targets is None:
             raise ClientLost(f"client {self.client} sent no activations for step {s}")
@@ -127,7 +128,7 @@ class SplitJob:
 async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
     sj = SplitJob(s, job, bus, stop)
     first = await sj.start()
-    sub = await bus.subscribe(sj.reply, SplitReply, sj.on_reply, max_bytes=s.max_result_bytes)
+    sub = await bus.subscribe(sj.reply, SplitReply, sj.on_reply, max_bytes=s.max_result_bytes, sender="worker_id")
     code = 0
     async with asyncio.TaskGroup() as tg:
         watcher = tg.create_task(sj.plan.follow(stop))
@@ -142,6 +143,8 @@ async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event
                 m = await sj.step(step)
                 log.info("step_done", step=step, loss=round(m.loss, 5), step_time_s=round(m.step_time_s, 3))
                 await sj.progress.done(m, sj.server.half, sj.server.opt)
+            else:
+                await sj.progress.finish(first)
         except ClientLost as e:
             log.error("split_client_lost", reason=str(e))
             code = EXIT_JOB_FAILED

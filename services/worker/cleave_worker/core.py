@@ -1,16 +1,20 @@
-"""The worker's pure core: the bounded input-block cache and the computation of one tile."""
+"""The worker's pure core: the bounded input-block cache, the checks on a tile (shapes, dtypes, memory
+budget) and the computation of one tile."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from cleave import codec, tiles
+from cleave.costmodel import tile_memory_bytes
 from cleave.schemas import BlockRef, TileResult, TileTask
 
 HALF = (torch.float16, torch.bfloat16)
+FLOAT32_BYTES = 4  # tiles are computed and returned in float32; the PS plans with dtype_bytes=4
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # workers use CUDA when present
 
 
@@ -52,8 +56,15 @@ class BlockCache:
         return t
 
 
-def check_inputs(a: torch.Tensor, bt: torch.Tensor) -> str:
-    """Why these blocks cannot be multiplied, or '' when they can."""
+def tile_bytes(a: torch.Tensor, bt: torch.Tensor) -> int:
+    """Memory a tile works in: both input blocks and the output block in float32 (half-precision inputs are
+    computed as float32 copies; what arrived counts as cache). The planner's own measure at 4 bytes an
+    element, the one every plan keeps within a device's memory: ((rows + cols) * k + rows * cols) * 4."""
+    return int(tile_memory_bytes(np.array(a.shape[0]), np.array(bt.shape[0]), a.shape[1], FLOAT32_BYTES))
+
+
+def check_inputs(a: torch.Tensor, bt: torch.Tensor, budget_bytes: int) -> str:
+    """Why these blocks cannot be multiplied within `budget_bytes` of memory, or '' when they can."""
     if a.dim() != 2 or bt.dim() != 2:
         return f"blocks must be 2-D, got {tuple(a.shape)} and {tuple(bt.shape)}"
     if a.shape[1] != bt.shape[1]:
@@ -62,6 +73,9 @@ def check_inputs(a: torch.Tensor, bt: torch.Tensor) -> str:
         return f"dtypes {a.dtype} and {bt.dtype} must be one floating type"
     if a.dtype == torch.float64:
         return "float64 blocks are not computed"
+    if (need := tile_bytes(a, bt)) > budget_bytes:
+        return (f"tile {a.shape[0]}x{bt.shape[0]} (k={a.shape[1]}, {a.dtype}) needs {need} bytes of memory, "
+                f"over this worker's budget of {budget_bytes} (CLEAVE_WORKER_MEMORY_BYTES)")
     return ""
 
 

@@ -113,7 +113,7 @@ class Worker:
         missing = tuple(ref.id for ref, t in ((task.a, a), (task.b, bt)) if t is None)
         if missing:
             result = reply_to(task, self.s.worker_id, missing=missing)
-        elif why := check_inputs(a, bt):
+        elif why := check_inputs(a, bt, self.profile.memory_bytes):
             self.log.warning("tile_refused", reason=why, step=task.step, op=task.op, tile=task.tile)
             result = reply_to(task, self.s.worker_id, error=why)
         else:

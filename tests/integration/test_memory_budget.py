@@ -1,0 +1,103 @@
+"""A worker refuses a tile over its memory budget with an error result (never an out-of-memory), and the PS
+gets the tile done by another worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+
+from cleave import bus as busmod
+from cleave import codec, tiles
+from cleave.schemas import SUBJECT_TILES, BlockRef, TileResult, TileTask
+from cleave_cli.jobrun import LocalFleet
+from cleave_worker.core import tile_bytes
+from tests.integration.fleet import InProcessPS
+
+SMALL = 64 * 1024 * 1024  # the refusing worker's budget (CLEAVE_WORKER_MEMORY_BYTES)
+SMALL_ENV = {"CLEAVE_WORKER_MEMORY_BYTES": str(SMALL), "CLEAVE_WORKER_CACHE_BYTES": str(32 * 1024 * 1024)}
+M, N, K = 6144, 4096, 768  # dealt as two 3072 x 4096 tiles: 48 MiB out + 21 MiB in = 69 MiB > 64 MiB
+READY_TIMEOUT_S = 60.0
+
+
+def task(worker_tag: str, tile: int, a: torch.Tensor, bt: torch.Tensor, reply: str) -> TileTask:
+    return TileTask(job="budget", epoch=1, step=0, op=1, tile=tile, a=BlockRef(id=f"{worker_tag}a{tile}",
+                    tensor=codec.tensor_to_data(a)), b=BlockRef(id=f"{worker_tag}b{tile}",
+                    tensor=codec.tensor_to_data(bt)), reply=reply)
+
+
+async def test_a_tile_over_the_budget_gets_an_error_result_and_the_worker_goes_on(tmp_path, nats_url):
+    fleet = LocalFleet(tmp_path, 0, nats_url=nats_url)
+    fleet.start(with_fleet=False)
+    name = fleet.add_worker(env=SMALL_ENV)
+    worker_id = f"{tmp_path.name}-w1"
+    bus = await busmod.connect(nats_url, "test-budget")
+    results: asyncio.Queue[TileResult] = asyncio.Queue()
+
+    async def on_result(msg: TileResult, nbytes: int) -> None:
+        await results.put(msg)
+
+    sub = await bus.subscribe("test.budget.results", TileResult, on_result)
+    try:
+        torch.manual_seed(0)
+        big_a, big_bt = torch.randn(3072, K), torch.randn(N, K)
+        assert tile_bytes(big_a, big_bt) > SMALL
+        fits_a, fits_bt = torch.randn(256, K), torch.randn(512, K)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        got: dict[int, TileResult] = {}
+        while 1 not in got:  # the worker subscribes once it has measured itself: send until it answers
+            assert time.monotonic() < deadline, "the worker never answered"
+            await bus.publish(SUBJECT_TILES.format(worker_id=worker_id), task("x", 0, big_a, big_bt, sub.subject))
+            await bus.publish(SUBJECT_TILES.format(worker_id=worker_id), task("x", 1, fits_a, fits_bt, sub.subject))
+            for _ in range(2):
+                try:
+                    msg = await asyncio.wait_for(results.get(), 2.0)
+                except TimeoutError:
+                    break
+                got[msg.tile] = msg
+        refused, done = got[0], got[1]
+        assert refused.out is None and f"over this worker's budget of {SMALL}" in refused.error, refused.error
+        assert f"needs {tile_bytes(big_a, big_bt)} bytes" in refused.error
+        assert not done.error and torch.equal(codec.data_to_tensor(done.out), tiles.compute(fits_a, fits_bt))
+        assert fleet.stack.procs[name].popen.poll() is None  # refused, not killed by an out-of-memory
+    finally:
+        await sub.unsubscribe()
+        await bus.close()
+        fleet.stop()
+
+
+async def wait_plan(ps: InProcessPS, workers: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while ps.dispatcher.plan is None or len(ps.dispatcher.workers) < workers:
+        assert time.monotonic() < deadline, "no plan with both workers"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_a_refused_tile_is_computed_by_another_worker(tmp_path, nats_url):
+    fleet = LocalFleet(tmp_path, 0, nats_url=nats_url,
+                       scheduler_env={"CLEAVE_SCHEDULER_TILE_ROWS": "3072", "CLEAVE_SCHEDULER_TILE_COLS": "4096"})
+    try:
+        fleet.start()
+        fleet.add_worker(env=SMALL_ENV)
+        fleet.add_worker()  # the default budget, 512 MiB
+        async with InProcessPS(nats_url, speculate_factor=0, tile_timeout_s=30) as ps:
+            await wait_plan(ps, 2)
+            torch.manual_seed(0)
+            a, bt = torch.randn(M, K), torch.randn(N, K)
+            ps.backend.begin(0)
+            gemm = asyncio.ensure_future(asyncio.to_thread(ps.backend.gemm, a, bt, "unplanned"))
+            done, _ = await asyncio.wait({gemm}, timeout=30)
+            if not done:
+                ps.dispatcher.stopping = True  # ends the GEMM (StepAborted) so that the test can stop
+                with contextlib.suppress(Exception):
+                    await gemm
+                raise AssertionError(f"the GEMM never finished: {ps.bus.rejected}")
+            out = gemm.result()
+            assert torch.equal(out, tiles.compute(a, bt))  # every tile, exactly, by the worker with room
+            assert ps.bus.rejected.get("worker_error", 0) >= 1, ps.bus.rejected
+    finally:
+        fleet.stop()

@@ -1,0 +1,194 @@
+"""The local supervisor (`cleave up`, `cleave train`) never leaves its stack behind.
+
+Each stop signal, and SIGKILL of the supervisor itself, ends with no process of the stack running; the
+JetStream store then opens again with every stream intact (and the PS's last checkpoint matching its
+SHA-256). The stack's nats-server serves its HTTP monitoring port (`/varz`, `/connz`) on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cleave_cli.export_cmd import read_state, state_server
+from cleave_cli.stack import Stack
+
+READY_TIMEOUT_S = 120.0  # the monitor and the workers import torch first; the machine may be loaded
+GONE_TIMEOUT_S = 30.0
+
+
+class Supervisor:
+    """`cleave ARGS` as a child of the test, its output read line by line on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "cleave_cli", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.out: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_line(self, needle: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait for an output line containing `needle`."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.out.append(line)
+            if needle in line:
+                return
+        raise AssertionError(f"no {needle!r} from the supervisor: {''.join(self.out)}")
+
+    def end(self, timeout_s: float = 60.0) -> tuple[int, str]:
+        """Wait for it to exit; returns its status and all its output."""
+        code = self.proc.wait(timeout=timeout_s)
+        self.reader.join(timeout=10)
+        while (line := self.lines.get_nowait() if not self.lines.empty() else None) is not None:
+            self.out.append(line)
+        self.proc.stdout.close()
+        return code, "".join(self.out)
+
+    def kill(self) -> None:
+        """After a failure: SIGKILL it (its children carry the parent-death signal)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.end()
+
+
+@pytest.fixture
+def supervisor():
+    started: list[Supervisor] = []
+
+    def start(*args: str) -> Supervisor:
+        started.append(Supervisor(*args))
+        return started[-1]
+
+    yield start
+    for s in started:
+        if s.proc.returncode is None:
+            s.kill()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def stack_pids(run_dir: Path) -> dict[str, int]:
+    doc = json.loads((run_dir / "stack.json").read_text())
+    return {p["name"]: p["pid"] for p in doc["processes"] if p["pid"]}
+
+
+def assert_all_gone(pids: dict[str, int]) -> None:
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        left = {n: p for n, p in pids.items() if alive(p)}
+        if not left:
+            return
+        time.sleep(0.1)
+    for pid in left.values():
+        os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"left running after the supervisor ended: {left}")
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - a local http:// URL
+        return json.loads(r.read())
+
+
+def wait_connections(monitor: str, n: int) -> None:
+    """Until nats-server's /connz lists `n` client connections (each with its byte counters)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        conns = get_json(f"{monitor}/connz")["connections"] or []
+        if len(conns) >= n:
+            assert all("in_bytes" in c and "out_bytes" in c for c in conns), conns
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} connections on {monitor}/connz: {conns}")
+
+
+def streams(monitor: str) -> dict[str, int]:
+    """Stream name -> last sequence, from nats-server's /jsz."""
+    doc = get_json(f"{monitor}/jsz?streams=true")
+    return {s["name"]: s["state"]["last_seq"] for a in doc.get("account_details", [])
+            for s in a.get("stream_detail", [])}
+
+
+def assert_store_reopens(run_dir: Path, before: dict[str, int]) -> None:
+    """A fresh nats-server on the run's store is healthy and holds every stream, none shorter."""
+    stack = Stack(run_dir)
+    try:
+        stack.start_nats()
+        assert get_json(f"{stack.nats_monitor}/healthz?js-enabled-only=true")["status"] == "ok"
+        after = streams(stack.nats_monitor)
+        assert set(before) <= set(after), (before, after)
+        assert all(after[s] >= seq for s, seq in before.items()), (before, after)
+    finally:
+        stack.stop_all()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL],
+                         ids=lambda s: signal.Signals(s).name)
+def test_up_stops_its_whole_stack(tmp_path, supervisor, sig):
+    run_dir = tmp_path / "run"
+    up = supervisor("up", "--workers", "1", "--run-dir", str(run_dir))
+    up.wait_line("stops everything")
+    doc = json.loads((run_dir / "stack.json").read_text())
+    monitor = doc["nats_monitor"]
+    assert monitor.startswith("http://127.0.0.1:")
+    assert get_json(f"{monitor}/varz")["jetstream"]["config"]["store_dir"].startswith(str(run_dir))
+    wait_connections(monitor, 3)  # scheduler, worker, monitor: each its own connection
+    pids = stack_pids(run_dir)
+    assert {"nats", "scheduler", "worker-1", "monitor"} <= set(pids)
+    before = streams(monitor)
+    assert before, "the scheduler keeps its registry and plans in JetStream"
+
+    up.proc.send_signal(sig)
+    code, out = up.end()
+    assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0), out
+    assert_all_gone(pids)
+    assert_store_reopens(run_dir, before)
+
+
+def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, supervisor):
+    run_dir = tmp_path / "run"
+    train = supervisor("train", "--preset", "tiny", "--steps", "500", "--workers", "2", "--job-id", "sig",
+                   "--run-dir", str(run_dir))
+    train.wait_line("step 3/")  # the progress line of a step that the PS committed
+    pids = stack_pids(run_dir)
+    train.proc.send_signal(signal.SIGTERM)
+    code, out = train.end()
+    assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in out, out
+    assert_all_gone(pids)
+
+    async def last_checkpoint() -> int:
+        with state_server(run_dir) as url:
+            head, _ = await read_state(url, "sig")  # raises unless the object matches its SHA-256
+            return head.step
+
+    assert 1 <= asyncio.run(last_checkpoint()) < 500

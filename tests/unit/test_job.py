@@ -1,0 +1,66 @@
+"""Job settings that the chosen method would ignore are refused at parse time, naming the setting and the
+method it needs: in JobConfig, in job files and on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cleave.errors import ConfigError
+from cleave.job import METHOD_SETTINGS, JobConfig
+from cleave_cli.main import main as cli
+
+METHODS = ("cleave", "diloco", "fedavg", "split")
+# a value other than the default for every method-specific setting
+NON_DEFAULT = {"split_layers": 2, "local_steps": 3, "outer_lr": 0.5, "outer_momentum": 0.5, "aggregate": "median",
+               "compress": "int8", "lora_rank": 4, "lora_alpha": 8.0, "round_timeout_s": 30.0, "val_every": 2,
+               "init_from": "some/dir"}
+
+
+def test_every_method_specific_setting_has_a_value_to_try():
+    assert set(NON_DEFAULT) == set(METHOD_SETTINGS)
+
+
+@pytest.mark.parametrize("name", sorted(METHOD_SETTINGS))
+def test_a_setting_is_refused_under_a_method_that_ignores_it(name):
+    for method in METHODS:
+        fields = {"method": method, name: NON_DEFAULT[name]}
+        if method in METHOD_SETTINGS[name]:
+            extra = {"lora_rank": 4} if name == "lora_alpha" else {}  # lora_alpha only applies with a rank
+            JobConfig.build(**fields, **extra)
+            continue
+        with pytest.raises(ConfigError) as e:
+            JobConfig.build(**fields)
+        wanted = " or ".join(METHOD_SETTINGS[name])
+        assert f"{name}=" in str(e.value) and f"method={method!r}" in str(e.value), e.value
+        assert f"needs method {wanted}" in str(e.value), e.value
+
+
+def test_defaults_pass_under_every_method_and_explicit_defaults_too():
+    for method in METHODS:
+        JobConfig.build(method=method)
+        JobConfig.build(method=method, split_layers=1, compress="none", lora_rank=0)
+
+
+def test_lora_alpha_needs_a_rank_and_compress_a_valid_spec():
+    with pytest.raises(ConfigError, match=r"lora_alpha=8.0 has no effect unless lora_rank > 0"):
+        JobConfig.build(method="fedavg", lora_alpha=8.0)
+    with pytest.raises(ConfigError, match=r"compression='int9' is not one of"):
+        JobConfig.build(method="diloco", compress="int9")
+
+
+def test_the_issue_example_is_refused():
+    with pytest.raises(ConfigError, match=r"lora_rank=8 does not apply to method='cleave': it needs method diloco"):
+        JobConfig.build(method="cleave", lora_rank=8, compress="int8")
+
+
+def test_job_files_and_the_cli_refuse_them(tmp_path, capsys):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"preset": "tiny", "method": "split", "compress": "fp16"}))
+    with pytest.raises(ConfigError, match=r"compress='fp16' does not apply to method='split'"):
+        JobConfig.load(path)
+    assert cli(["train", "--config", str(path), "--reference", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "compress='fp16' does not apply to method='split'" in capsys.readouterr().err
+    assert cli(["train", "--preset", "tiny", "--lora", "8", "--reference", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "lora_rank=8 does not apply to method='cleave': it needs method diloco or fedavg" in capsys.readouterr().err
