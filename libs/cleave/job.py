@@ -31,7 +31,10 @@ class JobConfig(BaseModel):
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)
     seq_len: int | None = Field(None, ge=2)  # None = the preset's block_size
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(2e-3, gt=0)  # the peak learning rate (cleave.schedule)
+    lr_schedule: Literal["cosine", "constant"] = "cosine"  # cosine: linear warmup, then cosine decay to lr_min
+    warmup_steps: int | None = Field(None, ge=0)  # None: 5% of the optimizer steps, at most 2000
+    lr_min: float | None = Field(None, ge=0)  # the floor of the decay; None: lr / 10 (nanoGPT's min_lr)
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = 0.9
     beta2: float = 0.95

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cleave import tiled
+from cleave import schedule, tiled
 from cleave.data import Corpus, check_vocab
 from cleave.errors import ConfigError
 from cleave.job import JobConfig
@@ -77,6 +77,7 @@ class Trainer:
         loss.backward()
         if self.job.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.grad_clip, foreach=False)
+        schedule.set_lr(self.opt, self.job, step)
         self.opt.step()
         value = loss.item()
         if not math.isfinite(value):

@@ -18,6 +18,7 @@ from cleave.job import JobConfig
 from cleave.lifecycle import EXIT_FENCED, run
 from cleave.logs import configure
 from cleave.models import gemm_shapes
+from cleave.schedule import lr_at
 from cleave.schemas import (
     PLAN_BUCKET,
     PLAN_KEY,
@@ -90,7 +91,7 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
         job=job.job_id, step=step, loss=loss, step_time_s=dt, workers=len(d.workers), tiles=c.tiles - before["tiles"],
         tiles_resent=c.resent - before["resent"], tiles_dropped=c.dropped - before["dropped"],
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
-        bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=job.lr, val_loss=val,
+        bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val,
         recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(),
         gemm_s=c.gemm_s - before["gemm_s"], predicted_gemm_s=planned,
         predicted_step_s=None if planned is None or ps_own_s is None else planned + ps_own_s,

@@ -25,6 +25,7 @@ from cleave.job import JobConfig
 from cleave.methods import split
 from cleave.methods.common import make_adamw, shard_batch
 from cleave.models import build_model, get_preset
+from cleave.schedule import set_lr
 from cleave.schemas import SplitReply, SplitTask
 
 
@@ -55,6 +56,7 @@ class ClientState:
             raise RuntimeError(f"backward of step {step} while this client expects step {self.next_step}")
         half = {k: v.detach().clone() for k, v in self.client.half.state_dict().items()}
         self.before = (half, copy.deepcopy(self.client.opt.state_dict()))
+        set_lr(self.client.opt, self.job, step)
         coef = self.client.backward(back)
         self.next_step = step + 1
         return coef
