@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Literal
@@ -9,7 +10,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cleave.errors import ConfigError
-from cleave.models import PRESETS
+from cleave.models import PRESETS, ModelConfig, get_preset
+from cleave.models.hf import read_hf_config
+
+DEFAULT_PRESET = "tiny"
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_config(path: str) -> ModelConfig:
+    return read_hf_config(path)
 
 
 class JobConfig(BaseModel):
@@ -27,7 +36,7 @@ class JobConfig(BaseModel):
     lora_rank: int = Field(0, ge=0)  # > 0: only LoRA adapters of this rank train and travel
     lora_alpha: float = Field(16.0, gt=0)
     round_timeout_s: float = Field(120.0, gt=0)  # a round closes with what arrived by then
-    preset: str = "tiny"  # a name from cleave.models.PRESETS
+    preset: str | None = None  # a name from cleave.models.PRESETS; None: init_from's config.json, else "tiny"
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)
     seq_len: int | None = Field(None, ge=2)  # None = the preset's block_size
@@ -46,18 +55,39 @@ class JobConfig(BaseModel):
     val_every: int = Field(0, ge=0)  # evaluate val_loss every N steps; 0 = never
     init_from: str | None = Field(None, min_length=1)  # a Hugging Face model dir to start from (fine-tuning)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_preset(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("preset") is None and data.get("init_from") is None:
+            return {**data, "preset": DEFAULT_PRESET}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> JobConfig:
-        if self.preset not in PRESETS:
+        if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-        block = PRESETS[self.preset].block_size
+        try:
+            block = self.arch().block_size
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         if self.seq_len is not None and self.seq_len > block:
-            raise ValueError(f"seq_len={self.seq_len} exceeds the preset's block_size={block}")
+            raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={block}")
         return self
+
+    def arch(self) -> ModelConfig:
+        """The architecture: the preset's, or (no preset) the one in init_from's config.json."""
+        if self.preset is not None:
+            return get_preset(self.preset)
+        return _hf_config(self.init_from)
+
+    @property
+    def model_name(self) -> str:
+        """What to call the model in messages: the preset, or the directory it comes from."""
+        return self.preset or f"init_from={self.init_from}"
 
     @property
     def seq(self) -> int:
-        return self.seq_len or PRESETS[self.preset].block_size
+        return self.seq_len or self.arch().block_size
 
     @classmethod
     def load(cls, path: str | Path, **overrides: object) -> JobConfig:

@@ -26,7 +26,7 @@ from cleave import bus as busmod
 from cleave.errors import CleaveError, ConfigError
 from cleave.job import JobConfig
 from cleave.logs import configure
-from cleave.models import ModelConfig, build_model, get_preset
+from cleave.models import ModelConfig, build_model
 from cleave.models.hf import export_hf
 from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
 from cleave_cli.stack import Stack
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         head, job, cfg, model = asyncio.run(read_state(url, job_id))
     out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=DTYPES[args.dtype])
     print(
-        f"exported job {job_id} at step {head.step} (epoch {head.epoch}, preset {job.preset}, "
+        f"exported job {job_id} at step {head.step} (epoch {head.epoch}, model {job.model_name}, "
         f"tokenizer {job.tokenizer}) to {out}"
     )
     return 0
@@ -145,7 +145,7 @@ async def read_state(url: str, job_id: str) -> tuple[StateHead, JobConfig, Model
             )
         head, _ = got
         job = JobConfig.build(**json.loads(head.job_config))
-        cfg = get_preset(job.preset)
+        cfg = job.arch()
         model = build_model(cfg, seed=0)  # every weight is overwritten by the checkpoint
         store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
         await read_checkpoint(store, head, model, None, skip_optimizer=True)

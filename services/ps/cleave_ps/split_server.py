@@ -25,7 +25,7 @@ from cleave.job import JobConfig
 from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED, wait_for_stop
 from cleave.methods import split
 from cleave.methods.common import make_adamw
-from cleave.models import build_model, get_preset
+from cleave.models import build_model
 from cleave.schedule import set_lr
 from cleave.schemas import (
     SUBJECT_SPLIT,
@@ -60,7 +60,7 @@ class SplitJob:
         self.bytes_down = self.bytes_up = 0
 
     def build(self) -> None:
-        _, half = split.split_model(build_model(get_preset(self.job.preset), seed=self.job.seed), self.job.split_layers)
+        _, half = split.split_model(build_model(self.job.arch(), seed=self.job.seed), self.job.split_layers)
         self.server = split.SplitServer(half, make_adamw(split.server_params(half), self.job))
 
     async def start(self) -> int:
