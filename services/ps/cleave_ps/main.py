@@ -10,7 +10,7 @@ from collections import deque
 import structlog
 import torch
 
-from cleave import auth
+from cleave import auth, preflight
 from cleave import bus as busmod
 from cleave.errors import StepAborted, StepSpoiled
 from cleave.faults import Faults
@@ -119,12 +119,21 @@ class Job:
         epoch = await self.progress.open()
         self.dispatcher = Dispatcher(self.bus, self.job.job_id, epoch, self.s)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
+        await asyncio.to_thread(self.preflight)
         self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend)
         await self.describe_job()
         first = await self.progress.resume(self.trainer.model, self.trainer.opt)
         if not first:
             log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
         return first
+
+    def preflight(self) -> None:
+        """Refuse a job whose estimated peak memory exceeds what this PS may use (ConfigError, exit 2)."""
+        est = preflight.estimate(self.job, workers=1, tile_bytes=4 if self.s.tile_dtype == "fp32" else 2)
+        memory = self.s.memory_bytes or preflight.available_memory()
+        preflight.check(self.job, est, memory)
+        log.info("preflight_passed", job=self.job.job_id, ps_peak_gb=round(est.total / 1e9, 2),
+                 available_gb=round(memory / 1e9, 2))
 
     async def describe_job(self) -> None:
         """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""
