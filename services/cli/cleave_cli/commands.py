@@ -105,7 +105,9 @@ def up(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    job = JobConfig.build(job_id=new_job_id("demo"), preset="small", steps=args.steps or 30, batch_size=8, lr=2e-3)
+    steps = args.steps or 30
+    job = JobConfig.build(job_id=new_job_id("demo"), preset="small", steps=steps, batch_size=8, lr=2e-3,
+                          warmup_steps=max(1, steps // 5))  # a short run: a fifth of it warms up (no spike)
     run_dir = args.run_dir or default_run_dir("demo")
     metrics_out = run_dir / "metrics.jsonl"
     fleet = LocalFleet(run_dir, 0)

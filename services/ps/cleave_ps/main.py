@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import statistics
 import time
 from collections import deque
@@ -63,6 +64,18 @@ class FleetGemm:
             self.dispatcher.gemm(a.cpu(), bt.cpu(), self.step, self.op, name), self.loop
         )
         return fut.result().to(device)
+
+
+def held_bytes(d: Dispatcher, model: torch.nn.Module) -> int:
+    """Bytes the dispatcher's block-id map keeps alive at the end of a step beyond the model's own weights
+    (transposes, activations and gradients of the step's GEMMs; issue 14 frees them as each GEMM ends)."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: dict[int, int] = {}
+    for _, t in d._uids.values():
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            held[storage.data_ptr()] = storage.nbytes()
+    return sum(held.values())
 
 
 async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Event) -> None:
@@ -160,7 +173,9 @@ class Job:
         m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed, own)
         self.own_s.append(m.step_time_s - m.gemm_s)
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
-                 workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)
+                 workers=m.workers, tiles=m.tiles, resent=m.tiles_resent,
+                 held_mb=round(held_bytes(d, self.trainer.model) / 2**20, 1),
+                 peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
         await self.progress.done(m, self.trainer.model, self.trainer.opt)
 
 
