@@ -46,27 +46,31 @@ def free_gb() -> float:
 
 
 class PeakWatch(threading.Thread):
-    """Polls a process's VmHWM (its peak RSS) until it exits; stops the run if the machine runs short."""
+    """Polls the PS's and nats-server's VmHWM (peak RSS) while they run; stops the PS (for good) if the
+    machine's free memory falls under MIN_FREE_GB."""
 
     def __init__(self, fleet: LocalFleet) -> None:
         super().__init__(daemon=True)
-        self.fleet, self.peak_kb, self.low = fleet, 0, False
+        self.fleet, self.peak_kb, self.low = fleet, {"ps": 0, "nats": 0}, None
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(0.1):
-            ps = self.fleet.stack.procs.get("ps")
-            if ps is None or ps.popen.poll() is not None:
-                continue
-            try:
-                status = Path(f"/proc/{ps.popen.pid}/status").read_text()
-            except OSError:
-                continue
-            hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-            self.peak_kb = max(self.peak_kb, hwm)
-            if free_gb() < MIN_FREE_GB:
-                self.low = True
-                ps.popen.kill()
+            for name in self.peak_kb:
+                proc = self.fleet.stack.procs.get(name)
+                if proc is not None and proc.popen.poll() is None:
+                    self.peak_kb[name] = max(self.peak_kb[name], _hwm_kb(proc.popen.pid))
+            if self.low is None and free_gb() < MIN_FREE_GB:
+                self.low = f"stopped: the machine's free memory fell to {free_gb():.1f} GB"
+                self.fleet.stack.kill("ps", restart=False)
+
+
+def _hwm_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
 
 
 def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
@@ -80,22 +84,26 @@ def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
     return [json.loads(line) for line in out.read_text().splitlines()], peak / 1e6  # KB -> GB
 
 
-def distributed(job: JobConfig, tmp: Path) -> tuple[list[dict], float, list[float]]:
+def distributed(job: JobConfig, tmp: Path) -> dict:
+    """The job through a local stack: its lines, peak RSS of the PS and nats-server, what the PS logged."""
     fleet = LocalFleet(tmp / "dist", WORKERS)
     watch = PeakWatch(fleet)
+    lines, stopped = [], None
     try:
         fleet.start()
         watch.start()
         fleet.start_ps(job, tmp / "dist.jsonl")
         lines = fleet.wait_ps(tmp / "dist.jsonl", timeout_s=3600)
+    except CleaveError as e:
+        stopped = watch.low or str(e)
+        lines = [json.loads(x) for x in (tmp / "dist.jsonl").read_text().splitlines()] if (tmp / "dist.jsonl").exists() else []
     finally:
         watch.done.set()
         fleet.stop()
-    if watch.low:
-        raise CleaveError(f"stopped: the machine's free memory fell under {MIN_FREE_GB} GB")
     log = (tmp / "dist" / "logs" / "ps.log").read_text()
-    held = [float(x) for x in re.findall(r"step_done.*?held_mb=([0-9.]+)", log)]
-    return lines, watch.peak_kb / 1e6, held
+    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] / 1e6, "nats_gb": watch.peak_kb["nats"] / 1e6,
+            "held_mb": [float(x) for x in re.findall(r"step_done.*?held_mb=([0-9.]+)", log)],
+            "ps_restarts": len(re.findall(r"ps_resumed", log))}
 
 
 def one(name: str, steps: int) -> dict:
@@ -111,16 +119,22 @@ def one(name: str, steps: int) -> dict:
         tmp = Path(d)
         (tmp / "job.json").write_text(job.model_dump_json())
         ref, ref_gb = reference(tmp / "job.json", tmp)
-        lines, ps_gb, held = distributed(job, tmp)
-    step = statistics.median(m["step_time_s"] for m in lines)
+        dist = distributed(job, tmp)
+    lines = dist["lines"]
     ref_step = statistics.median(m["step_time_s"] for m in ref)
-    return {**row, "ps_peak_rss_gb": round(ps_gb, 2), "reference_peak_rss_gb": round(ref_gb, 2),
-            "rss_ratio": round(ps_gb / ref_gb, 3), "step_s": round(step, 2), "reference_step_s": round(ref_step, 2),
-            "step_ratio": round(step / ref_step, 2),
-            "checkpoint_s_per_step": round(sum(m.get("checkpoint_s", 0.0) for m in lines) / len(lines), 2),
-            "commits": sum(1 for m in lines if m.get("checkpoint_s")),
-            "held_by_id_map_mb": held, "losses": [m["loss"] for m in lines], "reference_losses": [m["loss"] for m in ref],
-            "losses_equal": [m["loss"] for m in lines] == [m["loss"] for m in ref]}
+    row = {**row, "ps_peak_rss_gb": round(dist["ps_gb"], 2), "reference_peak_rss_gb": round(ref_gb, 2),
+           "rss_ratio": round(dist["ps_gb"] / ref_gb, 3), "nats_peak_rss_gb": round(dist["nats_gb"], 2),
+           "held_by_id_map_mb": dist["held_mb"], "ps_restarts": dist["ps_restarts"], "reference_step_s": round(ref_step, 2),
+           "reference_losses": [m["loss"] for m in ref], "losses": [m["loss"] for m in lines]}
+    if dist["stopped"]:
+        row["stopped"] = dist["stopped"]
+    if lines:
+        step = statistics.median(m["step_time_s"] for m in lines)
+        row.update(step_s=round(step, 2), step_ratio=round(step / ref_step, 2),
+                   checkpoint_s=[round(m.get("checkpoint_s", 0.0), 1) for m in lines],
+                   checkpoint_s_per_step=round(sum(m.get("checkpoint_s", 0.0) for m in lines) / len(lines), 2),
+                   losses_equal=[m["loss"] for m in lines] == [m["loss"] for m in ref[: len(lines)]])
+    return row
 
 
 def main() -> None:
@@ -136,8 +150,8 @@ def main() -> None:
         t0 = time.time()
         rows.append({**one(name, args.steps), "wall_s": round(time.time() - t0)})
         print(json.dumps(rows[-1]), flush=True)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text(json.dumps({"rows": rows}, indent=2) + "\n")  # after each model: nothing is lost
     print(f"wrote {RESULTS}")
 
 
