@@ -133,7 +133,8 @@ def one(name: str, steps: int) -> dict:
         row.update(step_s=round(step, 2), step_ratio=round(step / ref_step, 2),
                    checkpoint_s=[round(m.get("checkpoint_s", 0.0), 1) for m in lines],
                    checkpoint_s_per_step=round(sum(m.get("checkpoint_s", 0.0) for m in lines) / len(lines), 2),
-                   losses_equal=[m["loss"] for m in lines] == [m["loss"] for m in ref[: len(lines)]])
+                   losses_equal=[m["loss"] for m in lines] == [m["loss"] for m in ref[: len(lines)]],
+                   max_rel_loss_diff=max(abs(m["loss"] - r["loss"]) / abs(r["loss"]) for m, r in zip(lines, ref, strict=False)))
     return row
 
 
