@@ -103,7 +103,8 @@ def distributed(job: JobConfig, tmp: Path) -> dict:
     log = (tmp / "dist" / "logs" / "ps.log").read_text()
     return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] / 1e6, "nats_gb": watch.peak_kb["nats"] / 1e6,
             "held_mb": [float(x) for x in re.findall(r"step_done.*?held_mb=([0-9.]+)", log)],
-            "ps_restarts": len(re.findall(r"ps_resumed", log))}
+            "ps_restarts": len(re.findall(r"ps_resumed", log)),
+            "peak_rss_at_step_end_mb": [float(x) for x in re.findall(r"step_done.*?peak_rss_mb=([0-9.]+)", log)]}
 
 
 def one(name: str, steps: int) -> dict:
@@ -124,7 +125,8 @@ def one(name: str, steps: int) -> dict:
     ref_step = statistics.median(m["step_time_s"] for m in ref)
     row = {**row, "ps_peak_rss_gb": round(dist["ps_gb"], 2), "reference_peak_rss_gb": round(ref_gb, 2),
            "rss_ratio": round(dist["ps_gb"] / ref_gb, 3), "nats_peak_rss_gb": round(dist["nats_gb"], 2),
-           "held_by_id_map_mb": dist["held_mb"], "ps_restarts": dist["ps_restarts"], "reference_step_s": round(ref_step, 2),
+           "held_by_id_map_mb": dist["held_mb"], "ps_restarts": dist["ps_restarts"],
+           "ps_peak_rss_at_step_end_mb": dist["peak_rss_at_step_end_mb"], "reference_step_s": round(ref_step, 2),
            "reference_losses": [m["loss"] for m in ref], "losses": [m["loss"] for m in lines]}
     if dist["stopped"]:
         row["stopped"] = dist["stopped"]
@@ -143,8 +145,9 @@ def main() -> None:
     p.add_argument("--models", default="gpt2-medium,llama3-1b")
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
-    rows = []
+    rows = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
     for name in args.models.split(","):
+        rows = [r for r in rows if r["model"] != name]  # a model measured again replaces its old row
         if free_gb() < MIN_FREE_GB + 2:
             rows.append({"model": name, "skipped": f"only {free_gb():.1f} GB free"})
             continue

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import structlog
 import torch
 from torch import nn
 
@@ -64,16 +63,16 @@ async def test_a_damaged_checkpoint_falls_back_to_the_previous_one(nats_url):
         step0 = {k: v.clone() for k, v in t.model.state_dict().items()}
         t.step(1)
         head = await p.commit(snapshot(t.model, t.opt, job.job_id, 1, p.epoch), ())
-        for damage in (_flip_one_byte, _truncate):
+        for damage, why in ((_flip_one_byte, "does not match its sha256"), (_truncate, "bytes")):
             await damage(p.store, f"{head.object}.data")
             fresh = Trainer(job)
-            with structlog.testing.capture_logs() as logs:
-                got = await reload(bus, job.job_id, job.model_dump_json(), fresh.model, fresh.opt)
+            q = Persister(bus, job.job_id, job.model_dump_json())
+            await q.open()
+            got = await q.load(fresh.model, fresh.opt)
             assert got is not None and got.step == 0  # the step-1 checkpoint was refused
             assert all(torch.equal(v, step0[k]) for k, v in fresh.model.state_dict().items())
-            rejected = [e for e in logs if e["event"] == "checkpoint_rejected"]
-            assert rejected and rejected[0]["step"] == 1, logs
-            assert "sha256" in rejected[0]["reason"] or "truncated" in rejected[0]["reason"]
+            [(step, reason)] = q.rejected  # and logged as checkpoint_rejected with this reason
+            assert step == 1 and reason.endswith(why), reason
     finally:
         await bus.close()
 

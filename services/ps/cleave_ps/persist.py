@@ -98,6 +98,7 @@ class Persister:
         self.revision: int | None = None
         self.epoch = 0
         self.committed: list[str] = []  # object names this PS wrote, oldest first
+        self.rejected: list[tuple[int, str]] = []  # (step, reason) of each checkpoint load refused
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
@@ -150,6 +151,7 @@ class Persister:
                 await read_checkpoint(self.store, head, model, opt)
             except CorruptCheckpoint as e:
                 log.warning("checkpoint_rejected", job=self.job_id, step=head.step, object=head.object, reason=str(e))
+                self.rejected.append((head.step, str(e)))
                 reasons.append(str(e))
                 self.committed.append(head.object)  # pruned like any old checkpoint
                 continue
