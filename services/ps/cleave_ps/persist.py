@@ -211,7 +211,8 @@ class Progress:
 
     def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults) -> None:
         self.bus, self.faults, self.job_id, self.steps = bus, faults, job.job_id, job.steps
-        self.out, self.every = MetricsFile(s.metrics_out), s.persist_every
+        # 0 = budgeted for pretraining; the other methods resume exactly only from their last step or round
+        self.out, self.every = MetricsFile(s.metrics_out), s.persist_every or (0 if job.method == "cleave" else 1)
         self.persister = Persister(bus, job.job_id, job.model_dump_json())
         self.pending: list[StepMetrics] = []
         self.last_commit_s = 0.0  # seconds the last commit's stream took (persist_every = 0 budgets it)
