@@ -152,7 +152,8 @@ def targets(model: nn.Module, opt: torch.optim.Optimizer | None, m: CheckpointMa
             if tuple(t.shape) != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype:
                 raise ConfigError(f"checkpoint tensor {e.key} is {e.dtype}{list(e.shape)}, the model's "
                                   f"{t.dtype}{list(t.shape)}")
-            out.append(t)
+            staged = t.device.type != "cpu" or not t.is_contiguous()  # a CUDA PS: via host memory, one at a time
+            out.append(torch.empty(e.shape, dtype=t.dtype) if staged else t)
         else:
             out.append(None if skip_optimizer else torch.empty(e.shape, dtype=TORCH_DTYPES[e.dtype]))
     return out
@@ -196,8 +197,16 @@ class Decoder:
         self.chunks.close(self._check)
 
 
-def apply(opt: torch.optim.Optimizer | None, m: CheckpointManifest, dests: list[torch.Tensor | None]) -> None:
-    """After a verified stream: the optimizer's state from its fresh tensors, and the RNG."""
+def apply(model: nn.Module, opt: torch.optim.Optimizer | None, m: CheckpointManifest,
+          dests: list[torch.Tensor | None]) -> None:
+    """After a verified stream: model tensors that were staged in host memory (a CUDA model) copied in,
+    the optimizer's state from its fresh tensors, and the RNG."""
+    own = model.state_dict()
+    with torch.no_grad():
+        for e, t in zip(m.tensors, dests, strict=True):
+            target = own.get(e.key.removeprefix("model.")) if e.key.startswith("model.") else None
+            if target is not None and t is not None and t.data_ptr() != target.data_ptr():
+                target.copy_(t)
     if opt is not None and m.optimizer_groups:
         state: dict[int, dict[str, torch.Tensor]] = {}
         for e, t in zip(m.tensors, dests, strict=True):
@@ -214,7 +223,7 @@ def restore(model: nn.Module, opt: torch.optim.Optimizer | None, stream: bytes, 
     dec = Decoder(m, dests)
     dec.write(stream)
     dec.finish()
-    apply(opt, m, dests)
+    apply(model, opt, m, dests)
 
 
 def encode(snap: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[bytes, CheckpointManifest]:

@@ -87,7 +87,7 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
     except Exception as e:  # nats-py: not found, or its own digest over the whole object
         raise CorruptCheckpoint(f"data {m.data_object} is unreadable ({type(e).__name__})") from None
     dec.finish()
-    await asyncio.to_thread(ckpt_stream.apply, None if skip_optimizer else opt, m, dests)
+    await asyncio.to_thread(ckpt_stream.apply, model, None if skip_optimizer else opt, m, dests)
     return m
 
 
