@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Literal
@@ -9,7 +10,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cleave.errors import ConfigError
-from cleave.models import PRESETS
+from cleave.models import PRESETS, ModelConfig, get_preset
+from cleave.models.hf import read_hf_config
+
+DEFAULT_PRESET = "tiny"
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_config(path: str) -> ModelConfig:
+    return read_hf_config(path)
 
 ROUND_METHODS = ("diloco", "fedavg")
 # A setting -> the methods it applies to. Under any other method a value other than its default is refused
@@ -48,11 +57,14 @@ class JobConfig(BaseModel):
     lora_rank: int = Field(0, ge=0)  # > 0: only LoRA adapters of this rank train and travel
     lora_alpha: float = Field(16.0, gt=0)
     round_timeout_s: float = Field(120.0, gt=0)  # a round closes with what arrived by then
-    preset: str = "tiny"  # a name from cleave.models.PRESETS
+    preset: str | None = None  # a name from cleave.models.PRESETS; None: init_from's config.json, else "tiny"
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)
     seq_len: int | None = Field(None, ge=2)  # None = the preset's block_size
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(2e-3, gt=0)  # the peak learning rate (cleave.schedule)
+    lr_schedule: Literal["cosine", "constant"] = "cosine"  # cosine: linear warmup, then cosine decay to lr_min
+    warmup_steps: int | None = Field(None, ge=0)  # None: 5% of the optimizer steps, at most 2000
+    lr_min: float | None = Field(None, ge=0)  # the floor of the decay; None: lr / 10 (nanoGPT's min_lr)
     weight_decay: float = Field(0.1, ge=0)
     beta1: float = 0.9
     beta2: float = 0.95
@@ -64,14 +76,24 @@ class JobConfig(BaseModel):
     val_every: int = Field(0, ge=0)  # evaluate val_loss every N steps; 0 = never
     init_from: str | None = Field(None, min_length=1)  # a Hugging Face model dir to start from (fine-tuning)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_preset(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("preset") is None and data.get("init_from") is None:
+            return {**data, "preset": DEFAULT_PRESET}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> JobConfig:
-        if self.preset not in PRESETS:
+        self._check_settings_apply()  # first: a setting the method ignores is the error to report
+        if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-        block = PRESETS[self.preset].block_size
+        try:
+            block = self.arch().block_size
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
         if self.seq_len is not None and self.seq_len > block:
-            raise ValueError(f"seq_len={self.seq_len} exceeds the preset's block_size={block}")
-        self._check_settings_apply()
+            raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={block}")
         if self.compress != "none":
             from cleave.compression import get_compressor  # noqa: PLC0415 - compression imports torch
 
@@ -91,9 +113,20 @@ class JobConfig(BaseModel):
             if value != type(self).model_fields[name].default and not holds(getattr(self, other)):
                 raise ValueError(f"{name}={value!r} has no effect unless {says}")
 
+    def arch(self) -> ModelConfig:
+        """The architecture: the preset's, or (no preset) the one in init_from's config.json."""
+        if self.preset is not None:
+            return get_preset(self.preset)
+        return _hf_config(self.init_from)
+
+    @property
+    def model_name(self) -> str:
+        """What to call the model in messages: the preset, or the directory it comes from."""
+        return self.preset or f"init_from={self.init_from}"
+
     @property
     def seq(self) -> int:
-        return self.seq_len or PRESETS[self.preset].block_size
+        return self.seq_len or self.arch().block_size
 
     @classmethod
     def load(cls, path: str | Path, **overrides: object) -> JobConfig:

@@ -447,19 +447,36 @@ class StepMetrics(Wire):
     updates_dropped: int = 0  # late, duplicate or invalid updates
     recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
     resumed: bool = False  # this step ran on a PS that had restarted from persisted state
+    checkpoint_s: float = 0.0  # seconds spent after this step streaming the state to JetStream (0: not due)
     at: float = 0.0
 
 
-class Checkpoint(Wire):
-    """The PS's state after a committed step: weights, optimizer state, RNG (data position = step + 1)."""
+class TensorEntry(Wire):
+    """One tensor of a streamed checkpoint: its bytes follow the previous entry's in the data object."""
+
+    key: str = Field(max_length=256)  # "model.<key>" or "opt.<param index>.<name>"
+    dtype: Literal[DTYPES]  # type: ignore[valid-type]
+    shape: tuple[int, ...] = Field(max_length=8)
+
+
+class CheckpointManifest(Wire):
+    """The PS's state after a committed step (data position = step + 1): the tensors' raw bytes stream in
+    `data_object`, in the order of `tensors`, hashed every `chunk_bytes` bytes; RNG and optimizer groups here."""
 
     job: str
     step: int
     epoch: int
     created_at: float
-    tensors: dict[str, TensorData]  # "model.<key>" and "opt.<param index>.<name>"
+    data_object: str
+    size: int = Field(ge=0)  # bytes in data_object
+    chunk_bytes: int = Field(gt=0)
+    chunk_sha256: tuple[str, ...] = Field(max_length=1 << 20)
+    tensors: tuple[TensorEntry, ...] = Field(max_length=1 << 20)
     optimizer_groups: list[dict[str, Any]]
     rng: TensorData
+
+
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 
 class StateHead(Wire):
@@ -468,9 +485,9 @@ class StateHead(Wire):
     job: str
     step: int  # last committed step
     epoch: int
-    object: str
-    sha256: str
-    size: int
+    object: str  # the CheckpointManifest's object
+    sha256: str  # of the manifest object
+    size: int  # of the checkpoint's data object
     job_config: str  # the JSON job description the state belongs to
     metrics: tuple[StepMetrics, ...] = ()  # the steps this commit made durable (their --metrics-out lines)
 

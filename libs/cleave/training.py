@@ -10,11 +10,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cleave import tiled
+from cleave import schedule, tiled
 from cleave.data import Corpus, check_vocab
 from cleave.errors import ConfigError
 from cleave.job import JobConfig
-from cleave.models import ModelConfig, build_model, get_preset
+from cleave.models import ModelConfig, build_model
 from cleave.models.hf import check_state_dict, load_hf, our_shapes
 
 # the config fields that change what a set of weights computes (block_size only bounds the context)
@@ -24,7 +24,8 @@ INIT_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd"
 
 def load_init(model: torch.nn.Module, cfg: ModelConfig, job: JobConfig) -> None:
     """Copy the weights of the Hugging Face directory `job.init_from` into `model`, after checking that its
-    config computes the same function as the preset's and that every key and shape matches."""
+    config computes the same function as the preset's (when a preset is given) and that every key and shape
+    matches."""
     hf_cfg, sd = load_hf(job.init_from)
     differ = [f"{f} is {getattr(hf_cfg, f)!r} there, {getattr(cfg, f)!r} in the preset"
               for f in INIT_FIELDS if getattr(hf_cfg, f) != getattr(cfg, f)]
@@ -46,7 +47,7 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, job: JobConfig, backend: tiled.GemmBackend | None = None, corpus: Corpus | None = None) -> None:
         self.job = job
-        self.cfg = get_preset(job.preset)
+        self.cfg = job.arch()
         self.device = resolve_device(job.device)
         self.model = build_model(self.cfg, seed=job.seed)  # initialised on the CPU: the same weights anywhere
         if job.init_from is not None:
@@ -55,7 +56,7 @@ class Trainer:
         if backend is not None:
             tiled.install(self.model, backend)
         self.corpus = corpus or Corpus(job.data, job.val_fraction, job.tokenizer)
-        check_vocab(self.corpus, self.cfg.vocab_size, job.preset)
+        check_vocab(self.corpus, self.cfg.vocab_size, job.model_name)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW(
@@ -77,6 +78,7 @@ class Trainer:
         loss.backward()
         if self.job.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.grad_clip, foreach=False)
+        schedule.set_lr(self.opt, self.job, step)
         self.opt.step()
         value = loss.item()
         if not math.isfinite(value):

@@ -24,24 +24,25 @@ def reference(job: JobConfig) -> list[float]:
 
 
 def test_ps_killed_at_every_dangerous_point_resumes_exactly(tmp_path):
-    """SIGKILL the PS mid-step, between persisting and the head switch, and between commit and report."""
+    """SIGKILL the PS mid-step, mid-way through streaming a checkpoint, between persisting and the head
+    switch, and between commit and report."""
     job = JobConfig(job_id="crashy", preset="tiny", steps=10)
     out = tmp_path / "m.jsonl"
-    env = {**os.environ, "CLEAVE_PS_FAIL_AT": "in_step:2,before_commit:4,after_commit:6",
-           "CLEAVE_PS_FAULT_DIR": str(tmp_path / "faults")}
+    env = {**os.environ, "CLEAVE_PS_FAIL_AT": "in_step:2,before_commit:4,mid_commit:5,after_commit:6",
+           "CLEAVE_PS_FAULT_DIR": str(tmp_path / "faults"), "CLEAVE_PS_PERSIST_EVERY": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "10", "--workers", "2",
          "--job-id", "crashy", "--metrics-out", str(out), "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert len(list((tmp_path / "faults").iterdir())) == 3  # all three faults fired
+    assert len(list((tmp_path / "faults").iterdir())) == 4  # all four faults fired
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(10))  # every step exactly once
     assert_same([m["loss"] for m in lines], reference(job))
     assert any(m["resumed"] for m in lines)
     stack = json.loads((tmp_path / "run" / "stack.json").read_text())
-    assert next(p for p in stack["processes"] if p["role"] == "ps")["restarts"] == 3
+    assert next(p for p in stack["processes"] if p["role"] == "ps")["restarts"] == 4
 
 
 async def test_worker_killed_by_fault_mid_gemm(tmp_path, nats_url):
@@ -143,17 +144,17 @@ async def test_an_older_ps_is_fenced(tmp_path, nats_url):
         with pytest.raises(Fenced):
             await old.commit(snapshot(trainer.model, trainer.opt, job.job_id, 0, old.epoch), ())
         await new.commit(snapshot(trainer.model, trainer.opt, job.job_id, 0, new.epoch), ())
-        head, _ = await _reload(new_bus, job)
+        head = await _reload(new_bus, job, Trainer(job))
         assert head.epoch == 2 and head.step == 0
     finally:
         await old_bus.close()
         await new_bus.close()
 
 
-async def _reload(bus, job):
+async def _reload(bus, job, trainer):
     p = Persister(bus, job.job_id, job.model_dump_json())
     await p.open()
-    return await p.load()
+    return await p.load(trainer.model, trainer.opt)
 
 
 async def test_a_straggler_is_overtaken_by_a_speculative_copy(tmp_path, nats_url):

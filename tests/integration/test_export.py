@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from cleave.job import JobConfig
-from cleave.models import get_preset
 from cleave.training import Trainer
 from cleave_cli import export_cmd
 from cleave_cli.stack import Stack
@@ -45,8 +44,8 @@ def export(run_dir: Path, out: Path, *extra: str) -> None:
 def checkpoint_model(run_dir: Path) -> tuple[int, torch.nn.Module]:
     """Our model with the run's last committed checkpoint, read straight from its JetStream store."""
     with export_cmd.state_server(run_dir) as url:
-        head, ckpt = asyncio.run(export_cmd.read_state(url, JOB_ID))
-    return head.step, export_cmd.model_from_checkpoint(get_preset("tiny"), ckpt)
+        head, _, _, model = asyncio.run(export_cmd.read_state(url, JOB_ID))
+    return head.step, model
 
 
 def hf_logits(path: Path) -> torch.Tensor:

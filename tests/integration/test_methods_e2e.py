@@ -67,7 +67,7 @@ def test_diloco_ps_killed_mid_round_and_around_commits_resumes_exactly(tmp_path)
     calm = train("calm", {})
     faults = tmp_path / "faults"
     crashy = train("crashy", {"CLEAVE_PS_FAIL_AT": "in_round:1,before_commit:3,after_commit:4",
-                              "CLEAVE_PS_FAULT_DIR": str(faults)})
+                              "CLEAVE_PS_FAULT_DIR": str(faults), "CLEAVE_PS_PERSIST_EVERY": "1"})
     assert len(list(faults.iterdir())) == 3  # all three faults fired
     assert [m["step"] for m in crashy] == list(range(6))  # every round reported exactly once
     assert_same([m["loss"] for m in crashy], [m["loss"] for m in calm])
@@ -113,7 +113,7 @@ def test_split_learning_ps_killed_mid_step_and_around_commits_resumes_exactly(tm
          "--workers", "1", "--job-id", "split-crashy", "--metrics-out", str(out), "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "CLEAVE_PS_FAIL_AT": "in_step:1,before_commit:2,after_commit:4",
-             "CLEAVE_PS_FAULT_DIR": str(faults)},
+             "CLEAVE_PS_FAULT_DIR": str(faults), "CLEAVE_PS_PERSIST_EVERY": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(list(faults.iterdir())) == 3  # all three faults fired

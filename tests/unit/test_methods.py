@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cleave import schedule
 from cleave.data import Corpus
 from cleave.errors import ConfigError
 from cleave.job import JobConfig
@@ -51,7 +52,9 @@ def test_diloco_one_worker_lr1_no_momentum_is_plain_training(
     server = diloco.DilocoServer(common.trainable(global_model), cfg)
     losses: list[float] = []
     for r in range(STEPS // inner_steps):
-        batches = (common.shard_batch(corpus, JOB, 0, r * inner_steps + h) for h in range(inner_steps))
+        batches = schedule.scheduled(  # the inner steps follow the run's lr schedule, as the worker's do
+            opt, JOB, r * inner_steps, (common.shard_batch(corpus, JOB, 0, r * inner_steps + h) for h in range(inner_steps))
+        )
         delta, got = diloco.worker_round(
             worker, opt, server.global_state(), batches, inner_steps, JOB.grad_clip
         )
@@ -68,7 +71,8 @@ def test_fedavg_one_client_one_step_is_plain_training(corpus: Corpus, reference)
     losses: list[float] = []
     for r in range(STEPS):
         up = fedavg.client_update(
-            client, opt, server.global_state(), [common.shard_batch(corpus, JOB, 0, r)], 1, JOB.grad_clip
+            client, opt, server.global_state(), schedule.scheduled(opt, JOB, r, [common.shard_batch(corpus, JOB, 0, r)]),
+            1, JOB.grad_clip,
         )
         assert up.samples == JOB.batch_size
         server.submit("c0", r, up.delta, up.samples)

@@ -12,10 +12,10 @@ from cleave.errors import ConfigError
 from cleave.job import JobConfig
 from cleave.models import build_model, get_preset
 from cleave.models.hf import export_hf, load_hf
-from cleave.schemas import Checkpoint
+from cleave.schemas import CheckpointManifest
 from cleave.tokenizer import ByteTokenizer
 from cleave.training import Trainer
-from cleave_ps.persist import restore, snapshot
+from cleave_ps.ckpt_stream import encode, restore, snapshot
 
 STEPS = 6
 
@@ -24,15 +24,13 @@ def resumed_losses(job: JobConfig, stop_after: int) -> list[float]:
     """Run steps [0, stop_after], persist as the PS does, restore into a fresh trainer, run to the end."""
     first = Trainer(job)
     losses = [first.step(s) for s in range(stop_after + 1)]
-    ckpt = snapshot(first.model, first.opt, job.job_id, stop_after, epoch=1)
-    ckpt = codec.decode(
-        codec.encode(ckpt), Checkpoint, 1 << 30
-    )  # through the wire format, as JetStream stores it
+    data, manifest = encode(snapshot(first.model, first.opt, job.job_id, stop_after, epoch=1), chunk_bytes=4096)
+    manifest = codec.decode(codec.encode(manifest), CheckpointManifest)  # through the wire format, as stored
     del first
     torch.manual_seed(12345)  # a new process: its RNG state is whatever it is until restored
     second = Trainer(job)
-    restore(second.model, second.opt, ckpt)
-    return losses + [second.step(s) for s in range(ckpt.step + 1, job.steps)]
+    restore(second.model, second.opt, data, manifest)
+    return losses + [second.step(s) for s in range(manifest.step + 1, job.steps)]
 
 
 @pytest.mark.parametrize("source", ["builtin", "tokens"])

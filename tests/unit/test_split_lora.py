@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cleave import schedule
 from cleave.data import Corpus
 from cleave.errors import ConfigError
 from cleave.job import JobConfig
@@ -28,6 +29,8 @@ def run_split(cfg: ModelConfig, job: JobConfig, corpus: Corpus, k: int) -> list[
     losses = []
     for s in range(STEPS):
         x, y = common.shard_batch(corpus, job, 0, s)
+        schedule.set_lr(client.opt, job, s)
+        schedule.set_lr(server.opt, job, s)
         back = server.step(client.forward(x), y)
         server.apply(client.backward(back))
         losses.append(back.loss)
@@ -46,10 +49,10 @@ def test_split_of_an_untied_model_matches_plain_training(corpus: Corpus) -> None
     job = JobConfig(preset="tiny", batch_size=4, seq_len=32)
     model = build_model(UNTIED, seed=job.seed)
     opt = common.make_adamw(model.parameters(), job)
-    ref = [
-        common.train_step(model, opt, common.shard_batch(corpus, job, 0, s), job.grad_clip)
-        for s in range(STEPS)
-    ]
+    ref = []
+    for s in range(STEPS):
+        schedule.set_lr(opt, job, s)
+        ref.append(common.train_step(model, opt, common.shard_batch(corpus, job, 0, s), job.grad_clip))
     assert run_split(UNTIED, job, corpus, 2) == pytest.approx(ref, rel=1e-4)
 
 

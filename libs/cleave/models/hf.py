@@ -331,12 +331,22 @@ def _read_weights(directory: Path) -> StateDict:
     )
 
 
-def load_hf(path: str | Path) -> tuple[ModelConfig, StateDict]:
-    """Read a Hugging Face GPT-2 or Llama directory (config.json + safetensors) into our config and keys."""
+def read_hf_config(path: str | Path) -> ModelConfig:
+    """Our config from a Hugging Face directory's config.json (GPT-2 or Llama, GQA, Llama 3 rope scaling)."""
     directory = resolve_model_dir(path)
     if not (directory / CONFIG_FILE).is_file():
         raise ConfigError(f"{directory} has no {CONFIG_FILE}")
-    cfg = from_hf_config(json.loads((directory / CONFIG_FILE).read_text()))
+    try:
+        raw = json.loads((directory / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{directory / CONFIG_FILE} is not JSON: {e}") from None
+    return from_hf_config(raw)
+
+
+def load_hf(path: str | Path) -> tuple[ModelConfig, StateDict]:
+    """Read a Hugging Face GPT-2 or Llama directory (config.json + safetensors) into our config and keys."""
+    cfg = read_hf_config(path)
+    directory = resolve_model_dir(path)
     return cfg, from_hf_state_dict(cfg, _read_weights(directory), source=str(directory))
 
 

@@ -9,11 +9,13 @@ import statistics
 import time
 from pathlib import Path
 
+from cleave import preflight
 from cleave.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import Progress
 from cleave_cli.supervisor import Stopped
+from cleave_ps.settings import PsSettings
 
 
 def new_job_id(kind: str) -> str:
@@ -34,8 +36,29 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
     return JobConfig.build(**{"job_id": new_job_id("train"), **fields})
 
 
+def check_fits(job: JobConfig, workers: int, dry_run: bool) -> None:
+    """The preflight (cleave.preflight): print the estimate for --dry-run; raise ConfigError if it cannot fit."""
+    if job.method != "cleave":
+        if dry_run:
+            print(f"no preflight estimate for method {job.method!r} yet")
+        return
+    est = preflight.estimate(job, workers)
+    memory = PsSettings().memory_bytes or preflight.available_memory()
+    if dry_run:
+        print(f"preflight of job {job.job_id} ({job.model_name}, batch {job.batch_size} x seq {job.seq}, "
+              f"{workers} workers):")
+        print("\n".join("  " + line for line in est.lines()))
+        print(f"  available    {memory / 1e9:10.2f} GB")
+    preflight.check(job, est, memory)
+    if dry_run:
+        print("fits")
+
+
 def train(args: argparse.Namespace) -> int:
     job = job_from_args(args)
+    check_fits(job, args.workers, args.dry_run)
+    if args.dry_run:
+        return 0
     run_dir = args.run_dir or default_run_dir("train")
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
@@ -83,7 +106,9 @@ def up(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    job = JobConfig.build(job_id=new_job_id("demo"), preset="small", steps=args.steps or 30, batch_size=8, lr=2e-3)
+    steps = args.steps or 30
+    job = JobConfig.build(job_id=new_job_id("demo"), preset="small", steps=steps, batch_size=8, lr=2e-3,
+                          warmup_steps=max(1, steps // 5))  # a short run: a fifth of it warms up (no spike)
     run_dir = args.run_dir or default_run_dir("demo")
     metrics_out = run_dir / "metrics.jsonl"
     fleet = LocalFleet(run_dir, 0)

@@ -1,7 +1,8 @@
 """`cleave export`: a run's current model (the PS's last committed checkpoint) as a Hugging Face model dir.
 
 The PS persists its state in JetStream (`cleave_ps.persist`): the KV bucket `cleave-state` holds the head
-record `<job>.head`, which names a codec-encoded `Checkpoint` in the Object Store `cleave-state-objects`.
+record `<job>.head`, which names a streamed checkpoint (a manifest and a data object, `cleave_ps.ckpt_stream`)
+in the Object Store `cleave-state-objects`; the weights stream straight into the exported model.
 The export reads them from the run's NATS when it is still running (`<run_dir>/stack.json`), or else from a
 temporary nats-server started on the run's store (`<run_dir>/jetstream`) and stopped afterwards.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import socket
@@ -23,15 +23,14 @@ from urllib.parse import urlparse
 import torch
 
 from cleave import bus as busmod
-from cleave import codec
 from cleave.errors import CleaveError, ConfigError
 from cleave.job import JobConfig
 from cleave.logs import configure
-from cleave.models import ModelConfig, build_model, get_preset
-from cleave.models.hf import check_state_dict, export_hf, our_shapes
-from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, Checkpoint, StateHead
+from cleave.models import ModelConfig, build_model
+from cleave.models.hf import export_hf
+from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
 from cleave_cli.stack import Stack
-from cleave_ps.persist import DEFAULT_PUT_TIMEOUT_S, MAX_CHECKPOINT_BYTES
+from cleave_ps.persist import read_checkpoint
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_PROBE_TIMEOUT_S = 1.0
@@ -52,13 +51,10 @@ def run(args: argparse.Namespace) -> int:
     configure("export", level="error")  # the client's reconnect chatter is not for this command's user
     job_id = args.job_id or job_id_of(args.run_dir)
     with state_server(args.run_dir) as url:
-        head, ckpt = asyncio.run(read_state(url, job_id))
-    job = JobConfig.build(**json.loads(head.job_config))
-    cfg = get_preset(job.preset)
-    model = model_from_checkpoint(cfg, ckpt)
+        head, job, cfg, model = asyncio.run(read_state(url, job_id))
     out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=DTYPES[args.dtype])
     print(
-        f"exported job {job_id} at step {head.step} (epoch {head.epoch}, preset {job.preset}, "
+        f"exported job {job_id} at step {head.step} (epoch {head.epoch}, model {job.model_name}, "
         f"tokenizer {job.tokenizer}) to {out}"
     )
     return 0
@@ -70,19 +66,6 @@ def job_id_of(run_dir: Path) -> str:
         return json.loads(path.read_text())["job_id"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(f"cannot read the job id from {path} ({e}); pass --job-id") from None
-
-
-def model_from_checkpoint(cfg: ModelConfig, ckpt: Checkpoint) -> torch.nn.Module:
-    """Our model with the checkpoint's weights, after checking every key and shape against the preset."""
-    sd = {
-        k.removeprefix("model."): codec.data_to_tensor(v)
-        for k, v in ckpt.tensors.items()
-        if k.startswith("model.")
-    }
-    check_state_dict(our_shapes(cfg), sd, f"the checkpoint of step {ckpt.step}")
-    model = build_model(cfg, seed=0)  # every weight is overwritten below; buffers come from the config
-    model.load_state_dict(sd)
-    return model
 
 
 # ---------------------------------------------------------------- reaching the run's state
@@ -145,8 +128,9 @@ async def _jobs_with_state(kv) -> list[str]:  # noqa: ANN001 - a nats-py KeyValu
     return sorted(k.removesuffix(".head") for k in keys if k.endswith(".head"))
 
 
-async def read_state(url: str, job_id: str) -> tuple[StateHead, Checkpoint]:
-    """The job's last committed head record and the checkpoint it names (checked against its SHA-256)."""
+async def read_state(url: str, job_id: str) -> tuple[StateHead, JobConfig, ModelConfig, torch.nn.Module]:
+    """The job's last committed head record, its job and model config, and the model with the checkpoint's
+    weights (every key, shape and chunk hash checked; the optimizer's state is skipped)."""
     bus = await asyncio.wait_for(busmod.connect(url, "export"), DEFAULT_CONNECT_TIMEOUT_S)
     try:
         try:
@@ -160,11 +144,11 @@ async def read_state(url: str, job_id: str) -> tuple[StateHead, Checkpoint]:
                 f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}"
             )
         head, _ = got
+        job = JobConfig.build(**json.loads(head.job_config))
+        cfg = job.arch()
+        model = build_model(cfg, seed=0)  # every weight is overwritten by the checkpoint
         store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
-        obj = await asyncio.wait_for(store.get(head.object), DEFAULT_PUT_TIMEOUT_S)
-        if hashlib.sha256(obj.data).hexdigest() != head.sha256:
-            raise CleaveError(f"checkpoint {head.object} does not match its head record (sha256)")
-        ckpt = await asyncio.to_thread(codec.decode, obj.data, Checkpoint, MAX_CHECKPOINT_BYTES)
-        return head, ckpt
+        await read_checkpoint(store, head, model, None, skip_optimizer=True)
+        return head, job, cfg, model
     finally:
         await bus.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 from cleave.errors import CleaveError
 from cleave.job import JobConfig
 from cleave.metrics_file import EXCLUDED, MetricsFile
+from cleave.schedule import lr_at
 from cleave.schemas import StepMetrics
 from cleave.training import Trainer
 from cleave_cli.progress import Progress
@@ -32,7 +33,7 @@ def run_reference(job: JobConfig, metrics_out: Path, progress: Progress | None =
         loss = trainer.step(step)
         val = trainer.val_loss(step) if job.val_every and (step + 1) % job.val_every == 0 else None
         m = StepMetrics(job=job.job_id, step=step, loss=loss, step_time_s=time.perf_counter() - t0, workers=0,
-                        tokens=job.batch_size * job.seq, lr=job.lr, val_loss=val)
+                        tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val)
         out.write(m)
         lines.append(m.model_dump(exclude=EXCLUDED))
         if progress:

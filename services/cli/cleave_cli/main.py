@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--metrics-out", type=Path)
     p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
+    p.add_argument("--dry-run", action="store_true", help="print the preflight's memory estimate and exit")
     p.add_argument("--method", choices=("cleave", "diloco", "fedavg", "split"), help="how to train (default cleave)")
     p.add_argument("--split-layers", type=int, help="split learning: blocks the client keeps (default 1)")
     p.add_argument("--local-steps", type=int, help="diloco H / fedavg E: local steps per round")

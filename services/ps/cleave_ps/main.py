@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import resource
 import statistics
 import time
 from collections import deque
@@ -11,7 +12,7 @@ from collections import deque
 import structlog
 import torch
 
-from cleave import auth
+from cleave import auth, preflight
 from cleave import bus as busmod
 from cleave.errors import StepAborted, StepSpoiled
 from cleave.faults import Faults
@@ -19,6 +20,7 @@ from cleave.job import JobConfig
 from cleave.lifecycle import EXIT_FENCED, run
 from cleave.logs import configure
 from cleave.models import gemm_shapes
+from cleave.schedule import lr_at
 from cleave.schemas import (
     MAX_PLAN_BYTES,
     PLAN_BUCKET,
@@ -97,7 +99,7 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
         job=job.job_id, step=step, loss=loss, step_time_s=dt, workers=len(d.workers), tiles=c.tiles - before["tiles"],
         tiles_resent=c.resent - before["resent"], tiles_dropped=c.dropped - before["dropped"],
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
-        bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=job.lr, val_loss=val,
+        bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val,
         recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(),
         gemm_s=c.gemm_s - before["gemm_s"], predicted_gemm_s=planned,
         predicted_step_s=None if planned is None or ps_own_s is None else planned + ps_own_s,
@@ -125,12 +127,21 @@ class Job:
         epoch = await self.progress.open()
         self.dispatcher = Dispatcher(self.bus, self.job.job_id, epoch, self.s)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
+        await asyncio.to_thread(self.preflight)
         self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend)
         await self.describe_job()
         first = await self.progress.resume(self.trainer.model, self.trainer.opt)
         if not first:
             log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
         return first
+
+    def preflight(self) -> None:
+        """Refuse a job whose estimated peak memory exceeds what this PS may use (ConfigError, exit 2)."""
+        est = preflight.estimate(self.job, workers=1, tile_bytes=4 if self.s.tile_dtype == "fp32" else 2)
+        memory = self.s.memory_bytes or preflight.available_memory()
+        preflight.check(self.job, est, memory)
+        log.info("preflight_passed", job=self.job.job_id, ps_peak_gb=round(est.total / 1e9, 2),
+                 available_gb=round(memory / 1e9, 2))
 
     async def describe_job(self) -> None:
         """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""
@@ -157,7 +168,8 @@ class Job:
         m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed, own)
         self.own_s.append(m.step_time_s - m.gemm_s)
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
-                 workers=m.workers, tiles=m.tiles, resent=m.tiles_resent)
+                 workers=m.workers, tiles=m.tiles, resent=m.tiles_resent,
+                 peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
         await self.progress.done(m, self.trainer.model, self.trainer.opt)
 
 

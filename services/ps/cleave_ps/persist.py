@@ -1,11 +1,15 @@
-"""PS persistence in JetStream: the checkpoint in the Object Store, then the KV head by compare-and-set.
+"""PS persistence in JetStream: the checkpoint streamed into the Object Store, then the KV head by compare-and-set.
 Pretraining commits its model and AdamW after steps, DiLoCo and FedAvg their global weights (and DiLoCo's
 outer momentum) after rounds, split learning its server half and AdamW after steps; `Progress` reports each
 step's line once, after the state it led to.
 
-A crash at any point leaves the previous head and the checkpoint it names readable: the object is written
-first under a new name, the head is switched to it last, and a checkpoint is checked against the head's
-SHA-256 before it is used. The epoch counter fences off an older PS that is still alive.
+A checkpoint is two objects (`cleave_ps.ckpt_stream`): the tensors' raw bytes, streamed one tensor after
+another straight from the live model (no copy of the model is built), and a small manifest with each
+tensor's key and shape and each chunk's SHA-256. A crash at any point leaves the previous head and the
+checkpoint it names readable: both objects are written first under new names, the head (naming the
+manifest, with its SHA-256) is switched last. On load every chunk is checked as it streams in; a truncated
+or corrupted checkpoint is rejected with a logged reason and the previous committed head is tried instead.
+The epoch counter fences off an older PS that is still alive.
 """
 
 from __future__ import annotations
@@ -16,64 +20,75 @@ import time
 
 import structlog
 import torch
+from nats.js.api import ObjectMeta, ObjectMetaOptions
 from torch import nn
 
 from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
-from cleave.errors import CleaveError, ConfigError, Conflict
+from cleave.errors import CleaveError, ConfigError, Conflict, WireError
 from cleave.faults import Faults
 from cleave.job import JobConfig
 from cleave.metrics_file import MetricsFile
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
+    MAX_MANIFEST_BYTES,
     STATE_BUCKET,
     STATE_OBJECTS,
-    Checkpoint,
+    CheckpointManifest,
     Event,
     StateHead,
     StepMetrics,
 )
+from cleave_ps import ckpt_stream
+from cleave_ps.ckpt_stream import CorruptCheckpoint, Snapshot, snapshot
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
-MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024 * 1024
-DEFAULT_PUT_TIMEOUT_S = 120.0
+DEFAULT_PUT_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
 KEEP_CHECKPOINTS = 2
+CHECKPOINT_BUDGET = 0.05  # persist_every=0: commit when the last commit cost <= 5% of the training since
+__all__ = ["Fenced", "Persister", "Progress", "read_checkpoint", "snapshot", "write_checkpoint"]
 
 
 class Fenced(CleaveError):
     """Another PS took over this job (a higher epoch committed or claimed it)."""
 
 
-def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None, job_id: str, step: int, epoch: int) -> Checkpoint:
-    """The model's weights, the optimizer's state (the trainer's AdamW, or DiLoCo's outer SGD; none for FedAvg)
-    and the RNG, after `step` (a training step, or a round)."""
-    tensors = {f"model.{k}": codec.tensor_to_data(v) for k, v in model.state_dict().items()}
-    state = opt.state_dict() if opt is not None else {"state": {}, "param_groups": []}
-    for idx, values in state["state"].items():
-        for name, value in values.items():
-            tensors[f"opt.{idx}.{name}"] = codec.tensor_to_data(torch.as_tensor(value))
-    return Checkpoint(job=job_id, step=step, epoch=epoch, created_at=time.time(), tensors=tensors,
-                      optimizer_groups=state["param_groups"], rng=codec.tensor_to_data(torch.get_rng_state()))
+async def write_checkpoint(bus: Bus, store, snap: Snapshot, name: str, on_read=None) -> tuple[bytes, int]:  # noqa: ANN001
+    """Stream `snap` into `<name>.data`, then its manifest into `<name>`; the manifest's bytes and the data size."""
+    enc = ckpt_stream.Encoder(snap, on_read=on_read)
+    meta = ObjectMeta(name=f"{name}.data", options=ObjectMetaOptions(max_chunk_size=bus.max_payload))
+    await asyncio.wait_for(store.put(f"{name}.data", enc, meta=meta), DEFAULT_PUT_TIMEOUT_S)
+    manifest = await asyncio.to_thread(codec.encode, enc.manifest(f"{name}.data"))
+    await asyncio.wait_for(store.put(name, manifest), DEFAULT_TIMEOUT_S)
+    return manifest, enc.size
 
 
-def restore(model: nn.Module, opt: torch.optim.Optimizer | None, ckpt: Checkpoint) -> None:
-    """Load weights, optimizer state and RNG; key sets are checked before anything is copied."""
-    weights = {k.removeprefix("model."): codec.data_to_tensor(v) for k, v in ckpt.tensors.items() if k.startswith("model.")}
-    missing = set(model.state_dict()) ^ set(weights)
-    if missing:
-        raise ConfigError(f"checkpoint of step {ckpt.step} does not fit this model: keys {sorted(missing)[:5]}")
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for k, v in ckpt.tensors.items():
-        if k.startswith("opt."):
-            _, idx, name = k.split(".", 2)
-            state.setdefault(int(idx), {})[name] = codec.data_to_tensor(v)
-    if (opt is None) != (not ckpt.optimizer_groups):
-        raise ConfigError(f"checkpoint of step {ckpt.step} does not fit this job's optimizer")
-    model.load_state_dict(weights)
-    if opt is not None:
-        opt.load_state_dict({"state": state, "param_groups": ckpt.optimizer_groups})
-    torch.set_rng_state(codec.data_to_tensor(ckpt.rng))
+async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.optim.Optimizer | None,  # noqa: ANN001
+                          skip_optimizer: bool = False) -> CheckpointManifest:
+    """Stream the checkpoint `head` names into `model` (in place) and `opt`; raises CleaveError when it
+    is missing, truncated or corrupted (the model may then hold part of it: load another checkpoint)."""
+    try:
+        got = await asyncio.wait_for(store.get(head.object), DEFAULT_TIMEOUT_S)
+    except Exception as e:
+        raise CorruptCheckpoint(f"manifest {head.object} is unreadable ({type(e).__name__})") from None
+    if hashlib.sha256(got.data).hexdigest() != head.sha256:
+        raise CorruptCheckpoint(f"manifest {head.object} does not match its head record (sha256)")
+    try:
+        m = codec.decode(got.data, CheckpointManifest, MAX_MANIFEST_BYTES)
+    except WireError as e:
+        raise CorruptCheckpoint(f"manifest {head.object} is malformed: {e}") from None
+    dests = ckpt_stream.targets(model, opt, m, skip_optimizer)
+    dec = ckpt_stream.Decoder(m, dests)
+    try:
+        await asyncio.wait_for(store.get(m.data_object, writeinto=dec), DEFAULT_PUT_TIMEOUT_S)
+    except CleaveError:
+        raise
+    except Exception as e:  # nats-py: not found, or its own digest over the whole object
+        raise CorruptCheckpoint(f"data {m.data_object} is unreadable ({type(e).__name__})") from None
+    dec.finish()
+    await asyncio.to_thread(ckpt_stream.apply, model, None if skip_optimizer else opt, m, dests)
+    return m
 
 
 class Persister:
@@ -83,6 +98,7 @@ class Persister:
         self.revision: int | None = None
         self.epoch = 0
         self.committed: list[str] = []  # object names this PS wrote, oldest first
+        self.rejected: list[tuple[int, str]] = []  # (step, reason) of each checkpoint load refused
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
@@ -103,32 +119,62 @@ class Persister:
             self.epoch = current + 1
             return self.epoch
 
-    async def load(self) -> tuple[StateHead, Checkpoint] | None:
-        """The last committed head and its checkpoint, or None for a new job."""
-        got = await self.bus.kv_get(self.kv, self.head_key, StateHead)
-        if got is None:
+    async def _heads(self) -> list[StateHead]:
+        """The committed heads of this job, newest first (the KV keeps the last few revisions)."""
+        try:
+            entries = await asyncio.wait_for(self.kv.history(self.head_key), DEFAULT_TIMEOUT_S)
+        except Exception:  # nats-py raises NoKeysError for a key never written
+            return []
+        heads = []
+        for entry in reversed(entries):
+            if entry.value:
+                try:
+                    heads.append(codec.decode(entry.value, StateHead, MAX_CONTROL_BYTES))
+                except WireError as e:
+                    log.warning("state_head_rejected", job=self.job_id, revision=entry.revision, reason=str(e))
+        if entries:
+            self.revision = entries[-1].revision
+        return heads
+
+    async def load(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> StateHead | None:
+        """Restore the last committed checkpoint that reads back intact into `model` and `opt`: its head,
+        or None for a new job. A damaged one is logged and the one committed before it is tried."""
+        heads = await self._heads()
+        if not heads:
             return None
-        head, self.revision = got
-        self.committed = [head.object]
-        if head.job_config != self.job_config:
+        if heads[0].job_config != self.job_config:
             raise ConfigError(f"job {self.job_id!r} already has state from a different job description; "
                               "use a new job_id or the same job file")
-        obj = await asyncio.wait_for(self.store.get(head.object), DEFAULT_PUT_TIMEOUT_S)
-        data = obj.data
-        if hashlib.sha256(data).hexdigest() != head.sha256:
-            raise CleaveError(f"checkpoint {head.object} does not match its head record (sha256)")
-        ckpt = await asyncio.to_thread(codec.decode, data, Checkpoint, MAX_CHECKPOINT_BYTES)
-        return head, ckpt
+        reasons = []
+        for head in heads:
+            try:
+                await read_checkpoint(self.store, head, model, opt)
+            except CorruptCheckpoint as e:
+                log.warning("checkpoint_rejected", job=self.job_id, step=head.step, object=head.object, reason=str(e))
+                self.rejected.append((head.step, str(e)))
+                reasons.append(str(e))
+                self.committed.append(head.object)  # pruned like any old checkpoint
+                continue
+            self.committed.append(head.object)
+            if reasons:
+                log.warning("checkpoint_fell_back", job=self.job_id, step=head.step, skipped=len(reasons))
+            return head
+        raise CleaveError(f"no committed checkpoint of job {self.job_id!r} reads back intact: {'; '.join(reasons)}")
 
-    async def commit(self, ckpt: Checkpoint, metrics: tuple[StepMetrics, ...], before_head=None) -> StateHead:
-        """Write the checkpoint object, then switch the head to it; raises Fenced if another PS took over."""
-        data = await asyncio.to_thread(codec.encode, ckpt)
-        name = f"{self.job_id}/step-{ckpt.step:08d}-e{self.epoch}"
-        await asyncio.wait_for(self.store.put(name, data), DEFAULT_PUT_TIMEOUT_S)
+    async def commit(self, snap: Snapshot, metrics: tuple[StepMetrics, ...], before_head=None,
+                     on_read=None) -> StateHead:
+        """Stream the checkpoint, then switch the head to it; raises Fenced if another PS took over.
+        Each metrics line's `checkpoint_s` is filled in with the time the stream took."""
+        name = f"{self.job_id}/step-{snap.step:08d}-e{self.epoch}"
+        t0 = time.perf_counter()
+        manifest, size = await write_checkpoint(self.bus, self.store, snap, name, on_read)
+        spent = time.perf_counter() - t0
+        if metrics:
+            metrics = (*metrics[:-1], metrics[-1].model_copy(update={"checkpoint_s": spent}))
         if before_head:
             before_head()
-        head = StateHead(job=self.job_id, step=ckpt.step, epoch=self.epoch, object=name,
-                         sha256=hashlib.sha256(data).hexdigest(), size=len(data), job_config=self.job_config,
+        head = StateHead(job=self.job_id, step=snap.step, epoch=self.epoch, object=name,
+                         sha256=hashlib.sha256(manifest).hexdigest(), size=size, job_config=self.job_config,
                          metrics=metrics)
         frame = codec.encode(head)
         if len(frame) > MAX_CONTROL_BYTES:
@@ -151,10 +197,11 @@ class Persister:
         """Delete checkpoints older than the last KEEP_CHECKPOINTS (best effort)."""
         while len(self.committed) > KEEP_CHECKPOINTS:
             name = self.committed.pop(0)
-            try:
-                await asyncio.wait_for(self.store.delete(name), DEFAULT_TIMEOUT_S)
-            except Exception as e:
-                log.warning("checkpoint_not_pruned", object=name, error=repr(e))
+            for obj in (name, f"{name}.data"):
+                try:
+                    await asyncio.wait_for(self.store.delete(obj), DEFAULT_TIMEOUT_S)
+                except Exception as e:
+                    log.warning("checkpoint_not_pruned", object=obj, error=repr(e))
 
 
 class Progress:
@@ -164,9 +211,11 @@ class Progress:
 
     def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults) -> None:
         self.bus, self.faults, self.job_id, self.steps = bus, faults, job.job_id, job.steps
-        self.out, self.every = MetricsFile(s.metrics_out), s.persist_every
+        # 0 = budgeted for pretraining; the other methods resume exactly only from their last step or round
+        self.out, self.every = MetricsFile(s.metrics_out), s.persist_every or (0 if job.method == "cleave" else 1)
         self.persister = Persister(bus, job.job_id, job.model_dump_json())
         self.pending: list[StepMetrics] = []
+        self.last_commit_s = 0.0  # seconds the last commit's stream took (persist_every = 0 budgets it)
 
     @property
     def epoch(self) -> int:
@@ -180,23 +229,30 @@ class Progress:
     async def resume(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> int:
         """Restore `model` and `opt` from the last committed checkpoint, report its lines and say so (log and
         event); the first step (or round) to run: 0 for a new job."""
-        loaded = await self.persister.load()
-        if loaded is None:
+        head = await self.persister.load(model, opt)
+        if head is None:
             return 0
-        head, ckpt = loaded
-        await asyncio.to_thread(restore, model, opt, ckpt)
         await self.report(head.metrics)  # lines that were committed but not written before a crash
-        first = ckpt.step + 1
+        first = head.step + 1
         log.info("ps_resumed", job=self.job_id, from_step=first, epoch=self.epoch)
         await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job_id, step=first, cause="restart",
                                   detail={"epoch": self.epoch}))
         return first
 
+    def due(self, step: int) -> bool:
+        """Commit after `step`? Every `persist_every` steps and after the last; with persist_every = 0, when
+        the last commit took at most CHECKPOINT_BUDGET of the training time since it (the first step: always)."""
+        if step + 1 == self.steps:
+            return True
+        if self.every:
+            return (step + 1) % self.every == 0
+        return self.last_commit_s <= CHECKPOINT_BUDGET * sum(m.step_time_s for m in self.pending)
+
     async def done(self, m: StepMetrics, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
         """Step (or round) `m.step` is over and `model` and `opt` hold its outcome: commit them when due."""
         self.pending.append(m)
-        if (m.step + 1) % self.every == 0 or m.step + 1 == self.steps:
-            await self.commit(await asyncio.to_thread(snapshot, model, opt, self.job_id, m.step, self.epoch))
+        if self.due(m.step):
+            await self.commit(snapshot(model, opt, self.job_id, m.step, self.epoch))
 
     async def finish(self, first: int) -> None:
         """Every step (or round) is committed: say so, in the log and as a `job_done` event."""
@@ -204,13 +260,16 @@ class Progress:
         await self.bus.emit(Event(kind="job_done", at=time.time(), job=self.job_id, step=self.steps - 1,
                                   detail={"steps": self.steps, "first": first, "epoch": self.epoch}))
 
-    async def commit(self, ckpt: Checkpoint) -> None:
-        """Persist `ckpt` with the lines of the steps up to it, then report them; raises Fenced."""
-        lines = tuple(self.pending)
-        await self.persister.commit(ckpt, lines, before_head=lambda: self.faults.hit("before_commit", ckpt.step))
-        self.faults.hit("after_commit", ckpt.step)
+    async def commit(self, snap: Snapshot) -> None:
+        """Persist `snap` with the lines of the steps up to it, then report them; raises Fenced."""
+        step = snap.step
+        head = await self.persister.commit(snap, tuple(self.pending),
+                                           before_head=lambda: self.faults.hit("before_commit", step),
+                                           on_read=lambda: self.faults.hit("mid_commit", step))
+        self.faults.hit("after_commit", step)
+        self.last_commit_s = head.metrics[-1].checkpoint_s if head.metrics else 0.0
         self.pending.clear()
-        await self.report(lines)
+        await self.report(head.metrics)
 
     async def report(self, lines: tuple[StepMetrics, ...] | list[StepMetrics]) -> None:
         written = await asyncio.to_thread(self.out.steps)

@@ -31,6 +31,7 @@ from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
+from cleave.schedule import lr_at
 from cleave.schemas import (
     SUBJECT_ROUNDS,
     SUBJECT_UPDATES,
@@ -141,7 +142,8 @@ class Rounds:
                         step_time_s=time.perf_counter() - t0, workers=len(report.senders), bytes_down=bytes_down,
                         bytes_up=self.bytes_up, raw_bytes_up=self.raw_bytes, updates=len(report.senders),
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
-                        * self.job.batch_size * self.job.seq, lr=self.job.lr, at=time.time())
+                        * self.job.batch_size * self.job.seq, lr=lr_at(self.job, r * self.job.local_steps),
+                        at=time.time())
         self.losses.clear()
         self.failed.clear()
         self.raw_bytes = self.bytes_up = self.dropped = 0

@@ -31,7 +31,8 @@ class PsSettings(BaseSettings):
     # first tile (and no more than 2 s of its downlink): under nats-server's max_pending (64 MiB); 0 = no limit
     max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
     max_pending_bytes: int = Field(256 * 1024 * 1024, gt=0)  # results queued unread; a flood past it is dropped
-    persist_every: int = Field(1, ge=1)  # commit the state to JetStream every k steps
+    memory_bytes: int = Field(0, ge=0)  # what the PS may use (preflight); 0: the machine's available memory
+    persist_every: int = Field(0, ge=0)  # commit the state every k steps; 0: when it costs <= 5% of training time
     fail_at: str = ""  # fault injection: "before_commit:3", "after_commit:3", "in_step:3", "in_round:3"
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default

@@ -25,7 +25,8 @@ from cleave.job import JobConfig
 from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED, wait_for_stop
 from cleave.methods import split
 from cleave.methods.common import make_adamw
-from cleave.models import build_model, get_preset
+from cleave.models import build_model
+from cleave.schedule import set_lr
 from cleave.schemas import (
     SUBJECT_SPLIT,
     SUBJECT_UPDATES,
@@ -59,7 +60,7 @@ class SplitJob:
         self.bytes_down = self.bytes_up = 0
 
     def build(self) -> None:
-        _, half = split.split_model(build_model(get_preset(self.job.preset), seed=self.job.seed), self.job.split_layers)
+        _, half = split.split_model(build_model(self.job.arch(), seed=self.job.seed), self.job.split_layers)
         self.server = split.SplitServer(half, make_adamw(split.server_params(half), self.job))
 
     async def start(self) -> int:
@@ -109,6 +110,7 @@ class SplitJob:
             raise ClientLost(f"client {self.client} sent no activations for step {s}")
         tied = None if fwd.tied_weight is None else codec.data_to_tensor(fwd.tied_weight)
         cut = split.CutForward(codec.data_to_tensor(fwd.activations), tied)
+        lr = set_lr(self.server.opt, self.job, s)
         back = await asyncio.to_thread(self.server.step, cut, codec.data_to_tensor(fwd.targets))
         self.faults.hit("in_step", s)
         bwd = await self.ask(SplitTask(
@@ -119,7 +121,7 @@ class SplitJob:
         await asyncio.to_thread(self.server.apply, bwd.clip_coef)
         m = StepMetrics(job=self.job.job_id, method="split", step=s, loss=back.loss,
                         step_time_s=time.perf_counter() - t0, workers=1, bytes_down=self.bytes_down,
-                        bytes_up=self.bytes_up, tokens=self.job.batch_size * self.job.seq, lr=self.job.lr,
+                        bytes_up=self.bytes_up, tokens=self.job.batch_size * self.job.seq, lr=lr,
                         resumed=self.first > 0, at=time.time())
         self.bytes_down = self.bytes_up = 0
         return m

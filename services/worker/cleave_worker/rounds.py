@@ -25,7 +25,8 @@ from cleave.job import JobConfig
 from cleave.methods import diloco, fedavg
 from cleave.methods.common import make_adamw, shard_batch, trainable
 from cleave.methods.lora import attach_lora
-from cleave.models import build_model, get_preset
+from cleave.models import build_model
+from cleave.schedule import scheduled
 from cleave.schemas import RoundTask, RoundUpdate
 from cleave.training import load_init
 
@@ -54,7 +55,7 @@ class RoundRunner:
         key = f"{task.job}.{hashlib.sha256(task.job_config.encode()).hexdigest()[:16]}"
         if key not in self.jobs:
             job = JobConfig.model_validate_json(task.job_config)
-            cfg = get_preset(job.preset)
+            cfg = job.arch()
             model = build_model(cfg, seed=job.seed)
             if job.init_from:  # fine-tuning: the same base weights as the PS (the path must exist here too)
                 load_init(model, cfg, job)
@@ -77,7 +78,8 @@ class RoundRunner:
             return local.last[1].model_copy(update={"epoch": task.epoch})
         weights = unpack(task.weights)
         first = task.round * job.local_steps
-        batches = (shard_batch(local.corpus, job, task.shard, first + i) for i in range(job.local_steps))
+        batches = scheduled(local.opt, job, first,
+                            (shard_batch(local.corpus, job, task.shard, first + i) for i in range(job.local_steps)))
         if task.method == "diloco":
             delta, losses = diloco.worker_round(local.model, local.opt, weights, batches, job.local_steps,
                                                 job.grad_clip)

@@ -24,7 +24,8 @@ from cleave.data import Corpus
 from cleave.job import JobConfig
 from cleave.methods import split
 from cleave.methods.common import make_adamw, shard_batch
-from cleave.models import build_model, get_preset
+from cleave.models import build_model
+from cleave.schedule import set_lr
 from cleave.schemas import SplitReply, SplitTask
 
 
@@ -55,6 +56,7 @@ class ClientState:
             raise RuntimeError(f"backward of step {step} while this client expects step {self.next_step}")
         half = {k: v.detach().clone() for k, v in self.client.half.state_dict().items()}
         self.before = (half, copy.deepcopy(self.client.opt.state_dict()))
+        set_lr(self.client.opt, self.job, step)
         coef = self.client.backward(back)
         self.next_step = step + 1
         return coef
@@ -74,7 +76,7 @@ class SplitRunner:
             if task.step != 0 or task.phase != "forward":
                 raise RuntimeError(f"this client holds no state for job {task.job}: it cannot join at step {task.step}")
             job = JobConfig.model_validate_json(task.job_config)
-            half, _ = split.split_model(build_model(get_preset(job.preset), seed=job.seed), task.split_layers)
+            half, _ = split.split_model(build_model(job.arch(), seed=job.seed), task.split_layers)
             client = split.SplitClient(half, make_adamw(half.parameters(), job), job.grad_clip)
             self.state = {key: ClientState(job, client, Corpus(self.data or job.data, job.val_fraction))}
         return self.state[key]

@@ -1,0 +1,161 @@
+"""The mission's models through Cleave beside `--reference`, on this machine: memory, step time, checkpoints.
+
+For each model: the preflight's estimate first (a job it refuses is reported as refused, not run); then the
+single-process reference (`cleave train --reference`, its peak RSS from the kernel's rusage of the child),
+then the same job through a local stack with WORKERS workers (the PS's peak RSS read from /proc as it
+runs, VmHWM). Prints and records, side by side from the one run: PS peak RSS / reference peak RSS, median
+step time / the reference's, checkpoint seconds per step (the streamed commits, `checkpoint_s`), and
+whether the losses are equal. Writes benchmarks/results/models.json.
+
+The machine is shared: this checks `MemAvailable` first and stops a run when it falls under MIN_FREE_GB.
+
+    nice -n 10 .venv/bin/python benchmarks/models.py [--models gpt2-medium,llama3-1b] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from cleave import preflight
+from cleave.errors import CleaveError
+from cleave.job import JobConfig
+from cleave_cli.jobrun import LocalFleet
+
+RESULTS = Path(__file__).parent / "results" / "models.json"
+WORKERS = 2
+MIN_FREE_GB = 4.0
+JOBS = {  # batch and seq this 24 GiB, 2-core machine holds
+    "gpt2-medium": dict(batch_size=1, seq_len=128),
+    "llama3-1b": dict(batch_size=1, seq_len=128),
+}
+
+
+def free_gb() -> float:
+    return preflight.available_memory() / 1e9
+
+
+class PeakWatch(threading.Thread):
+    """Polls the PS's and nats-server's VmHWM (peak RSS) while they run; stops the PS (for good) if the
+    machine's free memory falls under MIN_FREE_GB."""
+
+    def __init__(self, fleet: LocalFleet) -> None:
+        super().__init__(daemon=True)
+        self.fleet, self.peak_kb, self.low = fleet, {"ps": 0, "nats": 0}, None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.1):
+            for name in self.peak_kb:
+                proc = self.fleet.stack.procs.get(name)
+                if proc is not None and proc.popen.poll() is None:
+                    self.peak_kb[name] = max(self.peak_kb[name], _hwm_kb(proc.popen.pid))
+            if self.low is None and free_gb() < MIN_FREE_GB:
+                self.low = f"stopped: the machine's free memory fell to {free_gb():.1f} GB"
+                self.fleet.stack.kill("ps", restart=False)
+
+
+def _hwm_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+
+
+def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
+    out = tmp / "ref.jsonl"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--config", str(job_file), "--reference",
+                    "--metrics-out", str(out), "--run-dir", str(tmp / "ref")], check=True, capture_output=True)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if peak <= before:
+        raise CleaveError("the reference's peak RSS is hidden by an earlier, larger child; run one model at a time")
+    return [json.loads(line) for line in out.read_text().splitlines()], peak / 1e6  # KB -> GB
+
+
+def distributed(job: JobConfig, tmp: Path) -> dict:
+    """The job through a local stack: its lines, peak RSS of the PS and nats-server, what the PS logged."""
+    fleet = LocalFleet(tmp / "dist", WORKERS)
+    watch = PeakWatch(fleet)
+    lines, stopped = [], None
+    try:
+        fleet.start()
+        watch.start()
+        fleet.start_ps(job, tmp / "dist.jsonl")
+        lines = fleet.wait_ps(tmp / "dist.jsonl", timeout_s=3600)
+    except CleaveError as e:
+        stopped = watch.low or str(e)
+        lines = [json.loads(x) for x in (tmp / "dist.jsonl").read_text().splitlines()] if (tmp / "dist.jsonl").exists() else []
+    finally:
+        watch.done.set()
+        fleet.stop()
+    log = (tmp / "dist" / "logs" / "ps.log").read_text()
+    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] / 1e6, "nats_gb": watch.peak_kb["nats"] / 1e6,
+            "ps_restarts": len(re.findall(r"ps_resumed", log)),
+            "peak_rss_at_step_end_mb": [float(x) for x in re.findall(r"step_done.*?peak_rss_mb=([0-9.]+)", log)]}
+
+
+def one(name: str, steps: int) -> dict:
+    job = JobConfig(job_id=f"bench-{name}", preset=name, steps=steps, **JOBS[name])
+    est = preflight.estimate(job, WORKERS)
+    row = {"model": name, "batch_size": job.batch_size, "seq_len": job.seq, "steps": steps, "workers": WORKERS,
+           "estimate_gb": round(est.total / 1e9, 2), "free_gb_before": round(free_gb(), 1)}
+    try:
+        preflight.check(job, est, int((free_gb() - MIN_FREE_GB) * 1e9))
+    except CleaveError as e:
+        return {**row, "refused": str(e)}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        (tmp / "job.json").write_text(job.model_dump_json())
+        ref, ref_gb = reference(tmp / "job.json", tmp)
+        dist = distributed(job, tmp)
+    lines = dist["lines"]
+    ref_step = statistics.median(m["step_time_s"] for m in ref)
+    row = {**row, "ps_peak_rss_gb": round(dist["ps_gb"], 2), "reference_peak_rss_gb": round(ref_gb, 2),
+           "rss_ratio": round(dist["ps_gb"] / ref_gb, 3), "nats_peak_rss_gb": round(dist["nats_gb"], 2),
+           "ps_restarts": dist["ps_restarts"],
+           "ps_peak_rss_at_step_end_mb": dist["peak_rss_at_step_end_mb"], "reference_step_s": round(ref_step, 2),
+           "reference_losses": [m["loss"] for m in ref], "losses": [m["loss"] for m in lines]}
+    if dist["stopped"]:
+        row["stopped"] = dist["stopped"]
+    if lines:
+        step = statistics.median(m["step_time_s"] for m in lines)
+        row.update(step_s=round(step, 2), step_ratio=round(step / ref_step, 2),
+                   checkpoint_s=[round(m.get("checkpoint_s", 0.0), 1) for m in lines],
+                   checkpoint_s_per_step=round(sum(m.get("checkpoint_s", 0.0) for m in lines) / len(lines), 2),
+                   losses_equal=[m["loss"] for m in lines] == [m["loss"] for m in ref[: len(lines)]],
+                   max_rel_loss_diff=max(abs(m["loss"] - r["loss"]) / abs(r["loss"]) for m, r in zip(lines, ref, strict=False)))
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt2-medium,llama3-1b")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args()
+    rows = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
+    for name in args.models.split(","):
+        rows = [r for r in rows if r["model"] != name]  # a model measured again replaces its old row
+        if free_gb() < MIN_FREE_GB + 2:
+            rows.append({"model": name, "skipped": f"only {free_gb():.1f} GB free"})
+            continue
+        t0 = time.time()
+        rows.append({**one(name, args.steps), "wall_s": round(time.time() - t0)})
+        print(json.dumps(rows[-1]), flush=True)
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text(json.dumps({"rows": rows}, indent=2) + "\n")  # after each model: nothing is lost
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

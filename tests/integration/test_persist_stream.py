@@ -1,0 +1,88 @@
+"""Streamed checkpoints against a real nats-server: larger than any one message, and a damaged one falls back."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cleave import bus as busmod
+from cleave.job import JobConfig
+from cleave.schemas import MAX_MESSAGE_BYTES
+from cleave.training import Trainer
+from cleave_ps.persist import Persister, snapshot
+
+BIG_ELEMENTS = 36 * 1024 * 1024  # two of these in fp32: 288 MiB, over the codec's 256 MiB message limit
+
+
+class Big(nn.Module):
+    def __init__(self, fill: float) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.full((BIG_ELEMENTS,), fill))
+        self.b = nn.Parameter(torch.arange(BIG_ELEMENTS, dtype=torch.float32))
+
+
+async def persister(url: str, job: str, config: str = "{}") -> tuple[busmod.Bus, Persister]:
+    bus = await busmod.connect(url, "test")
+    await bus.setup()
+    p = Persister(bus, job, config)
+    await p.open()
+    await p.claim_epoch()
+    return bus, p
+
+
+async def test_a_checkpoint_larger_than_one_message_round_trips_exactly(nats_url):
+    src = Big(0.5)
+    with torch.no_grad():
+        src.a[::4096] = torch.randn(BIG_ELEMENTS // 4096)
+    bus, p = await persister(nats_url, "big")
+    try:
+        head = await p.commit(snapshot(src, None, "big", 0, p.epoch), ())
+        assert head.size == 2 * BIG_ELEMENTS * 4 > MAX_MESSAGE_BYTES
+        dst = Big(0.0)
+        got = await reload(bus, "big", "{}", dst, None)
+        assert got is not None and got.step == 0
+        assert torch.equal(dst.a, src.a) and torch.equal(dst.b, src.b)
+    finally:
+        await bus.close()
+
+
+async def reload(bus: busmod.Bus, job: str, config: str, model: nn.Module, opt) -> object:  # noqa: ANN001
+    """What a restarted PS loads: a fresh Persister on the same bus."""
+    p = Persister(bus, job, config)
+    await p.open()
+    return await p.load(model, opt)
+
+
+async def test_a_damaged_checkpoint_falls_back_to_the_previous_one(nats_url):
+    job = JobConfig(job_id="dmg", preset="tiny", steps=3, batch_size=2, seq_len=16)
+    t = Trainer(job)
+    bus, p = await persister(nats_url, job.job_id, job.model_dump_json())
+    try:
+        t.step(0)
+        await p.commit(snapshot(t.model, t.opt, job.job_id, 0, p.epoch), ())
+        step0 = {k: v.clone() for k, v in t.model.state_dict().items()}
+        t.step(1)
+        head = await p.commit(snapshot(t.model, t.opt, job.job_id, 1, p.epoch), ())
+        for damage, why in ((_flip_one_byte, "does not match its sha256"), (_truncate, "bytes")):
+            await damage(p.store, f"{head.object}.data")
+            fresh = Trainer(job)
+            q = Persister(bus, job.job_id, job.model_dump_json())
+            await q.open()
+            got = await q.load(fresh.model, fresh.opt)
+            assert got is not None and got.step == 0  # the step-1 checkpoint was refused
+            assert all(torch.equal(v, step0[k]) for k, v in fresh.model.state_dict().items())
+            [(step, reason)] = q.rejected  # and logged as checkpoint_rejected with this reason
+            assert step == 1 and reason.endswith(why), reason
+    finally:
+        await bus.close()
+
+
+async def _flip_one_byte(store, name: str) -> None:  # noqa: ANN001
+    data = bytearray((await store.get(name)).data)
+    data[len(data) // 2] ^= 0x10
+    await store.put(name, bytes(data))
+
+
+async def _truncate(store, name: str) -> None:  # noqa: ANN001
+    data = (await store.get(name)).data
+    await store.put(name, data[: len(data) - 100])
