@@ -44,11 +44,16 @@ def val_loss(model: torch.nn.Module, corpus: Corpus, job: JobConfig) -> float:
     return statistics.fmean(losses)
 
 
-def run_diloco(spec: str, job: JobConfig, corpus: Corpus, workers: int, inner: int, rounds: int) -> dict:
-    """DiLoCo with every pseudo-gradient compressed by `spec` (with error feedback); bytes and loss."""
+def run_diloco(
+    spec: str, job: JobConfig, corpus: Corpus, workers: int, inner: int, rounds: int,
+    outer: diloco.DilocoConfig | None = None,
+) -> dict:
+    """DiLoCo with every pseudo-gradient compressed by `spec` (with error feedback); bytes and loss.
+    `outer` sets the outer optimizer (default: the job's outer_lr and outer_momentum)."""
     cfg = get_preset(job.preset)
     global_model = build_model(cfg, seed=job.seed)
-    server = diloco.DilocoServer(common.trainable(global_model), diloco.DilocoConfig(inner_steps=inner))
+    outer = outer or diloco.DilocoConfig(inner_steps=inner, outer_lr=job.outer_lr, outer_momentum=job.outer_momentum)
+    server = diloco.DilocoServer(common.trainable(global_model), outer)
     fleet = []
     for _ in range(workers):
         model = build_model(cfg, seed=job.seed)

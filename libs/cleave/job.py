@@ -11,6 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 
+# diloco and fedavg defaults, measured on `small` (benchmarks/diloco_grid.py); the same in cleave.methods
+DEFAULT_LOCAL_STEPS = 10
+DEFAULT_OUTER_LR = 0.7
+DEFAULT_OUTER_MOMENTUM = 0.9
+
 
 class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -19,14 +24,16 @@ class JobConfig(BaseModel):
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
     split_layers: int = Field(1, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes  # split learning: blocks the client keeps after the embedding
-    local_steps: int = Field(1, ge=1)  # diloco's H / fedavg's E: local steps per round
-    outer_lr: float = Field(0.7, gt=0)  # diloco's outer Nesterov step
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    local_steps: int = Field(DEFAULT_LOCAL_STEPS, ge=1)  # diloco's H / fedavg's E: local steps per round
+    outer_lr: float = Field(DEFAULT_OUTER_LR, gt=0)  # diloco's outer step (see docs/methods.md for the grid)
+    outer_momentum: float = Field(DEFAULT_OUTER_MOMENTUM, ge=0, lt=1)  # and its Nesterov momentum
     aggregate: Literal["mean", "median", "trimmed"] = "mean"  # how a round's updates are combined
     compress: str = "none"  # what travels up: none, fp16, bf16, int8[:BLOCK], topk:FRACTION
     lora_rank: int = Field(0, ge=0)  # > 0: only LoRA adapters of this rank train and travel
     lora_alpha: float = Field(16.0, gt=0)
     round_timeout_s: float = Field(120.0, gt=0)  # a round closes with what arrived by then
+    max_staleness: int = Field(0, ge=0)  # late updates up to this many rounds old count, weight 1/(1+age)
+    min_updates: int = Field(0, ge=0)  # a round closes once this many arrived (0: every worker of the plan)
     preset: str = "tiny"  # a name from cleave.models.PRESETS
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)

@@ -316,6 +316,8 @@ class StepMetrics(Wire):
     raw_bytes_up: int = 0  # what the workers' updates weighed before compression (data-parallel methods)
     updates: int = 0  # updates applied this round (data-parallel methods)
     updates_dropped: int = 0  # late, duplicate or invalid updates
+    updates_late: int = 0  # of `updates`, late ones folded in (within max_staleness, weight 1/(1+age))
+    applied: bool = True  # False: the round closed under min_updates and the global weights stayed
     recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
     resumed: bool = False  # this step ran on a PS that had restarted from persisted state
     at: float = 0.0

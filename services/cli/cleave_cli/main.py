@@ -53,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-steps", type=int, help="diloco H / fedavg E: local steps per round")
     p.add_argument("--outer-lr", type=float, help="diloco's outer learning rate")
     p.add_argument("--outer-momentum", type=float, help="diloco's outer Nesterov momentum")
+    p.add_argument("--diloco-setting", choices=("default", "paper", "plain"),
+                   help="diloco's H, outer lr and momentum by name (the flags above win): default (measured on "
+                        "small), paper (H 500, 0.7, Nesterov 0.9), plain (outer lr 1, no momentum)")
+    p.add_argument("--round-timeout", type=float, dest="round_timeout_s",
+                   help="diloco/fedavg: a round closes with what arrived after this many seconds (120)")
+    p.add_argument("--max-staleness", type=int, help="diloco/fedavg: late updates up to this many rounds old "
+                                                     "count, weighted 1/(1+age) (default 0: dropped)")
+    p.add_argument("--min-updates", type=int, help="diloco/fedavg: a round closes once this many updates "
+                                                   "arrived (default 0: every worker of the plan)")
+    p.add_argument("--val-every", type=int, help="validation loss of the PS's model every N steps or rounds")
     p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine")
     p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
     p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")

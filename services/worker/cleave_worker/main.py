@@ -8,7 +8,7 @@ import time
 import structlog
 import torch
 
-from cleave import auth
+from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.errors import WireError
 from cleave.faults import Faults
@@ -85,12 +85,18 @@ class Worker:
     async def on_round(self, task: RoundTask, nbytes: int) -> None:
         """A data-parallel round (diloco, fedavg): train locally off the event loop, send the update."""
         self.faults.hit("round", task.round)
+        arrived = time.time()
         try:
             update = await asyncio.to_thread(self.rounds.run, task)
         except Exception as e:  # a bad task spoils this round's update, not the worker
             self.log.warning("round_failed", job=task.job, round=task.round, error=repr(e))
             update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
                                  error=repr(e)[:500])
+        else:
+            if self.pacer is not None:  # behave like the declared device: answer when it would have
+                up = len(await asyncio.to_thread(codec.encode, update))
+                done = self.pacer.finish_at(arrived, nbytes, up, self.rounds.flops(task))
+                await asyncio.sleep(max(0.0, done - time.time()))
         await self.bus.publish(task.reply, update)
 
     async def on_split(self, task: SplitTask, nbytes: int) -> None:
