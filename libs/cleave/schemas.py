@@ -36,7 +36,7 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # any reassembled message
 MAX_CONTROL_BYTES = 1024 * 1024  # heartbeats, plans, events
 MAX_TENSOR_ELEMENTS = 1 << 28
 MAX_PROBE_BYTES = 4 * 1024 * 1024
-COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk")
+COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "topkq")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1}
@@ -74,9 +74,9 @@ class Packed(Wire):
     dtype: Literal[DTYPES]  # type: ignore[valid-type]  # the original dtype, restored on decompression
     shape: tuple[int, ...] = Field((), max_length=8)
     values: TensorData  # the cast tensor, the int8 codes, or the kept top-k values
-    scales: TensorData | None = None  # int8: one float32 scale per block
-    indices: TensorData | None = None  # topk: int32 deltas of the sorted flat positions of `values`
-    block: int = 0  # int8: values per scale
+    scales: TensorData | None = None  # int8: one float32 scale per block; topkq: the lowest and highest magnitude
+    indices: TensorData | None = None  # topk, topkq: int32 deltas of the sorted flat positions of `values`
+    block: int = 0  # int8: values per scale; topkq: bits per kept value (packed into uint8 `values`)
 
     @property
     def numel(self) -> int:
