@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from cleave.errors import CleaveError
-from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd, plan_cmd, sim_cmd
 
-TOOLS = {"chaos": chaos_cmd, "monitor": monitor_cmd, "auth": auth_cmd, "plan": plan_cmd, "export": export_cmd,
-         "prepare-data": data_cmd, "sim": sim_cmd}  # subcommands whose module has register(subparsers) and run(args)
+TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "plan": "plan_cmd",
+         "export": "export_cmd", "prepare-data": "data_cmd", "sim": "sim_cmd"}  # module: register(sub), run(args)
+LIGHT = ("chaos",)  # parsed alone, so that `cleave chaos kill` signals before torch is ever imported
+
+
+def tool(name: str) -> ModuleType:
+    return importlib.import_module(f"cleave_cli.{TOOLS[name]}")
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", help="NATS URL (default: the service's setting, nats://127.0.0.1:4222)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (`only`, one of LIGHT) that subcommand alone, importing nothing else."""
     parser = argparse.ArgumentParser(prog="cleave", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    if only in LIGHT:
+        tool(only).register(sub)
+        return parser
 
     p = sub.add_parser("demo", help="train the small GPT on a local fleet, kill a worker midway, report")
     p.add_argument("--workers", type=int, default=4)
@@ -67,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
     p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")
 
-    for tool in dict.fromkeys(TOOLS.values()):
-        tool.register(sub)
+    for name in TOOLS:
+        tool(name).register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -112,13 +122,13 @@ def run_service(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
     try:
         if args.command in ("ps", "worker", "scheduler"):
             return run_service(args)
-        tool = TOOLS.get(args.command)
-        if tool is not None:
-            return tool.run(args)
+        if args.command in TOOLS:
+            return tool(args.command).run(args)
         from cleave_cli import commands
 
         return getattr(commands, args.command)(args)
