@@ -39,6 +39,7 @@ from cleave.schemas import (
     SUBJECT_HEARTBEAT,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
+    SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
@@ -122,7 +123,8 @@ def _service(role: str, publish: list[str], subscribe: list[str], allow_response
 def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
-        pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
+        pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_ROUNDS), SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT),
+               SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
             pub += _js_create(s)
@@ -149,7 +151,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_HEARTBEAT.format(worker_id=wid),
                      SUBJECT_PROBE),
-            subscribe=(SUBJECT_TILES.format(worker_id=wid), SUBJECT_ROUNDS.format(worker_id=wid),
+            subscribe=(SUBJECT_TILES.format(worker_id=wid), SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL,
                        SUBJECT_SPLIT.format(worker_id=wid), inbox),
         )
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")

@@ -17,6 +17,9 @@ SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
 SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}"  # worker -> PS: finished blocks
 SUBJECT_ROUNDS = PREFIX + ".round.{worker_id}"  # PS -> one worker: train locally for a round (diloco, fedavg)
+SUBJECT_ROUNDCAST = PREFIX + ".roundcast.{job}"  # PS -> every worker of a round at once: NATS fans it out
+SUBJECT_ROUNDCAST_ALL = PREFIX + ".roundcast.*"  # what workers subscribe to
+MAX_ROUND_WORKERS = 100_000  # workers named in one broadcast round
 SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}"  # worker -> PS: a round's update, a split step's reply
 SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
 SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
@@ -247,6 +250,8 @@ class RoundTask(Wire):
     weights: PackedTensors  # the global trainable parameters (lossless)
     shard: int = 0  # which slice of the job's data this worker trains on (0: the reference run's batches)
     reply: str
+    # broadcast (SUBJECT_ROUNDCAST): the round's workers and each one's shard; a worker not named ignores it
+    shards: dict[str, int] = Field(default_factory=dict, max_length=MAX_ROUND_WORKERS)
 
 
 class RoundUpdate(Wire):
@@ -304,7 +309,8 @@ class StepMetrics(Wire):
     tiles_resent: int = 0
     tiles_dropped: int = 0  # late or duplicate results
     rejected: int = 0  # malformed or invalid results
-    bytes_down: int = 0  # PS -> workers
+    bytes_down: int = 0  # PS -> workers (what leaves the PS)
+    bytes_down_per_worker: int = 0  # what each worker receives (a broadcast round: the same message for all)
     bytes_up: int = 0  # workers -> PS
     tokens: int = 0
     lr: float = 0.0

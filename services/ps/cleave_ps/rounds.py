@@ -35,7 +35,7 @@ from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
 from cleave.schemas import (
-    SUBJECT_ROUNDS,
+    SUBJECT_ROUNDCAST,
     SUBJECT_UPDATES,
     Event,
     PackedTensors,
@@ -112,16 +112,15 @@ class Rounds:
             self.losses[msg.worker_id] = msg.losses[0]
 
     async def deal(self, r: int, expected: set[str]) -> int:
-        """Send round `r`'s global weights to every expected worker; the bytes sent."""
+        """Publish round `r`'s global weights once for every expected worker (each named with its data shard;
+        NATS fans the message out); the bytes sent, which are also what each worker receives."""
         weights = get_compressor("none")
         packed = {k: weights.compress(v) for k, v in self.server.global_state().items()}
-        bytes_down, reply = 0, SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch)
-        for shard, w in enumerate(sorted(expected)):
-            task = RoundTask(job=self.job.job_id, epoch=self.epoch, method=self.job.method, round=r,
-                             job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
-                             shard=shard, reply=reply)
-            bytes_down += await self.bus.publish(SUBJECT_ROUNDS.format(worker_id=w), task)
-        return bytes_down
+        task = RoundTask(job=self.job.job_id, epoch=self.epoch, method=self.job.method, round=r,
+                         job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
+                         reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch),
+                         shards={w: shard for shard, w in enumerate(sorted(expected))})
+        return await self.bus.publish(SUBJECT_ROUNDCAST.format(job=self.job.job_id), task)
 
     def closes(self, expected: set[str]) -> bool:
         """Every expected worker answered (or failed), or `min_updates` updates of this round arrived."""
@@ -177,6 +176,7 @@ class Rounds:
         m = StepMetrics(job=self.job.job_id, method=self.job.method, step=r,
                         loss=statistics.fmean(losses) if losses else float("nan"), val_loss=val,
                         step_time_s=time.perf_counter() - t0, workers=len(report.senders), bytes_down=bytes_down,
+                        bytes_down_per_worker=bytes_down,
                         bytes_up=self.bytes_up, raw_bytes_up=self.raw_bytes, updates=len(report.senders),
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
                         * self.job.batch_size * self.job.seq, lr=self.job.lr, recoveries=len(lost),

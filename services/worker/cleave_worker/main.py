@@ -17,6 +17,7 @@ from cleave.logs import configure
 from cleave.profile import Pacer, parse_profile
 from cleave.schemas import (
     SUBJECT_HEARTBEAT,
+    SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
@@ -99,6 +100,12 @@ class Worker:
                 await asyncio.sleep(max(0.0, done - time.time()))
         await self.bus.publish(task.reply, update)
 
+    async def on_roundcast(self, task: RoundTask, nbytes: int) -> None:
+        """A round published once for all its workers: take part if this worker is named in it."""
+        shard = task.shards.get(self.s.worker_id)
+        if shard is not None:
+            await self.on_round(task.model_copy(update={"shard": shard, "shards": {}}), nbytes)
+
     async def on_split(self, task: SplitTask, nbytes: int) -> None:
         """Split learning: this worker is the client; run its half of the step off the event loop."""
         self.faults.hit("split", task.step)
@@ -147,6 +154,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     worker = Worker(settings, bus, profile)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
+    cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, worker.on_roundcast)
     splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, worker.on_split)
     log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
              up=f"{profile.uplink_bytes_per_s / 1e6:.0f}MB/s", declared=profile.declared,
@@ -157,6 +165,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
             tg.create_task(worker.reprobe(stop, flops))
     await sub.unsubscribe()
     await rounds.unsubscribe()
+    await cast.unsubscribe()
     await splits.unsubscribe()
     await bus.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
