@@ -7,7 +7,10 @@ In one run, side by side against the uncompressed path:
   (torch clone, and bytes(bytearray) of its buffer).
 Writes benchmarks/results/compression.json.
 
-    .venv/bin/python benchmarks/compression.py [--rounds 8] [--workers 2] [--inner-steps 5] [--numel 4194304]
+    nice -n 10 .venv/bin/python benchmarks/compression.py [--preset small] [--rounds 100] [--workers 2]
+        [--inner-steps 2] [--numel 4194304] [--specs none int8 topkq:0.01 ...]
+
+The outer optimizer is the job's default (cleave.job.DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from cleave.methods import common, diloco
 from cleave.models import build_model, get_preset
 
 RESULTS = Path(__file__).parent / "results" / "compression.json"
-DEFAULT_SPECS = ("none", "fp16", "bf16", "int8", "topk:0.1", "topk:0.01")
+DEFAULT_SPECS = ("none", "fp16", "bf16", "int8", "topk:0.1", "topk:0.01", "topkq:0.01", "topkq:0.02")
 VAL_BATCHES = 8
 REPEATS = 5
 
@@ -135,10 +138,10 @@ def table(runs: list[dict], speeds: list[dict], copy: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--inner-steps", type=int, default=5)
+    ap.add_argument("--inner-steps", type=int, default=2)
     ap.add_argument("--numel", type=int, default=1 << 22, help="elements of the throughput tensor (fp32)")
     ap.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS))
     args = ap.parse_args()

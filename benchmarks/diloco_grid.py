@@ -28,12 +28,23 @@ DEFAULT_H = (5, 10, 20)
 DEFAULT_OUTER = ("1:0", "0.7:0.9", "1:0.5", "0.8:0.5", "1:0.3", "1.2:0")  # outer lr : momentum; 1:0 is plain
 
 
-def grid(job: JobConfig, corpus: Corpus, workers: int, steps: int, hs: list[int], outers: list[str]) -> list[dict]:
-    runs = []
-    for h in hs:
+def save(args: argparse.Namespace, job: JobConfig, runs: list[dict]) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"preset": args.preset, "workers": args.workers, "steps": args.steps,
+                                   "batch_size": job.batch_size, "lr": job.lr, "runs": runs}, indent=2))
+
+
+def grid(args: argparse.Namespace, job: JobConfig, corpus: Corpus, runs: list[dict]) -> list[dict]:
+    """Every (H, outer) of the grid not in `runs` yet; the JSON is rewritten after each, so a long grid
+    on a busy machine can be stopped and continued with --resume."""
+    done = {(r["H"], r["outer_lr"], r["outer_momentum"]) for r in runs}
+    workers, steps = args.workers, args.steps
+    for h in args.h:
         rounds = max(1, steps // h)
-        for spec in outers:
+        for spec in args.outer:
             lr, mom = (float(x) for x in spec.split(":"))
+            if (h, lr, mom) in done:
+                continue
             cfg = diloco.DilocoConfig(inner_steps=h, outer_lr=lr, outer_momentum=mom)
             t0 = time.perf_counter()
             r = run_diloco("none", job, corpus, workers, h, rounds, cfg)
@@ -41,6 +52,7 @@ def grid(job: JobConfig, corpus: Corpus, workers: int, steps: int, hs: list[int]
                          "val_loss": r["val_loss"], "seconds": time.perf_counter() - t0})
             print(f"H={h:<3} rounds={rounds:<4} outer lr={lr:<4g} momentum={mom:<4g} "
                   f"val loss {r['val_loss']:.4f} ({runs[-1]['seconds']:.0f}s)", flush=True)
+            save(args, job, runs)
     return runs
 
 
@@ -62,15 +74,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="local steps per worker (rounds = steps / H)")
     ap.add_argument("--h", type=int, nargs="+", default=list(DEFAULT_H))
     ap.add_argument("--outer", nargs="+", default=list(DEFAULT_OUTER), help="LR:MOMENTUM pairs")
+    ap.add_argument("--resume", action="store_true", help="keep the runs already in the JSON (same preset)")
     args = ap.parse_args()
     job, corpus = JobConfig(preset=args.preset), Corpus()
-    runs = grid(job, corpus, args.workers, args.steps, args.h, args.outer)
+    runs = json.loads(RESULTS.read_text())["runs"] if args.resume and RESULTS.exists() else []
+    runs = grid(args, job, corpus, runs)
     print(f"DiLoCo on {args.preset}: {args.workers} workers, {args.steps} local steps per worker, "
           f"batch {job.batch_size}, inner AdamW lr {job.lr}")
     print(table(runs))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"preset": args.preset, "workers": args.workers, "steps": args.steps,
-                                   "batch_size": job.batch_size, "lr": job.lr, "runs": runs}, indent=2))
     print(f"wrote {RESULTS}")
 
 

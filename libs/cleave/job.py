@@ -13,8 +13,8 @@ from cleave.models import PRESETS
 
 # diloco and fedavg defaults, measured on `small` (benchmarks/diloco_grid.py); the same in cleave.methods
 DEFAULT_LOCAL_STEPS = 10
-DEFAULT_OUTER_LR = 0.7
-DEFAULT_OUTER_MOMENTUM = 0.9
+DEFAULT_OUTER_LR = 1.0
+DEFAULT_OUTER_MOMENTUM = 0.0
 
 
 class JobConfig(BaseModel):
