@@ -268,12 +268,13 @@ class RoundUpdate(Wire):
 
 class SplitTask(Wire):
     """Split learning, PS -> client. `forward`: run the client half on batch `step` and send the cut.
-    `backward`: here is the gradient at the cut; finish the step and send the clip coefficient."""
+    `backward`: here is the gradient at the cut; finish the step and send the clip coefficient.
+    `eval`: the cut (and labels) of the validation batches after step `step`, nothing trained (val_every)."""
 
     job: str
     epoch: int
     step: int
-    phase: Literal["forward", "backward"]
+    phase: Literal["forward", "backward", "eval"]
     job_config: str
     split_layers: int = Field(ge=0)
     reply: str
@@ -287,7 +288,7 @@ class SplitReply(Wire):
     job: str
     epoch: int
     step: int
-    phase: Literal["forward", "backward"]
+    phase: Literal["forward", "backward", "eval"]
     worker_id: str
     activations: TensorData | None = None
     tied_weight: TensorData | None = None

@@ -1,5 +1,5 @@
 """The round policy of diloco and fedavg over a real nats-server and worker processes: validation after a
-round, `min_updates`, `max_staleness` with a straggler, and a lost worker reported as a recovery event."""
+round (and after a split-learning step), `min_updates`, and `max_staleness` with a straggler."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ def run_job(tmp_path, job: JobConfig, workers: int, extra: dict[str, list[str]] 
         fleet.stop()
 
 
-@pytest.mark.parametrize("method", ["diloco", "fedavg"])
+@pytest.mark.parametrize("method", ["diloco", "fedavg", "split"])
 def test_val_every_is_the_validation_loss_of_the_ps_model(tmp_path, method):
-    """One worker, one local step, outer lr 1 and no momentum is plain training, so the validation loss
-    after rounds 2 and 4 is the reference run's after steps 2 and 4."""
-    job = JobConfig(job_id=f"val-{method}", preset="tiny", steps=4, method=method, local_steps=1, outer_lr=1.0,
-                    outer_momentum=0.0, val_every=2)
+    """One worker and one local step (diloco: outer lr 1, no momentum) is plain training, and so is split
+    learning: the validation loss after rounds (steps) 2 and 4 is the reference run's after steps 2 and 4."""
+    extra = {"diloco": dict(local_steps=1, outer_lr=1.0, outer_momentum=0.0), "fedavg": dict(local_steps=1),
+             "split": dict(split_layers=1)}[method]
+    job = JobConfig(job_id=f"val-{method}", preset="tiny", steps=4, method=method, val_every=2, **extra)
     lines = run_job(tmp_path, job, workers=1)
     trainer, want = Trainer(JobConfig(preset="tiny", steps=4)), []
     for s in range(4):
