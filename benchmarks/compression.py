@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import time
 from pathlib import Path
@@ -144,11 +145,20 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=2)
     ap.add_argument("--numel", type=int, default=1 << 22, help="elements of the throughput tensor (fp32)")
     ap.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS))
+    ap.add_argument("--jobs", type=int, default=1, help="DiLoCo runs in parallel processes (one per spec at most)")
     args = ap.parse_args()
     if "none" not in args.specs:
         args.specs.insert(0, "none")
     job, corpus = JobConfig(preset=args.preset), Corpus()
-    runs = [run_diloco(s, job, corpus, args.workers, args.inner_steps, args.rounds) for s in args.specs]
+    with multiprocessing.get_context("spawn").Pool(args.jobs, initializer=torch.set_num_threads,
+                                                   initargs=(max(1, torch.get_num_threads() // args.jobs),)) as pool:
+        pending = [pool.apply_async(run_diloco, (s, job, corpus, args.workers, args.inner_steps, args.rounds))
+                   for s in args.specs]
+        runs = []
+        for p in pending:  # the same seed and batches in every process: bytes and losses do not depend on it
+            runs.append(p.get())
+            print(f"{runs[-1]['spec']}: {runs[-1]['bytes_per_round'] / 1e3:.1f} KB/round, val loss "
+                  f"{runs[-1]['val_loss']:.4f} ({runs[-1]['seconds']:.0f}s)", flush=True)
     t = torch.randn(args.numel, generator=torch.Generator().manual_seed(0))
     speeds, copy = [throughput(s, t) for s in args.specs], raw_copy(t)
     for s in speeds:
@@ -166,6 +176,7 @@ def main() -> None:
         "rounds": args.rounds,
         "numel": args.numel,
         "threads": torch.get_num_threads(),
+        "jobs": args.jobs,
         "diloco": runs,
         "throughput": speeds,
         "raw_copy": copy,
