@@ -45,6 +45,7 @@ from cleave.schemas import (
     SUBJECT_HEARTBEAT,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
+    SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
@@ -129,7 +130,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_ROUNDS),
-               _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
+               SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
             pub += _js_create(s)
@@ -158,7 +159,8 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
                      SUBJECT_PROBE),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
-                       SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_SPLIT.format(worker_id=wid), inbox),
+                       SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
+                       inbox),
             allow_responses=True,  # its answers to the PS's fan-out joins
         )
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")

@@ -33,13 +33,19 @@ METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
     "lora_rank": ROUND_METHODS,
     "lora_alpha": ROUND_METHODS,
     "round_timeout_s": (*ROUND_METHODS, "split"),
-    "val_every": ("cleave",),
+    "max_staleness": ROUND_METHODS,
+    "min_updates": ROUND_METHODS,
     "init_from": ("cleave", *ROUND_METHODS),
 }
 # A setting -> (another setting, a test on it, what the test says): the first only applies when it holds
 SETTING_NEEDS = {
     "lora_alpha": ("lora_rank", lambda v: v > 0, "lora_rank > 0"),
 }
+
+# diloco and fedavg defaults, measured on `small` (benchmarks/diloco_grid.py); the same in cleave.methods
+DEFAULT_LOCAL_STEPS = 10
+DEFAULT_OUTER_LR = 1.0
+DEFAULT_OUTER_MOMENTUM = 0.0
 
 
 class JobConfig(BaseModel):
@@ -49,14 +55,16 @@ class JobConfig(BaseModel):
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
     split_layers: int = Field(1, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes  # split learning: blocks the client keeps after the embedding
-    local_steps: int = Field(1, ge=1)  # diloco's H / fedavg's E: local steps per round
-    outer_lr: float = Field(0.7, gt=0)  # diloco's outer Nesterov step
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    local_steps: int = Field(DEFAULT_LOCAL_STEPS, ge=1)  # diloco's H / fedavg's E: local steps per round
+    outer_lr: float = Field(DEFAULT_OUTER_LR, gt=0)  # diloco's outer step (see docs/methods.md for the grid)
+    outer_momentum: float = Field(DEFAULT_OUTER_MOMENTUM, ge=0, lt=1)  # and its Nesterov momentum
     aggregate: Literal["mean", "median", "trimmed"] = "mean"  # how a round's updates are combined
     compress: str = "none"  # what travels up: none, fp16, bf16, int8[:BLOCK], topk:FRACTION
     lora_rank: int = Field(0, ge=0)  # > 0: only LoRA adapters of this rank train and travel
     lora_alpha: float = Field(16.0, gt=0)
     round_timeout_s: float = Field(120.0, gt=0)  # a round closes with what arrived by then
+    max_staleness: int = Field(0, ge=0)  # late updates up to this many rounds old count, weight 1/(1+age)
+    min_updates: int = Field(0, ge=0)  # a round closes once this many arrived (0: every worker of the plan)
     preset: str | None = None  # a name from cleave.models.PRESETS; None: init_from's config.json, else "tiny"
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)

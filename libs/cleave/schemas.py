@@ -32,6 +32,9 @@ SUBJECT_CONTROL = PREFIX + ".ctl.{worker_id}"  # PS -> one worker (request/reply
 # the PS subscribes with worker_id="*" and checks that a message's worker_id is the subject's
 SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}.{worker_id}"
 SUBJECT_ROUNDS = PREFIX + ".round.{worker_id}"  # PS -> one worker: train locally for a round (diloco, fedavg)
+SUBJECT_ROUNDCAST = PREFIX + ".roundcast.{job}"  # PS -> every worker of a round at once: NATS fans it out
+SUBJECT_ROUNDCAST_ALL = PREFIX + ".roundcast.*"  # what workers subscribe to
+MAX_ROUND_WORKERS = 100_000  # workers named in one broadcast round
 SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}.{worker_id}"  # worker -> PS: a round's update, a split reply
 SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
 SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
@@ -53,7 +56,7 @@ MAX_PLAN_BYTES = 32 * 1024 * 1024  # a plan once decompressed (10,000 devices: ~
 MAX_TENSOR_ELEMENTS = 1 << 28
 MAX_GEMM_DIM = 1 << 31  # m, n or k of a planned GEMM (box coordinates travel as int32)
 MAX_PROBE_BYTES = 4 * 1024 * 1024
-COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk")
+COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "topkq")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1}
@@ -91,9 +94,9 @@ class Packed(Wire):
     dtype: Literal[DTYPES]  # type: ignore[valid-type]  # the original dtype, restored on decompression
     shape: tuple[int, ...] = Field((), max_length=8)
     values: TensorData  # the cast tensor, the int8 codes, or the kept top-k values
-    scales: TensorData | None = None  # int8: one float32 scale per block
-    indices: TensorData | None = None  # topk: int32 deltas of the sorted flat positions of `values`
-    block: int = 0  # int8: values per scale
+    scales: TensorData | None = None  # int8: one float32 scale per block; topkq: the lowest and highest magnitude
+    indices: TensorData | None = None  # topk, topkq: int32 deltas of the sorted flat positions of `values`
+    block: int = 0  # int8: values per scale; topkq: bits per kept value (packed into uint8 `values`)
 
     @property
     def numel(self) -> int:
@@ -375,7 +378,9 @@ class RoundTask(Wire):
     job_config: str  # the JobConfig JSON: model, optimizer, data, compression, LoRA
     weights: PackedTensors  # the global trainable parameters (lossless)
     shard: int = 0  # which slice of the job's data this worker trains on (0: the reference run's batches)
-    reply: str
+    reply: str  # where the update goes; "{worker_id}" in it stands for the answering worker's id
+    # broadcast (SUBJECT_ROUNDCAST): the round's workers and each one's shard; a worker not named ignores it
+    shards: dict[str, int] = Field(default_factory=dict, max_length=MAX_ROUND_WORKERS)
 
 
 class RoundUpdate(Wire):
@@ -392,12 +397,13 @@ class RoundUpdate(Wire):
 
 class SplitTask(Wire):
     """Split learning, PS -> client. `forward`: run the client half on batch `step` and send the cut.
-    `backward`: here is the gradient at the cut; finish the step and send the clip coefficient."""
+    `backward`: here is the gradient at the cut; finish the step and send the clip coefficient.
+    `eval`: the cut (and labels) of the validation batches after step `step`, nothing trained (val_every)."""
 
     job: str
     epoch: int
     step: int
-    phase: Literal["forward", "backward"]
+    phase: Literal["forward", "backward", "eval"]
     job_config: str
     split_layers: int = Field(ge=0)
     reply: str
@@ -411,7 +417,7 @@ class SplitReply(Wire):
     job: str
     epoch: int
     step: int
-    phase: Literal["forward", "backward"]
+    phase: Literal["forward", "backward", "eval"]
     worker_id: str
     activations: TensorData | None = None
     tied_weight: TensorData | None = None
@@ -433,7 +439,8 @@ class StepMetrics(Wire):
     tiles_resent: int = 0
     tiles_dropped: int = 0  # late or duplicate results
     rejected: int = 0  # malformed or invalid results
-    bytes_down: int = 0  # PS -> workers
+    bytes_down: int = 0  # PS -> workers (what leaves the PS)
+    bytes_down_per_worker: int = 0  # what each worker receives (a broadcast round: the same message for all)
     bytes_up: int = 0  # workers -> PS
     tokens: int = 0
     lr: float = 0.0
@@ -445,6 +452,8 @@ class StepMetrics(Wire):
     raw_bytes_up: int = 0  # what the workers' updates weighed before compression (data-parallel methods)
     updates: int = 0  # updates applied this round (data-parallel methods)
     updates_dropped: int = 0  # late, duplicate or invalid updates
+    updates_late: int = 0  # of `updates`, late ones folded in (within max_staleness, weight 1/(1+age))
+    applied: bool = True  # False: the round closed under min_updates and the global weights stayed
     recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
     resumed: bool = False  # this step ran on a PS that had restarted from persisted state
     checkpoint_s: float = 0.0  # seconds spent after this step streaming the state to JetStream (0: not due)

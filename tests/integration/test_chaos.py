@@ -45,3 +45,26 @@ def test_kill_freeze_thaw_and_restart_roles(tmp_path):
         assert out.returncode == 2 and "no running process" in out.stderr
     finally:
         fleet.stop()
+
+
+def test_kill_no_restart_leaves_the_victim_dead_and_imports_no_torch(tmp_path):
+    """`--no-restart` marks the victim before the signal and the supervisor leaves it down; the command
+    imports neither torch nor a model (it is fast to start) and stamps the time to the millisecond."""
+    fleet = LocalFleet(tmp_path, workers=2)
+    try:
+        fleet.start()
+        probe = ("import sys; from cleave_cli.main import main; "
+                 f"code = main(['chaos', 'kill', '--name', 'worker-1', '--no-restart', '--run-dir', {str(tmp_path)!r}]); "
+                 "print('torch' in sys.modules, code)")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1] == "False 0"
+        stamp = out.stdout.split()[0]  # HH:MM:SS.mmm
+        assert len(stamp) == 12 and stamp[8] == "." and stamp[9:].isdigit(), out.stdout
+        fleet.stack.procs["worker-1"].popen.wait(timeout=10)
+        ended = [p.name for p in fleet.stack.supervise()]
+        assert "worker-1" in ended and fleet.stack.procs["worker-1"].restarts == 0
+        assert fleet.stack.procs["worker-2"].popen.poll() is None
+        assert chaos(tmp_path, "freeze", "--name", "worker-2", "--no-restart").returncode == 2  # kill only
+    finally:
+        fleet.stop()

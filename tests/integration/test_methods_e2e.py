@@ -46,6 +46,12 @@ def test_a_worker_killed_mid_round_is_tolerated(tmp_path, method):
     assert [m["step"] for m in lines] == list(range(6))
     assert [m["workers"] for m in lines][:2] == [3, 3] and lines[2]["workers"] == 2  # the round went on
     assert lines[-1]["loss"] < lines[0]["loss"]
+    # the loss is reported: one recovery event in the round that lost the victim, none elsewhere
+    assert [m["recoveries"] for m in lines] == [0, 0, 1, 0, 0, 0]
+    (ev,) = lines[2]["recovery"]
+    assert (ev["kind"], ev["worker_id"], ev["cause"], ev["step"]) == ("recovered", "victim", "left_plan", 2)
+    assert 0 < ev["detect_s"] < 30 and ev["complete_s"] >= 0 and "dropped" in ev["detail"]
+    assert "round_worker_lost" in (tmp_path / "run" / "logs" / "ps.log").read_text()
 
 
 def test_diloco_ps_killed_mid_round_and_around_commits_resumes_exactly(tmp_path):

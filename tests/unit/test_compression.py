@@ -155,3 +155,48 @@ def test_inconsistent_packed_tensors_are_rejected() -> None:
             decompress(p)
     with pytest.raises(WireError):
         codec.decode(codec.encode(PackedTensors(tensors={"w": topk}))[:-5], PackedTensors)
+
+
+def test_topkq_round_trips_a_known_tensor_exactly_and_feedback_carries_the_remainder() -> None:
+    """Kept magnitudes 1 and 3 are exactly the two 2-bit levels: those entries come back bit for bit, the
+    rest is zero, and error feedback holds exactly what was not sent, for the next round."""
+    x = torch.full((1000,), 1e-3)
+    x[[3, 50, 400, 999]] = torch.tensor([1.0, -3.0, 3.0, -1.0])
+    comp = get_compressor("topkq:0.004:2")  # k = 4
+    p = comp.compress(x)
+    kept = torch.where(x.abs() >= 1, x, torch.zeros(()))
+    assert torch.equal(decompress(codec.decode(codec.encode(PackedTensors(tensors={"g": p})),
+                                               PackedTensors).tensors["g"]), kept)
+    ef = ErrorFeedback(comp)
+    assert torch.equal(decompress(ef.compress("g", x)), kept)
+    assert torch.equal(ef.residual["g"], x - kept)  # the 996 small entries wait for their turn
+    nxt = decompress(ef.compress("g", torch.zeros(1000)))  # next round sends the four largest of the residual
+    assert int((nxt != 0).sum()) == 4 and torch.allclose(nxt[nxt != 0], torch.full((4,), 1e-3))
+
+
+def test_topkq_rounds_to_the_nearest_level_and_is_100x_smaller_on_the_wire() -> None:
+    t = randn(1_000_000)
+    comp = get_compressor("topkq:0.01")
+    assert comp.spec == "topkq:0.01:2"
+    back, kept = decompress(comp.compress(t)), TopK(0.01).compress(t)
+    idx = torch.cumsum(codec.data_to_tensor(kept.indices).long(), 0)
+    lo, hi = float(t[idx].abs().min()), float(t[idx].abs().max())
+    mags = back[idx].abs()
+    assert bool(((mags - lo).abs() < 1e-6).logical_or((mags - hi).abs() < 1e-6).all())  # two levels only
+    assert float((back[idx] - t[idx]).abs().max()) <= (hi - lo) / 2 + 1e-6  # nearest of the two levels
+    assert raw_bytes(t) / wire_bytes(PackedTensors(tensors={"t": comp.compress(t)})) >= 100
+
+
+def test_topkq_bits_and_malformed_input() -> None:
+    t = randn(4096)
+    for bits in (1, 2, 4, 8):
+        p = get_compressor(f"topkq:0.05:{bits}").compress(t)
+        assert len(p.values.data) == math.ceil(205 * bits / 8) and decompress(p).shape == t.shape
+    for bad in ("topkq", "topkq:0", "topkq:0.1:3", "topkq:0.1:x"):
+        with pytest.raises(ConfigError):
+            get_compressor(bad)
+    p = get_compressor("topkq:0.05").compress(t)
+    for broken in (p.model_copy(update={"block": 3}), p.model_copy(update={"scales": None}),
+                   p.model_copy(update={"values": codec.tensor_to_data(torch.zeros(3, dtype=torch.uint8))})):
+        with pytest.raises(WireError):
+            decompress(broken)

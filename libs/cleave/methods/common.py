@@ -108,6 +108,14 @@ def shard_of(worker_id: str) -> int:
     return zlib.crc32(worker_id.encode()) % MAX_SHARDS
 
 
+VAL_BATCHES = 4  # batches in one validation loss, as `Trainer.val_loss` takes them
+
+
+def val_batches(corpus: Corpus, job: JobConfig, step: int, n: int = VAL_BATCHES) -> list[Batch]:
+    """The validation batches `Trainer.val_loss(step)` reads, in its order."""
+    return [corpus.batch(job.seed, 1_000_000 + step * n + i, job.batch_size, job.seq, "val") for i in range(n)]
+
+
 def shard_batch(corpus: Corpus, job: JobConfig, shard: int, step: int) -> Batch:
     """Batch number `step` of data shard `shard`; shard 0 is exactly the reference run's batch `step`."""
     if not 0 <= shard < MAX_SHARDS:

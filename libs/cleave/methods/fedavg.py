@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from cleave.errors import ConfigError
+from cleave.job import DEFAULT_LOCAL_STEPS as JOB_LOCAL_STEPS
 from cleave.methods.common import Batch, State, load_into, snapshot, train_step, trainable
 from cleave.methods.rounds import (
     DEFAULT_TRIM,
@@ -28,7 +29,7 @@ from cleave.methods.rounds import (
     close_and_aggregate,
 )
 
-DEFAULT_LOCAL_STEPS = 10  # E
+DEFAULT_LOCAL_STEPS = JOB_LOCAL_STEPS  # E: the job's default
 
 
 @dataclass(frozen=True)

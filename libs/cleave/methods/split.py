@@ -144,6 +144,13 @@ class SplitClient:
         tied = self.half.embed.weight.detach().clone() if self.tied else None
         return CutForward(self._out.detach(), tied)
 
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor) -> CutForward:
+        """The cut of a validation batch in eval mode; nothing is kept for a backward."""
+        self.half.eval()
+        tied = self.half.embed.weight.detach().clone() if self.tied else None
+        return CutForward(self.half(x), tied)
+
     def backward(self, back: CutBackward) -> float:
         """Finish the step on the client; the clip coefficient the server must apply too."""
         if self._out is None:
@@ -188,6 +195,15 @@ class SplitServer:
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value}")
         return CutBackward(value, act.grad, tied_grad, _sq_norm(server_params(self.half)))
+
+    @torch.no_grad()
+    def evaluate(self, cut: CutForward, y: torch.Tensor) -> float:
+        """The loss of the whole model on a validation cut (eval mode, the client's current tied weight)."""
+        if self.tied and cut.tied_weight is not None:
+            self.half.lm_head.weight.copy_(cut.tied_weight)
+        self.half.eval()
+        logits = self.half(cut.activations)  # (B, T, vocab)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)).item()
 
     def apply(self, coef: float) -> None:
         _scale(server_params(self.half), coef)

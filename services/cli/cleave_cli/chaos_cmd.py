@@ -1,7 +1,10 @@
 """`cleave chaos`: kill, freeze, thaw or restart processes of a local stack, once or on a schedule.
 
 Targets come from `<run_dir>/stack.json`, which the local supervisor rewrites whenever a process starts.
-The supervisor brings back what is killed or restarted (as compose's restart policy would).
+The supervisor brings back what is killed or restarted (as compose's restart policy would), except a
+process killed with `--no-restart`: that writes `<run_dir>/held-down/<name>` before the signal, and the
+supervisor leaves a process with such a marker dead. Imports stay light (no torch, no model): `cleave chaos`
+signals within milliseconds of starting, and prints the time of each action to the millisecond.
 """
 
 from __future__ import annotations
@@ -18,6 +21,17 @@ from cleave.errors import CleaveError
 
 ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "thaw": signal.SIGCONT, "restart": signal.SIGTERM}
 ROLES = ("worker", "ps", "scheduler", "monitor", "nats")
+HELD_DOWN_DIR = "held-down"  # <run_dir>/held-down/<name>: the supervisor does not restart <name>
+
+
+def held_down(run_dir: Path, name: str) -> bool:
+    return (run_dir / HELD_DOWN_DIR / name).exists()
+
+
+def stamp() -> str:
+    """Wall-clock time to the millisecond, e.g. 08:41:07.123."""
+    now = time.time()
+    return f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now % 1 * 1000):03d}"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--thaw-after", type=float, default=0.0, help="with freeze: send SIGCONT after this many seconds")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-restart", action="store_true", help="kill: the local supervisor leaves the victim dead")
 
 
 def targets(stack: dict, role: str, name: str | None) -> list[dict]:
@@ -52,19 +67,24 @@ def act(args: argparse.Namespace, rng: random.Random) -> dict:
     if not found:
         raise CleaveError(f"no running process matches {args.name or args.role!r} in {args.run_dir / 'stack.json'}")
     proc = rng.choice(found)
+    if args.no_restart:  # before the signal, so the supervisor sees it when it finds the process dead
+        (args.run_dir / HELD_DOWN_DIR).mkdir(exist_ok=True)
+        (args.run_dir / HELD_DOWN_DIR / proc["name"]).touch()
     try:
         os.kill(proc["pid"], ACTIONS[args.action])
     except ProcessLookupError:
         raise CleaveError(f"{proc['name']} (pid {proc['pid']}) is already gone") from None
-    print(f"{time.strftime('%H:%M:%S')} {args.action} {proc['name']} (role {proc['role']}, pid {proc['pid']})", flush=True)
+    print(f"{stamp()} {args.action} {proc['name']} (role {proc['role']}, pid {proc['pid']})", flush=True)
     if args.action == "freeze" and args.thaw_after > 0:
         time.sleep(args.thaw_after)
         os.kill(proc["pid"], signal.SIGCONT)
-        print(f"{time.strftime('%H:%M:%S')} thaw {proc['name']} after {args.thaw_after}s", flush=True)
+        print(f"{stamp()} thaw {proc['name']} after {args.thaw_after}s", flush=True)
     return proc
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_restart and args.action != "kill":
+        raise CleaveError("--no-restart goes with kill")
     rng = random.Random(args.seed)
     for i in range(args.count):
         if i:

@@ -28,8 +28,15 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
                   batch_size=args.batch_size, lr=args.lr, data=args.data, method=args.method,
                   local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
                   aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank,
-                  tokenizer=args.tokenizer, init_from=args.init_from, split_layers=args.split_layers)
+                  tokenizer=args.tokenizer, init_from=args.init_from, split_layers=args.split_layers,
+                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
+                  min_updates=args.min_updates, val_every=args.val_every)
     fields = {k: v for k, v in fields.items() if v is not None}
+    if args.diloco_setting:  # a named (H, outer lr, momentum); explicit flags win
+        from cleave.methods.diloco import SETTINGS
+
+        named = dict(zip(("local_steps", "outer_lr", "outer_momentum"), SETTINGS[args.diloco_setting], strict=True))
+        fields = {**named, **fields}
     if args.config:
         job = JobConfig.load(args.config, **fields)
         return job if "job_id" in fields or job.job_id != "job" else job.model_copy(update={"job_id": new_job_id("train")})

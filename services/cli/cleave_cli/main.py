@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from cleave.errors import CleaveError
-from cleave_cli import auth_cmd, chaos_cmd, data_cmd, export_cmd, monitor_cmd, plan_cmd, sim_cmd, swarm_cmd
 
-TOOLS = {"chaos": chaos_cmd, "monitor": monitor_cmd, "auth": auth_cmd, "plan": plan_cmd, "export": export_cmd,
-         "prepare-data": data_cmd, "sim": sim_cmd, "swarm": swarm_cmd}  # subcommands whose module has register(subparsers) and run(args)
+TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "plan": "plan_cmd",
+         "export": "export_cmd", "prepare-data": "data_cmd", "sim": "sim_cmd", "swarm": "swarm_cmd"}  # module: register(sub), run(args)
+LIGHT = ("chaos",)  # parsed alone, so that `cleave chaos kill` signals before torch is ever imported
+
+
+def tool(name: str) -> ModuleType:
+    return importlib.import_module(f"cleave_cli.{TOOLS[name]}")
 
 
 def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", help="NATS URL (default: the service's setting, nats://127.0.0.1:4222)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (`only`, one of LIGHT) that subcommand alone, importing nothing else."""
     parser = argparse.ArgumentParser(prog="cleave", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    if only in LIGHT:
+        tool(only).register(sub)
+        return parser
 
     p = sub.add_parser("demo", help="train the small GPT on a local fleet, kill a worker midway, report")
     p.add_argument("--workers", type=int, default=4)
@@ -54,12 +64,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-steps", type=int, help="diloco H / fedavg E: local steps per round")
     p.add_argument("--outer-lr", type=float, help="diloco's outer learning rate")
     p.add_argument("--outer-momentum", type=float, help="diloco's outer Nesterov momentum")
+    p.add_argument("--diloco-setting", choices=("default", "paper", "plain"),
+                   help="diloco's H, outer lr and momentum by name (the flags above win): default (measured on "
+                        "small), paper (H 500, 0.7, Nesterov 0.9), plain (outer lr 1, no momentum)")
+    p.add_argument("--round-timeout", type=float, dest="round_timeout_s",
+                   help="diloco/fedavg: a round closes with what arrived after this many seconds (120)")
+    p.add_argument("--max-staleness", type=int, help="diloco/fedavg: late updates up to this many rounds old "
+                                                     "count, weighted 1/(1+age) (default 0: dropped)")
+    p.add_argument("--min-updates", type=int, help="diloco/fedavg: a round closes once this many updates "
+                                                   "arrived (default 0: every worker of the plan)")
+    p.add_argument("--val-every", type=int, help="validation loss of the PS's model every N steps or rounds")
     p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine")
     p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
     p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")
 
-    for tool in dict.fromkeys(TOOLS.values()):
-        tool.register(sub)
+    for name in TOOLS:
+        tool(name).register(sub)
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
@@ -103,13 +123,13 @@ def run_service(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
     try:
         if args.command in ("ps", "worker", "scheduler"):
             return run_service(args)
-        tool = TOOLS.get(args.command)
-        if tool is not None:
-            return tool.run(args)
+        if args.command in TOOLS:
+            return tool(args.command).run(args)
         from cleave_cli import commands
         from cleave_cli.supervisor import Stopped, stop_signals
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cleave.errors import CleaveError
 from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
+from cleave_cli.chaos_cmd import held_down
 from cleave_cli.supervisor import parent_death_signal
 
 DEFAULT_READY_TIMEOUT_S = 20.0
@@ -138,7 +139,9 @@ class Stack:
             code = proc.popen.poll() if proc.popen else None
             if code is None:
                 continue
-            if proc.restart and not (proc.role == "ps" and code in (0, EXIT_FENCED, EXIT_JOB_FAILED)):
+            stays_down = held_down(self.run_dir, proc.name) or (proc.role == "ps" and code in (0, EXIT_FENCED,
+                                                                                            EXIT_JOB_FAILED))
+            if proc.restart and not stays_down:
                 proc.restarts += 1
                 if proc.role == "nats":
                     self._start(proc)

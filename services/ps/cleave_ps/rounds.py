@@ -1,10 +1,13 @@
 """The PS's side of the data-parallel methods (diloco, fedavg): rounds over the workers of the plan.
 
 Each round the PS sends the global trainable weights to every live worker (each with its own data shard),
-collects their compressed updates until all of them answered, the ones that left the plan are given up,
-or `round_timeout_s` passes, and applies the aggregate (DiLoCo's outer Nesterov step or FedAvg's mean,
-median or trimmed mean). Late updates (from an earlier round) are dropped; a round with none applies
-nothing. The reported loss is the mean, over the workers, of their first local step's loss.
+collects their compressed updates until all of them answered (the ones that left the plan are given up),
+`min_updates` of them arrived, or `round_timeout_s` passes, and applies the aggregate (DiLoCo's outer
+Nesterov step or FedAvg's mean, median or trimmed mean). Late updates (from an earlier round) count when at
+most `max_staleness` rounds old, weighted 1/(1+age); a round with fewer than max(1, min_updates) applies
+nothing. The reported loss is the mean, over the workers, of their first local step's loss; with `val_every`
+the validation loss of the PS's model after the round. Every worker whose update will not come (it left the
+plan, the round timed out, or it answered with an error) is a recovery event in the round's metrics line.
 
 The global weights, the round and DiLoCo's outer momentum are committed to JetStream after every
 `persist_every` rounds (`cleave_ps.persist`): a PS killed mid-round comes back at the first round not
@@ -33,8 +36,9 @@ from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
 from cleave.schedule import lr_at
 from cleave.schemas import (
-    SUBJECT_ROUNDS,
+    SUBJECT_ROUNDCAST,
     SUBJECT_UPDATES,
+    Event,
     PackedTensors,
     RoundTask,
     RoundUpdate,
@@ -65,12 +69,13 @@ class Rounds:
         if self.job.lora_rank:
             attach_lora(self.trainer.model, self.job.lora_rank, self.job.lora_alpha, seed=self.job.seed)
         params = trainable(self.trainer.model)
-        if self.job.method == "diloco":
+        j = self.job
+        common = dict(rule=j.aggregate, max_staleness=j.max_staleness, min_updates=max(1, j.min_updates))
+        if j.method == "diloco":
             self.server = DilocoServer(params, DilocoConfig(
-                inner_steps=self.job.local_steps, outer_lr=self.job.outer_lr,
-                outer_momentum=self.job.outer_momentum, rule=self.job.aggregate))
+                inner_steps=j.local_steps, outer_lr=j.outer_lr, outer_momentum=j.outer_momentum, **common))
         else:
-            self.server = FedAvgServer(params, FedAvgConfig(local_steps=self.job.local_steps, rule=self.job.aggregate))
+            self.server = FedAvgServer(params, FedAvgConfig(local_steps=j.local_steps, **common))
 
     @property
     def outer_opt(self) -> torch.optim.Optimizer | None:
@@ -107,42 +112,76 @@ class Rounds:
         if msg.losses:
             self.losses[msg.worker_id] = msg.losses[0]
 
+    async def deal(self, r: int, expected: set[str]) -> int:
+        """Publish round `r`'s global weights once for every expected worker (each named with its data shard;
+        NATS fans the message out); the bytes sent, which are also what each worker receives."""
+        weights = get_compressor("none")
+        packed = {k: weights.compress(v) for k, v in self.server.global_state().items()}
+        task = RoundTask(job=self.job.job_id, epoch=self.epoch, method=self.job.method, round=r,
+                         job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
+                         reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id="{worker_id}"),
+                         shards={w: shard for shard, w in enumerate(sorted(expected))})
+        return await self.bus.publish(SUBJECT_ROUNDCAST.format(job=self.job.job_id), task)
+
+    def closes(self, expected: set[str]) -> bool:
+        """Every expected worker answered (or failed), or `min_updates` updates of this round arrived."""
+        got = self.server.collector.senders()
+        return expected - self.failed <= got or 0 < self.job.min_updates <= len(got)
+
+    async def collect(self, r: int, expected: set[str], t0: float) -> list[Event]:
+        """Wait until the round closes (`closes`, or the timeout); a recovery event per worker lost in it."""
+        lost: list[Event] = []
+        deadline = time.monotonic() + self.job.round_timeout_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            gone = expected - self.plan.workers - self.server.collector.senders()
+            for w in sorted(gone):  # a worker that left the plan before its update came is not waited for
+                lost.append(self.lost(r, w, "left_plan", t0))
+            expected &= self.plan.workers
+            if self.closes(expected):
+                break
+            await wait_for_stop(self.stop, DEFAULT_POLL_S)
+        else:
+            missing = sorted(expected - self.failed - self.server.collector.senders())
+            if missing and not self.stop.is_set():
+                log.warning("round_timed_out", round=r, missing=missing, timeout_s=self.job.round_timeout_s)
+                lost += [self.lost(r, w, "round_timeout", t0) for w in missing]
+        lost += [self.lost(r, w, "update_failed", t0) for w in sorted(self.failed)]
+        return lost
+
+    def lost(self, r: int, worker: str, cause: str, t0: float) -> Event:
+        """A worker whose update for round `r` will not come: what the PS saw and what it did about it."""
+        detect_s = time.perf_counter() - t0
+        log.warning("round_worker_lost", round=r, worker_id=worker, cause=cause, detect_s=round(detect_s, 3))
+        return Event(kind="recovered", at=time.time(), job=self.job.job_id, step=r, worker_id=worker, cause=cause,
+                     detect_s=detect_s, detail={"round": r, "dropped": "its update for this round",
+                                                "redone": "nothing: the round closes with the other updates"})
+
     async def round(self, r: int) -> StepMetrics | None:
         """Run round `r`; None if the PS is stopping (nothing applied: the round runs again after a restart)."""
         t0 = time.perf_counter()
         while not self.plan.workers and not self.stop.is_set():
             await wait_for_stop(self.stop, DEFAULT_POLL_S)
         expected = set(self.plan.workers)
-        weights = get_compressor("none")
-        packed = {k: weights.compress(v) for k, v in self.server.global_state().items()}
-        bytes_down = 0
-        for shard, w in enumerate(sorted(expected)):
-            task = RoundTask(job=self.job.job_id, epoch=self.epoch, method=self.job.method, round=r,
-                             job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
-                             shard=shard, reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch,
-                                                                       worker_id=w))
-            bytes_down += await self.bus.publish(SUBJECT_ROUNDS.format(worker_id=w), task)
+        bytes_down = await self.deal(r, expected)
         self.faults.hit("in_round", r)
-        deadline = time.monotonic() + self.job.round_timeout_s
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            expected &= self.plan.workers  # a worker that left the plan is not waited for
-            if self.server.collector.complete(expected - self.failed):
-                break
-            await wait_for_stop(self.stop, DEFAULT_POLL_S)
-        else:
-            missing = sorted(expected - self.failed - self.server.collector.senders())
-            if missing:
-                log.warning("round_timed_out", round=r, missing=missing, timeout_s=self.job.round_timeout_s)
+        lost = await self.collect(r, expected, t0)
         if self.stop.is_set():
             return None
         report = self.server.close_round()
+        closed = time.perf_counter()
+        lost = [ev.model_copy(update={"complete_s": closed - t0 - ev.detect_s}) for ev in lost]
+        val = None
+        if self.job.val_every and (r + 1) % self.job.val_every == 0:
+            val = await asyncio.to_thread(self.trainer.val_loss, r)
         losses = [self.losses[w] for w in report.senders if w in self.losses]
-        loss = statistics.fmean(losses) if losses else float("nan")
-        m = StepMetrics(job=self.job.job_id, method=self.job.method, step=r, loss=loss,
+        m = StepMetrics(job=self.job.job_id, method=self.job.method, step=r,
+                        loss=statistics.fmean(losses) if losses else float("nan"), val_loss=val,
                         step_time_s=time.perf_counter() - t0, workers=len(report.senders), bytes_down=bytes_down,
+                        bytes_down_per_worker=bytes_down,
                         bytes_up=self.bytes_up, raw_bytes_up=self.raw_bytes, updates=len(report.senders),
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
-                        * self.job.batch_size * self.job.seq, lr=lr_at(self.job, r * self.job.local_steps),
+                        * self.job.batch_size * self.job.seq, lr=lr_at(self.job, r * self.job.local_steps), recoveries=len(lost),
+                        recovery=tuple(lost), applied=report.applied, updates_late=report.late_folded,
                         at=time.time())
         self.losses.clear()
         self.failed.clear()
@@ -166,7 +205,7 @@ async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Even
                 m = await rounds.round(r)
                 if m is None:
                     break
-                log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers,
+                log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers, val_loss=m.val_loss,
                          step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
                 await rounds.progress.done(m, rounds.trainer.model, rounds.outer_opt)
             else:

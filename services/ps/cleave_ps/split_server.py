@@ -3,7 +3,8 @@
 One worker of the plan becomes the client for the whole job (it holds the embedding, the first k blocks,
 their optimizer and the data). Each step: ask the client for the activations at the cut, run the server
 half, send back the gradient at the cut, and apply the server's AdamW with the clip coefficient the client
-computed from the global gradient norm, exactly as one process would.
+computed from the global gradient norm, exactly as one process would. With `val_every`, the client then
+sends the cut of the validation batches and the PS reports the whole model's validation loss.
 
 The server half and its AdamW are committed every `persist_every` steps (`cleave_ps.persist`); a restarted
 PS resumes at the first step not committed, and the client (which keeps the state from before its last step)
@@ -100,6 +101,16 @@ class SplitJob:
             raise ClientLost(f"client {self.client} failed step {task.step}: {reply.error}")
         return reply
 
+    async def val_loss(self, base: dict) -> float:
+        """The whole model's validation loss after this step: the client sends the cut of the validation
+        batches (`Trainer.val_loss`'s), the server half finishes the forward."""
+        ev = await self.ask(SplitTask(**{**base, "phase": "eval"}))
+        if ev.activations is None or ev.targets is None:
+            raise ClientLost(f"client {self.client} sent no validation activations for step {base['step']}")
+        tied = None if ev.tied_weight is None else codec.data_to_tensor(ev.tied_weight)
+        cut = split.CutForward(codec.data_to_tensor(ev.activations), tied)
+        return await asyncio.to_thread(self.server.evaluate, cut, codec.data_to_tensor(ev.targets))
+
     async def step(self, s: int) -> StepMetrics:
         t0 = time.perf_counter()
         base = dict(job=self.job.job_id, epoch=self.epoch, step=s, job_config=self.job.model_dump_json(),
@@ -119,7 +130,8 @@ class SplitJob:
             grad_sq_norm=back.grad_sq_norm,
         ))
         await asyncio.to_thread(self.server.apply, bwd.clip_coef)
-        m = StepMetrics(job=self.job.job_id, method="split", step=s, loss=back.loss,
+        val = await self.val_loss(base) if self.job.val_every and (s + 1) % self.job.val_every == 0 else None
+        m = StepMetrics(job=self.job.job_id, method="split", step=s, loss=back.loss, val_loss=val,
                         step_time_s=time.perf_counter() - t0, workers=1, bytes_down=self.bytes_down,
                         bytes_up=self.bytes_up, tokens=self.job.batch_size * self.job.seq, lr=lr,
                         resumed=self.first > 0, at=time.time())

@@ -9,7 +9,7 @@ from collections import deque
 import structlog
 import torch
 
-from cleave import auth
+from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.dealer import JOINS_KEPT
 from cleave.errors import WireError
@@ -21,6 +21,7 @@ from cleave.schemas import (
     SUBJECT_CONTROL,
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
+    SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
@@ -137,13 +138,25 @@ class Worker:
     async def on_round(self, task: RoundTask, nbytes: int) -> None:
         """A data-parallel round (diloco, fedavg): train locally off the event loop, send the update."""
         self.faults.hit("round", task.round)
+        arrived = time.time()
         try:
             update = await asyncio.to_thread(self.rounds.run, task)
         except Exception as e:  # a bad task spoils this round's update, not the worker
             self.log.warning("round_failed", job=task.job, round=task.round, error=repr(e))
             update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
                                  error=repr(e)[:500])
-        await self.bus.publish(task.reply, update)
+        else:
+            if self.pacer is not None:  # behave like the declared device: answer when it would have
+                up = len(await asyncio.to_thread(codec.encode, update))
+                done = self.pacer.finish_at(arrived, nbytes, up, self.rounds.flops(task))
+                await asyncio.sleep(max(0.0, done - time.time()))
+        await self.bus.publish(task.reply.replace("{worker_id}", self.s.worker_id), update)  # its own subject
+
+    async def on_roundcast(self, task: RoundTask, nbytes: int) -> None:
+        """A round published once for all its workers: take part if this worker is named in it."""
+        shard = task.shards.get(self.s.worker_id)
+        if shard is not None:
+            await self.on_round(task.model_copy(update={"shard": shard, "shards": {}}), nbytes)
 
     async def on_split(self, task: SplitTask, nbytes: int) -> None:
         """Split learning: this worker is the client; run its half of the step off the event loop."""
@@ -199,6 +212,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     worker = Worker(settings, bus, profile)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
+    cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, worker.on_roundcast)
     splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, worker.on_split)
     control = await bus.serve(SUBJECT_CONTROL.format(worker_id=settings.worker_id), FanoutJoin, worker.on_join)
     log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
@@ -210,6 +224,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
             tg.create_task(worker.reprobe(stop, flops))
     await sub.unsubscribe()
     await rounds.unsubscribe()
+    await cast.unsubscribe()
     await splits.unsubscribe()
     await control.unsubscribe()
     await bus.close()

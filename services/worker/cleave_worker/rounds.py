@@ -68,6 +68,12 @@ class RoundRunner:
                                       ErrorFeedback(get_compressor(job.compress)))
         return self.jobs[key]
 
+    def flops(self, task: RoundTask) -> float:
+        """What a round of `task` costs in FLOPs (6 per parameter per token, forward and backward)."""
+        local = self._local(task)
+        job = local.job
+        return 6.0 * sum(p.numel() for p in local.model.parameters()) * job.local_steps * job.batch_size * job.seq
+
     def run(self, task: RoundTask) -> RoundUpdate:
         """One round: load the global weights, train locally, return the compressed update."""
         local = self._local(task)

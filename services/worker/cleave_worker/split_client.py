@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+import torch
 
 from cleave import codec
 from cleave.data import Corpus
 from cleave.job import JobConfig
 from cleave.methods import split
-from cleave.methods.common import make_adamw, shard_batch
+from cleave.methods.common import make_adamw, shard_batch, val_batches
 from cleave.models import build_model
 from cleave.schedule import set_lr
 from cleave.schemas import SplitReply, SplitTask
@@ -84,6 +85,12 @@ class SplitRunner:
     def run(self, task: SplitTask) -> SplitReply:
         st = self._client(task)
         base = dict(job=task.job, epoch=task.epoch, step=task.step, phase=task.phase, worker_id=self.worker_id)
+        if task.phase == "eval":  # the validation batches after this step, concatenated: (n*B, T, C)
+            x, y = (torch.cat(t) for t in zip(*val_batches(st.corpus, st.job, task.step), strict=True))
+            cut = st.client.evaluate(x)
+            tied = None if cut.tied_weight is None else codec.tensor_to_data(cut.tied_weight)
+            return SplitReply(**base, activations=codec.tensor_to_data(cut.activations), tied_weight=tied,
+                              targets=codec.tensor_to_data(y))
         if task.phase == "forward":
             st.rewind(task.step)
             x, y = shard_batch(st.corpus, st.job, 0, task.step)

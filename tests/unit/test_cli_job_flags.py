@@ -1,0 +1,28 @@
+"""`cleave train` flags for the data-parallel methods become job fields; named DiLoCo settings expand."""
+
+from __future__ import annotations
+
+from cleave.job import JobConfig
+from cleave.methods import diloco, fedavg
+from cleave_cli.commands import job_from_args
+from cleave_cli.main import build_parser
+
+
+def job(*flags: str) -> JobConfig:
+    return job_from_args(build_parser().parse_args(["train", "--preset", "tiny", *flags]))
+
+
+def test_round_flags_are_job_fields() -> None:
+    j = job("--method", "diloco", "--round-timeout", "7.5", "--max-staleness", "2", "--min-updates", "3",
+            "--val-every", "4", "--local-steps", "6")
+    assert (j.round_timeout_s, j.max_staleness, j.min_updates, j.val_every, j.local_steps) == (7.5, 2, 3, 4, 6)
+
+
+def test_defaults_agree_and_named_settings_expand() -> None:
+    j = job("--method", "diloco")
+    assert j.local_steps == diloco.DEFAULT_INNER_STEPS == fedavg.DEFAULT_LOCAL_STEPS == diloco.DilocoConfig().inner_steps
+    assert (j.local_steps, j.outer_lr, j.outer_momentum) == diloco.SETTINGS["default"]
+    paper = job("--method", "diloco", "--diloco-setting", "paper")
+    assert (paper.local_steps, paper.outer_lr, paper.outer_momentum) == (500, 0.7, 0.9)
+    mixed = job("--method", "diloco", "--diloco-setting", "paper", "--local-steps", "20")  # a flag wins
+    assert (mixed.local_steps, mixed.outer_lr, mixed.outer_momentum) == (20, 0.7, 0.9)
