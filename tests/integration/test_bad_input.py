@@ -16,8 +16,8 @@ from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 
 def forgeries(task: TileTask, rows: int, cols: int) -> list[bytes]:
     def result(**kw) -> bytes:
-        base = dict(job=task.job, epoch=task.epoch, step=task.step, op=task.op, tile=task.tile, attempt=task.attempt,
-                    worker_id="mallory", out=codec.tensor_to_data(torch.zeros(rows, cols)))
+        base = dict(job=task.job, epoch=task.epoch, step=task.step, op=task.op, gemm=task.gemm, tile=task.tile,
+                    attempt=task.attempt, worker_id="mallory", out=codec.tensor_to_data(torch.zeros(rows, cols)))
         return codec.encode(TileResult(**{**base, **kw}))
 
     nan = torch.zeros(rows, cols)

@@ -188,7 +188,7 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
 
     async def last_checkpoint() -> int:
         with state_server(run_dir) as url:
-            head, _ = await read_state(url, "sig")  # raises unless the object matches its SHA-256
+            head, *_ = await read_state(url, "sig")  # raises unless every chunk matches its SHA-256
             return head.step
 
     assert 1 <= asyncio.run(last_checkpoint()) < 500
