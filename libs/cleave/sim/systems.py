@@ -158,6 +158,8 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         "gemms_simulated": sum(st.gemms_simulated for st in stats),
         "plans": len(sim.scheduler.plans),
         "max_device_down_bytes": max(down.values()),
+        "ps_bytes_per_step": float(np.mean([st.ps_bytes for st in stats])),  # tiles, and fan-out blocks once
+        "distinct_input_bytes": float(sum((s.m + s.n) * s.k * work.dtype_bytes * s.count_per_step for s in work.shapes)),
         "recovery": recovery,
         "sim_wall_s": time.perf_counter() - t0,
     }
