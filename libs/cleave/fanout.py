@@ -32,17 +32,6 @@ def group_name(members: Iterable[str]) -> str:
     return hashlib.sha1("\n".join(sorted(members)).encode()).hexdigest()[:16]
 
 
-def needs(tiles: Sequence[Tile], owners: Sequence[str | None], a_key: str = "a",
-          b_key: str = "b") -> dict[str, set[str]]:
-    """Every input block of the planned tiles -> the workers planned to need it."""
-    out: dict[str, set[str]] = {}
-    for t, owner in zip(tiles, owners, strict=True):
-        if owner is not None:
-            out.setdefault(a_id(a_key, t), set()).add(owner)
-            out.setdefault(b_id(b_key, t), set()).add(owner)
-    return out
-
-
 def in_step(tiles: Sequence[Tile], owners: Sequence[str | None], a_key: str = "a",
             b_key: str = "b") -> dict[str, set[str]]:
     """Every input block -> the planned workers that first need it at the same point of their own pieces as
