@@ -56,6 +56,7 @@ MAX_PLAN_BYTES = 32 * 1024 * 1024  # a plan once decompressed (10,000 devices: ~
 MAX_TENSOR_ELEMENTS = 1 << 28
 MAX_GEMM_DIM = 1 << 31  # m, n or k of a planned GEMM (box coordinates travel as int32)
 MAX_PROBE_BYTES = 4 * 1024 * 1024
+MAX_BLOCK_PARTS = 256  # segments of one input block (`cleave.fanout.MAX_PARTS`)
 COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "topkq")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
@@ -289,13 +290,24 @@ def _unpack_layout(doc: Any, ids: tuple[str, ...]) -> dict[str, Any]:
     return {**doc, "boxes": planwire.Boxes(flat), "owners": owners}
 
 
-class BlockRef(Wire):
-    """An input block of a tile: its id, and its data unless the worker already caches it or it comes on a
-    fan-out subject (`fanout`: wait briefly for it before answering that it is missing)."""
+class BlockPart(Wire):
+    """One segment of a block's rows (`BlockRef.parts`)."""
 
     id: str = Field(max_length=256)
     tensor: TensorData | None = None
     fanout: bool = False
+
+
+class BlockRef(Wire):
+    """An input block of a tile: its id, and its data unless the worker already caches it or it comes on a
+    fan-out subject (`fanout`: wait briefly for it before answering that it is missing); or, with `parts`,
+    the blocks (segments of its rows, each as above) whose concatenation it is (`cleave.fanout.parts`)."""
+
+    id: str = Field(max_length=256)
+    tensor: TensorData | None = None
+    fanout: bool = False
+    parts: tuple[BlockPart, ...] = Field((), max_length=MAX_BLOCK_PARTS)
+
 
 
 class BlockPush(Wire):

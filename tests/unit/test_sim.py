@@ -73,9 +73,10 @@ def assert_done_once(run, shape):
 
 
 def test_an_undisturbed_gemm_takes_what_the_planner_predicts():
-    """Each device's blocks sent with its tiles take exactly the scheduler's dealt prediction; with fan-out a
-    shared block reaches every device of its group when the first needs it, which that per-device
-    prediction does not order: never faster, and close."""
+    """Each device's blocks sent with its tiles take exactly the scheduler's dealt prediction. With fan-out
+    every input leaves the PS once (its segments, `fanout.parts`), and a shared segment reaches every device
+    of its group when the first needs it, possibly before a piece another needs sooner: that per-device
+    prediction does not order it, so never faster, and within a third."""
     world = World.build(synthetic_fleet(24, seed=1))
     for shape in shapes()[:6]:
         run, out, predicted = gemm(world, shape, fan_out=False)
@@ -84,8 +85,9 @@ def test_an_undisturbed_gemm_takes_what_the_planner_predicts():
         assert out.resent == out.duplicates == out.speculated == 0
         run, shared, _ = gemm(world, shape)
         assert_done_once(run, shape)
-        assert predicted * (1 - 1e-9) <= shared.span <= 1.15 * predicted
+        assert predicted * (1 - 1e-9) <= shared.span <= 1.35 * predicted
         assert shared.ps_bytes < out.ps_bytes and shared.resent == 0
+        assert shared.ps_bytes == pytest.approx((shape.m + shape.n) * shape.k * run.ts.b, rel=0.02)
 
 
 @pytest.mark.parametrize("seed", range(6))

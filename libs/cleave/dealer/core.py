@@ -66,6 +66,7 @@ class Dealer:
         self._refused: dict[int, set[str]] = {}  # tile -> workers that refused it in the GEMM in flight
         self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
         self._published: dict[str, str] = {}  # blocks of the GEMM in flight published -> their group
+        self._inline: set[tuple[str, str]] = set()  # (worker, block) it said it lacked: sent with its tiles
 
     # ---- the fleet ---------------------------------------------------------------------------------
     def set_fleet(self, fleet: Iterable[tuple[str, int, DeviceProfile | None]], now: float,
@@ -108,6 +109,7 @@ class Dealer:
         owners = [o if o in self.members else None for o in work.owners] if work.owners else None
         self.work, self.ledger = work, GemmLedger(work.tiles, owners)
         self.recoveries, self.closed, self._bytes, self._published, self._refused = [], [], {}, {}, {}
+        self._inline = set()
         self._deadlines, self._hungry, self._idle = [], {}, {}
         for m in self.members.values():
             m.inflight_bytes = 0
@@ -160,6 +162,7 @@ class Dealer:
         if m is not None:
             for block_id in missing:
                 m.forget(block_id)
+                self._inline.add((worker, block_id))  # not from its group again: it may have missed it
         self._release(tile, attempt)
         self.ledger.retry(tile, attempt)
         if missing:
@@ -336,20 +339,38 @@ class Dealer:
         if not m.known:
             return None
         work, known = self.work, m.known
+        if work.parts:
+            return lambda t: self._known(known, a_id(work.a_key, t), t.rows) + self._known(known, b_id(work.b_key, t), t.cols)
         return lambda t: (a_id(work.a_key, t) in known) * t.rows + (b_id(work.b_key, t) in known) * t.cols
+
+    def _known(self, known, block_id: str, rows: int) -> int:  # noqa: ANN001
+        """Rows of a block (or of its segments) that a member caches."""
+        segs = self.work.parts.get(block_id)
+        if not segs:
+            return rows * (block_id in known)
+        return sum(hi - lo for sid, lo, hi in segs if sid in known)
 
     def _send(self, m: Member, att: Attempt, now: float) -> Send:
         work, t = self.work, self.ledger.tiles[att.tile]
-        a = self._block(m, a_id(work.a_key, t), t.r0, t.r1, t.rows * work.k * work.b)
-        b = self._block(m, b_id(work.b_key, t), t.c0, t.c1, t.cols * work.k * work.b)
-        nbytes = (a.data * t.rows + b.data * t.cols) * work.k * work.b
-        pushed = (a.publish * t.rows + b.publish * t.cols) * work.k * work.b
+        a = self._input(m, a_id(work.a_key, t), t.r0, t.r1)
+        b = self._input(m, b_id(work.b_key, t), t.c0, t.c1)
+        nbytes = (a.rows("data") + b.rows("data")) * work.k * work.b
+        pushed = (a.rows("publish") + b.rows("publish")) * work.k * work.b
         m.inflight_bytes += nbytes + pushed
         self._bytes[(att.tile, att.attempt)] = nbytes + pushed
         for rec in self.recoveries:
             if att.tile in rec.tiles:
                 rec.redispatched_at = now
         return Send(m.id, t, att.attempt, a, b, nbytes, pushed)
+
+    def _input(self, m: Member, block_id: str, lo: int, hi: int) -> BlockSend:
+        """How an input block of a tile reaches `m`: whole, or as its segments (`Work.parts`)."""
+        row = self.work.k * self.work.b
+        segs = self.work.parts.get(block_id) if self.work.parts else None
+        if not segs:
+            return self._block(m, block_id, lo, hi, (hi - lo) * row)
+        return BlockSend(block_id, lo, hi, False, parts=tuple(self._block(m, sid, slo, shi, (shi - slo) * row)
+                                                              for sid, slo, shi in segs))
 
     def _block(self, m: Member, block_id: str, lo: int, hi: int, nbytes: int) -> BlockSend:
         """How a block reaches `m`: it caches it already, or it comes from its fan-out group (published now
@@ -358,7 +379,8 @@ class Dealer:
             m.known.move_to_end(block_id)
             return BlockSend(block_id, lo, hi, False, self._published.get(block_id, ""))
         group = self.work.shared.get(block_id) if self.work.shared else None
-        if group is not None and group[0] in self.joined.get(m.id, ()) and nbytes <= m.cache_bytes:
+        if (group is not None and group[0] in self.joined.get(m.id, ()) and nbytes <= m.cache_bytes
+                and (m.id, block_id) not in self._inline):
             name, members = group
             first = block_id not in self._published
             if first:  # every subscribed member receives it, and caches it

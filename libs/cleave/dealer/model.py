@@ -87,6 +87,7 @@ class Work:
     a_key: str = "a"
     b_key: str = "b"
     shared: Mapping[str, tuple[str, frozenset[str]]] | None = None  # block -> fan-out group (`cleave.fanout`)
+    parts: Mapping[str, tuple[tuple[str, int, int], ...]] | None = None  # block -> its segments (`fanout.parts`)
 
     @property
     def shape(self) -> Shape:
@@ -104,6 +105,15 @@ class BlockSend:
     data: bool
     fanout: str = ""
     publish: bool = False
+    parts: tuple[BlockSend, ...] = ()  # its segments, each reaching the worker as above (then `data` is False)
+
+    def leaves(self) -> tuple[BlockSend, ...]:
+        """What travels: the block itself, or its segments."""
+        return self.parts or (self,)
+
+    def rows(self, flag: str) -> int:
+        """Rows of its leaves whose `flag` ("data" or "publish") is set."""
+        return sum(leaf.hi - leaf.lo for leaf in self.leaves() if getattr(leaf, flag))
 
 
 @dataclass(frozen=True)

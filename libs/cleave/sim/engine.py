@@ -140,12 +140,12 @@ class GemmRun:
         for i, (t, ids) in enumerate(self.plans):
             self._push(max(t, self.now), PLAN, (i, ids))
         a_key, b_key = f"g{self.seq}a", f"g{self.seq}b"
-        shared = fanout.shared(ts.tiles, ts.owners, a_key, b_key) if self.fan_out else None
+        split, shared = fanout.layout(ts.tiles, ts.owners, a_key, b_key, ts.chunks) if self.fan_out else (None, None)
         if shared:
-            for w, groups in fanout.memberships([(ts.tiles, ts.owners)]).items():
+            for w, groups in fanout.memberships([(ts.tiles, ts.owners)], ts.chunks).items():
                 d.join(w, groups)
         self.shared = shared or {}
-        work = Work(self.seq, ts.m, ts.n, ts.k, ts.b, ts.tiles, ts.owners, ts.chunks, a_key, b_key, shared)
+        work = Work(self.seq, ts.m, ts.n, ts.k, ts.b, ts.tiles, ts.owners, ts.chunks, a_key, b_key, shared, split)
         sent_before = self.link.sent
         self._deliver(d.begin(work, self.now))
         while not d.complete:
@@ -192,9 +192,9 @@ class GemmRun:
         at = self.link.depart(self.now, s.nbytes + s.pushed)
         if at > self.now:
             self.dealer.departed(t.index, s.attempt, at)
-        for block, size in ((s.a, t.rows), (s.b, t.cols)):
-            if block.publish:
-                self._publish(block, size * ts.k * ts.b, at)
+        for leaf in (*s.a.leaves(), *s.b.leaves()):
+            if leaf.publish:
+                self._publish(leaf, (leaf.hi - leaf.lo) * ts.k * ts.b, at)
         if at >= self.leave_at[d]:
             return  # sent into the void: the device has left, the PS does not know yet
         up, flops = t.rows * t.cols * ts.b, 2.0 * t.rows * t.cols * ts.k

@@ -29,6 +29,7 @@ from cleave.schemas import (
     SUBJECT_FANOUT,
     SUBJECT_RESULTS,
     SUBJECT_TILES,
+    BlockPart,
     BlockPush,
     BlockRef,
     Event,
@@ -141,7 +142,7 @@ class Dispatcher:
         """Tell each planned worker the fan-out groups of this plan (`cleave.fanout`); only those that confirm
         are sent shared blocks that way, the others get them with their tiles."""
         cut = [self._tiling(g.m, g.n, g.k, self._sent_bytes)[:2] for g in plan.gemms]
-        groups = fanout.memberships(cut)
+        groups = fanout.memberships(cut, plan.chunks)
         gate = asyncio.Semaphore(DEFAULT_JOIN_CONCURRENCY)
 
         async def join(worker: str) -> None:
@@ -194,8 +195,8 @@ class Dispatcher:
             a, bt = await asyncio.to_thread(lambda: (a.to(self.tile_dtype), bt.to(self.tile_dtype)))
         run = self.run = GemmRun(self.seq, step, op, name, a, bt, torch.empty(m, n, dtype=torch.float32
                                  if self.tile_dtype else a.dtype), expected_s=expected_s)
-        shared = fanout.shared(grid, owners, a_key, b_key) if self.s.fanout else None
-        work = Work(self.seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared)
+        split, shared = fanout.layout(grid, owners, a_key, b_key, self._chunks) if self.s.fanout else (None, None)
+        work = Work(self.seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared, split)
         started = waited = self.clock()
         try:
             await self._post(self.dealer.begin(work, started))
@@ -290,11 +291,12 @@ class Dispatcher:
         out = []
         for s in sends:
             for block, src in ((s.a, run.a), (s.b, run.bt)):
-                if block.publish:
-                    push = BlockPush.model_construct(job=self.job_id, epoch=self.epoch, gemm=run.seq,
-                                                     block=self._ref(run, block, src, data=True))
-                    subject = SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=block.fanout)
-                    out.append((s.worker, subject, codec.encode(push, compress=False), None))
+                for leaf in block.leaves():
+                    if leaf.publish:
+                        push = BlockPush.model_construct(job=self.job_id, epoch=self.epoch, gemm=run.seq,
+                                                         block=self._ref(run, leaf, src, data=True))
+                        subject = SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=leaf.fanout)
+                        out.append((s.worker, subject, codec.encode(push, compress=False), None))
             task = TileTask.model_construct(
                 job=self.job_id, epoch=self.epoch, step=run.step, op=run.op, gemm=run.seq, tile=s.tile.index,
                 attempt=s.attempt, a=self._ref(run, s.a, run.a), b=self._ref(run, s.b, run.bt),
@@ -308,12 +310,16 @@ class Dispatcher:
 
     @staticmethod
     def _ref(run: GemmRun, block, src: torch.Tensor, data: bool = False) -> BlockRef:  # noqa: ANN001
+        if block.parts:
+            refs = [Dispatcher._ref(run, p, src) for p in block.parts]
+            parts = tuple(BlockPart.model_construct(id=r.id, tensor=r.tensor, fanout=r.fanout) for r in refs)
+            return BlockRef.model_construct(id=block.id, tensor=None, fanout=False, parts=parts)
         if not (block.data or data):
-            return BlockRef.model_construct(id=block.id, tensor=None, fanout=bool(block.fanout))
+            return BlockRef.model_construct(id=block.id, tensor=None, fanout=bool(block.fanout), parts=())
         tensor = run.blocks.get(block.id)
         if tensor is None:
             tensor = run.blocks[block.id] = codec.tensor_to_data(src[block.lo : block.hi])
-        return BlockRef.model_construct(id=block.id, tensor=tensor, fanout=False)
+        return BlockRef.model_construct(id=block.id, tensor=tensor, fanout=False, parts=())
 
     # ---- results -------------------------------------------------------------------------------------
     async def on_result(self, msg: TileResult, nbytes: int) -> None:

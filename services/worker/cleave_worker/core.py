@@ -44,6 +44,9 @@ class BlockCache:
         self.used += size
 
     def resolve(self, ref: BlockRef) -> torch.Tensor | None:
+        if getattr(ref, "parts", ()):  # a block sent as segments of its rows: their concatenation
+            got = [self.resolve(p) for p in ref.parts]
+            return None if any(t is None for t in got) else torch.cat(got)
         if ref.tensor is not None:
             t = codec.data_to_tensor(ref.tensor)
             self.put(ref.id, t)
@@ -54,6 +57,11 @@ class BlockCache:
         else:
             self.hits += 1
         return t
+
+
+def leaves(ref: BlockRef) -> tuple:
+    """What a tile's input block arrives as: itself, or its segments (`BlockRef.parts`)."""
+    return ref.parts or (ref,)
 
 
 def tile_bytes(a: torch.Tensor, bt: torch.Tensor) -> int:

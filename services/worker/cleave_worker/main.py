@@ -36,7 +36,7 @@ from cleave.schemas import (
     SplitTask,
     TileTask,
 )
-from cleave_worker.core import BlockCache, check_inputs, compute, measure_flops, reply_to
+from cleave_worker.core import BlockCache, check_inputs, compute, leaves, measure_flops, reply_to
 from cleave_worker.probe import measure_links
 from cleave_worker.rounds import RoundRunner
 from cleave_worker.settings import WorkerSettings
@@ -108,10 +108,11 @@ class Worker:
             self.log.warning("tile_fenced", job=task.job, epoch=task.epoch, newest=self.epochs[task.job])
             return
         self.epochs[task.job] = task.epoch
-        await self._arrived(task.a)
-        await self._arrived(task.b)
+        refs = (*leaves(task.a), *leaves(task.b))
+        await asyncio.gather(*(self._arrived(ref) for ref in refs))
         a, bt = self.cache.resolve(task.a), self.cache.resolve(task.b)
-        missing = tuple(ref.id for ref, t in ((task.a, a), (task.b, bt)) if t is None)
+        missing = tuple(leaf.id for ref, t in ((task.a, a), (task.b, bt)) if t is None for leaf in leaves(ref)
+                        if leaf.tensor is None and self.cache.get(leaf.id) is None)
         if missing:
             result = reply_to(task, self.s.worker_id, missing=missing)
         elif why := check_inputs(a, bt, self.profile.memory_bytes):
