@@ -60,4 +60,6 @@ async def test_a_10000_device_plan_reaches_the_ps_through_the_kv(nats_url):
                 assert len(g.boxes) == 4 * len(g.owners)
     finally:
         stop.set()
+        if "sched" in locals():
+            sched.close()
         await bus.close()

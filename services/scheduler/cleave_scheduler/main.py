@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import structlog
 
@@ -30,11 +33,17 @@ from cleave.schemas import (
     Probe,
 )
 from cleave_scheduler.outbox import Outbox
-from cleave_scheduler.planning import with_layouts
+from cleave_scheduler.planning import warm, with_layouts_encoded
 from cleave_scheduler.registry import Registry
 from cleave_scheduler.settings import SchedulerSettings
 
 log = structlog.get_logger("scheduler")
+
+
+def planning_process() -> ProcessPoolExecutor:
+    """Plans are made in a process of their own: in a thread they would share the interpreter with the
+    heartbeats of the fleet they plan."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
 
 class Scheduler:
@@ -45,6 +54,8 @@ class Scheduler:
         self.changed = asyncio.Event()
         self.reasons: list[str] = []
         self.shapes: JobShapes | None = None
+        self.planner = planning_process()
+        self._warm = self.planner.submit(warm)  # its imports take seconds: plans wait for none of them
 
     async def start(self) -> None:
         self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
@@ -53,6 +64,9 @@ class Scheduler:
         current = await self.bus.kv_get(self.plan_kv, PLAN_KEY, Plan, MAX_PLAN_BYTES)
         if current is not None:  # a restarted scheduler continues the version sequence
             self.registry.version = current[0].version
+
+    def close(self) -> None:
+        self.planner.shutdown(cancel_futures=True)
 
     async def on_heartbeat(self, hb: Heartbeat, nbytes: int) -> None:
         """Record a heartbeat; what goes to JetStream is queued (the outbox), never awaited here."""
@@ -102,6 +116,28 @@ class Scheduler:
                 self.outbox.delete(w)
             await wait_for_stop(stop, self.s.sweep_s)
 
+    async def make_plan(self, reason: str) -> Plan:
+        """The plan for the registry's fleet now: cost-aware blocks for the job's GEMMs where they can be
+        planned, else uniform tiles (`PlanError`, e.g. no device can hold a block)."""
+        plan = self.registry.plan(time.time(), self.s.tile_rows, self.s.tile_cols, reason, self.s.chunks)
+        if self.shapes is None or self.s.planner == "uniform" or not plan.workers:
+            return plan  # nothing to lay out
+        args = (with_layouts_encoded, codec.encode(plan), codec.encode(self.shapes), self.s.planner,
+                self.s.ps_bandwidth)
+        ready = self._warm.done()  # until the planning process has started, a thread plans
+        try:
+            try:
+                got = await asyncio.get_running_loop().run_in_executor(self.planner if ready else None, *args)
+            except BrokenProcessPool:  # it died (e.g. out of memory): a new one for next time, a thread now
+                log.warning("planning_process_died")
+                self.planner = planning_process()
+                self._warm = self.planner.submit(warm)
+                got = await asyncio.to_thread(*args)
+        except PlanError as e:
+            log.warning("plan_not_cost_aware", error=str(e))
+            return plan
+        return codec.decode(got, Plan, MAX_PLAN_BYTES)
+
     async def publish_plans(self, stop: asyncio.Event) -> None:
         # listen for one liveness period first, so a restarted scheduler does not publish a partial fleet
         await wait_for_stop(stop, self.s.liveness_s)
@@ -116,15 +152,13 @@ class Scheduler:
             self.changed.clear()
             reason = ",".join(sorted(set(self.reasons)))
             self.reasons.clear()
-            plan = self.registry.plan(time.time(), self.s.tile_rows, self.s.tile_cols, reason, self.s.chunks)
-            try:
-                plan = await asyncio.to_thread(with_layouts, plan, self.shapes, self.s.planner, self.s.ps_bandwidth)
-            except PlanError as e:  # e.g. no device can hold a block: deal uniform tiles instead
-                log.warning("plan_not_cost_aware", error=str(e))
+            started = time.perf_counter()
+            plan = await self.make_plan(reason)
+            plan_s = time.perf_counter() - started
             try:
                 await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
                 log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason,
-                         planner=plan.planner, predicted_step_s=plan.predicted_step_s)
+                         planner=plan.planner, predicted_step_s=plan.predicted_step_s, plan_s=round(plan_s, 3))
                 self.outbox.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,
                                        detail={"version": plan.version, "workers": len(plan.workers)}))
             except Exception as e:  # NATS down: try again when it is back
@@ -149,6 +183,7 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
         tg.create_task(bus.watch(PLAN_BUCKET, SHAPES_KEY, sched.on_shapes, stop))
     await sub.unsubscribe()
     await probes.unsubscribe()
+    sched.close()
     await bus.close()
     return 0
 

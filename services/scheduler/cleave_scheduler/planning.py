@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cleave import planner
+from cleave import codec, planner
 from cleave.dealing import dealt_makespan
-from cleave.schemas import GemmLayout, JobShapes, Plan
+from cleave.schemas import MAX_CONTROL_BYTES, MAX_PLAN_BYTES, GemmLayout, JobShapes, Plan
 
 PLANNERS = ("cost", "even", "uniform")
 
@@ -39,3 +39,14 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
         **dict(plan), "gemms": tuple(layouts), "predicted_step_s": step_s, "lower_bound_s": model.lower_bound_s,
         "planner": kind,
     })
+
+
+def with_layouts_encoded(plan: bytes, shapes: bytes | None, kind: str, ps_bandwidth: float | None) -> bytes:
+    """`with_layouts` on encoded messages: what the scheduler's planning process runs, so that planning a
+    large fleet never competes for the interpreter with the heartbeats of that fleet."""
+    job = codec.decode(shapes, JobShapes, MAX_CONTROL_BYTES) if shapes else None
+    return codec.encode(with_layouts(codec.decode(plan, Plan, MAX_PLAN_BYTES), job, kind, ps_bandwidth))
+
+
+def warm() -> None:
+    """Nothing: calling it in the planning process imports this module there."""
