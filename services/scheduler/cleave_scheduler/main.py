@@ -32,6 +32,7 @@ from cleave.schemas import (
 from cleave_scheduler.outbox import Outbox
 from cleave_scheduler.planning import with_layouts
 from cleave_scheduler.registry import Registry
+from cleave_scheduler.replicas import ReplicaPlans
 from cleave_scheduler.settings import SchedulerSettings
 
 log = structlog.get_logger("scheduler")
@@ -45,6 +46,7 @@ class Scheduler:
         self.changed = asyncio.Event()
         self.reasons: list[str] = []
         self.shapes: JobShapes | None = None
+        self.replicas = ReplicaPlans()  # a job with several PS replicas: each one's part of the fleet
 
     async def start(self) -> None:
         self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
@@ -123,6 +125,8 @@ class Scheduler:
                 log.warning("plan_not_cost_aware", error=str(e))
             try:
                 await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
+                await self.replicas.publish(self.bus, self.plan_kv, plan, self.shapes, self.s.planner,
+                                            self.s.ps_bandwidth)
                 log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason,
                          planner=plan.planner, predicted_step_s=plan.predicted_step_s)
                 self.outbox.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,
