@@ -257,6 +257,9 @@ async def train_job(run: Job, s: PsSettings, job: JobConfig, bus: busmod.Bus, st
         except Fenced as e:
             log.warning("ps_fenced", reason=str(e))
             code = EXIT_FENCED
+        except ReplicaLost as e:  # another replica died mid-step: nothing applied, the group re-forms
+            log.warning("replica_group_lost", replica=s.replica, reason=str(e))
+            code = EXIT_GROUP_LOST
         finally:
             d.stopping = True
             stop.set()
