@@ -104,3 +104,26 @@ def test_a_replica_that_cannot_reach_the_others_says_so(tmp_path, nats_url):
     assert lonely.returncode != 0 and "could not reach replica 0 at 127.0.0.1:" in out1, out1[-2000:]
     assert "within 2s" in out1
     assert host.returncode != 0 and "not every replica of 2 joined within 2s" in out0, out0[-2000:]
+
+
+@pytest.mark.slow
+def test_a_worker_lost_is_re_partitioned_and_the_job_stays_exact(tmp_path, reference):
+    from cleave_cli.jobrun import LocalFleet  # noqa: PLC0415
+
+    job = JobConfig(job_id="churn2", preset="tiny", steps=10)
+    fleet = LocalFleet(tmp_path, 3)
+    try:
+        fleet.start()
+        fleet.add_worker(env={"CLEAVE_WORKER_FAIL_AT": "tile:3", "CLEAVE_WORKER_FAULT_DIR": str(tmp_path / "f")},
+                         restart=False)
+        fleet.start_ps(job, tmp_path / "m.jsonl", replicas=2)
+        lines = fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=280)
+    finally:
+        fleet.stop()
+    assert [m["step"] for m in lines] == list(range(10))
+    assert_same([m["loss"] for m in lines], reference)
+    sched = (tmp_path / "logs" / "scheduler.log").read_text().splitlines()
+    published = [json_fields(line) for line in sched if "replica_plan_published" in line]
+    assert max(int(p["workers"]) for p in published) == 2  # 4 workers: two each
+    last = {p["replica"]: int(p["workers"]) for p in published}
+    assert sorted(last.values()) == [1, 2]  # after the loss: the 3 survivors, split 2 + 1

@@ -70,6 +70,8 @@ class ReplicaGroup:
     # ---- rendezvous --------------------------------------------------------------------------------
     def join(self, mine: dict) -> None:
         """Reach the other replicas, check that they run this very job, form the process group (blocking)."""
+        if self.backend == "nccl":  # replicas sharing a machine take its GPUs in turn ("cuda" is this one)
+            torch.cuda.set_device(self.replica % torch.cuda.device_count())
         self.store = self._connect()
         gen = self._generation()
         self._check(gen, mine)
