@@ -70,7 +70,6 @@ class LocalFleet:
     stack: Stack = field(init=False)
     next_worker: int = 0
     ps_names: list[str] = field(default_factory=lambda: ["ps"])  # the PS, or its replicas
-    ended: dict[str, int] = field(default_factory=dict)  # processes that exited and stay down: their status
 
     def __post_init__(self) -> None:
         self.stack = Stack(self.run_dir)
@@ -113,7 +112,7 @@ class LocalFleet:
 
     def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
         """Supervise until the PS finishes the job; returns the metrics lines."""
-        tail, lines = MetricsTail(metrics_out), []
+        tail, lines, ended = MetricsTail(metrics_out), [], {}  # ended: the PS processes down for good, their status
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
             for m in tail.read():
@@ -121,12 +120,12 @@ class LocalFleet:
                 if on_line:
                     on_line(m)
             for p in self.stack.supervise():
-                self.ended[p.name] = p.popen.returncode
-            if all(name in self.ended for name in self.ps_names):
+                ended[p.name] = p.popen.returncode
+            if all(name in ended for name in self.ps_names):
                 lines += tail.read()
                 for name in self.ps_names:
-                    if self.ended[name] != 0:
-                        raise CleaveError(f"the parameter server {name} exited with {self.ended[name]}; "
+                    if ended[name] != 0:
+                        raise CleaveError(f"the parameter server {name} exited with {ended[name]}; "
                                           f"see {self.run_dir}/logs/{name}.log")
                 return lines
             if deadline and time.monotonic() > deadline:

@@ -206,9 +206,8 @@ def replica_group(s: PsSettings, job: JobConfig) -> ReplicaGroup | None:
     """This PS's replica group (None: the only PS of its job); its share of the batch must be whole."""
     if s.replicas == 1:
         return None
-    if job.method != "cleave" or job.batch_size % s.replicas:
-        raise ConfigError(f"replicas={s.replicas} needs method 'cleave' and a batch_size divisible by it "
-                          f"(the job has method {job.method!r}, batch_size {job.batch_size})")
+    if job.batch_size % s.replicas:
+        raise ConfigError(f"replicas={s.replicas} needs a batch_size divisible by it (the job has {job.batch_size})")
     backend = "nccl" if job.device != "cpu" and torch.cuda.is_available() else "gloo"
     return ReplicaGroup(s.replica, s.replicas, s.replica_addr, s.replica_port, s.replica_join_timeout_s,
                         s.replica_step_timeout_s, backend)
@@ -272,7 +271,10 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     job = JobConfig.load(s.job_file) if s.job_file else JobConfig()
     if s.threads:
         torch.set_num_threads(s.threads)
-    bus = await busmod.connect(s.nats_url, f"cleave-ps-{job.job_id}", **auth.connect_options(s, "ps"))
+    if s.replicas > 1 and job.method != "cleave":
+        raise ConfigError(f"replicas={s.replicas}: several PS replicas train method 'cleave' only, not {job.method!r}")
+    name = f"cleave-ps-{job.job_id}" + (f"-r{s.replica}" if s.replicas > 1 else "")  # /connz tells replicas apart
+    bus = await busmod.connect(s.nats_url, name, **auth.connect_options(s, "ps"))
     await bus.setup()
     try:
         if job.method in ("diloco", "fedavg"):
