@@ -57,16 +57,18 @@ def json_fields(line: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_a_replica_sigkilled_mid_step_restarts_the_group_exactly(tmp_path, reference):
-    env = {"CLEAVE_PS_FAIL_AT": "in_step:4", "CLEAVE_PS_FAIL_REPLICA": "1", "CLEAVE_PS_PERSIST_EVERY": "3",
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_replica_sigkilled_mid_step_restarts_the_group_exactly(tmp_path, reference, victim):
+    env = {"CLEAVE_PS_FAIL_AT": "in_step:4", "CLEAVE_PS_FAIL_REPLICA": str(victim), "CLEAVE_PS_PERSIST_EVERY": "3",
            "CLEAVE_PS_FAULT_DIR": str(tmp_path / "faults")}
     lines, procs = train_replicas(tmp_path, env)
-    assert len(list((tmp_path / "faults").iterdir())) == 1  # replica 1 killed itself in step 4
+    assert len(list((tmp_path / "faults").iterdir())) == 1  # the victim killed itself in step 4
     assert [m["step"] for m in lines] == list(range(10))  # steps 3 and 4, redone, are reported once
     assert_same([m["loss"] for m in lines], reference)
     assert procs["ps-1"]["restarts"] == 1 and procs["ps-0"]["restarts"] == 1  # the group re-formed
-    ps0 = (tmp_path / "run" / "logs" / "ps-0.log").read_text()
-    assert "replica_group_lost" in ps0 and "from_step=3" in ps0  # resumed from the commit after step 2
+    survivor = (tmp_path / "run" / "logs" / f"ps-{1 - victim}.log").read_text()
+    assert "replica_group_lost" in survivor
+    assert "from_step=3" in (tmp_path / "run" / "logs" / "ps-0.log").read_text()  # the commit after step 2
 
 
 def start_replica(tmp_path, nats_url: str, job: JobConfig, replica: int, replicas: int, port: int,
