@@ -82,8 +82,7 @@ def start_replica(tmp_path, nats_url: str, job: JobConfig, replica: int, replica
 
 
 @pytest.mark.parametrize(("other", "replicas", "says"), [
-    ({"seed": 1}, 2, "seed: 1 here, 0 at replica 0"),
-    ({"data": "other.txt"}, 2, "data: 'other.txt' here, 'builtin' at replica 0"),
+    ({"seed": 1, "data": "other.txt"}, 2, "data: 'other.txt' here, 'builtin' at replica 0; seed: 1 here, 0 at replica 0"),
     ({}, 4, "ps_replicas: 4 here, 2 at replica 0"),
 ])
 def test_a_replica_of_another_job_is_refused_before_any_step(tmp_path, nats_url, other, replicas, says):
