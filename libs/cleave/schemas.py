@@ -46,6 +46,8 @@ REGISTRY_BUCKET = "cleave-registry"  # key: worker id -> DeviceRecord; entries e
 PLAN_BUCKET = "cleave-plans"  # key: PLAN_KEY -> Plan
 PLAN_KEY = "current"
 SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
+REPLICA_PLAN_KEY = PLAN_KEY + ".r{replica}"  # key in PLAN_BUCKET: PS replica r's part of the fleet (--ps-replicas)
+MAX_PS_REPLICAS = 64
 STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
 
@@ -174,8 +176,9 @@ class JobShapes(Wire):
     """What the PS tells the scheduler about its job so that the plan can be cost-aware."""
 
     job: str
-    gemms: tuple[GemmSpec, ...]
+    gemms: tuple[GemmSpec, ...]  # with replicas > 1: one replica's share of the batch
     dtype_bytes: int = 4
+    replicas: int = Field(1, ge=1, le=MAX_PS_REPLICAS)  # PS replicas, each planned its own part of the fleet
 
 
 BoxesField = Annotated[planwire.Boxes, PlainValidator(planwire.boxes_in), PlainSerializer(lambda b: b.tolist())]
@@ -469,6 +472,8 @@ class StepMetrics(Wire):
     recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
     resumed: bool = False  # this step ran on a PS that had restarted from persisted state
     checkpoint_s: float = 0.0  # seconds spent after this step streaming the state to JetStream (0: not due)
+    replica_wait_s: float = 0.0  # PS replicas: waiting for the slowest replica's backward (a barrier)
+    allreduce_s: float = 0.0  # PS replicas: the gradient all-reduce itself
     at: float = 0.0
 
 

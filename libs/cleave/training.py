@@ -45,8 +45,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, job: JobConfig, backend: tiled.GemmBackend | None = None, corpus: Corpus | None = None) -> None:
-        self.job = job
+    """`group` (a PS replica's `cleave_ps.replicas.ReplicaGroup`): train on its share of each global batch and
+    average the gradients over the group before the optimizer step (`last_sync`: its wait and all-reduce s)."""
+
+    def __init__(self, job: JobConfig, backend: tiled.GemmBackend | None = None, corpus: Corpus | None = None,
+                 group=None) -> None:  # noqa: ANN001
+        self.job, self.group, self.last_sync = job, group, (0.0, 0.0)
         self.cfg = job.arch()
         self.device = resolve_device(job.device)
         self.model = build_model(self.cfg, seed=job.seed)  # initialised on the CPU: the same weights anywhere
@@ -71,16 +75,22 @@ class Trainer:
     def step(self, step: int) -> float:
         """Run training step `step` (its batch is fixed by the seed and the step number)."""
         x, y = self.corpus.batch(self.job.seed, step, self.job.batch_size, self.job.seq)
+        if self.group is not None:
+            x, y = self.group.share(x), self.group.share(y)
         x, y = x.to(self.device), y.to(self.device)
         self.model.train()
         loss = self.loss(x, y)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.group is not None:  # the global batch's mean gradient and loss, on every replica
+            value, *sync = self.group.average(self.model, loss)
+            self.last_sync = tuple(sync)
+        else:
+            value = loss.item()
         if self.job.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.grad_clip, foreach=False)
         schedule.set_lr(self.opt, self.job, step)
         self.opt.step()
-        value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value} at step {step}")
         return value

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from cleave import preflight
+from cleave.errors import ConfigError
 from cleave.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
@@ -63,6 +64,9 @@ def check_fits(job: JobConfig, workers: int, dry_run: bool) -> None:
 
 def train(args: argparse.Namespace) -> int:
     job = job_from_args(args)
+    if args.ps_replicas < 1 or job.batch_size % args.ps_replicas or (args.ps_replicas > 1 and job.method != "cleave"):
+        raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
+                          f"it (the job has method {job.method}, batch size {job.batch_size})")
     check_fits(job, args.workers, args.dry_run)
     if args.dry_run:
         return 0
@@ -77,7 +81,7 @@ def train(args: argparse.Namespace) -> int:
         try:
             fleet.start(with_fleet=args.nats is None)
             print(f"stack: {fleet.stack.nats_url}  run dir: {run_dir}")
-            fleet.start_ps(job, metrics_out)
+            fleet.start_ps(job, metrics_out, replicas=args.ps_replicas)
             lines = fleet.wait_ps(metrics_out, progress.update)
         finally:
             fleet.stop()

@@ -14,7 +14,7 @@ from cleave.schedule import lr_at
 from cleave.schemas import StepMetrics
 from cleave.training import Trainer
 from cleave_cli.progress import Progress
-from cleave_cli.stack import Stack
+from cleave_cli.stack import Stack, free_port
 
 DEFAULT_POLL_S = 0.2
 
@@ -69,6 +69,7 @@ class LocalFleet:
     scheduler_env: dict[str, str] = field(default_factory=dict)
     stack: Stack = field(init=False)
     next_worker: int = 0
+    ps_names: list[str] = field(default_factory=lambda: ["ps"])  # the PS, or its replicas
 
     def __post_init__(self) -> None:
         self.stack = Stack(self.run_dir)
@@ -90,27 +91,42 @@ class LocalFleet:
                            env={**self.worker_env, **(env or {})}, restart=restart)
         return name
 
-    def start_ps(self, job: JobConfig, metrics_out: Path, ps_env: dict[str, str] | None = None) -> None:
+    def start_ps(self, job: JobConfig, metrics_out: Path, ps_env: dict[str, str] | None = None,
+                 replicas: int = 1, replica_env: dict[int, dict[str, str]] | None = None) -> None:
+        """The PS, or `replicas` PS replicas named ps-0, ps-1, ... (replica 0 writes the metrics; each may get
+        extra `replica_env`), rendezvousing on a free local port."""
         job_file = self.run_dir / "job.json"
         job_file.write_text(job.model_dump_json(indent=2))
         if metrics_out.exists():
             metrics_out.unlink()
-        self.stack.service("ps", "ps", ["--job", str(job_file), "--metrics-out", str(metrics_out)], env=ps_env)
+        args = ["--job", str(job_file)]
+        if replicas == 1:
+            self.ps_names = ["ps"]
+            self.stack.service("ps", "ps", [*args, "--metrics-out", str(metrics_out)], env=ps_env)
+            return
+        self.ps_names = [f"ps-{r}" for r in range(replicas)]
+        group = {"CLEAVE_PS_REPLICAS": str(replicas), "CLEAVE_PS_REPLICA_PORT": str(free_port())}
+        for r, name in enumerate(self.ps_names):
+            env = {**(ps_env or {}), **group, "CLEAVE_PS_REPLICA": str(r), **(replica_env or {}).get(r, {})}
+            self.stack.service(name, "ps", [*args, "--metrics-out", str(metrics_out)] if r == 0 else args, env=env)
 
     def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
         """Supervise until the PS finishes the job; returns the metrics lines."""
-        tail, lines = MetricsTail(metrics_out), []
+        tail, lines, ended = MetricsTail(metrics_out), [], {}  # ended: the PS processes down for good, their status
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
             for m in tail.read():
                 lines.append(m)
                 if on_line:
                     on_line(m)
-            ended = {p.name: p.popen.returncode for p in self.stack.supervise()}
-            if "ps" in ended:
+            for p in self.stack.supervise():
+                ended[p.name] = p.popen.returncode
+            if all(name in ended for name in self.ps_names):
                 lines += tail.read()
-                if ended["ps"] != 0:
-                    raise CleaveError(f"the parameter server exited with {ended['ps']}; see {self.run_dir}/logs/ps.log")
+                for name in self.ps_names:
+                    if ended[name] != 0:
+                        raise CleaveError(f"the parameter server {name} exited with {ended[name]}; "
+                                          f"see {self.run_dir}/logs/{name}.log")
                 return lines
             if deadline and time.monotonic() > deadline:
                 raise CleaveError(f"the job did not finish within {timeout_s}s; see {self.run_dir}/logs")

@@ -58,6 +58,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--metrics-out", type=Path)
     p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
+    p.add_argument("--ps-replicas", type=int, default=1, help="PS replicas, each training an equal share of every "
+                   "batch with its own part of the fleet, gradients all-reduced (torch.distributed)")
     p.add_argument("--dry-run", action="store_true", help="print the preflight's memory estimate and exit")
     p.add_argument("--method", choices=("cleave", "diloco", "fedavg", "split"), help="how to train (default cleave)")
     p.add_argument("--split-layers", type=int, help="split learning: blocks the client keeps (default 1)")

@@ -14,7 +14,7 @@ import torch
 
 from cleave import auth, preflight
 from cleave import bus as busmod
-from cleave.errors import StepAborted, StepSpoiled
+from cleave.errors import ConfigError, StepAborted, StepSpoiled
 from cleave.faults import Faults
 from cleave.job import JobConfig
 from cleave.lifecycle import EXIT_FENCED, run
@@ -25,6 +25,7 @@ from cleave.schemas import (
     MAX_PLAN_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
+    REPLICA_PLAN_KEY,
     SHAPES_KEY,
     SUBJECT_RESULTS,
     GemmSpec,
@@ -36,6 +37,7 @@ from cleave.schemas import (
 from cleave.training import Trainer
 from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.persist import Fenced, Progress
+from cleave_ps.replicas import EXIT_GROUP_LOST, ReplicaGroup, ReplicaLost, fingerprint
 from cleave_ps.rounds import run_rounds
 from cleave_ps.settings import PsSettings
 from cleave_ps.split_server import run_split
@@ -73,8 +75,8 @@ class FleetGemm:
                               f"{self.dispatcher.s.gemm_timeout_s}") from None
 
 
-async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Event) -> None:
-    """Apply every plan the scheduler publishes (the current one first)."""
+async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Event, key: str = PLAN_KEY) -> None:
+    """Apply every plan the scheduler publishes under `key` (the current one first)."""
 
     async def on_entry(key: str, operation: str, value: bytes | None) -> None:
         if not value:
@@ -86,7 +88,7 @@ async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Eve
             return
         await dispatcher.set_plan(plan)
 
-    await bus.watch(PLAN_BUCKET, PLAN_KEY, on_entry, stop)
+    await bus.watch(PLAN_BUCKET, key, on_entry, stop)
 
 
 def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatcher, before: dict,
@@ -118,21 +120,43 @@ class Job:
 
     def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
-        self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
-        self.progress = Progress(bus, job, s, self.faults)
+        self.group = replica_group(s, job)
+        # each replica deals under its own job name and epoch, fenced on its own (the workers keep one per job)
+        self.wire_id = job.job_id if self.group is None else f"{job.job_id}-r{s.replica}"
+        fires = self.group is None or s.fail_replica in (-1, s.replica)
+        self.faults = Faults(s.fail_at if fires else "", s.fault_dir, tag="ps" if self.group is None else self.wire_id)
+        self.progress = Progress(bus, job, s, self.faults, fence_id=self.wire_id)
         self.own_s: deque[float] = deque(maxlen=OWN_TIME_WINDOW)  # the PS's time outside GEMMs, recent steps
 
     async def start(self) -> int:
-        """Claim an epoch, build the model, restore the last committed state; returns the first step to run."""
+        """Join the replica group (if any), claim an epoch, build the model, restore the last committed
+        state; returns the first step to run."""
+        if self.group is not None:  # before anything else: a replica of another job is refused here
+            await asyncio.to_thread(self.group.join, fingerprint(self.job.model_dump_json(), self.s.replicas))
+            log.info("replica_group_joined", replica=self.s.replica, replicas=self.s.replicas, at=self.group.where)
         epoch = await self.progress.open()
-        self.dispatcher = Dispatcher(self.bus, self.job.job_id, epoch, self.s)
+        self.dispatcher = Dispatcher(self.bus, self.wire_id, epoch, self.s)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
         await asyncio.to_thread(self.preflight)
-        self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend)
-        await self.describe_job()
-        first = await self.progress.resume(self.trainer.model, self.trainer.opt)
+        self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend, None, self.group)
+        if self.s.replica == 0:
+            await self.describe_job()
+        first = await self.resume()
         if not first:
             log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
+        return first
+
+    async def resume(self) -> int:
+        """Replica 0 (or the only PS) restores and reports; the other replicas load the same head quietly,
+        and the group checks that every replica starts from the same step."""
+        model, opt = self.trainer.model, self.trainer.opt
+        if self.s.replica == 0:
+            first = await self.progress.resume(model, opt)
+        else:
+            head = await self.progress.persister.load(model, opt)
+            first = 0 if head is None else head.step + 1
+        if self.group is not None:
+            await asyncio.to_thread(self.group.agree, str(first), "the step to resume from")
         return first
 
     def preflight(self) -> None:
@@ -146,9 +170,10 @@ class Job:
     async def describe_job(self) -> None:
         """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""
         specs = tuple(GemmSpec(name=g.name, m=g.m, n=g.n, k=g.k, count_per_step=g.count_per_step)
-                      for g in gemm_shapes(self.trainer.cfg, self.job.batch_size, self.job.seq))
+                      for g in gemm_shapes(self.trainer.cfg, self.job.batch_size // self.s.replicas, self.job.seq))
         kv = await self.bus.kv(PLAN_BUCKET)
-        await self.bus.kv_put(kv, SHAPES_KEY, JobShapes(job=self.job.job_id, gemms=specs, dtype_bytes=4))
+        await self.bus.kv_put(kv, SHAPES_KEY, JobShapes(job=self.job.job_id, gemms=specs, dtype_bytes=4,
+                                                        replicas=self.s.replicas))
 
     async def run_step(self, step: int, resumed: bool) -> None:
         d = self.dispatcher
@@ -166,18 +191,44 @@ class Job:
             val = await asyncio.to_thread(self.trainer.val_loss, step)
         own = statistics.median(self.own_s) if self.own_s else None
         m = metrics_line(self.job, step, loss, time.perf_counter() - t0, d, before, val, resumed, own)
+        if self.group is not None:
+            wait, allreduce = self.trainer.last_sync
+            m = m.model_copy(update={"replica_wait_s": wait, "allreduce_s": allreduce})
         self.own_s.append(m.step_time_s - m.gemm_s)
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
                  workers=m.workers, tiles=m.tiles, resent=m.tiles_resent,
                  peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
-        await self.progress.done(m, self.trainer.model, self.trainer.opt)
+        if self.s.replica == 0:  # one replica commits (and reports); all hold the same state
+            await self.progress.done(m, self.trainer.model, self.trainer.opt)
+
+
+def replica_group(s: PsSettings, job: JobConfig) -> ReplicaGroup | None:
+    """This PS's replica group (None: the only PS of its job); its share of the batch must be whole."""
+    if s.replicas == 1:
+        return None
+    if job.batch_size % s.replicas:
+        raise ConfigError(f"replicas={s.replicas} needs a batch_size divisible by it (the job has {job.batch_size})")
+    backend = "nccl" if job.device != "cpu" and torch.cuda.is_available() else "gloo"
+    return ReplicaGroup(s.replica, s.replicas, s.replica_addr, s.replica_port, s.replica_join_timeout_s,
+                        s.replica_step_timeout_s, backend)
 
 
 async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> int:
     run = Job(s, job, bus, stop)
+    try:
+        return await train_job(run, s, job, bus, stop)
+    except ReplicaLost as e:
+        log.warning("replica_group_lost", replica=s.replica, reason=str(e))
+        return EXIT_GROUP_LOST
+    finally:
+        if run.group is not None:
+            run.group.close()
+
+
+async def train_job(run: Job, s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> int:
     first = await run.start()
     d = run.dispatcher
-    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job.job_id, epoch=d.epoch, worker_id="*"), TileResult,
+    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=run.wire_id, epoch=d.epoch, worker_id="*"), TileResult,
                               d.on_result, max_bytes=s.max_result_bytes, pending_bytes=s.max_pending_bytes,
                               sender="worker_id")
 
@@ -187,7 +238,8 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
 
     code = 0
     async with asyncio.TaskGroup() as tg:
-        watcher = tg.create_task(watch_plans(bus, d, stop))
+        key = PLAN_KEY if run.group is None else REPLICA_PLAN_KEY.format(replica=s.replica)
+        watcher = tg.create_task(watch_plans(bus, d, stop, key))
         tg.create_task(abort_on_stop())
         try:
             for step in range(first, job.steps):
@@ -195,12 +247,18 @@ async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Ev
                     break
                 await run.run_step(step, resumed=first > 0)
             else:  # every step ran (none, when a restarted PS finds the job already done)
-                await run.progress.finish(first)
+                if s.replica == 0:
+                    await run.progress.finish(first)
+                if run.group is not None:  # the others leave once replica 0 has committed the last step
+                    await asyncio.to_thread(run.group.barrier)
         except StepAborted as e:
             log.warning("step_aborted", reason=str(e))
         except Fenced as e:
             log.warning("ps_fenced", reason=str(e))
             code = EXIT_FENCED
+        except ReplicaLost as e:  # another replica died mid-step: nothing applied, the group re-forms
+            log.warning("replica_group_lost", replica=s.replica, reason=str(e))
+            code = EXIT_GROUP_LOST
         finally:
             d.stopping = True
             stop.set()
@@ -213,7 +271,10 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     job = JobConfig.load(s.job_file) if s.job_file else JobConfig()
     if s.threads:
         torch.set_num_threads(s.threads)
-    bus = await busmod.connect(s.nats_url, f"cleave-ps-{job.job_id}", **auth.connect_options(s, "ps"))
+    if s.replicas > 1 and job.method != "cleave":
+        raise ConfigError(f"replicas={s.replicas}: several PS replicas train method 'cleave' only, not {job.method!r}")
+    name = f"cleave-ps-{job.job_id}" + (f"-r{s.replica}" if s.replicas > 1 else "")  # /connz tells replicas apart
+    bus = await busmod.connect(s.nats_url, name, **auth.connect_options(s, "ps"))
     await bus.setup()
     try:
         if job.method in ("diloco", "fedavg"):

@@ -92,9 +92,10 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
 
 
 class Persister:
-    def __init__(self, bus: Bus, job_id: str, job_config: str) -> None:
+    def __init__(self, bus: Bus, job_id: str, job_config: str, fence_id: str | None = None) -> None:
+        """`fence_id`: whose epoch this PS claims (a PS replica's own; by default the job's)."""
         self.bus, self.job_id, self.job_config = bus, job_id, job_config
-        self.head_key, self.epoch_key = f"{job_id}.head", f"{job_id}.epoch"
+        self.head_key, self.epoch_key = f"{job_id}.head", f"{fence_id or job_id}.epoch"
         self.revision: int | None = None
         self.epoch = 0
         self.committed: list[str] = []  # object names this PS wrote, oldest first
@@ -209,11 +210,11 @@ class Progress:
     `persist_every` steps and after the last, then written to the metrics file and published, each exactly
     once (lines committed but not written before a crash are written on resume)."""
 
-    def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults) -> None:
+    def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults, fence_id: str | None = None) -> None:
         self.bus, self.faults, self.job_id, self.steps = bus, faults, job.job_id, job.steps
         # 0 = budgeted for pretraining; the other methods resume exactly only from their last step or round
         self.out, self.every = MetricsFile(s.metrics_out), s.persist_every or (0 if job.method == "cleave" else 1)
-        self.persister = Persister(bus, job.job_id, job.model_dump_json())
+        self.persister = Persister(bus, job.job_id, job.model_dump_json(), fence_id)
         self.pending: list[StepMetrics] = []
         self.last_commit_s = 0.0  # seconds the last commit's stream took (persist_every = 0 budgets it)
 

@@ -36,6 +36,13 @@ class PsSettings(BaseSettings):
     fail_at: str = ""  # fault injection: "before_commit:3", "after_commit:3", "in_step:3", "in_round:3"
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default
+    replicas: int = Field(1, ge=1, le=64)  # PS replicas of the job (cleave_ps.replicas); each trains a share
+    replica: int = Field(0, ge=0)  # this one's index, 0..replicas-1; replica 0 hosts the rendezvous and commits
+    replica_addr: str = "127.0.0.1"  # where replica 0 listens for the others (torchrun's MASTER_ADDR)
+    replica_port: int = Field(29500, ge=1, le=65535)  # ... and its port (MASTER_PORT)
+    replica_join_timeout_s: float = Field(60.0, gt=0)  # reach the others within this, or exit non-zero
+    replica_step_timeout_s: float = Field(1800.0, gt=0)  # a collective waiting longer than this fails
+    fail_replica: int = Field(-1, ge=-1)  # with replicas > 1: only this replica fires fail_at (-1: each one)
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
     nats_password: SecretStr = SecretStr("")
     nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)

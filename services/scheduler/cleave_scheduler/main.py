@@ -35,6 +35,7 @@ from cleave.schemas import (
 from cleave_scheduler.outbox import Outbox
 from cleave_scheduler.planning import warm, with_layouts_encoded
 from cleave_scheduler.registry import Registry
+from cleave_scheduler.replicas import ReplicaPlans
 from cleave_scheduler.settings import SchedulerSettings
 
 log = structlog.get_logger("scheduler")
@@ -56,6 +57,7 @@ class Scheduler:
         self.shapes: JobShapes | None = None
         self.planner = planning_process()
         self._warm = self.planner.submit(warm)  # its imports take seconds: plans wait for none of them
+        self.replicas = ReplicaPlans()  # a job with several PS replicas: each one's part of the fleet
 
     async def start(self) -> None:
         self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
@@ -157,6 +159,8 @@ class Scheduler:
             plan_s = time.perf_counter() - started
             try:
                 await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
+                await self.replicas.publish(self.bus, self.plan_kv, plan, self.shapes, self.s.planner,
+                                            self.s.ps_bandwidth)
                 log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason,
                          planner=plan.planner, predicted_step_s=plan.predicted_step_s, plan_s=round(plan_s, 3))
                 self.outbox.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,
