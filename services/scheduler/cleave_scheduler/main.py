@@ -119,9 +119,16 @@ class Scheduler:
             await wait_for_stop(stop, self.s.sweep_s)
 
     async def make_plan(self, reason: str) -> Plan:
-        """The plan for the registry's fleet now: cost-aware blocks for the job's GEMMs where they can be
-        planned, else uniform tiles (`PlanError`, e.g. no device can hold a block)."""
+        """The plan for the registry's fleet now, with cost-aware blocks for the job's GEMMs (a job with
+        several PS replicas has them in each replica's part instead: `ReplicaPlans`)."""
         plan = self.registry.plan(time.time(), self.s.tile_rows, self.s.tile_cols, reason, self.s.chunks)
+        if self.shapes is not None and self.shapes.replicas > 1:
+            return plan
+        return await self.laid_out(plan)
+
+    async def laid_out(self, plan: Plan) -> Plan:
+        """`plan` with its blocks, made in the planning process; as it is where they cannot be planned
+        (`PlanError`, e.g. no device can hold a block: the PS deals uniform tiles)."""
         if self.shapes is None or self.s.planner == "uniform" or not plan.workers:
             return plan  # nothing to lay out
         args = (with_layouts_encoded, codec.encode(plan), codec.encode(self.shapes), self.s.planner,
@@ -159,8 +166,7 @@ class Scheduler:
             plan_s = time.perf_counter() - started
             try:
                 await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
-                await self.replicas.publish(self.bus, self.plan_kv, plan, self.shapes, self.s.planner,
-                                            self.s.ps_bandwidth)
+                await self.replicas.publish(self.bus, self.plan_kv, plan, self.shapes, self.laid_out)
                 log.info("plan_published", version=plan.version, workers=len(plan.workers), reason=reason,
                          planner=plan.planner, predicted_step_s=plan.predicted_step_s, plan_s=round(plan_s, 3))
                 self.outbox.emit(Event(kind="plan_changed", at=plan.created_at, cause=reason,

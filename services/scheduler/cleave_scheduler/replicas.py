@@ -3,14 +3,12 @@ for that replica's share of the batch and published under `REPLICA_PLAN_KEY`."""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Awaitable, Callable
 
 import structlog
 
 from cleave import partition
-from cleave.costmodel import PlanError
 from cleave.schemas import REPLICA_PLAN_KEY, JobShapes, Plan
-from cleave_scheduler.planning import with_layouts
 
 log = structlog.get_logger("scheduler")
 
@@ -30,13 +28,11 @@ class ReplicaPlans:
         self.assignment = partition.partition(rates, shapes.replicas, self.assignment)
         return partition.restrict(plan, self.assignment, shapes.replicas)
 
-    async def publish(self, bus, kv, plan: Plan, shapes: JobShapes | None, planner: str,  # noqa: ANN001
-                      ps_bandwidth: float | None) -> None:
-        """Plan and publish every replica's part; raises what `kv_put` raises (NATS down)."""
+    async def publish(self, bus, kv, plan: Plan, shapes: JobShapes | None,  # noqa: ANN001
+                      laid_out: Callable[[Plan], Awaitable[Plan]]) -> None:
+        """Lay out (`laid_out`: the scheduler's planner) and publish every replica's part; raises what
+        `kv_put` raises (NATS down)."""
         for r, part in enumerate(self.split(plan, shapes)):
-            try:
-                part = await asyncio.to_thread(with_layouts, part, shapes, planner, ps_bandwidth)
-            except PlanError as e:
-                log.warning("plan_not_cost_aware", replica=r, error=str(e))
+            part = await laid_out(part)
             await bus.kv_put(kv, REPLICA_PLAN_KEY.format(replica=r), part)
             log.info("replica_plan_published", replica=r, version=part.version, workers=len(part.workers))
