@@ -41,6 +41,7 @@ SHAPES = {  # (batch, seq) per model: what the mission asks, on one H200; the ti
 }
 DEFAULT_BUDGET_S = 450  # the whole run, both models; a model that would start with less than MIN_LEFT_S is skipped
 MIN_LEFT_S = 60
+LOGS_KEPT = ("ps.log", "worker-1.log")  # their tails go into the row of a run that stopped
 GB = 1e9
 
 
@@ -81,6 +82,9 @@ def distributed(job: JobConfig, tmp: Path, workers: int, timeout_s: float) -> di
         lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
     finally:
         fleet.stop()  # SIGTERM: the workers exit gracefully and record their peaks
+    if stopped:  # the run dir goes with the temporary folder: keep what the logs said last
+        stopped += "".join(f"\n--- {p.name}:\n{p.read_text(errors='replace')[-1500:]}"
+                           for p in sorted((tmp / "dist" / "logs").glob("*.log")) if p.name in LOGS_KEPT)
     records = memory_records(folder)
     return {"lines": lines, "stopped": stopped,
             "ps": next((r for r in records if r["argv"][:1] == ["ps"]), {}),
