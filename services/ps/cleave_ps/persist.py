@@ -39,7 +39,7 @@ from cleave.schemas import (
     StateHead,
     StepMetrics,
 )
-from cleave_ps import ckpt_stream
+from cleave_ps import ckpt_gc, ckpt_stream
 from cleave_ps.ckpt_stream import CorruptCheckpoint, Snapshot, snapshot
 from cleave_ps.settings import PsSettings
 
@@ -99,6 +99,8 @@ class Persister:
         self.epoch = 0
         self.committed: list[str] = []  # object names this PS wrote, oldest first
         self.rejected: list[tuple[int, str]] = []  # (step, reason) of each checkpoint load refused
+        self.orphan_age_s = ckpt_gc.DEFAULT_ORPHAN_AGE_S  # nameless chunks older than this are purged
+        self.collected = ckpt_gc.Collected()  # what the last commit's clean-up removed
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
@@ -194,14 +196,12 @@ class Persister:
             raise Fenced(f"epoch {self.epoch} of job {self.job_id} is superseded by {int(entry.value)}")
 
     async def _prune(self) -> None:
-        """Delete checkpoints older than the last KEEP_CHECKPOINTS (best effort)."""
-        while len(self.committed) > KEEP_CHECKPOINTS:
-            name = self.committed.pop(0)
-            for obj in (name, f"{name}.data"):
-                try:
-                    await asyncio.wait_for(self.store.delete(obj), DEFAULT_TIMEOUT_S)
-                except Exception as e:
-                    log.warning("checkpoint_not_pruned", object=obj, error=repr(e))
+        """Keep the last KEEP_CHECKPOINTS checkpoints; delete this job's others (also those an earlier
+        incarnation committed, or wrote and never committed) and the chunks of puts that never finished
+        (`cleave_ps.ckpt_gc`; best effort)."""
+        del self.committed[:-KEEP_CHECKPOINTS]
+        self.collected = await ckpt_gc.collect(self.bus, self.store, STATE_OBJECTS, self.job_id,
+                                               set(self.committed), self.orphan_age_s)
 
 
 class Progress:
