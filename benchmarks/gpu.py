@@ -8,7 +8,8 @@ more) and their ratio, and each process's peak memory: `torch.cuda.max_memory_al
 reference and every worker, and their peak RSS (benchmarks/memhook records them as each process exits).
 Writes benchmarks/results/gpu.json (or --out) after each model, so that nothing measured is lost.
 
-On a GPU machine (benchmarks/gpu_check.sh sets it up; within 8 minutes on one H200):
+On a GPU machine (benchmarks/gpu_check.sh sets it up; sized to finish within 8 minutes on one H200, which
+it has not yet run on):
 
     python benchmarks/gpu.py                       # gpt2-medium and llama3-1b, seq 512, batch 4, 3 steps
 
