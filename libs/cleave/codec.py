@@ -56,13 +56,17 @@ def tensor_to_data(t: torch.Tensor) -> TensorData:
     return TensorData.model_construct(dtype=_DTYPE_NAMES[t.dtype], shape=tuple(t.shape), data=view.numpy().tobytes())
 
 
-def data_to_tensor(d: TensorData) -> torch.Tensor:
-    """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size)."""
-    if d.dtype == "bfloat16":
-        arr = np.frombuffer(d.data, dtype=np.int16).copy()
-        return torch.from_numpy(arr).view(torch.bfloat16).reshape(d.shape)
-    arr = np.frombuffer(d.data, dtype=np.dtype(d.dtype)).copy()
-    return torch.from_numpy(arr).reshape(d.shape)
+def data_to_tensor(d: TensorData, pin: bool = False) -> torch.Tensor:
+    """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size); `pin`:
+    in page-locked memory, for a non-blocking copy to a GPU (needs CUDA), still one copy of the bytes."""
+    arr = np.frombuffer(d.data, dtype=np.int16 if d.dtype == "bfloat16" else np.dtype(d.dtype))
+    if pin:
+        t = torch.empty(arr.shape, dtype=torch.int16 if d.dtype == "bfloat16" else _TORCH_DTYPES[d.dtype],
+                        pin_memory=True)
+        t.numpy()[:] = arr
+    else:
+        t = torch.from_numpy(arr.copy())
+    return (t.view(torch.bfloat16) if d.dtype == "bfloat16" else t).reshape(d.shape)
 
 
 def tensor_nbytes(d: TensorData) -> int:

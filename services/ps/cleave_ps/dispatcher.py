@@ -182,19 +182,24 @@ class Dispatcher:
             hit = self._uids[key] = (self._next_uid, weakref.ref(t))
         return hit[0]
 
-    async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str) -> torch.Tensor:
+    async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str,
+                   names: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """a · btᵀ through the fleet. `names`: the tensors whose identity names the blocks in the workers'
+        caches (a CUDA PS's GPU tensors, of which `a` and `bt` are host copies); a pinned `a` gets a pinned
+        product, which goes back to the GPU without blocking."""
         sent = self.tile_dtype or a.dtype  # the bytes per element that travel
+        pin = a.is_pinned()
         m, n, k = a.shape[0], bt.shape[0], a.shape[1]
         grid, owners, expected_s = self._tiling(m, n, k, sent.itemsize)
         self._sent_bytes = sent.itemsize
         self.seq += 1
         self._logged = 0
         self.verifier.new_gemm()
-        a_key, b_key = f"{self.epoch}.{self._uid(a)}", f"{self.epoch}.{self._uid(bt)}"
+        a_key, b_key = (f"{self.epoch}.{self._uid(t)}" for t in names or (a, bt))
         if self.tile_dtype is not None:
             a, bt = await asyncio.to_thread(lambda: (a.to(self.tile_dtype), bt.to(self.tile_dtype)))
         run = self.run = GemmRun(self.seq, step, op, name, a, bt, torch.empty(m, n, dtype=torch.float32
-                                 if self.tile_dtype else a.dtype), expected_s=expected_s)
+                                 if self.tile_dtype else a.dtype, pin_memory=pin), expected_s=expected_s)
         split, shared = fanout.layout(grid, owners, a_key, b_key, self._chunks) if self.s.fanout else (None, None)
         work = Work(self.seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared, split)
         started = waited = self.clock()

@@ -41,6 +41,7 @@ from cleave_ps.replicas import EXIT_GROUP_LOST, ReplicaGroup, ReplicaLost, finge
 from cleave_ps.rounds import run_rounds
 from cleave_ps.settings import PsSettings
 from cleave_ps.split_server import run_split
+from cleave_ps.staging import HostStaging
 
 log = structlog.get_logger("ps")
 OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (median)
@@ -54,6 +55,8 @@ class FleetGemm:
     def __init__(self, loop: asyncio.AbstractEventLoop, dispatcher: Dispatcher, faults: Faults | None = None) -> None:
         self.loop, self.dispatcher, self.faults = loop, dispatcher, faults or Faults()
         self.step, self.op = 0, 0
+        self.staging = HostStaging()  # a CUDA PS's inputs, copied to the host once per GEMM
+        self.stage: bool | None = None  # None: stage inputs that are on a GPU (a test stages CPU tensors too)
 
     def begin(self, step: int) -> None:
         self.step, self.op = step, 0
@@ -63,12 +66,14 @@ class FleetGemm:
         self.op += 1
         if self.op == self.FAULT_OP:
             self.faults.hit("in_step", self.step)
-        device = a.device  # a CUDA PS ships CPU copies; the assembled product goes back to its device
+        device, names = a.device, (a, bt)  # a CUDA PS ships host copies, its blocks named by the GPU tensors
+        if self.stage if self.stage is not None else device.type == "cuda":
+            a, bt = self.staging.host(a, bt)
         fut = asyncio.run_coroutine_threadsafe(
-            self.dispatcher.gemm(a.cpu(), bt.cpu(), self.step, self.op, name), self.loop
+            self.dispatcher.gemm(a, bt, self.step, self.op, name, names), self.loop
         )
-        try:
-            return fut.result(timeout=self.dispatcher.s.gemm_timeout_s).to(device)
+        try:  # assembled in pinned memory on CUDA: the copy back does not block
+            return fut.result(timeout=self.dispatcher.s.gemm_timeout_s).to(device, non_blocking=True)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise StepAborted(f"GEMM {name} of step {self.step} took over gemm_timeout_s="

@@ -15,7 +15,9 @@ The epoch counter fences off an older PS that is still alive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import resource
 import time
 
 import structlog
@@ -23,7 +25,7 @@ import torch
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 from torch import nn
 
-from cleave import codec
+from cleave import codec, preflight
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
 from cleave.errors import CleaveError, ConfigError, Conflict, WireError
 from cleave.faults import Faults
@@ -39,7 +41,7 @@ from cleave.schemas import (
     StateHead,
     StepMetrics,
 )
-from cleave_ps import ckpt_stream
+from cleave_ps import ckpt_gc, ckpt_stream
 from cleave_ps.ckpt_stream import CorruptCheckpoint, Snapshot, snapshot
 from cleave_ps.settings import PsSettings
 
@@ -47,6 +49,7 @@ log = structlog.get_logger("ps")
 DEFAULT_PUT_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
 KEEP_CHECKPOINTS = 2
 CHECKPOINT_BUDGET = 0.05  # persist_every=0: commit when the last commit cost <= 5% of the training since
+STAGING_SHARE = 0.5  # checkpoint_staging=auto: a staged copy may take at most this share of the free memory
 __all__ = ["Fenced", "Persister", "Progress", "read_checkpoint", "snapshot", "write_checkpoint"]
 
 
@@ -100,6 +103,8 @@ class Persister:
         self.epoch = 0
         self.committed: list[str] = []  # object names this PS wrote, oldest first
         self.rejected: list[tuple[int, str]] = []  # (step, reason) of each checkpoint load refused
+        self.orphan_age_s = ckpt_gc.DEFAULT_ORPHAN_AGE_S  # nameless chunks older than this are purged
+        self.collected = ckpt_gc.Collected()  # what the last commit's clean-up removed
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
@@ -195,14 +200,12 @@ class Persister:
             raise Fenced(f"epoch {self.epoch} of job {self.job_id} is superseded by {int(entry.value)}")
 
     async def _prune(self) -> None:
-        """Delete checkpoints older than the last KEEP_CHECKPOINTS (best effort)."""
-        while len(self.committed) > KEEP_CHECKPOINTS:
-            name = self.committed.pop(0)
-            for obj in (name, f"{name}.data"):
-                try:
-                    await asyncio.wait_for(self.store.delete(obj), DEFAULT_TIMEOUT_S)
-                except Exception as e:
-                    log.warning("checkpoint_not_pruned", object=obj, error=repr(e))
+        """Keep the last KEEP_CHECKPOINTS checkpoints; delete this job's others (also those an earlier
+        incarnation committed, or wrote and never committed) and the chunks of puts that never finished
+        (`cleave_ps.ckpt_gc`; best effort)."""
+        del self.committed[:-KEEP_CHECKPOINTS]
+        self.collected = await ckpt_gc.collect(self.bus, self.store, STATE_OBJECTS, self.job_id,
+                                               set(self.committed), self.orphan_age_s)
 
 
 class Progress:
@@ -217,6 +220,9 @@ class Progress:
         self.persister = Persister(bus, job.job_id, job.model_dump_json(), fence_id)
         self.pending: list[StepMetrics] = []
         self.last_commit_s = 0.0  # seconds the last commit's stream took (persist_every = 0 budgets it)
+        self.staging, self.memory_bytes = s.checkpoint_staging, s.memory_bytes
+        self.inflight: asyncio.Task | None = None  # a commit streaming a staged copy while training goes on
+        self._told = False  # that staging was skipped for want of memory: logged once
 
     @property
     def epoch(self) -> int:
@@ -250,26 +256,62 @@ class Progress:
         return self.last_commit_s <= CHECKPOINT_BUDGET * sum(m.step_time_s for m in self.pending)
 
     async def done(self, m: StepMetrics, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
-        """Step (or round) `m.step` is over and `model` and `opt` hold its outcome: commit them when due."""
+        """Step (or round) `m.step` is over and `model` and `opt` hold its outcome: commit them when due,
+        from a staged copy in the background when `checkpoint_staging` allows it (never the last step's)."""
         self.pending.append(m)
-        if self.due(m.step):
-            await self.commit(snapshot(model, opt, self.job_id, m.step, self.epoch))
+        if not self.due(m.step):
+            return
+        await self.drain()  # one commit at a time, in step order
+        snap, lines = snapshot(model, opt, self.job_id, m.step, self.epoch), tuple(self.pending)
+        self.pending.clear()
+        staged = await self.stage(snap) if m.step + 1 < self.steps else None
+        if staged is None:
+            await self.commit(snap, lines)
+        else:
+            self.inflight = asyncio.create_task(self.commit(staged, lines))
+
+    async def stage(self, snap: Snapshot) -> Snapshot | None:
+        """A host copy of `snap`'s tensors to stream while the next steps change the live ones; None when
+        staging is off or the copy would take more than STAGING_SHARE of the memory still available."""
+        if self.staging == "off":
+            return None
+        need = sum(t.numel() * t.element_size() for t in snap.tensors.values())
+        free = preflight.available_memory()
+        if self.memory_bytes:  # the PS's own budget, less what it holds now
+            free = min(free, self.memory_bytes - resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        if need > STAGING_SHARE * free:
+            if not self._told:
+                log.info("checkpoint_staging_skipped", job=self.job_id, need_gb=round(need / 1e9, 2),
+                         available_gb=round(max(free, 0) / 1e9, 2), share=STAGING_SHARE)
+                self._told = True
+            return None
+        t0 = time.perf_counter()
+        copies = await asyncio.to_thread(lambda: {k: v.detach().to("cpu", copy=True) for k, v in snap.tensors.items()})
+        log.info("checkpoint_staged", job=self.job_id, step=snap.step, gb=round(need / 1e9, 2),
+                 copy_s=round(time.perf_counter() - t0, 3))
+        return dataclasses.replace(snap, tensors=copies)
+
+    async def drain(self) -> None:
+        """Wait for the commit in the background, if any (its errors, Fenced included, are raised here)."""
+        task, self.inflight = self.inflight, None
+        if task is not None:
+            await task
 
     async def finish(self, first: int) -> None:
         """Every step (or round) is committed: say so, in the log and as a `job_done` event."""
+        await self.drain()
         log.info("job_done", job=self.job_id, steps=self.steps, first=first, epoch=self.epoch)
         await self.bus.emit(Event(kind="job_done", at=time.time(), job=self.job_id, step=self.steps - 1,
                                   detail={"steps": self.steps, "first": first, "epoch": self.epoch}))
 
-    async def commit(self, snap: Snapshot) -> None:
-        """Persist `snap` with the lines of the steps up to it, then report them; raises Fenced."""
+    async def commit(self, snap: Snapshot, lines: tuple[StepMetrics, ...]) -> None:
+        """Persist `snap` with `lines` (the steps up to it), then report them; raises Fenced."""
         step = snap.step
-        head = await self.persister.commit(snap, tuple(self.pending),
+        head = await self.persister.commit(snap, lines,
                                            before_head=lambda: self.faults.hit("before_commit", step),
                                            on_read=lambda: self.faults.hit("mid_commit", step))
         self.faults.hit("after_commit", step)
         self.last_commit_s = head.metrics[-1].checkpoint_s if head.metrics else 0.0
-        self.pending.clear()
         await self.report(head.metrics)
 
     async def report(self, lines: tuple[StepMetrics, ...] | list[StepMetrics]) -> None:

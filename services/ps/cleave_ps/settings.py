@@ -33,6 +33,8 @@ class PsSettings(BaseSettings):
     max_pending_bytes: int = Field(256 * 1024 * 1024, gt=0)  # results queued unread; a flood past it is dropped
     memory_bytes: int = Field(0, ge=0)  # what the PS may use (preflight); 0: the machine's available memory
     persist_every: int = Field(0, ge=0)  # commit the state every k steps; 0: when it costs <= 5% of training time
+    checkpoint_staging: Literal["off", "auto"] = "off"  # auto: stream a host copy while training goes on, when
+    # it takes at most half the free memory (a copy of the weights and optimizer: not the memory-light default)
     fail_at: str = ""  # fault injection: "before_commit:3", "after_commit:3", "in_step:3", "in_round:3"
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default

@@ -1,5 +1,11 @@
 """The worker's pure core: the bounded input-block cache, the checks on a tile (shapes, dtypes, memory
-budget) and the computation of one tile."""
+budget), the computation of one tile and the FLOPS measurement, all on the device the worker computes on.
+
+On CUDA, blocks arrive in page-locked (pinned) host memory and go to the GPU with a non-blocking copy that
+the tile's product, queued behind it on the same stream, waits for; cached blocks stay on the GPU (the
+cache's budget counts their device bytes); a result comes back through pinned memory, synchronised on an
+event before its bytes are encoded. On the CPU the same functions run with no copies at all.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +22,37 @@ from cleave.schemas import BlockRef, TileResult, TileTask
 HALF = (torch.float16, torch.bfloat16)
 FLOAT32_BYTES = 4  # tiles are computed and returned in float32; the PS plans with dtype_bytes=4
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # workers use CUDA when present
+FLOPS_N = {"cpu": 512, "cuda": 4096}  # side of the measured product: a GPU needs a large one to be busy
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU without blocking (pinned `t`: the copy overlaps the host's work)."""
+    return t if t.device == device else t.to(device, non_blocking=t.is_pinned())
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values in host memory: from a GPU through a pinned buffer, synchronised on an event that
+    waits for this copy only (other threads' products on the same GPU go on)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    done.synchronize()
+    return host
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """What a tensor holds on its device: its whole storage (a view keeps all of it alive)."""
+    return t.untyped_storage().nbytes()
 
 
 class BlockCache:
-    """Least-recently-used input blocks, bounded in bytes."""
+    """Least-recently-used input blocks on `device`, bounded in the bytes they hold there."""
 
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity = capacity_bytes
+    def __init__(self, capacity_bytes: int, device: torch.device = DEVICE) -> None:
+        self.capacity, self.device = capacity_bytes, torch.device(device)
         self.used = 0
         self._blocks: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.hits = self.misses = 0
@@ -34,12 +64,12 @@ class BlockCache:
         return t
 
     def put(self, block_id: str, t: torch.Tensor) -> None:
-        size = t.numel() * t.element_size()
+        size = nbytes(t)
         if size > self.capacity or block_id in self._blocks:
             return
         while self.used + size > self.capacity:
             _, old = self._blocks.popitem(last=False)
-            self.used -= old.numel() * old.element_size()
+            self.used -= nbytes(old)
         self._blocks[block_id] = t
         self.used += size
 
@@ -48,7 +78,7 @@ class BlockCache:
             got = [self.resolve(p) for p in ref.parts]
             return None if any(t is None for t in got) else torch.cat(got)
         if ref.tensor is not None:
-            t = codec.data_to_tensor(ref.tensor)
+            t = to_device(codec.data_to_tensor(ref.tensor, pin=self.device.type == "cuda"), self.device)
             self.put(ref.id, t)
             return t
         t = self.get(ref.id)
@@ -88,11 +118,12 @@ def check_inputs(a: torch.Tensor, bt: torch.Tensor, budget_bytes: int) -> str:
 
 
 def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, corrupt: float = 0.0) -> TileResult:
-    """Multiply one tile's blocks (called off the event loop); `corrupt` makes a lying worker for tests."""
+    """Multiply one tile's blocks on the device they are on (called off the event loop); `compute_s` includes
+    the copy of the result to the host. `corrupt` makes a lying worker for tests."""
     start = time.perf_counter()
     if a.dtype in HALF:  # the approximate mode sends half-precision inputs; products accumulate in float32
         a, bt = a.float(), bt.float()
-    out = tiles.compute(a.to(DEVICE), bt.to(DEVICE)).cpu() if DEVICE.type == "cuda" else tiles.compute(a, bt)
+    out = to_host(tiles.compute(a, to_device(bt, a.device)))
     if corrupt:
         out[0, 0] += corrupt
     return TileResult(
@@ -109,13 +140,23 @@ def reply_to(task: TileTask, worker_id: str, **fields: object) -> TileResult:
     )
 
 
-def measure_flops(n: int = 512, reps: int = 5) -> float:
-    """Sustained fp32 GEMM FLOP/s on this device (best of a few runs of an n x n product)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_flops(n: int | None = None, reps: int = 5, device: torch.device = DEVICE) -> float:
+    """Sustained fp32 GEMM FLOP/s on the device tiles are computed on (best of a few runs of an n x n
+    product; on CUDA each run is timed between synchronisations, so the kernel is counted, not its launch)."""
+    device = torch.device(device)
+    n = n or FLOPS_N.get(device.type, FLOPS_N["cpu"])
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b  # warm-up (on CUDA also the library's handle and the kernel choice)
+    _sync(device)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         a @ b
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / max(best, 1e-9)

