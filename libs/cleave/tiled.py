@@ -31,7 +31,9 @@ class LocalTiles:
         self.block_rows, self.block_cols = block_rows, block_cols
 
     def gemm(self, a: torch.Tensor, bt: torch.Tensor, name: str) -> torch.Tensor:
-        return tiles.tiled_matmul(a, bt, tiles.grid(a.shape[0], bt.shape[0], self.block_rows, self.block_cols))
+        grid = tiles.grid(a.shape[0], bt.shape[0], self.block_rows, self.block_cols)
+        with torch.autocast(a.device.type, enabled=False):  # as a worker: half inputs computed in float32
+            return tiles.tiled_matmul(a.float(), bt.float(), grid).to(a.dtype)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
