@@ -86,3 +86,14 @@ def test_precision_is_a_validated_setting_and_a_flag():
         JobConfig.build(preset="tiny", precision="int8")
     with pytest.raises(ConfigError, match="precision='fp16' does not apply to method='diloco'"):
         JobConfig.build(preset="tiny", method="diloco", precision="fp16")
+
+
+def test_the_ps_refuses_the_approximate_tile_dtype_with_a_precision():
+    from cleave_ps.main import Job  # noqa: PLC0415 - the PS service, only for this test
+    from cleave_ps.settings import PsSettings  # noqa: PLC0415
+
+    job = JobConfig(preset="tiny", precision="bf16")
+    with pytest.raises(ConfigError, match="CLEAVE_PS_TILE_DTYPE=fp16 is the approximate mode of an fp32 job"):
+        Job(PsSettings(tile_dtype="fp16"), job, bus=None, stop=None).preflight()
+    assert Job(PsSettings(), job, bus=None, stop=None).wire_bytes == 2
+    assert Job(PsSettings(), JobConfig(preset="tiny"), bus=None, stop=None).wire_bytes == 4
