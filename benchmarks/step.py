@@ -43,14 +43,15 @@ WARMUP_STEPS = 2
 RESULTS = Path(__file__).parent / "results" / "step.json"
 
 
-def reference_step_s(job: JobConfig, steps: int) -> float:
+def reference(job: JobConfig, steps: int) -> tuple[float, list[float]]:
+    """The reference's median step and its losses."""
     trainer = Trainer(job)
-    times = []
+    times, losses = [], []
     for s in range(steps):
         t0 = time.perf_counter()
-        trainer.step(s)
+        losses.append(trainer.step(s))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[WARMUP_STEPS:])
+    return statistics.median(times[WARMUP_STEPS:]), losses
 
 
 class Recorder:
@@ -156,7 +157,7 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path) -> dict:
 
 def bench(preset: str, steps: int, workers: int, precision: str) -> dict:
     job = JobConfig(job_id=f"bench-{preset}-{time.time_ns()}", preset=preset, steps=steps, precision=precision)
-    ref_s = reference_step_s(job, steps)
+    ref_s, ref_losses = reference(job, steps)
     flops, gemm_s = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)  # workers compute in float32
     with tempfile.TemporaryDirectory() as tmp:
         d = asyncio.run(distributed(job, workers, Path(tmp)))
@@ -172,7 +173,7 @@ def bench(preset: str, steps: int, workers: int, precision: str) -> dict:
         "gemm_flops_per_s": flops / gemm_s, "floor_s": floor, "floor_is": "bus" if bus_s >= gemm_s else "gemm",
         "step_over_floor": d["step_s"] / floor, "ps_cpu_s_per_step": d["ps_cpu_per_step"],
         "worker_idle_fraction": d["worker_idle_fraction"], "tiles_per_step": d["tiles_per_step"],
-        "losses": [m["loss"] for m in d["lines"]],
+        "losses": [m["loss"] for m in d["lines"]], "losses_equal_reference": [m["loss"] for m in d["lines"]] == ref_losses,
     }
 
 
@@ -184,7 +185,8 @@ def report(r: dict) -> str:
             f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
             f"{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with {r['bus_pairs']} pairs, GEMMs "
             f"{r['gemm_s_all_threads']:.3f}s at {r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s) -> step/floor "
-            f"{r['step_over_floor']:.2f}\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
+            f"{r['step_over_floor']:.2f}; losses equal to the reference: {r['losses_equal_reference']}"
+            f"\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
             f"worker idle {r['worker_idle_fraction']:.0%}")
 
 
