@@ -97,3 +97,17 @@ def test_the_ps_refuses_the_approximate_tile_dtype_with_a_precision():
         Job(PsSettings(tile_dtype="fp16"), job, bus=None, stop=None).preflight()
     assert Job(PsSettings(), job, bus=None, stop=None).wire_bytes == 2
     assert Job(PsSettings(), JobConfig(preset="tiny"), bus=None, stop=None).wire_bytes == 4
+
+
+def test_the_loss_scale_survives_the_streamed_checkpoint():
+    from cleave_ps.ckpt_stream import encode, restore, snapshot  # noqa: PLC0415 - the PS's checkpoint format
+
+    job = JobConfig(preset="tiny", batch_size=2, seq_len=16, precision="fp16")
+    src, dst = Trainer(job), Trainer(job)
+    src.opt.param_groups[0]["loss_scale"] = 2.0**18
+    for s in range(2):
+        src.step(s)  # both overflow: the scale halves twice
+    data, m = encode(snapshot(src.model, src.opt, "j", 1, 1), 4096)
+    restore(dst.model, dst.opt, data, m)
+    assert dst.scaler.value == src.scaler.value == 2.0**16
+    assert src.step(2) == dst.step(2) and src.scaler.value == dst.scaler.value
