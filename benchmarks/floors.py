@@ -1,8 +1,9 @@
 """What a step cannot beat on this machine, measured in the same run as the step (benchmarks/step.py).
 
-- `bus_rate`: the best aggregate rate of core NATS on loopback with N concurrent publisher/subscriber pairs,
-  each a process of its own, at one message size (the tiles and the fan-out blocks both travel as core NATS
-  messages of at most the server's max_payload).
+- `bus_rate`: the best aggregate rate of core NATS on loopback to N concurrent subscribers at one message
+  size, from N publishers (N publisher/subscriber pairs, each a process of its own) or from one publisher
+  process (as the PS publishes); the tiles and the fan-out blocks both travel as core NATS messages of at
+  most the server's max_payload.
 - `gemm_seconds`: one step's GEMMs at their own shapes with all of torch's threads.
 - `CpuSampler`: where a process's CPU goes, by sampling every thread's Python stack (`sys._current_frames`)
   and sorting each busy sample into serialisation, copies, bus, local compute or Python; the measured CPU
@@ -30,31 +31,34 @@ CATEGORIES = ("serialisation", "copies", "bus", "local_compute", "python")
 
 PUBLISHER = """
 import asyncio, sys, time, nats
-async def main(url, subject, size, count, window):
+async def main(url, subjects, size, count, window):
     nc = await nats.connect(url)
-    acked, moved = 0, asyncio.Event()
-    async def on_ack(msg):
-        nonlocal acked
-        acked = int(msg.data)
-        moved.set()
-    await nc.subscribe(subject + ".ack", cb=on_ack)
+    acked, moved = dict.fromkeys(subjects, 0), asyncio.Event()
+    def on_ack(subject):
+        async def cb(msg):
+            acked[subject] = int(msg.data)
+            moved.set()
+        return cb
+    for s in subjects:
+        await nc.subscribe(s + ".ack", cb=on_ack(s))
     go = await nc.subscribe("bench.go")
     await nc.publish("bench.ready", b"")
     await nc.flush()
     await go.next_msg(timeout=120)
     payload = bytes(size)
     for i in range(count):
-        while i - acked >= window:
-            moved.clear()
-            await asyncio.wait_for(moved.wait(), 60)
-        await nc.publish(subject, payload)
-    while acked < count:
+        for s in subjects:
+            while i - acked[s] >= window:
+                moved.clear()
+                await asyncio.wait_for(moved.wait(), 60)
+            await nc.publish(s, payload)
+    while min(acked.values()) < count:
         moved.clear()
         await asyncio.wait_for(moved.wait(), 60)
     await nc.publish("bench.done", b"")
     await nc.flush()
     await nc.close()
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
+asyncio.run(main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
 """
 
 SUBSCRIBER = """
@@ -84,21 +88,25 @@ async def _gather(sub, n: int, timeout_s: float) -> None:  # noqa: ANN001
         await sub.next_msg(timeout=timeout_s)
 
 
-async def bus_rate_once(url: str, pairs: int, size: int, pair_bytes: int = DEFAULT_PAIR_BYTES) -> float:
-    """Bytes/s moved by `pairs` publisher processes, each to its own subscriber process, all at once."""
+async def bus_rate_once(url: str, pairs: int, size: int, one_publisher: bool = False,
+                        pair_bytes: int = DEFAULT_PAIR_BYTES) -> float:
+    """Bytes/s moved to `pairs` subscriber processes at once, each on its own subject: from as many publisher
+    processes, or (`one_publisher`) from one, as the PS publishes to its workers."""
     count = max(DEFAULT_WINDOW * 2, pair_bytes // size)
+    subjects = [f"bench.p{i}" for i in range(pairs)]
+    senders = [",".join(subjects)] if one_publisher else subjects
     bus = await busmod.connect(url, "bench-bus")
     ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
-    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, f"bench.p{i}", str(count))
-             for i in range(pairs)]
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count))
+             for s in subjects]
     try:
         await _gather(ready, pairs, 60)
-        procs += [await asyncio.create_subprocess_exec(sys.executable, "-c", PUBLISHER, url, f"bench.p{i}", str(size),
-                                                       str(count), str(DEFAULT_WINDOW)) for i in range(pairs)]
-        await _gather(ready, pairs, 60)
+        procs += [await asyncio.create_subprocess_exec(sys.executable, "-c", PUBLISHER, url, s, str(size),
+                                                       str(count), str(DEFAULT_WINDOW)) for s in senders]
+        await _gather(ready, len(senders), 60)
         t0 = time.perf_counter()
         await bus.nc.publish("bench.go", b"")
-        await _gather(done, pairs, 300)
+        await _gather(done, len(senders), 300)
         rate = pairs * count * size / (time.perf_counter() - t0)
         for p in procs:
             await p.wait()
@@ -111,8 +119,8 @@ async def bus_rate_once(url: str, pairs: int, size: int, pair_bytes: int = DEFAU
 
 
 async def bus_rate(url: str, pairs: int, size: int, tries: int = 2) -> float:
-    """The best of `tries` measurements at this message size (capped at the server's max_payload)."""
-    return max([await bus_rate_once(url, pairs, size) for _ in range(tries)])
+    """The best of `tries` measurements each with `pairs` publishers and with one publisher."""
+    return max([await bus_rate_once(url, pairs, size, one) for _ in range(tries) for one in (False, True)])
 
 
 def gemm_seconds(preset_cfg, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> tuple[float, float]:  # noqa: ANN001
