@@ -77,7 +77,7 @@ async def after_the_job(url: str, job: JobConfig) -> dict:
             "checkpoint_step": head.step if head else None}
 
 
-def tile_run(job: JobConfig, run_dir: Path, k: int) -> dict:
+def tile_run(job: JobConfig, run_dir: Path, k: int, tile_timeout_s: float | None = None) -> dict:
     """The job with a worker that SIGKILLs itself at step k's tiles; what Cleave paid, and the baseline's parts."""
     fault_dir = run_dir / "faults"
     fleet = LocalFleet(run_dir, WORKERS - 1)
@@ -85,7 +85,10 @@ def tile_run(job: JobConfig, run_dir: Path, k: int) -> dict:
         fleet.start()
         fleet.stack.service("victim", "worker", ["--worker-id", "victim"], restart=False,
                             env={"CLEAVE_WORKER_FAIL_AT": f"tile:{k}", "CLEAVE_WORKER_FAULT_DIR": str(fault_dir)})
-        fleet.start_ps(job, run_dir / "m.jsonl", ps_env={"CLEAVE_PS_PERSIST_EVERY": str(CHECKPOINT_EVERY)})
+        env = {"CLEAVE_PS_PERSIST_EVERY": str(CHECKPOINT_EVERY)}
+        if tile_timeout_s:
+            env["CLEAVE_PS_TILE_TIMEOUT_S"] = str(tile_timeout_s)
+        fleet.start_ps(job, run_dir / "m.jsonl", ps_env=env)
         lines = fleet.wait_ps(run_dir / "m.jsonl", timeout_s=1800)
         after = asyncio.run(after_the_job(fleet.stack.nats_url, job))
     finally:
@@ -130,13 +133,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--kill-step", type=int, default=8)
     p.add_argument("--skip-ps", action="store_true", help="leave out the PS-kill run")
+    p.add_argument("--tile-timeout", type=float, help="the PS's CLEAVE_PS_TILE_TIMEOUT_S (default: its own, 1 s)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     k, stamp = args.kill_step, time.time_ns()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        tile = tile_run(JobConfig(job_id=f"rec-tile-{stamp}", preset=args.preset, steps=args.steps), tmp / "tile", k)
-        out = {"preset": args.preset, "workers": WORKERS, "kill_step": k, "tile": tile,
+        tile = tile_run(JobConfig(job_id=f"rec-tile-{stamp}", preset=args.preset, steps=args.steps), tmp / "tile", k,
+                        args.tile_timeout)
+        out = {"preset": args.preset, "workers": WORKERS, "kill_step": k, "tile_timeout_s": args.tile_timeout, "tile": tile,
                "baseline": {str(every): baseline(tile, every) for every in KS}}
         if not args.skip_ps:
             out["ps"] = ps_run(JobConfig(job_id=f"rec-ps-{stamp}", preset=args.preset, steps=args.steps), tmp / "ps", k)
