@@ -21,6 +21,7 @@ is SIGKILLed as its tiles of step K arrive.
 Prints each cost and baseline/tile for k = 1, 5, 20. Writes benchmarks/results/recovery.json.
 
     nice -n 10 .venv/bin/python benchmarks/recovery.py [--preset small] [--steps 14] [--kill-step 8] [--skip-ps]
+                                                       [--tile-timeout S] [--out FILE]
 """
 
 from __future__ import annotations
