@@ -33,12 +33,6 @@ def dtype_of(precision: str) -> torch.dtype | None:
     return DTYPES[precision]
 
 
-def wire_bytes(precision: str) -> int:
-    """Bytes an input element takes on the wire."""
-    dt = DTYPES[precision]
-    return dt.itemsize if dt is not None else 4
-
-
 @contextlib.contextmanager
 def autocast(precision: str, device: torch.device) -> Iterator[None]:
     """The forward's context: torch.autocast in the low precision, nothing under fp32."""
