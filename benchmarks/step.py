@@ -1,11 +1,21 @@
-"""Step benchmark: the fleet's step against the reference and against its floor on this machine.
+"""Step benchmark: the fleet's step against the reference and against an honest floor, in one run.
 
-For each preset, in one run: the reference step (one process, plain PyTorch), the distributed step (a local
-nats-server, the scheduler, the PS and N worker processes), the bytes on the wire against the bytes the
-tile plan implies, and the floor max(wire bytes / NATS throughput, GEMM FLOPs / GEMM rate), both rates
-measured here in the same run. Writes benchmarks/results/step.json.
+For each preset: the reference step (one process, plain PyTorch, the same precision); the distributed step
+(a local nats-server, the scheduler and N worker processes; the PS itself runs in this process, so that
+where its CPU goes can be sampled, `floors.CpuSampler`); then, on the same nats-server, the floor:
 
-    .venv/bin/python benchmarks/step.py [--presets tiny small] [--steps 12] [--workers 4]
+    floor = max(bytes the PS sent and received / the bus's rate, the step's GEMM FLOPs / the GEMM rate)
+
+with the bus's best rate measured with as many concurrent publisher/subscriber process pairs as workers and
+with one publisher to as many subscribers, at the message sizes the step used (`floors.bus_rate`, per
+direction, the best of 2 tries of each right after the step), and the GEMM rate with all threads at the
+step's shapes (the better of before and after the step). Prints step/floor, distributed/reference, the PS's
+CPU seconds per step split into serialisation, copies, bus, local compute and Python, and the fraction of
+the workers' time spent idle (1 - their compute seconds, from their heartbeats, over workers x wall time).
+Writes benchmarks/results/step.json.
+
+    nice -n 10 .venv/bin/python benchmarks/step.py [--presets tiny small] [--steps 12] [--workers 4]
+                                                   [--precision fp32|bf16|fp16]
 """
 
 from __future__ import annotations
@@ -14,148 +24,174 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
-import torch
+import floors
 
 from cleave import bus as busmod
 from cleave.job import JobConfig
-from cleave.models import gemm_shapes, get_preset
+from cleave.logs import configure
+from cleave.schemas import SUBJECT_HEARTBEAT_ALL, SUBJECT_RESULTS, Heartbeat
 from cleave.training import Trainer
-from cleave_cli.jobrun import LocalFleet
-from cleave_ps.dispatcher import DEFAULT_BLOCK, block_shape
+from cleave_cli.jobrun import LocalFleet, MetricsTail
+from cleave_ps.dispatcher import DEFAULT_BLOCK
+from cleave_ps.main import train
+from cleave_ps.settings import PsSettings
 
 WARMUP_STEPS = 2
-DEFAULT_WINDOW = 32  # messages in flight while measuring NATS throughput
 RESULTS = Path(__file__).parent / "results" / "step.json"
 
 
-def reference_step_s(job: JobConfig, steps: int) -> float:
+def reference(job: JobConfig, steps: int) -> tuple[float, list[float]]:
+    """The reference's median step and its losses."""
     trainer = Trainer(job)
-    times = []
+    times, losses = [], []
     for s in range(steps):
         t0 = time.perf_counter()
-        trainer.step(s)
+        losses.append(trainer.step(s))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[WARMUP_STEPS:])
+    return statistics.median(times[WARMUP_STEPS:]), losses
 
 
-def gemm_rate(job: JobConfig) -> tuple[float, float]:
-    """(FLOPs of one step's GEMMs, the rate this machine computes them at in one thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each worker computes
-    flops, seconds = 0, 0.0
-    for g in gemm_shapes(get_preset(job.preset), job.batch_size, job.seq):
-        a, bt = torch.randn(g.m, g.k), torch.randn(g.n, g.k)
-        a @ bt.T
-        t0 = time.perf_counter()
-        for _ in range(g.count_per_step):
-            a @ bt.T
-        seconds += time.perf_counter() - t0
-        flops += g.flops * g.count_per_step
-    torch.set_num_threads(threads)
-    return flops, flops / seconds
+class Recorder:
+    """What the in-process PS puts on and takes off the bus (message sizes, with times), and the workers'
+    heartbeats; observed by wrapping the PS's own Bus object, nothing replaced."""
+
+    def __init__(self, bus: busmod.Bus) -> None:
+        self.bus, self.down, self.up = bus, [], []
+        self.beats: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        publish, subscribe = bus.publish_frame, bus.subscribe
+
+        async def publish_frame(subject: str, frame: bytes) -> int:
+            self.down.append((time.time(), len(frame)))
+            return await publish(subject, frame)
+
+        async def sub(subject: str, schema, handler, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if not subject.startswith(SUBJECT_RESULTS.split("{", 1)[0]):
+                return await subscribe(subject, schema, handler, *args, **kw)
+
+            async def seen(msg, nbytes: int) -> None:  # noqa: ANN001
+                self.up.append((time.time(), nbytes))
+                await handler(msg, nbytes)
+
+            return await subscribe(subject, schema, seen, *args, **kw)
+
+        bus.publish_frame, bus.subscribe = publish_frame, sub
+
+    async def on_beat(self, hb: Heartbeat, nbytes: int) -> None:
+        self.beats[hb.worker_id].append((time.time(), hb.busy_s))
+
+    def part_sizes(self, frames: list[tuple[float, int]], t0: float, t1: float) -> Counter:
+        """Bytes moved per message size in [t0, t1] (a frame over max_payload travels in max_payload parts)."""
+        cap, out = self.bus.max_payload, Counter()
+        for t, n in frames:
+            if t0 <= t <= t1:
+                out[min(n, cap)] += n
+        return out
+
+    def busy_s(self, t0: float, t1: float) -> float:
+        """The workers' compute seconds in [t0, t1], from their cumulative busy_s (interpolated)."""
+
+        def at(beats: list[tuple[float, float]], t: float) -> float:
+            before = [b for b in beats if b[0] <= t] or beats[:1]
+            after = [b for b in beats if b[0] >= t] or beats[-1:]
+            (ta, ba), (tb, bb) = before[-1], after[0]
+            return ba if tb <= ta else ba + (bb - ba) * (t - ta) / (tb - ta)
+
+        return sum(at(b, t1) - at(b, t0) for b in self.beats.values() if b)
 
 
-def plan_bytes(job: JobConfig, workers: int) -> int:
-    """Bytes a step's tiles imply: inputs (rows + cols)·k·4 down and the rows·cols·4 block up, per tile."""
-    total = 0
-    for g in gemm_shapes(get_preset(job.preset), job.batch_size, job.seq):
-        rows, cols = block_shape(g.m, g.n, None, workers)
-        for r0 in range(0, g.m, rows):
-            for c0 in range(0, g.n, cols):
-                r, c = min(rows, g.m - r0), min(cols, g.n - c0)
-                total += g.count_per_step * 4 * ((r + c) * g.k + r * c)
-    return total
+def weighted_median(sizes: Counter) -> int:
+    """The message size below and above which half the bytes travel."""
+    total, acc = sum(sizes.values()), 0
+    for size in sorted(sizes):
+        acc += sizes[size]
+        if acc * 2 >= total:
+            return size
+    return DEFAULT_BLOCK
 
 
-SUBSCRIBER = """
-import asyncio, sys, nats
-async def main(url, count):
-    nc = await nats.connect(url)
-    got, done = 0, asyncio.Event()
-    async def on_msg(msg):
-        nonlocal got
-        got += 1
-        if got % 8 == 0 or got == count:
-            await nc.publish("bench.ack", str(got).encode())
-        if got == count:
-            done.set()
-    await nc.subscribe("bench.tput", cb=on_msg, pending_bytes_limit=1 << 30, pending_msgs_limit=100_000)
-    await nc.publish("bench.ready", b"")
-    await nc.flush()
-    await asyncio.wait_for(done.wait(), 120)
-    await nc.publish("bench.done", b"")
-    await nc.flush()
-asyncio.run(main(sys.argv[1], int(sys.argv[2])))
-"""
-
-
-async def nats_throughput(url: str, size: int = 1 << 20, count: int = 300) -> float:
-    """Bytes/s from this process through nats-server to a subscriber in another process (1 MiB messages)."""
-    pub = await busmod.connect(url, "bench-pub")
-    ready, done = await pub.nc.subscribe("bench.ready"), await pub.nc.subscribe("bench.done")
-    acked, moved = 0, asyncio.Event()
-
-    async def on_ack(msg) -> None:
-        nonlocal acked
-        acked = int(msg.data)
-        moved.set()
-
-    await pub.nc.subscribe("bench.ack", cb=on_ack)
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, str(count))
-    await ready.next_msg(timeout=30)
-    payload = bytes(size)
-    t0 = time.perf_counter()
-    for i in range(count):
-        while i - acked >= DEFAULT_WINDOW:  # flow control, as the PS's per-worker window of tiles
-            moved.clear()
-            await asyncio.wait_for(moved.wait(), 30)
-        await pub.nc.publish("bench.tput", payload)
-    await done.next_msg(timeout=120)
-    rate = size * count / (time.perf_counter() - t0)
-    await proc.wait()
-    await pub.close()
-    return rate
-
-
-def distributed(job: JobConfig, workers: int, run_dir: Path) -> tuple[list[dict], float]:
-    # uniform tiles, so that the bytes the tile plan implies are known exactly (block_shape below)
+async def distributed(job: JobConfig, workers: int, run_dir: Path) -> dict:
+    # uniform tiles, as before this benchmark measured floors (comparable figures)
     fleet = LocalFleet(run_dir, workers, scheduler_env={
         "CLEAVE_SCHEDULER_PLANNER": "uniform",
         "CLEAVE_SCHEDULER_TILE_ROWS": str(DEFAULT_BLOCK), "CLEAVE_SCHEDULER_TILE_COLS": str(DEFAULT_BLOCK),
     })
+    fleet.start()
     try:
-        fleet.start()
-        tput = asyncio.run(nats_throughput(fleet.stack.nats_url))
-        fleet.start_ps(job, run_dir / "metrics.jsonl")
-        lines = fleet.wait_ps(run_dir / "metrics.jsonl", timeout_s=600)
+        url, metrics = fleet.stack.nats_url, run_dir / "metrics.jsonl"
+        bus = await busmod.connect(url, f"cleave-ps-{job.job_id}")
+        await bus.setup()
+        rec = Recorder(bus)
+        await bus.subscribe(SUBJECT_HEARTBEAT_ALL, Heartbeat, rec.on_beat)
+        sampler = floors.CpuSampler()
+        sampler.start()
+        try:
+            code = await train(PsSettings(nats_url=url, metrics_out=metrics), job, bus, asyncio.Event())
+        finally:
+            sampler.stop()
+            await bus.close()
+        assert code == 0, f"the PS exited with {code}"
+        lines = MetricsTail(metrics).read()
+        ends = {m["step"]: m["at"] for m in lines}
+        t0, t1 = ends[WARMUP_STEPS - 1], ends[job.steps - 1]
+        body = [m for m in lines if m["step"] >= WARMUP_STEPS]
+        down, up = rec.part_sizes(rec.down, t0, t1), rec.part_sizes(rec.up, t0, t1)
+        size_down, size_up = weighted_median(down), weighted_median(up)
+        rate_down = await floors.bus_rate(url, workers, size_down)
+        rate_up = await floors.bus_rate(url, workers, size_up)
+        _, gemm_after = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)
     finally:
         fleet.stop()
-    return lines, tput
-
-
-def bench(preset: str, steps: int, workers: int) -> dict:
-    job = JobConfig(job_id=f"bench-{preset}", preset=preset, steps=steps)
-    ref_s = reference_step_s(job, steps)
-    flops, rate = gemm_rate(job)
-    with tempfile.TemporaryDirectory() as tmp:
-        lines, tput = distributed(job, workers, Path(tmp))
-    body = lines[WARMUP_STEPS:]
-    step_s = statistics.median(m["step_time_s"] for m in body)
-    wire = statistics.median(m["bytes_down"] + m["bytes_up"] for m in body)
-    floor = max(wire / tput, flops / rate)
+    n = len(body)
     return {
-        "preset": preset, "workers": workers, "steps": steps,
-        "reference_step_s": ref_s, "distributed_step_s": step_s, "distributed_over_reference": step_s / ref_s,
-        "wire_bytes_per_step": wire, "plan_bytes_per_step": plan_bytes(job, workers),
-        "wire_over_plan": wire / plan_bytes(job, workers), "nats_bytes_per_s": tput, "gemm_flops_per_step": flops,
-        "gemm_flops_per_s": rate, "floor_s": floor, "step_over_floor": step_s / floor,
-        "tiles_per_step": statistics.median(m["tiles"] for m in body),
+        "lines": lines, "step_s": statistics.median(m["step_time_s"] for m in body),
+        "bytes_down": statistics.median(m["bytes_down"] for m in body),
+        "bytes_up": statistics.median(m["bytes_up"] for m in body),
+        "msg_bytes_down": size_down, "msg_bytes_up": size_up, "bus_rate_down": rate_down, "bus_rate_up": rate_up,
+        "ps_cpu_per_step": {k: v / n for k, v in sampler.between(t0, t1).items()},
+        "worker_idle_fraction": 1 - rec.busy_s(t0, t1) / (workers * (t1 - t0)),
+        "tiles_per_step": statistics.median(m["tiles"] for m in body), "gemm_s_after": gemm_after,
     }
+
+
+def bench(preset: str, steps: int, workers: int, precision: str) -> dict:
+    job = JobConfig(job_id=f"bench-{preset}-{time.time_ns()}", preset=preset, steps=steps, precision=precision)
+    ref_s, ref_losses = reference(job, steps)
+    flops, gemm_s = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)  # workers compute in float32
+    with tempfile.TemporaryDirectory() as tmp:
+        d = asyncio.run(distributed(job, workers, Path(tmp)))
+    gemm_s = min(gemm_s, d["gemm_s_after"])  # the best rate, before or after the step
+    bus_s = d["bytes_down"] / d["bus_rate_down"] + d["bytes_up"] / d["bus_rate_up"]
+    floor = max(bus_s, gemm_s)
+    return {
+        "preset": preset, "workers": workers, "steps": steps, "precision": precision,
+        "reference_step_s": ref_s, "distributed_step_s": d["step_s"], "distributed_over_reference": d["step_s"] / ref_s,
+        "ps_bytes_down_per_step": d["bytes_down"], "ps_bytes_up_per_step": d["bytes_up"],
+        "msg_bytes_down": d["msg_bytes_down"], "msg_bytes_up": d["msg_bytes_up"],
+        "bus_pairs": workers, "bus_bytes_per_s_down": d["bus_rate_down"], "bus_bytes_per_s_up": d["bus_rate_up"],
+        "bus_floor_s": bus_s, "gemm_flops_per_step": flops, "gemm_s_all_threads": gemm_s,
+        "gemm_flops_per_s": flops / gemm_s, "floor_s": floor, "floor_is": "bus" if bus_s >= gemm_s else "gemm",
+        "step_over_floor": d["step_s"] / floor, "ps_cpu_s_per_step": d["ps_cpu_per_step"],
+        "worker_idle_fraction": d["worker_idle_fraction"], "tiles_per_step": d["tiles_per_step"],
+        "losses": [m["loss"] for m in d["lines"]], "losses_equal_reference": [m["loss"] for m in d["lines"]] == ref_losses,
+    }
+
+
+def report(r: dict) -> str:
+    cpu = r["ps_cpu_s_per_step"]
+    split = ", ".join(f"{k} {cpu[k]:.3f}" for k in floors.CATEGORIES)
+    return (f"{r['preset']:>6} {r['precision']}: step {r['distributed_step_s']:.3f}s vs reference "
+            f"{r['reference_step_s']:.3f}s (x{r['distributed_over_reference']:.1f}); floor {r['floor_s']:.3f}s "
+            f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
+            f"{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with {r['bus_pairs']} pairs, GEMMs "
+            f"{r['gemm_s_all_threads']:.3f}s at {r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s) -> step/floor "
+            f"{r['step_over_floor']:.2f}; losses equal to the reference: {r['losses_equal_reference']}"
+            f"\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
+            f"worker idle {r['worker_idle_fraction']:.0%}")
 
 
 def main() -> None:
@@ -163,16 +199,16 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--precision", nargs="+", default=["fp32"], choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    results = [bench(preset, args.steps, args.workers) for preset in args.presets]
+    configure("bench", level="warning")
+    results = [bench(preset, args.steps, args.workers, prec) for preset in args.presets for prec in args.precision]
     for r in results:
-        print(f"{r['preset']:>6}: step {r['distributed_step_s']:.3f}s vs reference {r['reference_step_s']:.3f}s "
-              f"(x{r['distributed_over_reference']:.1f}); wire/plan bytes {r['wire_over_plan']:.3f}; "
-              f"floor {r['floor_s']:.3f}s (NATS {r['nats_bytes_per_s'] / 1e6:.0f} MB/s, GEMM "
-              f"{r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s) -> step/floor {r['step_over_floor']:.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
-    print(f"wrote {RESULTS}")
+        print(report(r))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

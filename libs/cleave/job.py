@@ -36,6 +36,7 @@ METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
     "max_staleness": ROUND_METHODS,
     "min_updates": ROUND_METHODS,
     "init_from": ("cleave", *ROUND_METHODS),
+    "precision": ("cleave",),  # the round methods train on the workers, split's client runs its own layers
 }
 # A setting -> (another setting, a test on it, what the test says): the first only applies when it holds
 SETTING_NEEDS = {
@@ -53,8 +54,11 @@ class JobConfig(BaseModel):
 
     job_id: str = Field("job", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
-    split_layers: int = Field(1, ge=0)
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes  # split learning: blocks the client keeps after the embedding
+    split_layers: int = Field(1, ge=0)  # split learning: blocks the client keeps after the embedding
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes
+    # the GEMMs' precision (cleave.precision): bf16/fp16 as torch.autocast, fp32 master weights and optimizer
+    # state, input blocks on the wire in 2 bytes; fp16 adds dynamic loss scaling (GradScaler's rules)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     local_steps: int = Field(DEFAULT_LOCAL_STEPS, ge=1)  # diloco's H / fedavg's E: local steps per round
     outer_lr: float = Field(DEFAULT_OUTER_LR, gt=0)  # diloco's outer step (see docs/methods.md for the grid)
     outer_momentum: float = Field(DEFAULT_OUTER_MOMENTUM, ge=0, lt=1)  # and its Nesterov momentum

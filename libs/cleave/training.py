@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cleave import schedule, tiled
+from cleave import precision, schedule, tiled
 from cleave.data import Corpus, check_vocab
 from cleave.errors import ConfigError
 from cleave.job import JobConfig
@@ -57,8 +57,11 @@ class Trainer:
         if job.init_from is not None:
             load_init(self.model, self.cfg, job)
         self.model.to(self.device)
+        self.dtype = precision.dtype_of(job.precision)
+        if backend is None and self.dtype is not None:
+            backend = precision.LocalGemm()  # the reference's GEMMs in the job's precision
         if backend is not None:
-            tiled.install(self.model, backend)
+            tiled.install(self.model, backend, self.dtype)
         self.corpus = corpus or Corpus(job.data, job.val_fraction, job.tokenizer)
         check_vocab(self.corpus, self.cfg.vocab_size, job.model_name)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
@@ -67,10 +70,13 @@ class Trainer:
             [{"params": decay, "weight_decay": job.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=job.lr, betas=(job.beta1, job.beta2), foreach=False,
         )
+        self.scaler = precision.LossScaler(self.opt) if job.precision == "fp16" else None
+        self.skipped = 0  # fp16 steps skipped for an overflow in the gradients
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)  # (B, T, vocab)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        with precision.autocast(self.job.precision, self.device):
+            logits = self.model(x)  # (B, T, vocab)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
     def step(self, step: int) -> float:
         """Run training step `step` (its batch is fixed by the seed and the step number)."""
@@ -81,19 +87,27 @@ class Trainer:
         self.model.train()
         loss = self.loss(x, y)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.group is not None:  # the global batch's mean gradient and loss, on every replica
-            value, *sync = self.group.average(self.model, loss)
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.group is not None:  # the global batch's mean gradient and loss, on every replica (so that
+            value, *sync = self.group.average(self.model, loss)  # all take the same loss-scale decision)
             self.last_sync = tuple(sync)
         else:
             value = loss.item()
-        if self.job.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.grad_clip, foreach=False)
-        schedule.set_lr(self.opt, self.job, step)
-        self.opt.step()
+        if self.scaler is None or self._unscaled():
+            if self.job.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.grad_clip, foreach=False)
+            schedule.set_lr(self.opt, self.job, step)
+            self.opt.step()
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value} at step {step}")
         return value
+
+    def _unscaled(self) -> bool:
+        """fp16: unscale the gradients and update the loss scale; False (the step is skipped) on an overflow."""
+        finite = self.scaler.unscale()
+        self.scaler.update(not finite)
+        self.skipped += not finite
+        return finite
 
     @torch.no_grad()
     def val_loss(self, step: int, batches: int = 4) -> float:

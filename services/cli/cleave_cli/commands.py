@@ -31,7 +31,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
                   aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank,
                   tokenizer=args.tokenizer, init_from=args.init_from, split_layers=args.split_layers,
                   round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                  min_updates=args.min_updates, val_every=args.val_every)
+                  min_updates=args.min_updates, val_every=args.val_every, precision=args.precision)
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.diloco_setting:  # a named (H, outer lr, momentum); explicit flags win
         from cleave.methods.diloco import SETTINGS

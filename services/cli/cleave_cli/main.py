@@ -79,6 +79,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine")
     p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
     p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="the GEMMs' precision (autocast "
+                   "semantics; fp16 with loss scaling); --reference runs the same precision")
 
     for name in TOOLS:
         tool(name).register(sub)

@@ -187,7 +187,9 @@ class Dispatcher:
         """a · btᵀ through the fleet. `names`: the tensors whose identity names the blocks in the workers'
         caches (a CUDA PS's GPU tensors, of which `a` and `bt` are host copies); a pinned `a` gets a pinned
         product, which goes back to the GPU without blocking."""
-        sent = self.tile_dtype or a.dtype  # the bytes per element that travel
+        want = a.dtype  # a bf16/fp16 job (cleave.precision) sends its inputs as they come and gets them back so
+        cast = self.tile_dtype if want == torch.float32 else None  # the approximate mode rounds float32 inputs
+        sent = cast or want  # the bytes per element that travel
         pin = a.is_pinned()
         m, n, k = a.shape[0], bt.shape[0], a.shape[1]
         grid, owners, expected_s = self._tiling(m, n, k, sent.itemsize)
@@ -196,10 +198,11 @@ class Dispatcher:
         self._logged = 0
         self.verifier.new_gemm()
         a_key, b_key = (f"{self.epoch}.{self._uid(t)}" for t in names or (a, bt))
-        if self.tile_dtype is not None:
-            a, bt = await asyncio.to_thread(lambda: (a.to(self.tile_dtype), bt.to(self.tile_dtype)))
+        if cast is not None:
+            a, bt = await asyncio.to_thread(lambda: (a.to(cast), bt.to(cast)))
+        # half-precision tiles come back in float32 (accumulated over the whole K), rounded once when assembled
         run = self.run = GemmRun(self.seq, step, op, name, a, bt, torch.empty(m, n, dtype=torch.float32
-                                 if self.tile_dtype else a.dtype, pin_memory=pin), expected_s=expected_s)
+                                 if sent.itemsize == 2 else a.dtype, pin_memory=pin), expected_s=expected_s)
         split, shared = fanout.layout(grid, owners, a_key, b_key, self._chunks) if self.s.fanout else (None, None)
         work = Work(self.seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared, split)
         started = waited = self.clock()
@@ -235,7 +238,7 @@ class Dispatcher:
         c.resent += led.resent
         c.speculated += led.speculated
         c.dropped += led.duplicates
-        return run.out
+        return run.out.to(want)
 
     def _tiling(self, m: int, n: int, k: int, b: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
         """The plan's blocks for this shape, cut as `dealing.cut` says, and the planned makespan; else a

@@ -166,11 +166,19 @@ class Job:
 
     def preflight(self) -> None:
         """Refuse a job whose estimated peak memory exceeds what this PS may use (ConfigError, exit 2)."""
-        est = preflight.estimate(self.job, workers=1, tile_bytes=4 if self.s.tile_dtype == "fp32" else 2)
+        if self.job.precision != "fp32" and self.s.tile_dtype != "fp32":
+            raise ConfigError(f"CLEAVE_PS_TILE_DTYPE={self.s.tile_dtype} is the approximate mode of an fp32 job; "
+                              f"with precision={self.job.precision} the tiles already travel in 2 bytes: unset it")
+        est = preflight.estimate(self.job, workers=1, tile_bytes=self.wire_bytes)
         memory = self.s.memory_bytes or preflight.available_memory()
         preflight.check(self.job, est, memory)
         log.info("preflight_passed", job=self.job.job_id, ps_peak_gb=round(est.total / 1e9, 2),
                  available_gb=round(memory / 1e9, 2))
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes an input element of a tile takes on the wire."""
+        return 4 if self.s.tile_dtype == "fp32" and self.job.precision == "fp32" else 2
 
     async def describe_job(self) -> None:
         """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""

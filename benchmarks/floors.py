@@ -1,0 +1,209 @@
+"""What a step cannot beat on this machine, measured in the same run as the step (benchmarks/step.py).
+
+- `bus_rate`: the best aggregate rate of core NATS on loopback to N concurrent subscribers at one message
+  size, from N publishers (N publisher/subscriber pairs, each a process of its own) or from one publisher
+  process (as the PS publishes); the tiles and the fan-out blocks both travel as core NATS messages of at
+  most the server's max_payload.
+- `gemm_seconds`: one step's GEMMs at their own shapes with all of torch's threads.
+- `CpuSampler`: where a process's CPU goes, by sampling every thread's Python stack (`sys._current_frames`)
+  and sorting each busy sample into serialisation, copies, bus, local compute or Python; the measured CPU
+  seconds (`time.process_time`) are split in those proportions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import sys
+import threading
+import time
+from collections import Counter
+
+import torch
+
+from cleave import bus as busmod
+from cleave.models import gemm_shapes
+
+DEFAULT_WINDOW = 32  # messages in flight per pair, as the PS's window of tiles per worker
+DEFAULT_PAIR_BYTES = 48 << 20  # what each pair moves per measurement
+DEFAULT_SAMPLE_S = 0.005
+CATEGORIES = ("serialisation", "copies", "bus", "local_compute", "python")
+
+PUBLISHER = """
+import asyncio, sys, time, nats
+async def main(url, subjects, size, count, window):
+    nc = await nats.connect(url)
+    acked, moved = dict.fromkeys(subjects, 0), asyncio.Event()
+    def on_ack(subject):
+        async def cb(msg):
+            acked[subject] = int(msg.data)
+            moved.set()
+        return cb
+    for s in subjects:
+        await nc.subscribe(s + ".ack", cb=on_ack(s))
+    go = await nc.subscribe("bench.go")
+    await nc.publish("bench.ready", b"")
+    await nc.flush()
+    await go.next_msg(timeout=120)
+    payload = bytes(size)
+    for i in range(count):
+        for s in subjects:
+            while i - acked[s] >= window:
+                moved.clear()
+                await asyncio.wait_for(moved.wait(), 60)
+            await nc.publish(s, payload)
+    while min(acked.values()) < count:
+        moved.clear()
+        await asyncio.wait_for(moved.wait(), 60)
+    await nc.publish("bench.done", b"")
+    await nc.flush()
+    await nc.close()
+asyncio.run(main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
+"""
+
+SUBSCRIBER = """
+import asyncio, sys, nats
+async def main(url, subject, count):
+    nc = await nats.connect(url)
+    got, done = 0, asyncio.Event()
+    async def on_msg(msg):
+        nonlocal got
+        got += 1
+        if got % 8 == 0 or got == count:
+            await nc.publish(subject + ".ack", str(got).encode())
+        if got == count:
+            done.set()
+    await nc.subscribe(subject, cb=on_msg, pending_bytes_limit=1 << 30, pending_msgs_limit=1_000_000)
+    await nc.publish("bench.ready", b"")
+    await nc.flush()
+    await asyncio.wait_for(done.wait(), 300)
+    await nc.flush()
+    await nc.close()
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+async def _gather(sub, n: int, timeout_s: float) -> None:  # noqa: ANN001
+    for _ in range(n):
+        await sub.next_msg(timeout=timeout_s)
+
+
+async def bus_rate_once(url: str, pairs: int, size: int, one_publisher: bool = False,
+                        pair_bytes: int = DEFAULT_PAIR_BYTES) -> float:
+    """Bytes/s moved to `pairs` subscriber processes at once, each on its own subject: from as many publisher
+    processes, or (`one_publisher`) from one, as the PS publishes to its workers."""
+    count = max(DEFAULT_WINDOW * 2, pair_bytes // size)
+    subjects = [f"bench.p{i}" for i in range(pairs)]
+    senders = [",".join(subjects)] if one_publisher else subjects
+    bus = await busmod.connect(url, "bench-bus")
+    ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count))
+             for s in subjects]
+    try:
+        await _gather(ready, pairs, 60)
+        procs += [await asyncio.create_subprocess_exec(sys.executable, "-c", PUBLISHER, url, s, str(size),
+                                                       str(count), str(DEFAULT_WINDOW)) for s in senders]
+        await _gather(ready, len(senders), 60)
+        t0 = time.perf_counter()
+        await bus.nc.publish("bench.go", b"")
+        await _gather(done, len(senders), 300)
+        rate = pairs * count * size / (time.perf_counter() - t0)
+        for p in procs:
+            await p.wait()
+        return rate
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        await bus.close()
+
+
+async def bus_rate(url: str, pairs: int, size: int, tries: int = 2) -> float:
+    """The best of `tries` measurements each with `pairs` publishers and with one publisher."""
+    return max([await bus_rate_once(url, pairs, size, one) for _ in range(tries) for one in (False, True)])
+
+
+def gemm_seconds(preset_cfg, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> tuple[float, float]:  # noqa: ANN001
+    """(FLOPs of one step's GEMMs, the best seconds this process takes for them with all threads)."""
+    flops, seconds = 0, 0.0
+    for g in gemm_shapes(preset_cfg, batch, seq):
+        a, bt = torch.randn(g.m, g.k, dtype=dtype), torch.randn(g.n, g.k, dtype=dtype)
+        a @ bt.T  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            a @ bt.T
+            best = min(best, time.perf_counter() - t0)
+        seconds += best * g.count_per_step
+        flops += g.flops * g.count_per_step
+    return flops, seconds
+
+
+# ---- where the CPU goes -----------------------------------------------------------------------------
+IDLE = {("selectors.py", "select"), ("threading.py", "wait"), ("threading.py", "_wait_for_tstate_lock"),
+        ("thread.py", "_worker"), ("queue.py", "get")}
+SERIAL = ("/msgpack/", "/pydantic", "/zstandard", "cleave/schemas.py")
+COMPUTE = ("/torch/", "cleave/models/", "cleave/training.py", "cleave/tiled.py", "cleave/schedule.py",
+           "cleave/precision.py")
+
+
+def classify(frame) -> str | None:  # noqa: ANN001
+    """A thread's innermost frame -> its category, or None when it waits."""
+    code = frame.f_code
+    if (code.co_filename.rsplit("/", 1)[-1], code.co_name) in IDLE:
+        return None
+    while frame is not None:
+        path, name = frame.f_code.co_filename, frame.f_code.co_name
+        if path.endswith("cleave/codec.py"):
+            return "copies" if name in ("tensor_to_data", "data_to_tensor") else "serialisation"
+        if any(s in path for s in SERIAL):
+            return "serialisation"
+        if "/nats/" in path or path.endswith("cleave/bus.py"):
+            return "bus"
+        if path.endswith("cleave_ps/dispatcher.py") and name == "<lambda>":  # casts, checks, assembly
+            return "copies"
+        if path.endswith("cleave_ps/main.py") and name == "gemm":  # FleetGemm's host copies
+            return "copies"
+        if any(s in path for s in COMPUTE):
+            return "local_compute"
+        frame = frame.f_back
+    return "python"
+
+
+class CpuSampler:
+    """Samples every thread but its own; `between(t0, t1)` splits the CPU seconds of that window."""
+
+    def __init__(self, interval_s: float = DEFAULT_SAMPLE_S) -> None:
+        self.interval_s = interval_s
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.kinds: list[Counter] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval_s):
+            kinds = Counter(classify(f) for t, f in sys._current_frames().items() if t != me)
+            kinds.pop(None, None)
+            self.times.append(time.time())
+            self.cpu.append(time.process_time())
+            self.kinds.append(kinds)
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds in [t0, t1] and their split by category."""
+        i, j = bisect.bisect_left(self.times, t0), bisect.bisect_right(self.times, t1) - 1
+        if j <= i:
+            return {"cpu_s": 0.0, **dict.fromkeys(CATEGORIES, 0.0)}
+        total = Counter()
+        for k in self.kinds[i : j + 1]:
+            total.update(k)
+        cpu, n = self.cpu[j] - self.cpu[i], max(1, sum(total.values()))
+        return {"cpu_s": cpu, **{c: cpu * total[c] / n for c in CATEGORIES}}
