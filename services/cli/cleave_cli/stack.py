@@ -26,10 +26,18 @@ from cleave_cli.supervisor import parent_death_signal
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
+# Slow consumers (docs/operations.md): nats-server cuts a client off when more than max_pending bytes wait for
+# it, or when one write to it takes longer than write_deadline. The PS keeps at most 48 MiB and 2 s of a
+# worker's measured downlink in flight to it (cleave.dealer: max_inflight_bytes, DEFAULT_INFLIGHT_S): below
+# both, with a 10x margin on the deadline for a link that slows down, a probe's echo or a fan-out push.
+NATS_MAX_PENDING = 64 * 1024 * 1024
+NATS_WRITE_DEADLINE_S = 20
+NATS_LIMITS = f'max_pending: {NATS_MAX_PENDING}\nwrite_deadline: "{NATS_WRITE_DEADLINE_S}s"'
 NATS_CONFIG = """\
 listen: 127.0.0.1:{port}
 http: 127.0.0.1:{monitor_port}
 max_payload: {max_payload}
+{limits}
 jetstream {{
   store_dir: "{store}"
 }}
@@ -83,7 +91,7 @@ class Stack:
         self._monitor_port = self._monitor_port or free_port()
         conf = self.run_dir / "nats.conf"
         conf.write_text(NATS_CONFIG.format(port=self._nats_port, monitor_port=self._monitor_port,
-                                           max_payload=self.max_payload,
+                                           max_payload=self.max_payload, limits=NATS_LIMITS,
                                            store=(self.run_dir / "jetstream").as_posix()))
         proc = self.spawn("nats", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
         self._wait_ready(proc)

@@ -42,13 +42,15 @@ from cleave_worker.rounds import RoundRunner
 from cleave_worker.settings import WorkerSettings
 from cleave_worker.split_client import SplitRunner
 
-UNMEASURED_BYTES_PER_S = 100e6  # link speed reported until a probe measures it
+DEFAULT_PROBE_RETRY_S = 1.0  # until its links are measured a worker does not join (it is planned not at all)
 DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile) -> None:
+    def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile,
+                 hb_bus: busmod.Bus | None = None) -> None:
         self.s, self.bus, self.profile = settings, bus, profile
+        self.hb_bus = hb_bus or bus  # heartbeats on their own connection: never queued behind results or probes
         self.cache = BlockCache(settings.cache_bytes)
         self.started_at = time.time()
         self.tiles_done = 0
@@ -130,10 +132,15 @@ class Worker:
         except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
             self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
 
-    async def reprobe(self, stop: asyncio.Event, flops: float) -> None:
-        """Measure the links again now and then: they change under a real device."""
+    async def reprobe(self, stop: asyncio.Event) -> None:
+        """Measure the links and the FLOPS again now and then: they change under a real device. A failed
+        measurement keeps the last profile (the failure is logged)."""
         while not await wait_for_stop(stop, self.s.probe_every_s):
-            self.profile = await measured_profile(self.s, self.bus, flops)
+            try:
+                flops = await asyncio.to_thread(measure_flops)
+                self.profile = await measured_profile(self.s, self.bus, flops)
+            except Exception as e:  # e.g. the scheduler restarting: measure again next time
+                self.log.warning("reprobe_failed", error=repr(e))
 
     async def on_round(self, task: RoundTask, nbytes: int) -> None:
         """A data-parallel round (diloco, fedavg): train locally off the event loop, send the update."""
@@ -178,21 +185,33 @@ class Worker:
     async def heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await self.bus.publish(SUBJECT_HEARTBEAT.format(worker_id=self.s.worker_id), self.heartbeat())
+                await self.hb_bus.publish(SUBJECT_HEARTBEAT.format(worker_id=self.s.worker_id), self.heartbeat())
             except Exception as e:  # disconnected: nats-py reconnects; keep beating
                 self.log.warning("heartbeat_failed", error=repr(e))
             await wait_for_stop(stop, self.s.heartbeat_s)
 
 
 async def measured_profile(s: WorkerSettings, bus: busmod.Bus, flops: float) -> DeviceProfile:
-    """This device as it is: GEMM FLOPS, and its links to the hub when the scheduler answers probes."""
-    try:
-        down, up, latency = await measure_links(bus)
-    except Exception as e:  # no scheduler yet: report nominal links, measure again later
-        structlog.get_logger("worker").info("links_not_measured", reason=repr(e))
-        down, up, latency = UNMEASURED_BYTES_PER_S, UNMEASURED_BYTES_PER_S, 0.001
-    return DeviceProfile(flops=flops, memory_bytes=s.memory_bytes, downlink_bytes_per_s=down,
-                         uplink_bytes_per_s=up, latency_s=latency)
+    """This device as it is: GEMM FLOPS, and its links to the hub as the probes prove them (ProbeFailed
+    when the scheduler does not answer)."""
+    links = await measure_links(bus)
+    # bounded: a probe timed out, the link is at most this fast, and that is what we report
+    structlog.get_logger("worker").info("links_measured", worker_id=s.worker_id, down=round(links.down),
+                                        up=round(links.up), latency_s=round(links.latency_s, 4), bounded=links.bounded,
+                                        flops=round(flops))
+    return DeviceProfile(flops=flops, memory_bytes=s.memory_bytes, downlink_bytes_per_s=links.down,
+                         uplink_bytes_per_s=links.up, latency_s=links.latency_s)
+
+
+async def first_profile(s: WorkerSettings, bus: busmod.Bus, flops: float, stop: asyncio.Event) -> DeviceProfile | None:
+    """Probe until the links are measured (None if stopped first): an unmeasured worker does not join."""
+    while True:
+        try:
+            return await measured_profile(s, bus, flops)
+        except Exception as e:  # ProbeFailed, or the connection failed under the probe
+            structlog.get_logger("worker").info("links_not_measured", reason=repr(e), retry_s=DEFAULT_PROBE_RETRY_S)
+        if await wait_for_stop(stop, DEFAULT_PROBE_RETRY_S):
+            return None
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
@@ -208,8 +227,15 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     declared = parse_profile(settings.profile) if settings.profile else None
     bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
                                **auth.connect_options(settings, "worker"))
-    profile = declared or shared or await measured_profile(settings, bus, flops)
-    worker = Worker(settings, bus, profile)
+    profile = declared or shared or await first_profile(settings, bus, flops, stop)
+    if profile is None:  # stopped before the links could be measured
+        await bus.close()
+        return 0
+    # a real device beats on its own connection, so that no result, probe or reconnect backlog on the
+    # bulk one delays its heartbeats (a swarm's emulated workers share one machine and keep one each)
+    hb_bus = None if shared is not None else await busmod.connect(
+        settings.nats_url, f"cleave-worker-{settings.worker_id}-hb", **auth.connect_options(settings, "worker"))
+    worker = Worker(settings, bus, profile, hb_bus)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
     cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, worker.on_roundcast)
@@ -221,13 +247,15 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     async with asyncio.TaskGroup() as tg:
         tg.create_task(worker.heartbeats(stop))
         if declared is None and shared is None:
-            tg.create_task(worker.reprobe(stop, flops))
+            tg.create_task(worker.reprobe(stop))
     await sub.unsubscribe()
     await rounds.unsubscribe()
     await cast.unsubscribe()
     await splits.unsubscribe()
     await control.unsubscribe()
     await bus.close()
+    if hb_bus is not None:
+        await hb_bus.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
     return 0
 

@@ -1,0 +1,144 @@
+"""Training behind kernel-shaped links (cleave.netlab): nats-server, scheduler and PS in a hub namespace,
+each worker in its own namespace behind a veth pair shaped by tbf. Needs root; skips with the reason if
+namespaces cannot be created here.
+
+- losses equal the single-process reference, and no worker is taken for lost while its uplink is busy
+  with re-probes (every 5 s here, against 60 s by default) and results;
+- a worker on a 0.4 MB/s link advertises what its link is (never a default) and is never planned as fast;
+- a probe that times out yields the bound it proves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cleave import netlab
+from cleave.job import JobConfig
+from cleave.netlab import Link
+from cleave_cli.jobrun import run_reference
+from cleave_cli.netstack import ShapedFleet
+from tests.integration.fleet import assert_same
+
+WHY = netlab.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"shaped-link lab unavailable: {WHY}")
+
+EDGE = {"down": 10e6, "up": 5e6}  # the literature's edge profile (REFERENCES.md): ~10 MB/s down, ~5 MB/s up
+REPROBE = {"CLEAVE_WORKER_PROBE_EVERY_S": "5"}
+PLAN_SHARES = """
+import asyncio, json, sys
+from cleave import bus as busmod
+from cleave.schemas import MAX_PLAN_BYTES, PLAN_BUCKET, PLAN_KEY, Plan
+
+async def main():
+    bus = await busmod.connect(sys.argv[1], "test-plan-reader")
+    plan = (await bus.kv_get(await bus.kv(PLAN_BUCKET), PLAN_KEY, Plan, MAX_PLAN_BYTES))[0]
+    share = {w.worker_id: 0.0 for w in plan.workers}
+    for g in plan.gemms:
+        for (r0, r1, c0, c1), w in zip(g.boxes.array.tolist(), g.owners):
+            share[w] += (r1 - r0) * (c1 - c0) / (g.m * g.n) / len(plan.gemms)
+    print("RESULT", json.dumps({"planner": plan.planner, "workers": {w.worker_id: {
+        "down": w.profile.downlink_bytes_per_s, "up": w.profile.uplink_bytes_per_s, "share": share[w.worker_id]}
+        for w in plan.workers}}))
+    await bus.close()
+
+asyncio.run(main())
+"""
+
+
+def train(tmp_path: Path, links: list[Link], steps: int, **worker_env: str) -> tuple[ShapedFleet, list[dict], dict]:
+    """Train `tiny` for `steps` behind `links`; returns the fleet (stopped), its metrics and the last plan."""
+    job = JobConfig.build(job_id=f"links-{time.time_ns()}", preset="tiny", steps=steps)
+    run = tmp_path / "run"
+    fleet = ShapedFleet(run, 0, links=links, worker_env=worker_env)
+    with fleet:
+        fleet.start_ps(job, run / "metrics.jsonl")
+        lines = fleet.wait_ps(run / "metrics.jsonl", timeout_s=900)
+        shares = fleet.hub_run([sys.executable, "-c", PLAN_SHARES, fleet.lab.nats_url()])
+        assert shares.returncode == 0, shares.stderr
+    ref = run_reference(job, tmp_path / "reference.jsonl")
+    assert_same([m["loss"] for m in lines], [m["loss"] for m in ref])
+    return fleet, lines, result(shares.stdout)
+
+
+def result(stdout: str) -> dict:
+    """The JSON a hub-side script printed after RESULT (among its log lines)."""
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def log_of(fleet: ShapedFleet, name: str) -> str:
+    return (fleet.run_dir / "logs" / f"{name}.log").read_text(errors="replace")
+
+
+def measured(fleet: ShapedFleet, worker: str) -> list[tuple[float, float]]:
+    """(down, up) of every links_measured line of a worker's log."""
+    found = re.findall(r"links_measured.*?down=([\d.e+]+).*?up=([\d.e+]+)", log_of(fleet, f"worker-{worker}"))
+    return [(float(d), float(u)) for d, u in found]
+
+
+def no_false_losses(tmp_path: Path, steps: int, min_training_s: float) -> None:
+    links = [Link("fast1"), Link("fast2"), Link("edge1", **EDGE), Link("edge2", **EDGE)]
+    fleet, lines, plan = train(tmp_path, links, steps, **REPROBE)
+    training_s = sum(m["step_time_s"] for m in lines)
+    assert training_s >= min_training_s, training_s
+    assert "worker_lost" not in log_of(fleet, "scheduler")
+    assert not [ev for m in lines for ev in m.get("recovery", []) if ev["cause"] == "heartbeat_timeout"]
+    assert all(m["workers"] == 4 for m in lines[1:]), [m["workers"] for m in lines]
+    for edge in ("edge1", "edge2"):
+        probes = measured(fleet, edge)
+        assert len(probes) >= training_s / 5 / 2, probes  # it did re-probe, on a busy uplink
+        assert all(d < 12e6 and u < 6e6 for d, u in probes), probes
+
+
+def test_shaped_fleet_trains_like_the_reference_without_false_losses(tmp_path: Path) -> None:
+    no_false_losses(tmp_path, steps=30, min_training_s=15)
+
+
+@pytest.mark.slow
+def test_three_minutes_behind_5_mb_uplinks_without_a_false_loss(tmp_path: Path) -> None:
+    no_false_losses(tmp_path, steps=260, min_training_s=180)
+
+
+def test_a_slow_link_is_measured_as_slow_and_never_planned_as_fast(tmp_path: Path) -> None:
+    links = [Link("fast1"), Link("fast2"), Link("edge", **EDGE), Link("slow", down=0.4e6, up=0.4e6)]
+    fleet, lines, plan = train(tmp_path, links, 12, **REPROBE)
+    probes = measured(fleet, "slow")
+    assert probes and all(0.2e6 < d < 0.5e6 and 0.2e6 < u < 0.5e6 for d, u in probes), probes
+    workers = plan["workers"]
+    assert plan["planner"] == "cost"
+    if "slow" in workers:  # planned at its measured speed, with far less of the work than a fast one
+        assert workers["slow"]["down"] < 0.5e6 and workers["slow"]["up"] < 0.5e6, workers
+        assert workers["slow"]["share"] < 0.25 * min(workers[f]["share"] for f in ("fast1", "fast2")), workers
+
+
+def test_a_probe_that_times_out_yields_its_bound(tmp_path: Path) -> None:
+    """At 20 kB/s the first 64 KiB probe cannot finish within a 1 s timeout: the link is at most 64 KiB/s."""
+    script = """
+import asyncio, json, sys
+from cleave import bus as busmod
+from cleave_worker.probe import measure_links
+async def main():
+    bus = await busmod.connect(sys.argv[1], "test-prober")
+    links = await measure_links(bus, timeout_s=1.0)
+    print("RESULT", json.dumps(links.__dict__))
+    await bus.close()
+asyncio.run(main())
+"""
+    fleet = ShapedFleet(tmp_path / "run", 0, links=[Link("crawl", down=20e3, up=20e3)])
+    try:
+        fleet.start(with_fleet=False)
+        fleet.wait_log("scheduler", "scheduler_started")
+        argv = fleet.lab.wrap(fleet.lab.ns("crawl"), [sys.executable, "-c", script, fleet.lab.nats_url("crawl")])
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    finally:
+        fleet.stop()
+    assert done.returncode == 0, done.stderr
+    links = result(done.stdout)
+    assert links["bounded"] is True
+    assert links["up"] <= 64 * 1024 / 1.0 + 1 and links["down"] <= 64 * 1024 / 1.0 + 1, links
