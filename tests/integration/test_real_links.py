@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -142,3 +144,40 @@ asyncio.run(main())
     links = result(done.stdout)
     assert links["bounded"] is True
     assert links["up"] <= 64 * 1024 / 1.0 + 1 and links["down"] <= 64 * 1024 / 1.0 + 1, links
+
+
+def test_a_cut_link_is_detected_and_its_worker_proven_before_it_gets_tiles_again(tmp_path: Path) -> None:
+    """edge1's link is cut for 10 s mid-step: the scheduler loses it, its tiles are redone elsewhere (copied
+    by idle workers or given back), and once the link is back the worker is dealt tiles only after a round
+    trip over its tile connection; the steps after the restore cost no more than 1.5x the median step."""
+    links = [Link("fast1"), Link("fast2"), Link("edge1", **EDGE), Link("edge2", **EDGE)]
+    job = JobConfig.build(job_id=f"cut-{time.time_ns()}", preset="tiny", steps=40)
+    run = tmp_path / "run"
+    events: dict[str, float] = {}
+    fleet = ShapedFleet(run, 0, links=links, worker_env={"CLEAVE_WORKER_PROBE_EVERY_S": "600"})
+
+    def restore() -> None:
+        fleet.restore("edge1")
+        events["restored"] = time.time()
+
+    def on_line(m: dict) -> None:
+        if m["step"] == 4 and "cut" not in events:  # the next step is under way: cut mid-step
+            fleet.cut("edge1")
+            events["cut"] = time.time()
+            threading.Timer(10.0, restore).start()
+
+    with fleet:
+        fleet.start_ps(job, run / "metrics.jsonl")
+        lines = fleet.wait_ps(run / "metrics.jsonl", on_line, timeout_s=600)
+    ref = run_reference(job, tmp_path / "reference.jsonl")
+    assert_same([m["loss"] for m in lines], [m["loss"] for m in ref])
+    assert "restored" in events, "the run ended before the link was restored"
+    assert re.search(r"worker_lost.*worker_id=edge1", log_of(fleet, "scheduler"))
+    during = [m for m in lines if events["cut"] < m["at"] and m["at"] - m["step_time_s"] < events["cut"] + 2.0]
+    assert sum(m["tiles_copied"] + m["tiles_resent"] for m in during) > 0, during  # redone elsewhere
+    assert re.search(r"link_proven.*worker_id=edge1", log_of(fleet, "ps")), "edge1 never proved its link"
+    after = [m for m in lines if m["at"] - m["step_time_s"] > events["restored"]]  # begun after the restore
+    rejoined = next(i for i, m in enumerate(after) if m["workers"] == 4)
+    median = statistics.median(m["step_time_s"] for m in lines)
+    first = after[: rejoined + 3]  # until edge1 has taken part in three steps
+    assert max(m["step_time_s"] for m in first) <= 1.5 * median, ([m["step_time_s"] for m in first], median)

@@ -18,9 +18,11 @@ from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.profile import Pacer, parse_profile
 from cleave.schemas import (
+    MAX_LINKCHECK_BYTES,
     SUBJECT_CONTROL,
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
+    SUBJECT_LINKCHECK,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
     SUBJECT_SPLIT,
@@ -30,6 +32,8 @@ from cleave.schemas import (
     FanoutAck,
     FanoutJoin,
     Heartbeat,
+    LinkCheck,
+    LinkCheckAck,
     RoundTask,
     RoundUpdate,
     SplitReply,
@@ -64,6 +68,8 @@ class Worker:
         self.groups: dict[str, object] = {}  # fan-out subject -> its subscription
         self.joins: dict[str, deque[tuple[str, ...]]] = {}  # job -> subjects of its latest joins (JOINS_KEPT)
         self.arrivals: dict[str, asyncio.Event] = {}  # fan-out blocks a tile waits for
+        self.fenced_before: dict[str, tuple[int, float]] = {}  # job -> (epoch, PS time) of its last link check
+        self.stale = 0  # tiles dropped because they were sent before this worker's last link check
 
     async def on_join(self, join: FanoutJoin) -> FanoutAck:
         """The PS's fan-out groups for this worker: subscribe to them, leave the job's others."""
@@ -84,6 +90,12 @@ class Worker:
         except Exception as e:  # the PS then sends this worker's shared blocks with its tiles
             return FanoutAck(worker_id=self.s.worker_id, error=repr(e)[:500])
         return FanoutAck(worker_id=self.s.worker_id, joined=tuple(s for s in join.subjects if s in self.groups))
+
+    async def on_check(self, check: LinkCheck) -> LinkCheckAck:
+        """The PS proves this worker's downlink (it came back) before dealing it tiles: answer at once."""
+        if check.job and check.epoch >= self.epochs.get(check.job, 0):
+            self.fenced_before[check.job] = (check.epoch, check.sent_at)
+        return LinkCheckAck(worker_id=self.s.worker_id)
 
     async def on_push(self, push: BlockPush, nbytes: int) -> None:
         """A shared input block published to one of this worker's groups: cache it for the tiles that need it."""
@@ -110,6 +122,11 @@ class Worker:
             self.log.warning("tile_fenced", job=task.job, epoch=task.epoch, newest=self.epochs[task.job])
             return
         self.epochs[task.job] = task.epoch
+        fence = self.fenced_before.get(task.job)
+        if fence is not None and fence[0] == task.epoch and task.sent_at < fence[1]:
+            self.stale += 1  # sent before this worker left; the PS gave it to another worker then
+            self.log.debug("tile_stale", step=task.step, op=task.op, tile=task.tile, dropped=self.stale)
+            return
         await self._arrived(task.a)
         await self._arrived(task.b)
         a, bt = self.cache.resolve(task.a), self.cache.resolve(task.b)
@@ -241,6 +258,8 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, worker.on_roundcast)
     splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, worker.on_split)
     control = await bus.serve(SUBJECT_CONTROL.format(worker_id=settings.worker_id), FanoutJoin, worker.on_join)
+    check = await bus.serve(SUBJECT_LINKCHECK.format(worker_id=settings.worker_id), LinkCheck, worker.on_check,
+                            max_bytes=MAX_LINKCHECK_BYTES + 1024)  # on the tiles' connection: it proves that one
     log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
              up=f"{profile.uplink_bytes_per_s / 1e6:.0f}MB/s", declared=profile.declared,
              memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
@@ -253,10 +272,11 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     await cast.unsubscribe()
     await splits.unsubscribe()
     await control.unsubscribe()
+    await check.unsubscribe()
     await bus.close()
     if hb_bus is not None:
         await hb_bus.close()
-    log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
+    log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits, stale_dropped=worker.stale)
     return 0
 
 

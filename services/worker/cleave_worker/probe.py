@@ -19,7 +19,7 @@ from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE, Probe
 DEFAULT_PROBE_TIMEOUT_S = 5.0  # one echo; past it the probe yields its bound
 FIRST_PROBE_BYTES = 64 * 1024  # a 0.1 MB/s link moves it in under a second
 PROBE_GROWTH = 4  # each probe this many times the last
-PROBE_TARGET_S = 0.5  # long enough that latency and the shaper's first burst do not dominate the rate
+PROBE_TARGET_S = 0.2  # long enough that latency and a shaper's first burst (~1/100 s of its rate) barely count
 PROBE_HEADROOM = 1024  # the probe and its echo stay one NATS message each
 
 
