@@ -70,6 +70,7 @@ class Worker:
         self.arrivals: dict[str, asyncio.Event] = {}  # fan-out blocks a tile waits for
         self.fenced_before: dict[str, tuple[int, float]] = {}  # job -> (epoch, PS time) of its last link check
         self.stale = 0  # tiles dropped because they were sent before this worker's last link check
+        self.outbox: asyncio.Queue = asyncio.Queue()  # (task, result, due) to upload; None: stop
 
     async def on_join(self, join: FanoutJoin) -> FanoutAck:
         """The PS's fan-out groups for this worker: subscribe to them, leave the job's others."""
@@ -140,14 +141,32 @@ class Worker:
             result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
             self.tiles_done += 1
             self.busy_s += result.compute_s
-            if self.pacer is not None:  # behave like the declared device: wait until it would be done
-                flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]
-                done = self.pacer.finish_at(min(task.sent_at, time.time()), nbytes, len(result.out.data), flops)
-                await asyncio.sleep(max(0.0, done - time.time()))
-        try:
-            await self.bus.publish(task.reply, result)
-        except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
-            self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
+        due = 0.0
+        if self.pacer is not None and result.out is not None:  # behave like the declared device: answer when
+            flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]  # it would have (its uplink is the uploader's)
+            due = self.pacer.finish_at(min(task.sent_at, time.time()), nbytes, len(result.out.data), flops)
+        self.outbox.put_nowait((task, result, due))  # uploaded by `uploads` while the next tile computes
+
+    async def uploads(self) -> None:
+        """Send results in the order they were computed, from a task of their own: a result waiting for a
+        slow uplink never holds up the next tile's compute (the streamed device of the cost model)."""
+        while True:
+            item = await self.outbox.get()
+            if item is None:  # stopping: what was queued before has been sent
+                return
+            task, result, due = item
+            if due:
+                await asyncio.sleep(max(0.0, due - time.time()))
+            try:
+                await self.bus.publish(task.reply, result)
+            except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
+                self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
+            except Exception as e:  # disconnected: the PS's deadline gives the tile to another worker
+                self.log.warning("result_not_sent", error=repr(e), step=task.step, op=task.op, tile=task.tile)
+
+    async def close_outbox(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self.outbox.put_nowait(None)
 
     async def reprobe(self, stop: asyncio.Event) -> None:
         """Measure the links and the FLOPS again now and then: they change under a real device. A failed
@@ -265,6 +284,8 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
              memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(worker.heartbeats(stop))
+        tg.create_task(worker.uploads())
+        tg.create_task(worker.close_outbox(stop))
         if declared is None and shared is None:
             tg.create_task(worker.reprobe(stop))
     await sub.unsubscribe()
