@@ -184,3 +184,51 @@ def test_a_cut_link_is_detected_and_its_worker_proven_before_it_gets_tiles_again
     median = statistics.median(m["step_time_s"] for m in lines)
     first = after[: rejoined + 3]  # until edge1 has taken part in three steps
     assert max(m["step_time_s"] for m in first) <= 1.5 * median, ([m["step_time_s"] for m in first], median)
+
+
+UPLOADS = """
+import asyncio, json, sys, time
+import torch
+from cleave import bus as busmod, codec
+from cleave.schemas import SUBJECT_HEARTBEAT, SUBJECT_TILES, BlockRef, Heartbeat, TileResult, TileTask
+
+async def main():
+    bus, wid, n = await busmod.connect(sys.argv[1], "test-ps"), sys.argv[2], int(sys.argv[3])
+    clock, seen, done = {}, {"hb": None, "results": []}, asyncio.Event()
+    async def on_hb(hb, nbytes):
+        if "t0" in clock and hb.tiles_done >= n and seen["hb"] is None:
+            seen["hb"] = time.monotonic() - clock["t0"]
+    async def on_result(r, nbytes):
+        seen["results"].append(time.monotonic() - clock["t0"])
+        if len(seen["results"]) == n:
+            done.set()
+    await bus.subscribe(SUBJECT_HEARTBEAT.format(worker_id=wid), Heartbeat, on_hb, max_bytes=65536)
+    await bus.subscribe("test.results", TileResult, on_result)
+    clock["t0"] = time.monotonic()
+    for i in range(n):  # 512 x 512 fp32 blocks: 1 MiB results of random values (no compression)
+        a, b = (BlockRef(id=f"{x}{i}", tensor=codec.tensor_to_data(torch.randn(512, 64))) for x in "ab")
+        task = TileTask(job="uploads", epoch=1, step=0, op=0, gemm=1, tile=i, a=a, b=b, reply="test.results",
+                        sent_at=time.time())
+        await bus.publish(SUBJECT_TILES.format(worker_id=wid), task)
+    await asyncio.wait_for(done.wait(), 120)
+    print("RESULT", json.dumps(seen))
+    await bus.close()
+
+asyncio.run(main())
+"""
+
+
+def test_results_upload_while_the_next_tiles_compute(tmp_path: Path) -> None:
+    """Six tiles with 1 MiB results to a worker on a 1 MB/s uplink: it has computed all six (its heartbeats,
+    on their own connection, say so) before the second result is through, past nats-py's 2 MiB buffer."""
+    fleet = ShapedFleet(tmp_path / "run", 0, links=[Link("up", up=1e6)])
+    try:
+        fleet.start()
+        fleet.wait_log("worker-up", "worker_started")
+        done = fleet.hub_run([sys.executable, "-c", UPLOADS, fleet.lab.nats_url(), "up", "6"], timeout_s=150)
+    finally:
+        fleet.stop()
+    assert done.returncode == 0, done.stderr
+    seen = result(done.stdout)
+    assert seen["results"][-1] > 4.0, seen  # the uplink is the bottleneck: 6 MiB at 1 MB/s
+    assert seen["hb"] is not None and seen["hb"] < seen["results"][1], seen  # all computed meanwhile
