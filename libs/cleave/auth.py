@@ -32,6 +32,7 @@ from typing import Any
 
 import nkeys
 
+from cleave.bus import SERVER_LIMITS
 from cleave.errors import ConfigError
 from cleave.schemas import (
     EVENTS_STREAM,
@@ -269,6 +270,8 @@ def server_config(creds: list[Credential], opts: ServerOptions) -> str:
         "# nats-server config written by `cleave auth init`: per-role nkey users and subject permissions\n"
         "# derived from cleave.schemas. It holds public keys only; the seeds are in the <role>.env files.\n"
         f"listen: {_q(opts.listen)}\nhttp: {_q(opts.http)}\nmax_payload: {opts.max_payload}\n"
+        "# slow consumers: the PS keeps less than this in flight to any worker (docs/operations.md)\n"
+        f"{SERVER_LIMITS}\n"
         f"jetstream {{\n  store_dir: {_q(opts.store_dir)}\n"
         "  # fsync before acknowledging: without it an acknowledged write can be lost on an OS crash\n"
         "  # (measured: 64 KiB sync publishes 4.4k/s -> 1.5k/s; Cleave's JetStream traffic is far below)\n"

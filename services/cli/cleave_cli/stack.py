@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cleave.bus import SERVER_LIMITS
 from cleave.errors import CleaveError
 from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
 from cleave_cli.chaos_cmd import held_down
@@ -26,13 +27,7 @@ from cleave_cli.supervisor import parent_death_signal
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
-# Slow consumers (docs/operations.md): nats-server cuts a client off when more than max_pending bytes wait for
-# it, or when one write to it takes longer than write_deadline. The PS keeps at most 48 MiB and 2 s of a
-# worker's measured downlink in flight to it (cleave.dealer: max_inflight_bytes, DEFAULT_INFLIGHT_S): below
-# both, with a 10x margin on the deadline for a link that slows down, a probe's echo or a fan-out push.
-NATS_MAX_PENDING = 64 * 1024 * 1024
-NATS_WRITE_DEADLINE_S = 20
-NATS_LIMITS = f'max_pending: {NATS_MAX_PENDING}\nwrite_deadline: "{NATS_WRITE_DEADLINE_S}s"'
+NATS_LIMITS = SERVER_LIMITS  # max_pending and write_deadline, set deliberately (cleave.bus)
 NATS_CONFIG = """\
 listen: 127.0.0.1:{port}
 http: 127.0.0.1:{monitor_port}
