@@ -112,11 +112,13 @@ def no_false_losses(tmp_path: Path, steps: int, min_training_s: float) -> None:
     assert workers["slow"]["share"] < 0.25 * min(workers[f]["share"] for f in ("fast1", "fast2")), workers
 
 
+@pytest.mark.timeout(600)
 def test_shaped_fleet_trains_like_the_reference_without_false_losses(tmp_path: Path) -> None:
     no_false_losses(tmp_path, steps=40, min_training_s=15)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_three_minutes_behind_5_mb_uplinks_without_a_false_loss(tmp_path: Path) -> None:
     no_false_losses(tmp_path, steps=260, min_training_s=180)
 
@@ -149,6 +151,7 @@ asyncio.run(main())
 
 
 @pytest.mark.slow  # about two minutes
+@pytest.mark.timeout(600)
 def test_a_cut_link_is_detected_and_its_worker_proven_before_it_gets_tiles_again(tmp_path: Path) -> None:
     """edge1's link is cut for 10 s mid-step: the scheduler loses it, its tiles are redone elsewhere (copied
     by idle workers or given back), and once the link is back the worker is dealt tiles only after a round
