@@ -4,7 +4,7 @@ Pure: everything here builds text, keys and option dicts; `cleave auth init` wri
 subject comes from `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks and joins, events and its own state (KV + Object Store); subscribe to
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store); subscribe to
   results.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and probe
   requests, and answer each probe once (`allow_responses`).
@@ -12,7 +12,7 @@ Roles and what they may do (anything not listed is refused by nats-server):
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
   carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
-  probe requests, answer the PS's fan-out joins (`allow_responses`), read the replies to its probes; no
+  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes; no
   JetStream. With `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that
   id (results and updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in
   place of the id.
@@ -32,6 +32,7 @@ from typing import Any
 
 import nkeys
 
+from cleave.bus import SERVER_LIMITS
 from cleave.errors import ConfigError
 from cleave.schemas import (
     EVENTS_STREAM,
@@ -43,6 +44,7 @@ from cleave.schemas import (
     SUBJECT_EVENTS_ALL,
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
+    SUBJECT_LINKCHECK,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
     SUBJECT_ROUNDCAST_ALL,
@@ -129,7 +131,8 @@ def _service(role: str, publish: list[str], subscribe: list[str], allow_response
 def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
-        pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_ROUNDS),
+        pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
+               _wild(SUBJECT_ROUNDS),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
@@ -159,9 +162,10 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
                      SUBJECT_PROBE),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
+                       SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
                        inbox),
-            allow_responses=True,  # its answers to the PS's fan-out joins
+            allow_responses=True,  # its answers to the PS's fan-out joins and link checks
         )
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
 
@@ -266,6 +270,8 @@ def server_config(creds: list[Credential], opts: ServerOptions) -> str:
         "# nats-server config written by `cleave auth init`: per-role nkey users and subject permissions\n"
         "# derived from cleave.schemas. It holds public keys only; the seeds are in the <role>.env files.\n"
         f"listen: {_q(opts.listen)}\nhttp: {_q(opts.http)}\nmax_payload: {opts.max_payload}\n"
+        "# slow consumers: the PS keeps less than this in flight to any worker (docs/operations.md)\n"
+        f"{SERVER_LIMITS}\n"
         f"jetstream {{\n  store_dir: {_q(opts.store_dir)}\n"
         "  # fsync before acknowledging: without it an acknowledged write can be lost on an OS crash\n"
         "  # (measured: 64 KiB sync publishes 4.4k/s -> 1.5k/s; Cleave's JetStream traffic is far below)\n"

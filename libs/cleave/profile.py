@@ -98,3 +98,15 @@ class Pacer:
             bytes_down / p.downlink_bytes_per_s, flops / p.flops, bytes_up / p.uplink_bytes_per_s,
         )
         return self.up_free
+
+
+HEARTBEAT_QUEUE_BYTES = 64 * 1024  # bulk bytes a heartbeat may find queued ahead of it at its uplink's bottleneck
+
+
+def liveness_limit(base_s: float, p: DeviceProfile) -> float:
+    """How long a worker may stay silent before it counts as gone: `base_s`, plus what its own link adds to
+    a heartbeat's trip (a round trip, and a queue of HEARTBEAT_QUEUE_BYTES on its uplink ahead of it).
+    Heartbeats travel on their own connection, so no probe or result is ever ahead of them on the
+    worker's side; 5 MB/s up adds 13 ms, 0.4 MB/s 0.16 s, and a worker that vanished is still lost
+    after about `base_s`."""
+    return base_s + 2 * p.latency_s + HEARTBEAT_QUEUE_BYTES / p.uplink_bytes_per_s

@@ -28,6 +28,7 @@ SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
 SUBJECT_FANOUT = PREFIX + ".fan.{job}.{epoch}.{group}"  # PS -> every worker of a group: a shared input block
 SUBJECT_CONTROL = PREFIX + ".ctl.{worker_id}"  # PS -> one worker (request/reply): join fan-out groups
+SUBJECT_LINKCHECK = PREFIX + ".check.{worker_id}"  # PS -> a returning worker (request/reply): prove its downlink
 # worker -> PS: finished blocks, on the worker's own subject (per-worker credentials may publish only there);
 # the PS subscribes with worker_id="*" and checks that a message's worker_id is the subject's
 SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}.{worker_id}"
@@ -59,6 +60,7 @@ MAX_TENSOR_ELEMENTS = 1 << 28
 MAX_GEMM_DIM = 1 << 31  # m, n or k of a planned GEMM (box coordinates travel as int32)
 MAX_PROBE_BYTES = 4 * 1024 * 1024
 MAX_BLOCK_PARTS = 256  # segments of one input block (`cleave.fanout.MAX_PARTS`)
+MAX_LINKCHECK_BYTES = 1024 * 1024
 COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "topkq")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int16": 2,
@@ -331,6 +333,20 @@ class FanoutJoin(Wire):
     subjects: tuple[str, ...] = Field((), max_length=4096)
 
 
+class LinkCheck(Wire):
+    """PS -> a worker that came back: a small round trip over the connection its tiles take, before any tile.
+    Tiles of `job` and `epoch` sent before `sent_at` (PS clock) were given back when it left: it drops them."""
+
+    job: str = ""
+    epoch: int = 0
+    sent_at: float = 0.0
+    payload: bytes = Field(b"", max_length=MAX_LINKCHECK_BYTES)
+
+
+class LinkCheckAck(Wire):
+    worker_id: str = Field(min_length=1, max_length=128)
+
+
 class FanoutAck(Wire):
     worker_id: str
     joined: tuple[str, ...] = Field((), max_length=4096)
@@ -452,6 +468,7 @@ class StepMetrics(Wire):
     workers: int
     tiles: int = 0
     tiles_resent: int = 0
+    tiles_copied: int = 0  # speculative copies sent (a straggler's or a silent worker's tiles redone elsewhere)
     tiles_dropped: int = 0  # late or duplicate results
     rejected: int = 0  # malformed or invalid results
     bytes_down: int = 0  # PS -> workers (what leaves the PS)

@@ -190,3 +190,41 @@ def test_a_refused_tile_goes_to_another_worker_unless_nobody_else_is_there():
     (s,) = alone.begin(work(m=4, n=4, rows=4, cols=4), 0.0)
     retry = alone.failed("only", s.tile.index, s.attempt, 0.1)
     assert [x.tile for x in retry] == [s.tile]  # nobody else: it is tried again rather than left undealt
+
+
+def test_a_returning_worker_gets_tiles_only_once_its_link_is_proven():
+    dealer = Dealer(Policy(window=1, speculate_factor=0))
+    dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
+    assert dealer.take_checks() == []  # first-timers are dealt at once
+    sends = dealer.begin(work(m=4, n=32, rows=4, cols=4), 0.0)
+    dealer.set_fleet([("a", 1 << 20, None)], 0.5)  # b's heartbeats stopped: it left the plan
+    back = dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 1.0)  # ... and came back
+    assert dealer.take_checks() == ["b"] and not dealer.members["b"].proven
+    assert not [s for s in back if s.worker == "b"]
+    now, dealt_b = 1.0, []
+    for _ in range(3):  # a answers; whatever it frees goes to a, never to the unproven b
+        s = next(s for s in sends if s.worker == "a")
+        now += 0.1
+        _, sends = dealer.done("a", s.tile.index, s.attempt, now)
+        dealt_b += [x for x in sends if x.worker == "b"]
+    assert dealt_b == [] and not [x for x in dealer.tick(now + 5.0) if x.worker == "b"]
+    proven = dealer.proved("b", now)
+    assert proven and {s.worker for s in proven} == {"b"} and dealer.members["b"].proven
+    assert dealer.proved("b", now) == []  # once
+
+
+def test_a_worker_whose_tiles_copies_keep_finishing_first_is_suspect():
+    dealer = Dealer(Policy(window=1, tile_timeout_s=100.0, speculate_factor=1.0, speculate_min_s=0.01, tick_s=0.01))
+    dealer.set_fleet([("slow", 1 << 20, None), ("fast", 1 << 20, None)], 0.0)
+    now, beaten = 0.0, []
+    for seq in range(1, 5):  # GEMM after GEMM, fast finishes and then copies slow's last tile, which wins
+        inbox = {s.worker: s for s in dealer.begin(work(m=4, n=64, rows=4, cols=4, seq=seq), now)}
+        assert ("slow" in inbox) == (seq <= 3)  # suspect after the third: dealt nothing in the fourth
+        while not dealer.complete:
+            now += 0.05
+            s = inbox.pop("fast", None)  # slow never answers in time (its deadline is 100 s away)
+            more = dealer.done("fast", s.tile.index, s.attempt, now)[1] if s is not None else dealer.tick(now)
+            inbox.update({x.worker: x for x in more})
+        dealer.end()
+        beaten.append(dealer.members["slow"].beaten)
+    assert beaten == [1, 2, 0, 0] and dealer.suspected == ["slow"] and dealer.members["slow"].suspect

@@ -34,3 +34,16 @@ def test_pacer_follows_the_cost_model_and_streams_consecutive_tiles():
     # ten more arriving at once: downlink-bound, each adds its 2 s of download, not its 4 s in all
     ends = [pacer.finish_at(100.0, 20_000_000, 5_000_000, 1e9) for _ in range(10)]
     assert ends[-1] == pytest.approx(100.1 + 11 * 2 + 1 + 1)
+
+
+def test_the_liveness_limit_adds_what_a_link_adds_to_a_heartbeat():
+    from cleave.profile import liveness_limit
+    from cleave.schemas import DeviceProfile
+
+    def p(up, latency=0.0):
+        return DeviceProfile(flops=1e9, memory_bytes=1, downlink_bytes_per_s=1e7, uplink_bytes_per_s=up,
+                             latency_s=latency)
+
+    assert liveness_limit(1.0, p(5e6)) == pytest.approx(1.013, abs=1e-3)  # about the base: still ~1 s detection
+    assert liveness_limit(1.0, p(0.4e6, 0.05)) == pytest.approx(1.0 + 0.1 + 65536 / 0.4e6)
+    assert liveness_limit(1.0, p(5e6)) < liveness_limit(1.0, p(0.4e6)) < liveness_limit(1.0, p(50e3))

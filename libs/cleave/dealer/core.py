@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from sortedcontainers import SortedList
@@ -25,6 +25,7 @@ from sortedcontainers import SortedList
 from cleave.dealer.model import (
     DEFAULT_INFLIGHT_S,
     JOINS_KEPT,
+    LEFT_KEPT,
     RT_WEIGHT,
     TYPICAL_SAMPLE,
     BlockSend,
@@ -67,6 +68,8 @@ class Dealer:
         self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
         self._published: dict[str, str] = {}  # blocks of the GEMM in flight published -> their group
         self._inline: set[tuple[str, str]] = set()  # (worker, block) it said it lacked: sent with its tiles
+        self._left: OrderedDict[str, None] = OrderedDict()  # workers that left (the latest LEFT_KEPT)
+        self.checks: list[str] = []  # returning members whose link must be proven (`take_checks`, `proved`)
 
     # ---- the fleet ---------------------------------------------------------------------------------
     def set_fleet(self, fleet: Iterable[tuple[str, int, DeviceProfile | None]], now: float,
@@ -77,7 +80,10 @@ class Dealer:
         for wid, cache, profile in fleet:
             m = self.members.get(wid)
             if m is None:
-                self.members[wid] = Member(wid, cache, profile, last_progress=now)
+                back = self._left.pop(wid, 0) is None  # it was here before, and left
+                self.members[wid] = Member(wid, cache, profile, last_progress=now, proven=not back)
+                if back:
+                    self.checks.append(wid)
             else:
                 m.cache_bytes, m.profile = cache, profile
         keep = {wid for wid, _, _ in fleet}
@@ -102,6 +108,22 @@ class Dealer:
         self.joined.pop(worker, None)
         self._joins.pop(worker, None)
         del self.members[worker]
+        self._left[worker] = None
+        while len(self._left) > LEFT_KEPT:
+            self._left.popitem(last=False)
+
+    def take_checks(self) -> list[str]:
+        """Members that came back since the caller last asked: each gets tiles only once `proved`."""
+        checks, self.checks = self.checks, []
+        return checks
+
+    def proved(self, worker: str, now: float) -> list[Send]:
+        """A round trip over `worker`'s downlink succeeded: it is dealt tiles again. Returns what to send."""
+        m = self.members.get(worker)
+        if m is None or m.proven:
+            return []
+        m.proven, m.last_progress = True, now
+        return self._offer(now, [worker])
 
     # ---- one GEMM ----------------------------------------------------------------------------------
     def begin(self, work: Work, now: float) -> list[Send]:
@@ -146,13 +168,33 @@ class Dealer:
         outcome = led.finish(tile, attempt)
         if outcome == "accepted":
             self._close(tile, now)
+            out = self._beaten(twins, now)
+            if m is not None:
+                m.beaten = 0
+        else:
+            out = []
         if led.complete:
             return outcome, []
-        out = self._fill(m, now) if m is not None else []
+        out += self._fill(m, now) if m is not None else []
         for other in twins:  # a speculative twin was dropped: its worker has room again
             if other in self.members:
                 out += self._fill(self.members[other], now)
         return outcome, out
+
+    def _beaten(self, twins: list[str], now: float) -> list[Send]:
+        """Another attempt finished first: a worker beaten `beaten_limit` times in a row is suspect, as one
+        that missed a deadline (its tiles given back, tried again later)."""
+        out: list[Send] = []
+        for wid in twins:
+            m = self.members.get(wid)
+            if m is None or m.suspect:
+                continue
+            m.beaten += 1
+            if self.p.beaten_limit and m.beaten >= self.p.beaten_limit:
+                m.beaten = 0
+                self._suspect(m, now, "duplicates", m.last_progress)
+                out += self._offer(now, list(self._hungry))
+        return out
 
     def failed(self, worker: str, tile: int, attempt: int, now: float, missing: Sequence[str] = ()) -> list[Send]:
         """(tile, attempt) will not produce a block: the worker lacked cached `missing` blocks (it gets the
@@ -229,11 +271,7 @@ class Dealer:
             if since + self._deadline_s(m) > now + 1e-9:
                 self._arm(m)
                 continue
-            m.suspect, m.suspect_since = True, now
-            self.suspected.append(wid)
-            heapq.heappush(self._suspects, (now + self.p.suspect_retry * self.p.tile_timeout_s,
-                                            next(self._order), wid, now))
-            self._lose(m, now, "tile_deadline", since)
+            self._suspect(m, now, "tile_deadline", since)
         out += self._offer(now, list(self._hungry) if self.ledger.queued else ())
         return out + self._speculate_idle(now)
 
@@ -253,7 +291,7 @@ class Dealer:
     def _fill(self, m: Member, now: float, depth: int | None = None) -> list[Send]:
         """Give `m` tiles up to its room (and `depth`): planned, shared, stolen, or a copy once idle."""
         led, w, out = self.ledger, m.id, []
-        if led is None or m.suspect or w not in self.members:
+        if led is None or m.suspect or not m.proven or w not in self.members:
             return out
         hungry = False
         while led.count(w) < min(depth or math.inf, led.room(w, self.p.window, self.work.chunks)):
@@ -428,6 +466,14 @@ class Dealer:
                 if not rec.tiles:
                     rec.done_at = now
                     self.closed.append(rec)
+
+    def _suspect(self, m: Member, now: float, cause: str, since: float) -> None:
+        """`m` is presumed lost: its tiles are given back, and it is tried again after `suspect_retry`."""
+        m.suspect, m.suspect_since = True, now
+        self.suspected.append(m.id)
+        heapq.heappush(self._suspects, (now + self.p.suspect_retry * self.p.tile_timeout_s,
+                                        next(self._order), m.id, now))
+        self._lose(m, now, cause, since)
 
     def _lose(self, m: Member, now: float, cause: str, silent_since: float) -> None:
         self._hungry.pop(m.id, None)

@@ -18,6 +18,8 @@ RT_WEIGHT = 0.2  # weight of a new round trip in a worker's moving average
 JOINS_KEPT = 2  # a worker stays in the fan-out groups of its latest two joins (the PS's and the worker's rule)
 TYPICAL_SAMPLE = 256  # tiles sampled for the median predicted tile time
 DEFAULT_INFLIGHT_S = 2.0  # with a byte limit: no more in flight to a worker than 2 s of its downlink
+DEFAULT_BEATEN = 3  # a worker whose tiles copies finish first this many times in a row is suspect
+LEFT_KEPT = 100_000  # ids of workers that left, remembered so that a returning one proves its link first
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Policy:
     suspect_retry: float = DEFAULT_SUSPECT_RETRY  # x tile_timeout_s until a suspect is tried again
     max_inflight_bytes: int | None = None  # bytes sent to a worker and not yet answered, past its first
     # tile; None = no limit (the PS sets it under the NATS server's max_pending, see docs/architecture.md)
+    beaten_limit: int = DEFAULT_BEATEN  # 0 = never suspect a worker for being beaten by copies
 
 
 @dataclass
@@ -50,6 +53,8 @@ class Member:
     suspect_since: float = 0.0
     inflight_bytes: int = 0
     token: int = 0  # invalidates stale deadline entries
+    proven: bool = True  # False for a worker that came back, until a round trip over its downlink succeeded
+    beaten: int = 0  # its tiles in a row that a copy on another worker finished first
 
     def remember(self, block_id: str, nbytes: int) -> None:
         if nbytes > self.cache_bytes or block_id in self.known:

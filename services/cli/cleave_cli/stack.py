@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cleave.bus import SERVER_LIMITS
 from cleave.errors import CleaveError
 from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
 from cleave_cli.chaos_cmd import held_down
@@ -26,10 +27,12 @@ from cleave_cli.supervisor import parent_death_signal
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
+NATS_LIMITS = SERVER_LIMITS  # max_pending and write_deadline, set deliberately (cleave.bus)
 NATS_CONFIG = """\
 listen: 127.0.0.1:{port}
 http: 127.0.0.1:{monitor_port}
 max_payload: {max_payload}
+{limits}
 jetstream {{
   store_dir: "{store}"
 }}
@@ -83,7 +86,7 @@ class Stack:
         self._monitor_port = self._monitor_port or free_port()
         conf = self.run_dir / "nats.conf"
         conf.write_text(NATS_CONFIG.format(port=self._nats_port, monitor_port=self._monitor_port,
-                                           max_payload=self.max_payload,
+                                           max_payload=self.max_payload, limits=NATS_LIMITS,
                                            store=(self.run_dir / "jetstream").as_posix()))
         proc = self.spawn("nats", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
         self._wait_ready(proc)

@@ -40,6 +40,7 @@ from cleave.schemas import (
     TileResult,
     TileTask,
 )
+from cleave_ps import linkcheck
 from cleave_ps.settings import PsSettings
 from cleave_ps.verify import Check, Verifier
 
@@ -130,6 +131,8 @@ class Dispatcher:
         sends = self.dealer.set_fleet(fleet, self.clock())
         for gone in before - set(self.dealer.members):
             self._forget_checks(gone)
+        for worker in self.dealer.take_checks():  # came back: tiles only once its downlink is proven
+            self._track(linkcheck.prove(self, worker))
         self._log_losses()
         log.info("plan_applied", version=plan.version, workers=len(fleet), reason=plan.reason)
         await self._post(sends)
@@ -265,7 +268,7 @@ class Dispatcher:
         return self.plan.chunks if self.plan else 1
 
     def _live(self) -> list[str]:
-        return [w for w, m in self.dealer.members.items() if not m.suspect]
+        return [w for w, m in self.dealer.members.items() if not m.suspect and m.proven]
 
     async def _tick(self) -> None:
         now = self.clock()
@@ -277,6 +280,10 @@ class Dispatcher:
         await self._post(sends)
 
     # ---- sending -------------------------------------------------------------------------------------
+    async def post(self, sends: list[Send]) -> None:
+        """What the dealer returned outside this shell's own calls (a proven link): send it."""
+        await self._post(sends)
+
     async def _post(self, sends: list[Send]) -> None:
         """Encode a batch of tiles in a worker thread, then publish them in order."""
         run = self.run
@@ -444,7 +451,10 @@ class Dispatcher:
         workers = tokens[2:3] if len(tokens) > 2 else list(self.dealer.members)
         log.warning("results_dropped", subject=subject, workers=len(workers))
         sends = [s for w in workers for s in self.dealer.redo(w, self.clock())]
-        task = asyncio.get_running_loop().create_task(self._post(sends))
+        self._track(self._post(sends))
+
+    def _track(self, coro) -> None:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cleave.profile import liveness_limit
 from cleave.schemas import DeviceRecord, Heartbeat, Plan, PlanWorker
 
 
@@ -27,8 +28,8 @@ class Registry:
         self.devices = {w: d.model_copy(update={"last_seen": now}) for w, d in self.devices.items()}
 
     def sweep(self, now: float) -> list[str]:
-        """Forget workers whose heartbeats stopped; returns their ids."""
-        gone = [w for w, d in self.devices.items() if now - d.last_seen > self.liveness_s]
+        """Forget workers whose heartbeats stopped (for longer than their link's liveness limit); their ids."""
+        gone = [w for w, d in self.devices.items() if now - d.last_seen > liveness_limit(self.liveness_s, d.profile)]
         for w in gone:
             del self.devices[w]
         return gone

@@ -18,9 +18,11 @@ from cleave.lifecycle import run, wait_for_stop
 from cleave.logs import configure
 from cleave.profile import Pacer, parse_profile
 from cleave.schemas import (
+    MAX_LINKCHECK_BYTES,
     SUBJECT_CONTROL,
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
+    SUBJECT_LINKCHECK,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
     SUBJECT_SPLIT,
@@ -30,6 +32,8 @@ from cleave.schemas import (
     FanoutAck,
     FanoutJoin,
     Heartbeat,
+    LinkCheck,
+    LinkCheckAck,
     RoundTask,
     RoundUpdate,
     SplitReply,
@@ -42,13 +46,15 @@ from cleave_worker.rounds import RoundRunner
 from cleave_worker.settings import WorkerSettings
 from cleave_worker.split_client import SplitRunner
 
-UNMEASURED_BYTES_PER_S = 100e6  # link speed reported until a probe measures it
+DEFAULT_PROBE_RETRY_S = 1.0  # until its links are measured a worker does not join (it is planned not at all)
 DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile) -> None:
+    def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile,
+                 hb_bus: busmod.Bus | None = None) -> None:
         self.s, self.bus, self.profile = settings, bus, profile
+        self.hb_bus = hb_bus or bus  # heartbeats on their own connection: never queued behind results or probes
         self.cache = BlockCache(settings.cache_bytes)
         self.started_at = time.time()
         self.tiles_done = 0
@@ -62,6 +68,9 @@ class Worker:
         self.groups: dict[str, object] = {}  # fan-out subject -> its subscription
         self.joins: dict[str, deque[tuple[str, ...]]] = {}  # job -> subjects of its latest joins (JOINS_KEPT)
         self.arrivals: dict[str, asyncio.Event] = {}  # fan-out blocks a tile waits for
+        self.fenced_before: dict[str, tuple[int, float]] = {}  # job -> (epoch, PS time) of its last link check
+        self.stale = 0  # tiles dropped because they were sent before this worker's last link check
+        self.outbox: asyncio.Queue = asyncio.Queue()  # (task, result, due) to upload; None: stop
 
     async def on_join(self, join: FanoutJoin) -> FanoutAck:
         """The PS's fan-out groups for this worker: subscribe to them, leave the job's others."""
@@ -82,6 +91,12 @@ class Worker:
         except Exception as e:  # the PS then sends this worker's shared blocks with its tiles
             return FanoutAck(worker_id=self.s.worker_id, error=repr(e)[:500])
         return FanoutAck(worker_id=self.s.worker_id, joined=tuple(s for s in join.subjects if s in self.groups))
+
+    async def on_check(self, check: LinkCheck) -> LinkCheckAck:
+        """The PS proves this worker's downlink (it came back) before dealing it tiles: answer at once."""
+        if check.job and check.epoch >= self.epochs.get(check.job, 0):
+            self.fenced_before[check.job] = (check.epoch, check.sent_at)
+        return LinkCheckAck(worker_id=self.s.worker_id)
 
     async def on_push(self, push: BlockPush, nbytes: int) -> None:
         """A shared input block published to one of this worker's groups: cache it for the tiles that need it."""
@@ -108,6 +123,11 @@ class Worker:
             self.log.warning("tile_fenced", job=task.job, epoch=task.epoch, newest=self.epochs[task.job])
             return
         self.epochs[task.job] = task.epoch
+        fence = self.fenced_before.get(task.job)
+        if fence is not None and fence[0] == task.epoch and task.sent_at < fence[1]:
+            self.stale += 1  # sent before this worker left; the PS gave it to another worker then
+            self.log.debug("tile_stale", step=task.step, op=task.op, tile=task.tile, dropped=self.stale)
+            return
         refs = (*leaves(task.a), *leaves(task.b))
         await asyncio.gather(*(self._arrived(ref) for ref in refs))
         a, bt = self.cache.resolve(task.a), self.cache.resolve(task.b)
@@ -122,19 +142,42 @@ class Worker:
             result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
             self.tiles_done += 1
             self.busy_s += result.compute_s
-            if self.pacer is not None:  # behave like the declared device: wait until it would be done
-                flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]
-                done = self.pacer.finish_at(min(task.sent_at, time.time()), nbytes, len(result.out.data), flops)
-                await asyncio.sleep(max(0.0, done - time.time()))
-        try:
-            await self.bus.publish(task.reply, result)
-        except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
-            self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
+        due = 0.0
+        if self.pacer is not None and result.out is not None:  # behave like the declared device: answer when
+            flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]  # it would have (its uplink is the uploader's)
+            due = self.pacer.finish_at(min(task.sent_at, time.time()), nbytes, len(result.out.data), flops)
+        self.outbox.put_nowait((task, result, due))  # uploaded by `uploads` while the next tile computes
 
-    async def reprobe(self, stop: asyncio.Event, flops: float) -> None:
-        """Measure the links again now and then: they change under a real device."""
+    async def uploads(self) -> None:
+        """Send results in the order they were computed, from a task of their own: a result waiting for a
+        slow uplink never holds up the next tile's compute (the streamed device of the cost model)."""
+        while True:
+            item = await self.outbox.get()
+            if item is None:  # stopping: what was queued before has been sent
+                return
+            task, result, due = item
+            if due:
+                await asyncio.sleep(max(0.0, due - time.time()))
+            try:
+                await self.bus.publish(task.reply, result)
+            except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
+                self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
+            except Exception as e:  # disconnected: the PS's deadline gives the tile to another worker
+                self.log.warning("result_not_sent", error=repr(e), step=task.step, op=task.op, tile=task.tile)
+
+    async def close_outbox(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self.outbox.put_nowait(None)
+
+    async def reprobe(self, stop: asyncio.Event) -> None:
+        """Measure the links and the FLOPS again now and then: they change under a real device. A failed
+        measurement keeps the last profile (the failure is logged)."""
         while not await wait_for_stop(stop, self.s.probe_every_s):
-            self.profile = await measured_profile(self.s, self.bus, flops)
+            try:
+                flops = await asyncio.to_thread(measure_flops)
+                self.profile = await measured_profile(self.s, self.bus, flops)
+            except Exception as e:  # e.g. the scheduler restarting: measure again next time
+                self.log.warning("reprobe_failed", error=repr(e))
 
     async def on_round(self, task: RoundTask, nbytes: int) -> None:
         """A data-parallel round (diloco, fedavg): train locally off the event loop, send the update."""
@@ -179,21 +222,33 @@ class Worker:
     async def heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                await self.bus.publish(SUBJECT_HEARTBEAT.format(worker_id=self.s.worker_id), self.heartbeat())
+                await self.hb_bus.publish(SUBJECT_HEARTBEAT.format(worker_id=self.s.worker_id), self.heartbeat())
             except Exception as e:  # disconnected: nats-py reconnects; keep beating
                 self.log.warning("heartbeat_failed", error=repr(e))
             await wait_for_stop(stop, self.s.heartbeat_s)
 
 
 async def measured_profile(s: WorkerSettings, bus: busmod.Bus, flops: float) -> DeviceProfile:
-    """This device as it is: GEMM FLOPS, and its links to the hub when the scheduler answers probes."""
-    try:
-        down, up, latency = await measure_links(bus)
-    except Exception as e:  # no scheduler yet: report nominal links, measure again later
-        structlog.get_logger("worker").info("links_not_measured", reason=repr(e))
-        down, up, latency = UNMEASURED_BYTES_PER_S, UNMEASURED_BYTES_PER_S, 0.001
-    return DeviceProfile(flops=flops, memory_bytes=s.memory_bytes, downlink_bytes_per_s=down,
-                         uplink_bytes_per_s=up, latency_s=latency)
+    """This device as it is: GEMM FLOPS, and its links to the hub as the probes prove them (ProbeFailed
+    when the scheduler does not answer)."""
+    links = await measure_links(bus)
+    # bounded: a probe timed out, the link is at most this fast, and that is what we report
+    structlog.get_logger("worker").info("links_measured", worker_id=s.worker_id, down=round(links.down),
+                                        up=round(links.up), latency_s=round(links.latency_s, 4), bounded=links.bounded,
+                                        flops=round(flops))
+    return DeviceProfile(flops=flops, memory_bytes=s.memory_bytes, downlink_bytes_per_s=links.down,
+                         uplink_bytes_per_s=links.up, latency_s=links.latency_s)
+
+
+async def first_profile(s: WorkerSettings, bus: busmod.Bus, flops: float, stop: asyncio.Event) -> DeviceProfile | None:
+    """Probe until the links are measured (None if stopped first): an unmeasured worker does not join."""
+    while True:
+        try:
+            return await measured_profile(s, bus, flops)
+        except Exception as e:  # ProbeFailed, or the connection failed under the probe
+            structlog.get_logger("worker").info("links_not_measured", reason=repr(e), retry_s=DEFAULT_PROBE_RETRY_S)
+        if await wait_for_stop(stop, DEFAULT_PROBE_RETRY_S):
+            return None
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
@@ -209,27 +264,41 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     declared = parse_profile(settings.profile) if settings.profile else None
     bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
                                **auth.connect_options(settings, "worker"))
-    profile = declared or shared or await measured_profile(settings, bus, flops)
-    worker = Worker(settings, bus, profile)
+    profile = declared or shared or await first_profile(settings, bus, flops, stop)
+    if profile is None:  # stopped before the links could be measured
+        await bus.close()
+        return 0
+    # a real device beats on its own connection, so that no result, probe or reconnect backlog on the
+    # bulk one delays its heartbeats (a swarm's emulated workers share one machine and keep one each)
+    hb_bus = None if shared is not None else await busmod.connect(
+        settings.nats_url, f"cleave-worker-{settings.worker_id}-hb", **auth.connect_options(settings, "worker"))
+    worker = Worker(settings, bus, profile, hb_bus)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
     cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, worker.on_roundcast)
     splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, worker.on_split)
     control = await bus.serve(SUBJECT_CONTROL.format(worker_id=settings.worker_id), FanoutJoin, worker.on_join)
+    check = await bus.serve(SUBJECT_LINKCHECK.format(worker_id=settings.worker_id), LinkCheck, worker.on_check,
+                            max_bytes=MAX_LINKCHECK_BYTES + 1024)  # on the tiles' connection: it proves that one
     log.info("worker_started", flops=f"{profile.flops / 1e9:.1f}G", down=f"{profile.downlink_bytes_per_s / 1e6:.0f}MB/s",
              up=f"{profile.uplink_bytes_per_s / 1e6:.0f}MB/s", declared=profile.declared,
              memory_bytes=settings.memory_bytes, cache_bytes=settings.cache_bytes, nats=settings.nats_url)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(worker.heartbeats(stop))
+        tg.create_task(worker.uploads())
+        tg.create_task(worker.close_outbox(stop))
         if declared is None and shared is None:
-            tg.create_task(worker.reprobe(stop, flops))
+            tg.create_task(worker.reprobe(stop))
     await sub.unsubscribe()
     await rounds.unsubscribe()
     await cast.unsubscribe()
     await splits.unsubscribe()
     await control.unsubscribe()
+    await check.unsubscribe()
     await bus.close()
-    log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits)
+    if hb_bus is not None:
+        await hb_bus.close()
+    log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits, stale_dropped=worker.stale)
     return 0
 
 

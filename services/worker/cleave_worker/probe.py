@@ -1,26 +1,75 @@
-"""Measure this worker's links to the hub over NATS: latency (64 B echo), uplink and downlink (4 MiB)."""
+"""Measure this worker's links to the hub over NATS: latency (64 B echo), then uplink and downlink with
+probes that start small and grow until one transfer takes PROBE_TARGET_S (or reaches the largest size).
+
+A probe that times out proves only that the link is no faster than its bytes over the time waited: that
+bound is what it reports, never a default. When not even the small echo comes back (no scheduler yet, or
+the link is down) `ProbeFailed` is raised and the worker stays out of the fleet until a probe succeeds.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from cleave.bus import Bus
+from cleave.errors import CleaveError
 from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE, Probe
 
-DEFAULT_PROBE_TIMEOUT_S = 10.0
+DEFAULT_PROBE_TIMEOUT_S = 5.0  # one echo; past it the probe yields its bound
+FIRST_PROBE_BYTES = 64 * 1024  # a 0.1 MB/s link moves it in under a second
+PROBE_GROWTH = 4  # each probe this many times the last
+PROBE_TARGET_S = 0.2  # long enough that latency and a shaper's first burst (~1/100 s of its rate) barely count
 PROBE_HEADROOM = 1024  # the probe and its echo stay one NATS message each
 
 
-async def _echo(bus: Bus, probe: Probe) -> float:
+class ProbeFailed(CleaveError):
+    """Not even a small echo came back: nothing is known about the links."""
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the probes proved. `bounded`: a probe timed out, so a rate is an upper bound (at most)."""
+
+    down: float  # bytes/s
+    up: float  # bytes/s
+    latency_s: float  # one way
+    bounded: bool = False
+
+
+async def _echo(bus: Bus, probe: Probe, timeout_s: float) -> float | None:
+    """Seconds for one echo, None when it timed out."""
     start = time.perf_counter()
-    await bus.request(SUBJECT_PROBE, probe, Probe, DEFAULT_PROBE_TIMEOUT_S, MAX_PROBE_BYTES + 1024)
+    try:
+        await bus.request(SUBJECT_PROBE, probe, Probe, timeout_s, MAX_PROBE_BYTES + PROBE_HEADROOM)
+    except TimeoutError:
+        return None
     return time.perf_counter() - start
 
 
-async def measure_links(bus: Bus) -> tuple[float, float, float]:
-    """(downlink bytes/s, uplink bytes/s, one-way latency s), best of a few tries each."""
-    size = min(MAX_PROBE_BYTES, bus.max_payload - PROBE_HEADROOM)
-    rtt = min([await _echo(bus, Probe()) for _ in range(3)])
-    up = min([await _echo(bus, Probe(payload=bytes(size))) for _ in range(2)])
-    down = min([await _echo(bus, Probe(reply_bytes=size)) for _ in range(2)])
-    return size / max(down - rtt, 1e-6), size / max(up - rtt, 1e-6), rtt / 2
+async def _rate(bus: Bus, make: Callable[[int], Probe], largest: int, rtt: float,
+                timeout_s: float) -> tuple[float, bool]:
+    """(bytes/s, bounded) for one direction: probes grow from FIRST_PROBE_BYTES by PROBE_GROWTH."""
+    size = min(FIRST_PROBE_BYTES, largest)
+    while True:
+        took = await _echo(bus, make(size), timeout_s)
+        if took is None:
+            return size / timeout_s, True  # it did not move `size` bytes in `timeout_s`
+        if took >= PROBE_TARGET_S or size >= largest:
+            return size / max(took - rtt, 1e-6), False
+        size = min(largest, size * PROBE_GROWTH)
+
+
+async def measure_links(bus: Bus, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Links:
+    """The links to the hub: best-of-three 64 B echoes for latency, then up and down (see module doc)."""
+    try:
+        rtts = [t for t in [await _echo(bus, Probe(), timeout_s) for _ in range(3)] if t is not None]
+    except Exception as e:  # e.g. no responders: no scheduler on the bus yet
+        raise ProbeFailed(f"no echo on {SUBJECT_PROBE}: {e!r}") from e
+    if not rtts:
+        raise ProbeFailed(f"no echo on {SUBJECT_PROBE} within {timeout_s}s (is the scheduler up?)")
+    rtt = min(rtts)
+    largest = min(MAX_PROBE_BYTES, bus.max_payload - PROBE_HEADROOM)
+    up, up_bounded = await _rate(bus, lambda n: Probe(payload=bytes(n)), largest, rtt, timeout_s)
+    down, down_bounded = await _rate(bus, lambda n: Probe(reply_bytes=n), largest, rtt, timeout_s)
+    return Links(down=down, up=up, latency_s=rtt / 2, bounded=up_bounded or down_bounded)

@@ -15,7 +15,7 @@ import torch
 from cleave import auth
 from cleave import bus as busmod
 from cleave_worker.core import measure_flops
-from cleave_worker.main import measured_profile, run_worker
+from cleave_worker.main import first_profile, run_worker
 from cleave_worker.settings import WorkerSettings
 
 log = structlog.get_logger("swarm")
@@ -35,7 +35,9 @@ async def serve_swarm(base: WorkerSettings, ids: list[str], stop: asyncio.Event)
     device, in which case every worker paces itself to it."""
     torch.set_num_threads(base.threads)
     flops = measure_flops()
-    shared = None if base.profile else await _links_once(base, ids[0], flops)
+    shared = None if base.profile else await _links_once(base, ids[0], flops, stop)
+    if not base.profile and shared is None:  # stopped before the links were measured
+        return 0
     log.info("swarm_started", workers=len(ids), first=ids[0], last=ids[-1], declared=bool(base.profile))
     settings = [base.model_copy(update={"worker_id": w}) for w in ids]
     async with asyncio.TaskGroup() as tg:
@@ -45,11 +47,11 @@ async def serve_swarm(base: WorkerSettings, ids: list[str], stop: asyncio.Event)
     return 0
 
 
-async def _links_once(base: WorkerSettings, first_id: str, flops: float):
-    """This machine's profile, measured once for all its workers."""
+async def _links_once(base: WorkerSettings, first_id: str, flops: float, stop: asyncio.Event):
+    """This machine's profile, measured once for all its workers (None if stopped before it was)."""
     s = base.model_copy(update={"worker_id": first_id})
     bus = await busmod.connect(s.nats_url, f"cleave-worker-{first_id}-probe", **auth.connect_options(s, "worker"))
     try:
-        return await measured_profile(s, bus, flops)
+        return await first_profile(s, bus, flops, stop)
     finally:
         await bus.close()

@@ -1,0 +1,134 @@
+"""Kernel-shaped links: the scheduler's predicted GEMM times against the measured ones, and the cost-aware
+plan against the even split, side by side in one run.
+
+Six workers, each in its own network namespace behind a veth pair shaped by tbf (`cleave.netlab`) to a
+different downlink/uplink, measure their own profiles (probes, FLOPS) as real devices do, and the
+scheduler plans the `small` preset's GEMMs for them (planner `cost`, then `even`). Nothing paces itself
+to the cost model: the links are the kernel's. For each plan it reports, after the warm-up steps, the
+measured GEMM time per step against the plan's (`gemm_s` vs `predicted_gemm_s`), and per GEMM kind the
+median wall time against the plan's makespan (from the PS's debug log), and the simulator's step
+(`cleave.sim.simulate_step`) on the profiles the workers measured. The six workers share this
+machine's cores, so their measured FLOPS (each measured alone) overstate what they get together: the
+links are set slow enough that they, not the CPU, should set the pace. Needs root.
+Writes benchmarks/results/real_links.json.
+
+    sudo nice -n 10 .venv/bin/python benchmarks/real_links.py [--steps 6] [--preset small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from cleave import netlab
+from cleave.job import JobConfig
+from cleave.models import gemm_shapes, get_preset
+from cleave.netlab import Link
+from cleave.schemas import DeviceProfile
+from cleave.sim import simulate_step
+from cleave_cli.netstack import ShapedFleet
+
+RESULTS = Path(__file__).parent / "results" / "real_links.json"
+WARMUP_STEPS = 2
+MB = 1e6
+LINKS = [  # down, up in bytes/s: the literature's edge profile (downlink 2-10x the uplink), scaled down
+    Link("phone-a", down=4 * MB, up=1.5 * MB),
+    Link("phone-b", down=6 * MB, up=2 * MB),
+    Link("laptop-a", down=12 * MB, up=4 * MB),
+    Link("laptop-b", down=10 * MB, up=5 * MB),
+    Link("desktop", down=16 * MB, up=8 * MB),
+    Link("straggler", down=1 * MB, up=0.5 * MB),
+]
+
+
+def gemm_table(log: Path) -> dict[str, dict]:
+    """Per GEMM kind, from the PS's debug log: median wall time against the plan's makespan."""
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for line in log.read_text().splitlines():
+        if '"gemm_done"' in line:
+            e = json.loads(line)
+            if e["step"] >= WARMUP_STEPS:
+                rows.setdefault(e["gemm"], []).append((e["wall_s"], e["planned_s"]))
+    return {name: {"runs": len(v), "wall_s": statistics.median(w for w, _ in v),
+                   "planned_s": statistics.median(p for _, p in v),
+                   "measured_over_planned": statistics.median(w for w, _ in v) / max(statistics.median(p for _, p in v), 1e-9)}
+            for name, v in rows.items()}
+
+
+def profiles(run_dir: Path) -> dict[str, dict]:
+    """What each worker measured (its last links_measured line)."""
+    out = {}
+    for link in LINKS:
+        for line in (run_dir / "logs" / f"worker-{link.id}.log").read_text().splitlines():
+            if '"links_measured"' in line:
+                e = json.loads(line)
+                out[link.id] = {"down": e["down"], "up": e["up"], "latency_s": e["latency_s"], "flops": e["flops"],
+                                "bounded": e["bounded"], "shaped_down": link.down, "shaped_up": link.up}
+    return out
+
+
+def run(planner: str, job: JobConfig, run_dir: Path) -> dict:
+    env = {"CLEAVE_LOG_JSON": "1"}
+    fleet = ShapedFleet(run_dir, 0, links=LINKS, worker_env=env,
+                        scheduler_env={**env, "CLEAVE_SCHEDULER_PLANNER": planner})
+    with fleet:
+        fleet.start_ps(job, run_dir / "m.jsonl", ps_env={**env, "CLEAVE_LOG_LEVEL": "debug"})
+        lines = fleet.wait_ps(run_dir / "m.jsonl", timeout_s=1800)
+    body = [m for m in lines if m["step"] >= WARMUP_STEPS]
+    steps = [{"step": m["step"], "gemm_s": m["gemm_s"], "predicted_gemm_s": m["predicted_gemm_s"],
+              "ratio": m["gemm_s"] / m["predicted_gemm_s"] if m["predicted_gemm_s"] else None,
+              "step_time_s": m["step_time_s"], "workers": m["workers"]} for m in body]
+    gemm = statistics.median(m["gemm_s"] for m in body)
+    planned = [m["predicted_gemm_s"] for m in body if m["predicted_gemm_s"]]
+    predicted = statistics.median(planned) if planned else None
+    measured = profiles(run_dir)
+    fleet_profiles = {w: DeviceProfile(flops=p["flops"], memory_bytes=512 * 1024**2, downlink_bytes_per_s=p["down"],
+                                       uplink_bytes_per_s=p["up"], latency_s=p["latency_s"]) for w, p in measured.items()}
+    shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
+    simulated = simulate_step(fleet_profiles, shapes, 4, planner=planner, steps=2)  # the same measured profiles
+    return {"planner": planner, "measured_gemm_s": gemm, "predicted_gemm_s": predicted,
+            "gemm_measured_over_predicted": gemm / predicted if predicted else None,
+            "simulated_gemm_s": simulated, "gemm_measured_over_simulated": gemm / simulated,
+            "measured_step_s": statistics.median(m["step_time_s"] for m in body), "steps": steps,
+            "gemms": gemm_table(run_dir / "logs" / "ps.log"), "profiles": measured,
+            "losses": [m["loss"] for m in lines]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--preset", default="small")
+    args = p.parse_args()
+    why = netlab.unavailable()
+    if why:
+        sys.exit(f"real_links needs network namespaces: {why}")
+    job = JobConfig(job_id="real-links", preset=args.preset, steps=args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        cost = run("cost", job, Path(tmp) / "cost")
+        even = run("even", job.model_copy(update={"job_id": "real-links-even"}), Path(tmp) / "even")
+    out = {"preset": args.preset, "links": [link.__dict__ for link in LINKS], "cost": cost, "even": even,
+           "even_over_cost_measured": even["measured_gemm_s"] / cost["measured_gemm_s"],
+           "same_losses": all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(cost["losses"], even["losses"], strict=True))}
+    nan = float("nan")
+    for r in (cost, even):
+        print(f"{r['planner']:>5}: GEMMs {r['measured_gemm_s']:.2f}s/step measured vs {r['predicted_gemm_s'] or nan:.2f}s "
+              f"predicted -> x{r['gemm_measured_over_predicted'] or nan:.2f}; simulated {r['simulated_gemm_s']:.2f}s -> "
+              f"x{r['gemm_measured_over_simulated']:.2f} (step {r['measured_step_s']:.2f}s)")
+        for name, g in sorted(r["gemms"].items(), key=lambda kv: -kv[1]["wall_s"]):
+            print(f"    {name:<28} {g['wall_s']:7.3f}s {g['planned_s']:7.3f}s  x{g['measured_over_planned']:.2f}")
+    print("measured profiles (cost run): " + ", ".join(
+        f"{w} {p['down'] / MB:.1f}/{p['up'] / MB:.1f} MB/s (shaped {p['shaped_down'] / MB:.1f}/{p['shaped_up'] / MB:.1f})"
+        for w, p in cost["profiles"].items()))
+    print(f"even split / cost-aware plan (measured GEMM time): x{out['even_over_cost_measured']:.2f}; "
+          f"losses identical under both plans: {out['same_losses']}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(out, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
