@@ -115,15 +115,15 @@ def allreduce_s(work: Workload, spec: PsSpec, replicas: int) -> float:
 
 def step_with_replicas(work: Workload, spec: PsSpec, fleet: dict[str, float], replicas: int) -> dict[str, float]:
     """One step's estimate with `replicas` PS replicas, from one PS's simulated step (`fleet`: "gemm_step_s"
-    as simulated, "ps_bytes" it sent, "ps_bandwidth" (0: unlimited) and "fleet_s", the planner's step without
-    the egress limit). The GEMM part scales with its binding bound (the fleet, or the replica's egress); the
-    PS's own work splits R ways and the all-reduce is added (neither overlaps the GEMMs: autograd runs them
-    in between)."""
-    bw = fleet["ps_bandwidth"]
+    as simulated, "ps_bytes" it sent, "ps_bandwidth" (0: unlimited) and "fleet_s", the scheduler's
+    prediction for the fleet alone, without the egress limit). The GEMM part scales with its binding bound
+    (the fleet, or the replica's egress) and never drops below "fleet_s"; the PS's own work splits R ways and
+    the all-reduce is added (neither overlaps the GEMMs: autograd runs them in between)."""
+    bw, fleet_s = fleet["ps_bandwidth"], fleet["fleet_s"]
     egress = fleet["ps_bytes"] * egress_share(work, replicas) / bw if bw else 0.0
-    egress_one = fleet["ps_bytes"] / bw if bw else 0.0
-    bound_one = max(fleet["fleet_s"], egress_one)
-    gemm = fleet["gemm_step_s"] * max(fleet["fleet_s"], egress) / bound_one if bound_one else fleet["gemm_step_s"]
+    bound_one = max(fleet_s, fleet["ps_bytes"] / bw if bw else 0.0)
+    scaled = fleet["gemm_step_s"] * max(fleet_s, egress) / bound_one if bound_one else fleet["gemm_step_s"]
+    gemm = max(fleet_s, scaled) if replicas > 1 else fleet["gemm_step_s"]
     compute = ps_flops(work)["total"] / spec.flops / replicas
     reduce = allreduce_s(work, spec, replicas)
     return {"replicas": replicas, "step_s": gemm + compute + reduce, "gemm_s": gemm, "egress_s": egress,

@@ -127,15 +127,15 @@ def per_device(stats: list[StepStats]) -> tuple[dict[int, float], dict[int, floa
 
 def predicted_step(sim: Simulation, work: Workload) -> tuple[float, float, float]:
     """On the starting fleet (the first layout): (what the scheduler predicts, `Plan.predicted_step_s`: the
-    planner's blocks as the PS deals them and devices stream them; the planner's own overlapped ideal; its
-    busiest devices alone, without the PS's egress limit)."""
+    planner's blocks as the PS deals them and devices stream them; the planner's own overlapped ideal; the
+    scheduler's prediction for the fleet alone, without the PS's egress limit)."""
     plan = sim.scheduler.plans[0]
     dealt = ideal = devices = 0.0
     for s in work.shapes:
         dealt += sim.cutter.tileset(0, plan, s.m, s.n, s.k)[1] * s.count_per_step
         gp = sim.cutter.gemm_plan(0, plan, s.m, s.n, s.k)
         ideal += gp.makespan_s * s.count_per_step
-        devices += gp.device_time_s * s.count_per_step
+        devices += sim.cutter.dealt.get((0, s.m, s.n, s.k), gp.device_time_s) * s.count_per_step
     return dealt, ideal, devices
 
 
