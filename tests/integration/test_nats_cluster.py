@@ -109,7 +109,7 @@ def job_of(steps: int, job_id: str) -> JobConfig:
     return JobConfig.build(job_id=job_id, preset="tiny", steps=steps, seed=0, batch_size=4)
 
 
-@pytest.mark.slow  # about 70 s: a reference run, 10 steps, a fail-over and the catch-up
+@pytest.mark.slow  # 70-110 s here: a reference run, 10 steps, a fail-over and the catch-up
 def test_a_cluster_job_survives_a_nats_server_killed_and_restarted(tmp_path):
     job = job_of(10, "cluster-kill")
     want = [m["loss"] for m in run_reference(job, tmp_path / "ref.jsonl")]
@@ -155,7 +155,7 @@ def site_worker_bytes(monitor: str) -> dict[str, int]:
     return {c["name"]: c["out_bytes"] for c in conns if c.get("name", "").startswith("cleave-worker-")}
 
 
-@pytest.mark.slow  # about 65 s each
+@pytest.mark.slow  # 50-70 s each
 @pytest.mark.parametrize("fanout", [True, False], ids=["fanout", "direct"])
 def test_a_strip_crosses_a_site_link_once(tmp_path, fanout):
     steps = 3
