@@ -25,6 +25,7 @@ from tests.integration.fleet import assert_same
 
 JOB_TIMEOUT_S = 300.0
 CATCH_UP_TIMEOUT_S = 60.0
+SAME_PROFILE = "flops=2e10,down=1e8,up=5e7,latency=0.001,memory=536870912"
 
 
 def get_json(url: str) -> dict:
@@ -155,30 +156,39 @@ def site_worker_bytes(monitor: str) -> dict[str, int]:
     return {c["name"]: c["out_bytes"] for c in conns if c.get("name", "").startswith("cleave-worker-")}
 
 
-@pytest.mark.slow  # 50-70 s each
+@pytest.mark.slow  # 20-60 s each here
 @pytest.mark.parametrize("fanout", [True, False], ids=["fanout", "direct"])
 def test_a_strip_crosses_a_site_link_once(tmp_path, fanout):
-    steps = 3
+    steps = 4
     job = job_of(steps, f"leaf-{fanout}")
-    fleet = LocalFleet(tmp_path / "run", 2, sites=("lab",))
+    # both declare one profile, so the cost plan splits every GEMM between them (measured profiles differ
+    # from run to run, and the plan may then give a small GEMM whole to one worker: nothing shared)
+    fleet = LocalFleet(tmp_path / "run", 2, sites=("lab",), worker_env={"CLEAVE_WORKER_PROFILE": SAME_PROFILE})
     metrics = tmp_path / "run.jsonl"
+    first: dict[str, object] = {}  # the counters once step 0 is done: the plan has settled on both workers
+
+    def on_line(m: dict) -> None:
+        if m["step"] == 0 and not first:
+            first["link"] = leaf_link_out_bytes(fleet)
+            first["workers"] = site_worker_bytes(fleet.stack.sites["lab"].monitor)
+
     try:
         fleet.start()
         fleet.start_ps(job, metrics, ps_env={"CLEAVE_PS_FANOUT": str(fanout).lower()})
-        before = leaf_link_out_bytes(fleet)  # heartbeats and plans so far
-        lines = fleet.wait_ps(metrics, timeout_s=JOB_TIMEOUT_S)
-        link = leaf_link_out_bytes(fleet) - before
-        workers = site_worker_bytes(fleet.stack.sites["lab"].monitor)
+        lines = fleet.wait_ps(metrics, on_line, timeout_s=JOB_TIMEOUT_S)
+        link = leaf_link_out_bytes(fleet) - first["link"]
+        now = site_worker_bytes(fleet.stack.sites["lab"].monitor)
+        workers = {w: b - first["workers"].get(w, 0) for w, b in now.items()}
     finally:
         fleet.stop()
-    assert len(workers) == 2 and all(m["workers"] == 2 for m in lines), (workers, lines)
+    assert len(workers) == 2 and all(m["workers"] == 2 for m in lines[1:]), (workers, lines)
     received = sum(workers.values())
-    gemms = steps * sum(s.count_per_step for s in gemm_shapes(job.arch(), job.batch_size, job.seq))
+    gemms = (steps - 1) * sum(s.count_per_step for s in gemm_shapes(job.arch(), job.batch_size, job.seq))
     ratio = link / received
     print(f"fan-out {fanout}: per GEMM {link / gemms:.0f} B across the leaf link, {received / gemms:.0f} B "
           f"received by its 2 workers: {ratio:.3f}")
-    if fanout:  # a strip both workers need crosses once and reaches each (measured: 0.96 on this plan)
-        assert ratio < 0.99, (link, workers)
+    if fanout:  # a strip both workers need crosses once and reaches each
+        assert ratio < 0.9, (link, workers)  # measured 0.79-0.80
     else:  # every block goes to its worker on its own: the link carries exactly what they receive
         assert ratio >= 0.99, (link, workers)
     assert ratio > 0.5  # a byte crossing once reaches at most two workers
