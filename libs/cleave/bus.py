@@ -62,6 +62,7 @@ HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
 SERVER_MAX_PENDING = 64 * 1024 * 1024
 SERVER_WRITE_DEADLINE_S = 20
 SERVER_LIMITS = f'max_pending: {SERVER_MAX_PENDING}\nwrite_deadline: "{SERVER_WRITE_DEADLINE_S}s"'
+MAX_REPLICAS = 3  # JetStream replicas of every stream, KV bucket and object store on a cluster (R3)
 
 
 class Bus:
@@ -73,6 +74,8 @@ class Bus:
         self.rejected: dict[str, int] = {}  # reason -> count of messages refused on receipt
         self.on_dropped: list[Callable[[str], None]] = []  # told the subject of a message dropped unread
         self.closing = False  # set by close(): the disconnection that follows is expected
+        self.replicas = replicas_of(nc)  # of what setup, kv and object_store create
+
 
     @property
     def reconnects(self) -> int:
@@ -141,7 +144,7 @@ class Bus:
         """Create the stream and buckets every service relies on; safe to call again and concurrently."""
         await _ensure_stream(self.js, StreamConfig(
             name=EVENTS_STREAM, subjects=[SUBJECT_EVENTS_ALL], storage=StorageType.FILE,
-            max_bytes=256 * 1024 * 1024, max_msg_size=MAX_CONTROL_BYTES,
+            max_bytes=256 * 1024 * 1024, max_msg_size=MAX_CONTROL_BYTES, num_replicas=self.replicas,
         ))
         await self.kv(REGISTRY_BUCKET, ttl_s=registry_ttl_s)
         await self.kv(PLAN_BUCKET, history=5)
@@ -154,7 +157,8 @@ class Bus:
             pass
         try:
             return await asyncio.wait_for(
-                self.js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history)),
+                self.js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history,
+                                                       replicas=self.replicas)),
                 DEFAULT_TIMEOUT_S,
             )
         except Exception:  # created concurrently by another service: use theirs
@@ -240,7 +244,8 @@ class Bus:
             pass
         try:
             return await asyncio.wait_for(
-                self.js.create_object_store(bucket, ObjectStoreConfig(bucket=bucket)), DEFAULT_TIMEOUT_S
+                self.js.create_object_store(bucket, ObjectStoreConfig(bucket=bucket, replicas=self.replicas)),
+                DEFAULT_TIMEOUT_S,
             )
         except Exception:  # created concurrently
             return await asyncio.wait_for(self.js.object_store(bucket), DEFAULT_TIMEOUT_S)
@@ -280,6 +285,16 @@ class Bus:
             await asyncio.wait_for(self.nc.drain(), DEFAULT_TIMEOUT_S)
         except Exception:
             await self.nc.close()
+
+
+def replicas_of(nc: Client) -> int:
+    """R3 on a cluster of three or more servers, else as many as it has: the servers this client knows
+    (the URLs it was given and those the cluster advertised), capped at `MAX_REPLICAS`."""
+    info = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    urls = {str(u) for u in info.get("connect_urls") or []}
+    return max(1, min(MAX_REPLICAS, len(urls) or 1, len(nc.servers)))
 
 
 async def _ensure_stream(js, config: StreamConfig) -> None:

@@ -275,3 +275,6 @@ def test_cli_report_writes_json_and_plots(tmp_path, capsys):
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["claims"]["traffic"]["opt-125m"]["falls_as_devices_join"] is True
     assert {(r["devices"], r["churn"]) for r in doc["churn"]} == {(16, rate) for rate in CHURN_RATES}
+    bill = {r["devices"]: r for r in doc["claims"]["ps"]}
+    assert set(bill) == {16, 32} and all(r["bound"] in ("fleet", "ps_egress", "ps_compute", "ps_memory")
+                                         for r in bill.values())

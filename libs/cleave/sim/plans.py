@@ -92,6 +92,7 @@ class Cutter:
     cache_bytes: int = dealing.UNLIMITED  # the workers' block cache (pieces stream only where it holds inputs)
     cache: dict[tuple, tuple[TileSet, float]] = field(default_factory=dict)
     gemm_plans: dict[tuple, Any] = field(default_factory=dict)
+    dealt: dict[tuple, float] = field(default_factory=dict)  # the fleet's part of each prediction (no egress)
 
     def tileset(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         """(the tiles, the predicted makespan) of C[m, n] = A[m, k] · B[k, n] under the layout `version`
@@ -127,6 +128,7 @@ class Cutter:
         profiles = {dev.id: dev.profile for dev in fleet.devices()}
         dealt = dealing.dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window,
                                        dict.fromkeys(profiles, self.cache_bytes))
+        self.dealt[(version, m, n, k)] = dealt
         return TileSet(m, n, k, b, cut, owners, gp.egress_s, self.chunks), max(dealt, gp.egress_s)
 
     def gemm_plan(self, version: int, plan: Plan, m: int, n: int, k: int) -> planner.GemmPlan:

@@ -138,6 +138,26 @@ def _recovery(points: list[dict[str, Any]], base: SimConfig) -> dict[str, Any]:
     return out
 
 
+def _ps_bill(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, fleet): what bounds one PS's step, and the PS replicas the job needs (`cleave.sim.ps`)."""
+    rows = []
+    for p in points:
+        c = p["systems"]["cleave"]
+        ps = c.get("ps")
+        if not c["feasible"] or not ps:
+            continue
+        best = ps["with_replicas"]
+        rows.append({
+            "model": p["model"], "devices": p["devices"], "bound": ps["bound"], "time_bound": ps["time_bound"],
+            "step_s": c["step_s"], "ps_compute_s": ps["compute_s"], "ps_egress_s": ps["egress_s"],
+            "fleet_s": ps["fleet_s"], "ps_memory_bytes": ps["memory_bytes"]["total"],
+            "replicas_by_memory": ps["replicas_by_memory"], "replicas": ps["replicas"],
+            "step_s_with_replicas": best["step_s"] if best else None,
+            "allreduce_s": best["allreduce_s"] if best else None,
+        })
+    return rows
+
+
 def claims(points: list[dict[str, Any]], base: SimConfig) -> dict[str, Any]:
     """The published claims, checked against the sweep."""
     systems = [s for s in points[0]["systems"] if s != "cleave"] if points else []
@@ -162,6 +182,7 @@ def claims(points: list[dict[str, Any]], base: SimConfig) -> dict[str, Any]:
         "largest_fleet": largest,
         "traffic": {m: _traffic(points, m) for m in models},
         "recovery_at_base": _recovery(points, base),
+        "ps": _ps_bill(points),
     }
 
 

@@ -17,6 +17,7 @@ from cleave.errors import ConfigError
 from cleave.fleet import Fleet, load_fleet, synthetic_fleet
 from cleave.sim.baselines import SystemResult, alpa, dp_tp
 from cleave.sim.pipelines import asteroid, dtfm, pipeline
+from cleave.sim.ps import DEFAULT_PS_FLOPS, DEFAULT_PS_LINK, DEFAULT_PS_MEMORY, PsSpec, charge
 from cleave.sim.step import Simulation, StepStats, recovery_over_step
 from cleave.sim.workload import Links, Workload
 from cleave.sim.world import World
@@ -58,6 +59,9 @@ class SimConfig:
     window: int = 1  # tiles in flight per worker beyond its planned pieces (1: stealing waits for idle workers)
     replan_every_s: float = 0.0  # > 0: recompute the planner's layout at most this often
     fan_out: bool = True  # shared blocks published once to their group, as the PS does
+    ps_flops: float = DEFAULT_PS_FLOPS  # the PS's FLOP/s for its own work (attention, norms, loss, optimizer)
+    ps_memory: float = DEFAULT_PS_MEMORY  # one PS machine's memory, bytes
+    ps_link: float = DEFAULT_PS_LINK  # bytes/s between PS replicas (their gradient all-reduce)
     systems: tuple[str, ...] = SYSTEMS
 
 
@@ -121,15 +125,26 @@ def per_device(stats: list[StepStats]) -> tuple[dict[int, float], dict[int, floa
     return down, up
 
 
-def predicted_step(sim: Simulation, work: Workload) -> tuple[float, float]:
+def predicted_step(sim: Simulation, work: Workload) -> tuple[float, float, float]:
     """On the starting fleet (the first layout): (what the scheduler predicts, `Plan.predicted_step_s`: the
-    planner's blocks as the PS deals them and devices stream them; the planner's own overlapped ideal)."""
+    planner's blocks as the PS deals them and devices stream them; the planner's own overlapped ideal; the
+    scheduler's prediction for the fleet alone, without the PS's egress limit)."""
     plan = sim.scheduler.plans[0]
-    dealt = ideal = 0.0
+    dealt = ideal = devices = 0.0
     for s in work.shapes:
         dealt += sim.cutter.tileset(0, plan, s.m, s.n, s.k)[1] * s.count_per_step
-        ideal += sim.cutter.gemm_plan(0, plan, s.m, s.n, s.k).makespan_s * s.count_per_step
-    return dealt, ideal
+        gp = sim.cutter.gemm_plan(0, plan, s.m, s.n, s.k)
+        ideal += gp.makespan_s * s.count_per_step
+        devices += sim.cutter.dealt.get((0, s.m, s.n, s.k), gp.device_time_s) * s.count_per_step
+    return dealt, ideal, devices
+
+
+def charge_ps(cfg: SimConfig, work: Workload, gemm_step_s: float, ps_bytes: float, fleet_s: float) -> dict[str, Any]:
+    """The PS's own bill for the simulated step and the replicas the job needs (`cleave.sim.ps.charge`)."""
+    spec = PsSpec(cfg.ps_flops, cfg.ps_memory, cfg.ps_link)
+    fleet = {"gemm_step_s": gemm_step_s, "ps_bytes": ps_bytes, "ps_bandwidth": cfg.ps_bandwidth or 0.0,
+             "fleet_s": fleet_s}
+    return charge(work, spec, fleet)
 
 
 def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
@@ -146,11 +161,16 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         )
     down, up = per_device(stats)
     predicted = predicted_step(sim, work)
-    step = float(np.mean([st.step_s for st in stats]))
+    gemm_step = float(np.mean([st.step_s for st in stats]))
+    ps_bytes = float(np.mean([st.ps_bytes for st in stats]))
+    ps = charge_ps(cfg, work, gemm_step, ps_bytes, predicted[2])
+    step = ps["step_s"]  # the GEMMs as simulated, then the PS's own work (autograd runs it between them)
     extra = {
+        "gemm_step_s": gemm_step,
+        "ps": ps,
         "predicted_step_s": predicted[0],
         "planner_ideal_step_s": predicted[1],
-        "steps": [st.step_s for st in stats],
+        "steps": [st.step_s + ps["compute_s"] for st in stats],
         "tiles": sum(st.tiles for st in stats),
         "tiles_resent": sum(st.resent for st in stats),
         "speculated": sum(st.speculated for st in stats),
@@ -158,7 +178,7 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         "gemms_simulated": sum(st.gemms_simulated for st in stats),
         "plans": len(sim.scheduler.plans),
         "max_device_down_bytes": max(down.values()),
-        "ps_bytes_per_step": float(np.mean([st.ps_bytes for st in stats])),  # tiles, and fan-out blocks once
+        "ps_bytes_per_step": ps_bytes,  # tiles, and fan-out blocks once
         "distinct_input_bytes": float(sum((s.m + s.n) * s.k * work.dtype_bytes * s.count_per_step for s in work.shapes)),
         "recovery": recovery,
         "sim_wall_s": time.perf_counter() - t0,
@@ -174,7 +194,7 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         used,
         None,
         step,
-        "planned blocks, dealt by the PS's dealing core",
+        "planned blocks, dealt by the PS's dealing core; the PS's own work charged",
         extra,
     )
 

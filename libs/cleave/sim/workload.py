@@ -3,7 +3,8 @@ collective-communication formulas the baselines share (pure arithmetic).
 
 Conventions, shared by every system so that they compare like with like:
 - Only the linear layers' GEMMs count as device work (attention products, norms and the loss are left
-  out everywhere; Cleave's PS does them, and for the baselines they are a few per cent of the FLOPs).
+  out of the baselines, for whom they are a few per cent of the FLOPs spread over the devices; Cleave's
+  PS does them itself and is charged for them, `cleave.sim.ps`).
 - A device holding weights holds `STATE_FACTOR` x their bytes: the weights and twice as much optimizer
   state, the published baselines' memory model.
 - Activations are checkpointed (generous to the baselines): a layer keeps only its input for the
@@ -146,13 +147,24 @@ class Links:
 
     def allgather_s(self, total_bytes: float, p: int) -> float:
         """All-gather of `total_bytes` over rings of `p` of these devices."""
-        if p <= 1:
-            return 0.0
-        return (p - 1) / p * total_bytes / self.ring_bw + (p - 1) * self.hop_s
+        return ring_allgather_s(total_bytes, p, self.ring_bw, self.hop_s)
 
     def allreduce_s(self, nbytes: float, p: int) -> float:
         """All-reduce of `nbytes` (each device's buffer) over rings of `p` devices."""
-        return 2.0 * self.allgather_s(nbytes, p)
+        return ring_allreduce_s(nbytes, p, self.ring_bw, self.hop_s)
+
+
+def ring_allgather_s(total_bytes: float, p: int, bandwidth: float, hop_s: float) -> float:
+    """Seconds of a ring all-gather of `total_bytes` among `p` members whose slowest hop moves `bandwidth`
+    bytes/s and costs `hop_s`: p - 1 rounds, each member sending 1/p of the data a round."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) / p * total_bytes / bandwidth + (p - 1) * hop_s
+
+
+def ring_allreduce_s(nbytes: float, p: int, bandwidth: float, hop_s: float) -> float:
+    """A ring all-reduce of each member's `nbytes`: a reduce-scatter and an all-gather."""
+    return 2.0 * ring_allgather_s(nbytes, p, bandwidth, hop_s)
 
 
 def ring_bytes(nbytes: float, p: int) -> float:

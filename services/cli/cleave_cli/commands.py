@@ -99,10 +99,14 @@ def summarize(lines: list[dict], metrics_out: Path) -> None:
 
 def up(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir("up")
-    fleet = LocalFleet(run_dir, args.workers)
+    if args.nats_cluster < 0:
+        raise ConfigError(f"--nats-cluster must be at least 1, got {args.nats_cluster}")
+    fleet = LocalFleet(run_dir, args.workers, nats_cluster=args.nats_cluster, sites=tuple(args.site))
     try:
         fleet.start()
         print(f"NATS {fleet.stack.nats_url} (monitoring {fleet.stack.nats_monitor}); stack.json in {run_dir}")
+        for name, site in fleet.stack.sites.items():
+            print(f"site {name}: leaf node {site.url} (monitoring {site.monitor}); its workers connect there")
         print(f"dashboard: {start_monitor(fleet.stack)}")
         print(f"train on it with: cleave train --nats {fleet.stack.nats_url} --preset tiny")
         print("Ctrl-C (or SIGTERM, SIGHUP) stops everything", flush=True)

@@ -67,6 +67,8 @@ class LocalFleet:
     nats_url: str | None = None
     worker_env: dict[str, str] = field(default_factory=dict)
     scheduler_env: dict[str, str] = field(default_factory=dict)
+    nats_cluster: int = 0  # > 0: that many routed nats-servers (JetStream R3 from 3) instead of one
+    sites: tuple[str, ...] = ()  # a leaf node per site; the workers are dealt to the sites in turn
     stack: Stack = field(init=False)
     next_worker: int = 0
     ps_names: list[str] = field(default_factory=lambda: ["ps"])  # the PS, or its replicas
@@ -77,6 +79,8 @@ class LocalFleet:
     def start(self, with_fleet: bool = True) -> None:
         if self.nats_url:
             self.stack.nats_url = self.nats_url
+        elif self.nats_cluster or self.sites:
+            self.start_topology()
         else:
             self.stack.start_nats()
         if with_fleet:
@@ -84,10 +88,19 @@ class LocalFleet:
             for _ in range(self.workers):
                 self.add_worker()
 
-    def add_worker(self, env: dict[str, str] | None = None, restart: bool = True) -> str:
+    def start_topology(self) -> None:
+        """The hub (a cluster of `nats_cluster` servers, or one) and a leaf node per site."""
+        self.stack.start_nats_cluster(max(1, self.nats_cluster))
+        for site in self.sites:
+            self.stack.start_site(site)
+
+    def add_worker(self, env: dict[str, str] | None = None, restart: bool = True, site: str | None = None) -> str:
+        """One more worker, on `site`'s leaf node (by default the next site in turn, if there are sites)."""
         self.next_worker += 1
         name = f"worker-{self.next_worker}"
-        self.stack.service(name, "worker", ["--worker-id", f"{self.run_dir.name}-w{self.next_worker}"],
+        site = site or (self.sites[(self.next_worker - 1) % len(self.sites)] if self.sites else None)
+        via = ["--nats", self.stack.sites[site].url] if site else []  # the later --nats wins
+        self.stack.service(name, "worker", ["--worker-id", f"{self.run_dir.name}-w{self.next_worker}", *via],
                            env={**self.worker_env, **(env or {})}, restart=restart)
         return name
 

@@ -39,6 +39,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="run nats, scheduler and workers in the foreground until Ctrl-C")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--run-dir", type=Path)
+    p.add_argument("--nats-cluster", type=int, default=0, metavar="N",
+                   help="N routed nats-servers with JetStream replicated (R3 from 3) instead of one")
+    p.add_argument("--site", action="append", default=[], metavar="NAME",
+                   help="a leaf node for site NAME (repeatable); the workers are dealt to the sites in turn")
 
     p = sub.add_parser("train", help="run one training job")
     src = p.add_mutually_exclusive_group()

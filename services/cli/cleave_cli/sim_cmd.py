@@ -3,11 +3,15 @@
     cleave sim --model opt-13b --devices 256 --fleet synthetic --batch 128 --seq 1024 [--dtype fp16]
                [--churn RATE] [--stragglers FRACTION] [--hidden-stragglers] [--steps N] [--seed S]
                [--memory BYTES] [--ps-bandwidth BYTES_PER_S] [--tile ROWSxCOLS] [--chunks N] [--window N]
-               [--replan-every S] [--no-fanout] [--systems a,b,...]
+               [--replan-every S] [--no-fanout] [--ps-flops F] [--ps-memory BYTES] [--ps-link BYTES_PER_S]
+               [--systems a,b,...]
                [--json] [--report DIR]
 
 Cleave is simulated GEMM by GEMM with the planner and the PS's tile ledger; the baselines (alpa, dp_tp,
-dtfm, asteroid, pipeline) are cost models with a memory check. `--json` prints
+dtfm, asteroid, pipeline) are cost models with a memory check. The PS is charged for its own work
+(attention, norms, softmax and loss, the optimizer) at --ps-flops and its memory (weights, optimizer state,
+saved activations) against --ps-memory; `systems.cleave.ps` says what bounds one PS's step, how many
+data-parallel PS replicas the job needs and their gradient all-reduce on --ps-link. `--json` prints
 `{"config": {...}, "systems": {NAME: {"step_s", "feasible", "recovery_s", "per_device_down_bytes",
 "per_device_up_bytes", ...}}}`; `--report DIR` sweeps models and fleet sizes and writes report.json and
 PNG plots there (docs/evaluation.md describes them).
@@ -52,6 +56,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--ps-bandwidth", type=float, default=None,
         help="the PS's egress, bytes/s (default 1.25e9: 10 Gbit/s; 0: unlimited, as the published baselines assume)"
     )
+    p.add_argument("--ps-flops", type=float, default=None,
+                   help="the PS's FLOP/s for its own work (default 5e12: a 64-core cloud VM)")
+    p.add_argument("--ps-memory", type=float, default=None,
+                   help="one PS machine's memory in bytes (default 512 GiB)")
+    p.add_argument("--ps-link", type=float, default=None,
+                   help="bytes/s between PS replicas, for their all-reduce (default 1.25e9: 10 Gbit/s)")
     p.add_argument("--no-fanout", action="store_true",
                    help="send every block with its tile (the PS's CLEAVE_PS_FANOUT=false)")
     p.add_argument("--tile", default=None, help="cut planned blocks into tiles of at most ROWSxCOLS")
@@ -105,6 +115,13 @@ def config(args: argparse.Namespace) -> Any:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
     if not 0 <= args.stragglers <= 1 or args.churn < 0:
         raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
+    ps = {}
+    for flag, key in (("--ps-flops", "ps_flops"), ("--ps-memory", "ps_memory"), ("--ps-link", "ps_link")):
+        value = getattr(args, key)
+        if value is not None:
+            if not value > 0:
+                raise ConfigError(f"{flag} must be positive, got {value}")
+            ps[key] = value
     return SimConfig(
         model=args.model,
         devices=args.devices,
@@ -125,6 +142,7 @@ def config(args: argparse.Namespace) -> Any:
         replan_every_s=args.replan_every,
         fan_out=not args.no_fanout,
         systems=parse_systems(args.systems),
+        **ps,
     )
 
 
@@ -181,3 +199,17 @@ def print_table(doc: dict[str, Any], out: TextIO) -> None:
             f"{_fmt(me['planner_ideal_step_s'])} s); recovery is the mean over the step's GEMMs, the slowest "
             f"{_fmt(rec['worst_s'])} s ({rec['worst']['gemm']})\n"
         )
+        print_ps(me["ps"], out)
+
+
+def print_ps(ps: dict[str, Any], out: TextIO) -> None:
+    """The PS's line of the table: its own work, its memory, what bounds it, the replicas the job needs."""
+    need = ps["replicas"]
+    out.write(
+        f"PS: own work {ps['flops']['total']:.3g} FLOP = {_fmt(ps['compute_s'])} s a step, memory "
+        f"{_fmt(ps['memory_bytes']['total'], 'B')} (state {_fmt(ps['memory_bytes']['state'], 'B')}), egress "
+        f"{_fmt(ps['egress_s'])} s; one PS is bound by {ps['bound']}; "
+        + (f"{need} replica(s) needed: {_fmt(ps['with_replicas']['step_s'])} s a step, all-reduce "
+           f"{_fmt(ps['with_replicas']['allreduce_s'])} s\n" if need else
+           "no number of data-parallel replicas fits (the state alone exceeds --ps-memory)\n")
+    )

@@ -78,6 +78,8 @@ class Stack:
         self.max_payload = max_payload
         self._nats_port = 0
         self._monitor_port = 0
+        self.nodes: list = []  # cleave_cli.topology.Node of a cluster (start_nats_cluster), else empty
+        self.sites: dict = {}  # site name -> cleave_cli.topology.Site (start_site)
 
     # ---- nats ----------------------------------------------------------------------------------------
     def start_nats(self) -> str:
@@ -96,7 +98,7 @@ class Stack:
         return self.nats_url
 
     def _wait_ready(self, proc: Proc) -> None:
-        log = self.run_dir / "logs" / "nats.log"
+        log = self.run_dir / "logs" / f"{proc.name}.log"
         deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
@@ -107,6 +109,50 @@ class Stack:
                     return
             time.sleep(0.05)
         raise CleaveError(f"nats-server not ready after {DEFAULT_READY_TIMEOUT_S}s; see {log}")
+
+    # ---- a nats cluster and site leaf nodes (cleave_cli.topology) -------------------------------------
+    def start_nats_cluster(self, size: int) -> str:
+        """Start `size` routed nats-servers with JetStream (R3 where size >= 3) and leaf-node listeners;
+        `nats_url` becomes their comma-separated list, which every service's connection accepts."""
+        from cleave_cli import topology
+
+        self.nodes = self.nodes or [topology.Node(f"nats-{i + 1}") for i in range(size)]
+        for node in self.nodes:
+            conf = self.run_dir / f"{node.name}.conf"
+            store = (self.run_dir / "jetstream" / node.name).as_posix()
+            conf.write_text(topology.node_config(node, self.nodes, store, self.max_payload))
+            self.spawn(node.name, "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
+        for node in self.nodes:
+            self._wait_ready(self.procs[node.name])
+        topology.wait_healthy([n.monitor for n in self.nodes], DEFAULT_READY_TIMEOUT_S)
+        self.nats_url = ",".join(n.url for n in self.nodes)
+        self.nats_monitor = self.nodes[0].monitor
+        self.write_stack_json()
+        return self.nats_url
+
+    def start_site(self, name: str) -> str:
+        """Start a leaf node for site `name`, dialling the cluster's leaf-node ports; returns the URL the
+        site's workers connect to."""
+        from cleave_cli import topology
+
+        if not self.nodes:
+            self.start_nats_cluster(1)
+        site = self.sites.get(name) or topology.Site(topology.check_site_name(name))
+        self.sites[name] = site
+        conf = self.run_dir / f"leaf-{name}.conf"
+        conf.write_text(topology.leaf_config(site, self.nodes, self.max_payload))
+        proc = self.spawn(f"nats-leaf-{name}", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
+        self._wait_ready(proc)
+        topology.wait_leaf_connected(site.monitor, DEFAULT_READY_TIMEOUT_S)
+        self.write_stack_json()
+        return site.url
+
+    def topology_json(self) -> dict:
+        """stack.json's view of the cluster nodes and the sites (empty for the single embedded server)."""
+        if not self.nodes:
+            return {}
+        return {"nats_nodes": [{"name": n.name, "url": n.url, "monitor": n.monitor} for n in self.nodes],
+                "sites": {s.name: {"url": s.url, "monitor": s.monitor} for s in self.sites.values()}}
 
     # ---- services ------------------------------------------------------------------------------------
     def service(self, name: str, role: str, args: list[str] = (), env: dict[str, str] | None = None,
@@ -187,6 +233,7 @@ class Stack:
             "nats_monitor": self.nats_monitor,
             "dashboard_url": self.dashboard_url,
             "run_dir": str(self.run_dir),
+            **self.topology_json(),
             "processes": [
                 {"name": p.name, "role": p.role, "pid": p.popen.pid if p.popen else None,
                  "started_at": p.started_at, "restarts": p.restarts,
