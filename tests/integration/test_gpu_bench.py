@@ -22,10 +22,9 @@ def test_gpu_benchmark_runs_its_tiny_preset(tmp_path):
     assert "failed" not in row and "stopped" not in row, row
     assert len(row["losses"]) == len(row["reference_losses"]) == 2
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        assert row["losses_equal"] and row["max_abs_loss_diff"] == 0.0
-    else:
-        assert row["max_rel_loss_diff"] < 1e-4
+    # the envelope of every exactness test (tests/integration/fleet.py assert_same): a tile cut differently
+    # (after a worker is lost or a plan changes under load) may round its sums over K in another order
+    assert row["max_rel_loss_diff"] <= 1e-4, row
     assert row["median_step_s"] > 0 and row["reference_median_step_s"] > 0 and row["step_ratio"] > 0
     assert row["ps_peak_rss_gb"] > 0 and row["reference_peak_rss_gb"] > 0 and row["rss_ratio"] > 0
     assert len(row["workers_peak_rss_gb"]) == 2 and all(g > 0 for g in row["workers_peak_rss_gb"])

@@ -31,7 +31,7 @@ def task(worker_tag: str, tile: int, a: torch.Tensor, bt: torch.Tensor, reply: s
 
 async def test_a_tile_over_the_budget_gets_an_error_result_and_the_worker_goes_on(tmp_path, nats_url):
     fleet = LocalFleet(tmp_path, 0, nats_url=nats_url)
-    fleet.start(with_fleet=False)
+    fleet.start()  # the scheduler: a worker joins once it has measured its links against it
     name = fleet.add_worker(env=SMALL_ENV)
     worker_id = f"{tmp_path.name}-w1"
     bus = await busmod.connect(nats_url, "test-budget")

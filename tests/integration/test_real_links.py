@@ -101,7 +101,7 @@ def no_false_losses(tmp_path: Path, steps: int, min_training_s: float) -> None:
     assert all(m["workers"] == len(links) for m in lines[1:]), [m["workers"] for m in lines]
     for edge in ("edge1", "edge2"):
         probes = measured(fleet, edge)
-        assert len(probes) >= training_s / 5 / 2, probes  # it did re-probe, on a busy uplink
+        assert len(probes) >= max(2, training_s / 5 / 2), probes  # it did re-probe, on a busy uplink
         assert all(d < 12e6 and u < 6e6 for d, u in probes), probes
     slow = measured(fleet, "slow")  # never a default, never fast (less than the link while tiles share it)
     assert slow and all(d < 0.5e6 and u < 0.5e6 for d, u in slow), slow
@@ -114,7 +114,7 @@ def no_false_losses(tmp_path: Path, steps: int, min_training_s: float) -> None:
 
 @pytest.mark.timeout(600)
 def test_shaped_fleet_trains_like_the_reference_without_false_losses(tmp_path: Path) -> None:
-    no_false_losses(tmp_path, steps=40, min_training_s=15)
+    no_false_losses(tmp_path, steps=40, min_training_s=10)  # two re-probe periods at least
 
 
 @pytest.mark.slow

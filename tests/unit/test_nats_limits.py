@@ -7,10 +7,11 @@ from pathlib import Path
 from cleave import auth
 from cleave.bus import SERVER_LIMITS, SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S
 from cleave.dealer.model import DEFAULT_INFLIGHT_S
+from cleave_cli import topology
 from cleave_cli.stack import NATS_CONFIG, NATS_LIMITS
 from cleave_ps.settings import PsSettings
 
-COMPOSE_CONF = Path(__file__).parents[2] / "compose" / "nats" / "nats.conf"
+COMPOSE = Path(__file__).parents[2] / "compose" / "nats"
 
 
 def limits(conf: str) -> tuple[int, int]:
@@ -22,7 +23,11 @@ def limits(conf: str) -> tuple[int, int]:
 def test_every_shipped_config_sets_the_limits():
     local = NATS_CONFIG.format(port=4222, monitor_port=8222, max_payload=1 << 20, limits=NATS_LIMITS, store="/x")
     generated = auth.server_config([], auth.ServerOptions())
-    for conf in (local, generated, COMPOSE_CONF.read_text()):
+    nodes = [topology.Node(f"nats-{i}") for i in (1, 2, 3)]
+    cluster = [topology.node_config(n, nodes, "/x", 1 << 20) for n in nodes]
+    leaf = topology.leaf_config(topology.Site("lab"), nodes, 1 << 20)
+    compose = [(COMPOSE / f).read_text() for f in ("nats.conf", "cluster.conf", "leaf.conf")]
+    for conf in (local, generated, *cluster, leaf, *compose):
         assert limits(conf) == (SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S)
     assert SERVER_LIMITS in local and SERVER_LIMITS in generated
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cleave.errors import ConfigError
-from cleave_cli.stack import NATS_CONFIG, free_port
+from cleave_cli.stack import NATS_CONFIG, NATS_LIMITS, free_port
 
 CLUSTER_NAME = "cleave"
 CLUSTER_BLOCK = """\
@@ -33,6 +33,7 @@ server_name: leaf-{site}
 listen: 127.0.0.1:{port}
 http: 127.0.0.1:{monitor_port}
 max_payload: {max_payload}
+{limits}
 leafnodes {{
   remotes: [{{ urls: [{hubs}] }}]
 }}
@@ -86,7 +87,7 @@ def with_sync_always(conf: str) -> str:
 def node_config(node: Node, nodes: list[Node], store: str, max_payload: int) -> str:
     """The config of one hub node: routes to every other node (none for a cluster of one)."""
     conf = with_sync_always(NATS_CONFIG.format(port=node.port, monitor_port=node.monitor_port,
-                                               max_payload=max_payload, store=store))
+                                               max_payload=max_payload, limits=NATS_LIMITS, store=store))
     others = [n for n in nodes if n is not node]
     if others:
         routes = ", ".join(f"nats-route://127.0.0.1:{n.cluster_port}" for n in others)
@@ -101,7 +102,7 @@ def leaf_config(site: Site, nodes: list[Node], max_payload: int) -> str:
     """A site's leaf node, dialling every hub node (it fails over between them)."""
     hubs = ", ".join(f'"nats-leaf://127.0.0.1:{n.leaf_port}"' for n in nodes)
     return LEAF_CONFIG.format(site=site.name, port=site.port, monitor_port=site.monitor_port,
-                              max_payload=max_payload, hubs=hubs)
+                              max_payload=max_payload, limits=NATS_LIMITS, hubs=hubs)
 
 
 def check_site_name(name: str) -> str:
