@@ -41,9 +41,12 @@ from cleave_scheduler.settings import SchedulerSettings
 log = structlog.get_logger("scheduler")
 
 
+PROCESS_MIN_DEVICES = 100  # fleets this large are planned in a process of their own
+
+
 def planning_process() -> ProcessPoolExecutor:
-    """Plans are made in a process of their own: in a thread they would share the interpreter with the
-    heartbeats of the fleet they plan."""
+    """Large fleets are planned in a process of their own: in a thread the plan would share the interpreter
+    with the heartbeats of the fleet it plans."""
     return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
 
@@ -55,8 +58,8 @@ class Scheduler:
         self.changed = asyncio.Event()
         self.reasons: list[str] = []
         self.shapes: JobShapes | None = None
-        self.planner = planning_process()
-        self._warm = self.planner.submit(warm)  # its imports take seconds: plans wait for none of them
+        self.planner: ProcessPoolExecutor | None = None  # started for the first large fleet
+        self._warm = None
         self.replicas = ReplicaPlans()  # a job with several PS replicas: each one's part of the fleet
 
     async def start(self) -> None:
@@ -68,7 +71,18 @@ class Scheduler:
             self.registry.version = current[0].version
 
     def close(self) -> None:
-        self.planner.shutdown(cancel_futures=True)
+        if self.planner is not None:
+            self.planner.shutdown(cancel_futures=True)
+
+    def _executor(self, devices: int) -> ProcessPoolExecutor | None:
+        """The planning process for a fleet of `devices` (None: plan in a thread). It is started for the first
+        fleet of `PROCESS_MIN_DEVICES`; its imports take seconds, and until they are done a thread plans."""
+        if devices < PROCESS_MIN_DEVICES:
+            return None
+        if self.planner is None:
+            self.planner = planning_process()
+            self._warm = self.planner.submit(warm)
+        return self.planner if self._warm.done() else None
 
     async def on_heartbeat(self, hb: Heartbeat, nbytes: int) -> None:
         """Record a heartbeat; what goes to JetStream is queued (the outbox), never awaited here."""
@@ -133,14 +147,13 @@ class Scheduler:
             return plan  # nothing to lay out
         args = (with_layouts_encoded, codec.encode(plan), codec.encode(self.shapes), self.s.planner,
                 self.s.ps_bandwidth)
-        ready = self._warm.done()  # until the planning process has started, a thread plans
         try:
             try:
-                got = await asyncio.get_running_loop().run_in_executor(self.planner if ready else None, *args)
-            except BrokenProcessPool:  # it died (e.g. out of memory): a new one for next time, a thread now
+                got = await asyncio.get_running_loop().run_in_executor(self._executor(len(plan.workers)), *args)
+            except BrokenProcessPool:  # it died (e.g. out of memory): a new one next time, a thread now
                 log.warning("planning_process_died")
-                self.planner = planning_process()
-                self._warm = self.planner.submit(warm)
+                self.planner.shutdown(wait=False)
+                self.planner = None
                 got = await asyncio.to_thread(*args)
         except PlanError as e:
             log.warning("plan_not_cost_aware", error=str(e))
