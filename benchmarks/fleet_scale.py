@@ -102,7 +102,7 @@ class BusWatch:
             self.last_result[(r.step, r.op)] = time.time()
 
         self.subs = [await bus.nc.subscribe("cleave.hb.*", cb=on_hb),
-                     await bus.nc.subscribe(f"cleave.result.{job_id}.*", cb=on_result)]
+                     await bus.nc.subscribe(f"cleave.result.{job_id}.>", cb=on_result)]
 
 
 def gemm_tails(ps_log: Path, last_result: dict[tuple[int, int], float]) -> list[float]:
