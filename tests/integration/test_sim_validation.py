@@ -44,6 +44,7 @@ def measured_profiles(fleet: ShapedFleet) -> dict[str, DeviceProfile]:
     return out
 
 
+@pytest.mark.slow  # ~30 s: the default run keeps the shorter shaped-link training of test_real_links
 @pytest.mark.timeout(300)
 def test_the_cost_model_predicts_gemms_behind_shaped_links_within_20_percent(tmp_path, record_property):
     job = JobConfig(job_id=f"validate-{time.time_ns()}", preset="tiny", steps=STEPS)

@@ -16,6 +16,8 @@ from cleave.training import Trainer
 from cleave_cli.progress import Progress
 from cleave_cli.stack import Stack, free_port
 
+JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join before it starts
+
 DEFAULT_POLL_S = 0.2
 
 
@@ -108,6 +110,7 @@ class LocalFleet:
                  replicas: int = 1, replica_env: dict[int, dict[str, str]] | None = None) -> None:
         """The PS, or `replicas` PS replicas named ps-0, ps-1, ... (replica 0 writes the metrics; each may get
         extra `replica_env`), rendezvousing on a free local port."""
+        self.wait_joined()
         job_file = self.run_dir / "job.json"
         job_file.write_text(job.model_dump_json(indent=2))
         if metrics_out.exists():
@@ -122,6 +125,20 @@ class LocalFleet:
         for r, name in enumerate(self.ps_names):
             env = {**(ps_env or {}), **group, "CLEAVE_PS_REPLICA": str(r), **(replica_env or {}).get(r, {})}
             self.stack.service(name, "ps", [*args, "--metrics-out", str(metrics_out)] if r == 0 else args, env=env)
+
+    def wait_joined(self, timeout_s: float = JOIN_WAIT_S) -> None:
+        """Until the stack's scheduler has seen as many workers join as this stack started (a worker joins once
+        it has measured its links), so that the first step or round has them all; after `timeout_s` the PS
+        starts anyway and deals to those that are there."""
+        want = sum(p.role == "worker" for p in self.stack.procs.values())
+        log = self.run_dir / "logs" / "scheduler.log"
+        if not want or "scheduler" not in self.stack.procs:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if log.exists() and log.read_text(errors="replace").count("worker_joined") >= want:
+                return
+            time.sleep(0.1)
 
     def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
         """Supervise until the PS finishes the job; returns the metrics lines."""
