@@ -12,10 +12,12 @@ direction, the best of 2 tries of each right after the step), and the GEMM rate 
 step's shapes (the better of before and after the step). Prints step/floor, distributed/reference, the PS's
 CPU seconds per step split into serialisation, copies, bus, local compute and Python, and the fraction of
 the workers' time spent idle (1 - their compute seconds, from their heartbeats, over workers x wall time).
+Each point runs with the PS dealing one GEMM at a time (`--deferred 0`) and with weight gradients dealt
+beside the backward's other GEMMs (`deferred_gemms`, 8 by default), side by side.
 Writes benchmarks/results/step.json.
 
     nice -n 10 .venv/bin/python benchmarks/step.py [--presets tiny small] [--steps 12] [--workers 4]
-                                                   [--precision fp32|bf16|fp16]
+                                                   [--precision fp32|bf16|fp16] [--deferred 0 8]
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def weighted_median(sizes: Counter) -> int:
     return DEFAULT_BLOCK
 
 
-async def distributed(job: JobConfig, workers: int, run_dir: Path) -> dict:
+async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int) -> dict:
     # uniform tiles, as before this benchmark measured floors (comparable figures)
     fleet = LocalFleet(run_dir, workers, scheduler_env={
         "CLEAVE_SCHEDULER_PLANNER": "uniform",
@@ -130,7 +132,8 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path) -> dict:
         sampler = floors.CpuSampler()
         sampler.start()
         try:
-            code = await train(PsSettings(nats_url=url, metrics_out=metrics), job, bus, asyncio.Event())
+            settings = PsSettings(nats_url=url, metrics_out=metrics, deferred_gemms=deferred)
+            code = await train(settings, job, bus, asyncio.Event())
         finally:
             sampler.stop()
             await bus.close()
@@ -158,17 +161,17 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path) -> dict:
     }
 
 
-def bench(preset: str, steps: int, workers: int, precision: str) -> dict:
+def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) -> dict:
     job = JobConfig(job_id=f"bench-{preset}-{time.time_ns()}", preset=preset, steps=steps, precision=precision)
     ref_s, ref_losses = reference(job, steps)
     flops, gemm_s = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)  # workers compute in float32
     with tempfile.TemporaryDirectory() as tmp:
-        d = asyncio.run(distributed(job, workers, Path(tmp)))
+        d = asyncio.run(distributed(job, workers, Path(tmp), deferred))
     gemm_s = min(gemm_s, d["gemm_s_after"])  # the best rate, before or after the step
     bus_s = d["bytes_down"] / d["bus_rate_down"] + d["bytes_up"] / d["bus_rate_up"]
     floor = max(bus_s, gemm_s)
     return {
-        "preset": preset, "workers": workers, "steps": steps, "precision": precision,
+        "preset": preset, "workers": workers, "steps": steps, "precision": precision, "deferred_gemms": deferred,
         "reference_step_s": ref_s, "distributed_step_s": d["step_s"], "distributed_over_reference": d["step_s"] / ref_s,
         "ps_bytes_down_per_step": d["bytes_down"], "ps_bytes_up_per_step": d["bytes_up"],
         "msg_bytes_down": d["msg_bytes_down"], "msg_bytes_up": d["msg_bytes_up"],
@@ -184,7 +187,7 @@ def bench(preset: str, steps: int, workers: int, precision: str) -> dict:
 def report(r: dict) -> str:
     cpu = r["ps_cpu_s_per_step"]
     split = ", ".join(f"{k} {cpu[k]:.3f}" for k in floors.CATEGORIES)
-    return (f"{r['preset']:>6} {r['precision']}: step {r['distributed_step_s']:.3f}s vs reference "
+    return (f"{r['preset']:>6} {r['precision']} deferred {r['deferred_gemms']}: step {r['distributed_step_s']:.3f}s vs reference "
             f"{r['reference_step_s']:.3f}s (x{r['distributed_over_reference']:.1f}); floor {r['floor_s']:.3f}s "
             f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
             f"{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with {r['bus_pairs']} pairs, GEMMs "
@@ -200,10 +203,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--precision", nargs="+", default=["fp32"], choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--deferred", nargs="+", type=int, default=[0, 8],
+                   help="deferred_gemms settings to run side by side (0: one GEMM at a time)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     configure("bench", level="warning")
-    results = [bench(preset, args.steps, args.workers, prec) for preset in args.presets for prec in args.precision]
+    results = [bench(preset, args.steps, args.workers, prec, deferred) for preset in args.presets
+               for prec in args.precision for deferred in args.deferred]
     for r in results:
         print(report(r))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,15 @@ _compressor = zstandard.ZstdCompressor(level=1)
 
 
 # ---- tensors -----------------------------------------------------------------------------------------
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype name ("float32", "bfloat16", ...)."""
+    return _TORCH_DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES[dtype]
+
+
 def tensor_to_data(t: torch.Tensor) -> TensorData:
     """A CPU tensor as wire data (one copy of its bytes; bf16 travels as its 16-bit pattern)."""
     if t.dtype not in _DTYPE_NAMES:

@@ -132,10 +132,11 @@ class GemmLedger:
         return att
 
     def take(self, worker: str, now: float, score: Callable[[Tile], int] | None = None,
-             avoid: set[int] | frozenset[int] = frozenset()) -> Attempt | None:
+             avoid: set[int] | frozenset[int] = frozenset(), busy: bool = False) -> Attempt | None:
         """The next tile for `worker`: its own planned ones, then shared ones (cached inputs first), then,
-        if it has nothing in flight, one stolen from the device with the most left, so that fast devices take
-        more (a busy worker would only queue the stolen tile behind its own work)."""
+        if it has nothing in flight (here, nor elsewhere: `busy`), one stolen from the device with the most
+        left, so that fast devices take more (a busy worker would only queue the stolen tile behind its own
+        work)."""
         own = self.owned.get(worker)
         while own:
             tile = own.popleft()
@@ -143,7 +144,7 @@ class GemmLedger:
                 return self._issue(tile, worker, now)
         tile = self._shared(score, avoid)
         # a device the plan left out is slow for this GEMM: it does not steal
-        if tile is None and not self.count(worker) and (not self.owners or worker in self.owned_by):
+        if tile is None and not busy and not self.count(worker) and (not self.owners or worker in self.owned_by):
             tile = self._steal()
         return None if tile is None else self._issue(tile, worker, now)
 

@@ -5,8 +5,9 @@ The master weights and the optimizer state stay float32. Under bf16 or fp16 the 
 layer's three GEMMs (`cleave.tiled`) take their inputs in the low precision, accumulate in float32 over the
 whole K and round the product to the low precision once: what an autocast GEMM computes. The PS and
 `--reference` run the same code; only where the GEMM runs differs (one local product here, tiles on the
-fleet there, which return float32 blocks that the PS rounds once after assembly), so a bf16 run is exact
-against a bf16 reference while its input blocks travel in half the bytes.
+fleet there, each block accumulated in float32 by its worker and rounded once before it travels back:
+`TileTask.rounded`), so a bf16 run is exact against a bf16 reference while its input blocks and its results
+travel in half the bytes.
 
 fp16 adds loss scaling with torch.amp.GradScaler's rules (`LossScaler`); its state lives in the optimizer's
 first parameter group, so that it is persisted and restored with the optimizer.

@@ -367,6 +367,9 @@ class TileTask(Wire):
     b: BlockRef
     reply: str  # subject for the result
     sent_at: float = 0.0
+    # the product's precision on the way back: "" float32; a bf16/fp16 job's GEMMs round it once, and the
+    # worker rounding its block is the same rounding (and half the bytes)
+    rounded: Literal["", "bfloat16", "float16"] = ""
 
 
 class TileResult(Wire):

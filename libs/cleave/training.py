@@ -60,8 +60,11 @@ class Trainer:
         self.dtype = precision.dtype_of(job.precision)
         if backend is None and self.dtype is not None:
             backend = precision.LocalGemm()  # the reference's GEMMs in the job's precision
+        # a backend that runs GEMMs concurrently defers the weight gradients (`tiled.LateGrads`)
+        limit = getattr(backend, "deferred_gemms", 0)
+        self.late = tiled.LateGrads(limit) if limit > 0 else None
         if backend is not None:
-            tiled.install(self.model, backend, self.dtype)
+            tiled.install(self.model, backend, self.dtype, self.late)
         self.corpus = corpus or Corpus(job.data, job.val_fraction, job.tokenizer)
         check_vocab(self.corpus, self.cfg.vocab_size, job.model_name)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
@@ -87,7 +90,12 @@ class Trainer:
         self.model.train()
         loss = self.loss(x, y)
         self.opt.zero_grad(set_to_none=True)
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        try:  # (deferred weight gradients are in place when backward returns)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        except BaseException:
+            if self.late is not None:
+                self.late.cancel()
+            raise
         if self.group is not None:  # the global batch's mean gradient and loss, on every replica (so that
             value, *sync = self.group.average(self.model, loss)  # all take the same loss-scale decision)
             self.last_sync = tuple(sync)

@@ -1,5 +1,5 @@
 """Mixed precision on a real fleet: a bf16 or fp16 job equals its own-precision reference while its input
-blocks travel in half the bytes of fp32, also when a worker is killed mid-step."""
+blocks and its results travel in half the bytes of fp32, also when a worker is killed mid-step."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ async def run_steps(ps: InProcessPS, job: JobConfig, steps: int, setup=None) -> 
 async def test_bf16_equals_its_reference_with_half_the_bytes(tmp_path, nats_url):
     fleet = start_fleet(tmp_path, nats_url, workers=2)
     try:
-        sent = {}
+        sent, back = {}, {}
         for precision in ("fp32", "bf16"):
             job = JobConfig(preset="tiny", batch_size=4, precision=precision)
             ref = Trainer(job)
@@ -31,10 +31,14 @@ async def test_bf16_equals_its_reference_with_half_the_bytes(tmp_path, nats_url)
             async with InProcessPS(nats_url) as ps:
                 await ps.wait_workers(2)
                 got, _ = await run_steps(ps, job, STEPS)
-                sent[precision] = ps.dispatcher.c.bytes_down / ps.dispatcher.c.tiles
+                c = ps.dispatcher.c
+                sent[precision] = c.bytes_down / c.tiles
+                back[precision] = c.bytes_up / c.tiles
                 assert ps.dispatcher.c.rejected == 0
             assert got == want, (precision, got, want)
         assert 0.45 < sent["bf16"] / sent["fp32"] < 0.6  # per tile: the input blocks in 2 bytes, not 4
+        assert 0.3 < back["bf16"] / back["fp32"] < 0.6  # ... and the blocks back, rounded by their workers (zstd
+        # takes a little more off 2-byte blocks than off 4-byte ones)
     finally:
         fleet.stop()
 

@@ -81,6 +81,7 @@ async def test_gradients_match_plain_pytorch(tmp_path, nats_url):
                 torch.testing.assert_close(g_dist[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
             # the Q, K and V products share their input rows: workers cached them instead of receiving them again
             assert ps.dispatcher.c.tiles > 0 and ps.dispatcher.c.rejected == 0
+            assert ps.dispatcher.c.concurrent >= 2  # deferred, yet in place when backward returned
     finally:
         fleet.stop()
 
@@ -104,6 +105,7 @@ async def test_worker_killed_mid_step_costs_only_its_tiles(tmp_path, nats_url):
                 else:
                     got.append(await ps.step(lambda s=s: dist.step(s), s))
             assert_same(got, want)
+            assert ps.dispatcher.c.concurrent >= 2  # weight gradients were dealt beside the input gradients
             assert ps.dispatcher.c.resent > 0
             assert ps.dispatcher.c.recoveries and ps.dispatcher.c.recoveries[0].worker_id.endswith("w2")
     finally:

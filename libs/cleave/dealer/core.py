@@ -1,5 +1,8 @@
 """The dealing of GEMM tiles to a fleet: one pure object that the PS and the simulator both drive.
 
+Several GEMMs may be dealt at once (`begin` with a priority: the PS deals a layer's weight gradient beside
+the input gradients on the critical path, so that its tiles fill their tails); a worker takes the next tile
+of the first GEMM, in priority order, that has one for it, and its room is counted over all of them.
 It decides everything about a GEMM's dealing: which tile goes to which worker next (its planned pieces
 first, then shared tiles with cached inputs first, then, once idle, a tile stolen from the device with the
 most left), which input blocks travel with a tile and which the worker already caches (a mirror of its
@@ -22,13 +25,14 @@ from collections.abc import Iterable, Sequence
 
 from sortedcontainers import SortedList
 
+from cleave.dealer import inputs
 from cleave.dealer.model import (
     DEFAULT_INFLIGHT_S,
     JOINS_KEPT,
     LEFT_KEPT,
     RT_WEIGHT,
     TYPICAL_SAMPLE,
-    BlockSend,
+    Deal,
     Member,
     Policy,
     Recovery,
@@ -42,34 +46,68 @@ from cleave.schemas import DeviceProfile
 
 
 class Dealer:
-    """Deals one GEMM at a time to a changing set of members (see the module docstring).
+    """Deals GEMMs, one or several at once, to a changing set of members (see the module docstring).
 
-    The caller tells it what happens (`set_fleet`, `begin`, `done`, `failed`, `discard`, `heard`, `tick`)
-    and sends what each call returns; `next_check_at` says when `tick` next has something to do."""
+    The caller tells it what happens (`set_fleet`, `begin`, `done`, `failed`, `discard`, `heard`, `tick`,
+    `end`) and sends what each call returns; `next_check_at` says when `tick` next has something to do. Calls
+    about a GEMM name it by `seq` (`Work.seq`, also on every `Send`); with one GEMM in flight it may be left out."""
 
     def __init__(self, policy: Policy | None = None) -> None:
         self.p = policy or Policy()
         self.members: dict[str, Member] = {}
-        self.work: Work | None = None
-        self.ledger: GemmLedger | None = None
-        self.recoveries: list[Recovery] = []  # of the GEMM in flight, open and closed
-        self.closed: list[Recovery] = []  # closed since the caller last took them (`take_closed`)
+        self.deals: dict[int, Deal] = {}  # the GEMMs in flight, by seq
+        self._ranked: list[Deal] = []  # ... in dealing order (priority, then seq)
+        self.lost: list[Recovery] = []  # losses since the caller last took them (`take_lost`)
+        self.closed: list[Recovery] = []  # recoveries closed since the caller last took them (`take_closed`)
         self.suspected: list[str] = []  # presumed lost by a deadline since the caller last looked
         self._hungry: dict[str, None] = {}  # live members that asked for work and found none (in order)
         self._idle: dict[str, None] = {}  # ... of which those with nothing in flight
         self._deadlines: list[tuple[float, int, str, int]] = []  # (due, order, member, token)
         self._suspects: list[tuple[float, int, str, float]] = []  # (retry at, order, member, suspect since)
         self._rts: dict[Shape, SortedList] = {}  # each member's round trip on a shape, sorted
-        self._bytes: dict[tuple[int, int], int] = {}  # (tile, attempt) -> input bytes it carried
         self._order = itertools.count()
-        self._typical = 0.0  # the median predicted tile time of the GEMM in flight
         self.joined: dict[str, set[str]] = {}  # worker -> the fan-out groups it has subscribed to
-        self._refused: dict[int, set[str]] = {}  # tile -> workers that refused it in the GEMM in flight
         self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
-        self._published: dict[str, str] = {}  # blocks of the GEMM in flight published -> their group
-        self._inline: set[tuple[str, str]] = set()  # (worker, block) it said it lacked: sent with its tiles
         self._left: OrderedDict[str, None] = OrderedDict()  # workers that left (the latest LEFT_KEPT)
         self.checks: list[str] = []  # returning members whose link must be proven (`take_checks`, `proved`)
+
+    # ---- the GEMMs in flight -----------------------------------------------------------------------
+    def deal(self, seq: int | None = None) -> Deal:
+        """The GEMM `seq` in flight (without `seq`: the only one)."""
+        if seq is None:
+            if len(self.deals) != 1:
+                raise ValueError(f"{len(self.deals)} GEMMs in flight: say which (seq)")
+            return self._ranked[0]
+        return self.deals[seq]
+
+    def _only(self) -> Deal | None:
+        return self._ranked[0] if len(self._ranked) == 1 else None
+
+    @property
+    def work(self) -> Work | None:
+        """The GEMM in flight when there is one (None otherwise, or with several)."""
+        only = self._only()
+        return only.work if only else None
+
+    @property
+    def ledger(self) -> GemmLedger | None:
+        only = self._only()
+        return only.ledger if only else None
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        """The losses of the GEMM in flight (when there is one), open and closed."""
+        only = self._only()
+        return only.recoveries if only else []
+
+    @property
+    def complete(self) -> bool:
+        only = self._only()
+        return only is not None and only.ledger.complete
+
+    def is_complete(self, seq: int) -> bool:
+        deal = self.deals.get(seq)
+        return deal is not None and deal.ledger.complete
 
     # ---- the fleet ---------------------------------------------------------------------------------
     def set_fleet(self, fleet: Iterable[tuple[str, int, DeviceProfile | None]], now: float,
@@ -126,54 +164,64 @@ class Dealer:
         return self._offer(now, [worker])
 
     # ---- one GEMM ----------------------------------------------------------------------------------
-    def begin(self, work: Work, now: float) -> list[Send]:
-        """Start dealing `work`: every live member gets a tile before any gets a second."""
-        owners = [o if o in self.members else None for o in work.owners] if work.owners else None
-        self.work, self.ledger = work, GemmLedger(work.tiles, owners)
-        self.recoveries, self.closed, self._bytes, self._published, self._refused = [], [], {}, {}, {}
-        self._inline = set()
-        self._deadlines, self._hungry, self._idle = [], {}, {}
-        for m in self.members.values():
-            m.inflight_bytes = 0
-        self._typical = self._median_predicted(work, owners)
+    def begin(self, work: Work, now: float, priority: int = 0) -> list[Send]:
+        """Start dealing `work` beside the GEMMs already in flight: a worker takes its tiles when no GEMM of
+        a lower `priority` (or begun earlier at the same one) has a tile for it. Every live member with room
+        gets a tile of it before any gets a second."""
+        # the planned tiles of a member presumed lost (suspect, still in the plan) are anyone's from the start
+        live = {w for w, m in self.members.items() if not m.suspect}
+        owners = [o if o in live else None for o in work.owners] if work.owners else None
+        if not self.deals:  # nothing in flight: no byte, deadline or hunger of an earlier GEMM is left
+            self._deadlines, self._hungry, self._idle = [], {}, {}
+            for m in self.members.values():
+                m.inflight_bytes = 0
+        deal = Deal(work, GemmLedger(work.tiles, owners), priority, self._median_predicted(work, owners))
+        self.deals[work.seq] = deal
+        self._ranked = sorted(self.deals.values(), key=lambda d: d.rank)
         out: list[Send] = []
         for depth in range(1, max(self.p.window, work.chunks) + 1):
             for m in list(self.members.values()):
                 out += self._fill(m, now, depth)
         return out
 
-    def end(self) -> None:
-        """The GEMM is over (done, or abandoned): nothing of it is dealt any more."""
-        self.work = self.ledger = None
-        self._hungry, self._idle, self._deadlines, self._bytes = {}, {}, [], {}
+    def end(self, seq: int | None = None) -> None:
+        """The GEMM is over (done, or abandoned): nothing of it is dealt any more, and what it still had in
+        flight no longer counts against its workers."""
+        deal = self.deal(seq) if seq is None else self.deals.get(seq)
+        if deal is None:
+            return
+        for key, nbytes in deal.bytes.items():
+            att = deal.ledger.running.get(key)
+            if att is not None and att.worker in self.members:
+                self.members[att.worker].inflight_bytes -= nbytes
+        del self.deals[deal.work.seq]
+        self._ranked.remove(deal)
+        if not self.deals:
+            self._hungry, self._idle, self._deadlines = {}, {}, []
 
-    @property
-    def complete(self) -> bool:
-        return self.ledger is not None and self.ledger.complete
-
-    def extra(self, tile: int, worker: str, now: float) -> Send:
+    def extra(self, tile: int, worker: str, now: float, seq: int | None = None) -> Send:
         """One more attempt of `tile` on `worker` whose result is not assembled (a verification copy)."""
-        m = self.members[worker]
-        return self._send(m, self.ledger.issue_extra(tile, worker, now), now)
+        deal = self.deal(seq)
+        return self._send(deal, self.members[worker], deal.ledger.issue_extra(tile, worker, now), now)
 
     # ---- results -----------------------------------------------------------------------------------
-    def done(self, worker: str, tile: int, attempt: int, now: float) -> tuple[str, list[Send]]:
+    def done(self, worker: str, tile: int, attempt: int, now: float, seq: int | None = None) -> tuple[str, list[Send]]:
         """A valid block for (tile, attempt) from `worker`: "accepted" (the first), "duplicate" or
         "unknown"; returns the outcome and what to send next."""
-        led = self.ledger
-        m = self._progress(worker, tile, attempt, now)
+        deal = self.deal(seq)
+        led = deal.ledger
+        m = self._progress(deal, worker, tile, attempt, now)
         twins = [led.running[(tile, a)].worker for a in led.by_tile.get(tile, ()) if a != attempt]
         for a in list(led.by_tile.get(tile, ())):
-            self._release(tile, a)
+            self._release(deal, tile, a)
         outcome = led.finish(tile, attempt)
+        out: list[Send] = []
         if outcome == "accepted":
-            self._close(tile, now)
+            self._close(deal, tile, now)
             out = self._beaten(twins, now)
             if m is not None:
                 m.beaten = 0
-        else:
-            out = []
-        if led.complete:
+        if led.complete and len(self.deals) == 1:
             return outcome, []
         out += self._fill(m, now) if m is not None else []
         for other in twins:  # a speculative twin was dropped: its worker has room again
@@ -196,45 +244,50 @@ class Dealer:
                 out += self._offer(now, list(self._hungry))
         return out
 
-    def failed(self, worker: str, tile: int, attempt: int, now: float, missing: Sequence[str] = ()) -> list[Send]:
+    def failed(self, worker: str, tile: int, attempt: int, now: float, missing: Sequence[str] = (),
+               seq: int | None = None) -> list[Send]:
         """(tile, attempt) will not produce a block: the worker lacked cached `missing` blocks (it gets the
         tile again, with them), or it refused the tile (it goes to another worker, unless every live member
         has refused it: then they all try again). The tile goes to the front of the queue."""
-        m = self._progress(worker, tile, attempt, now)
+        deal = self.deal(seq)
+        m = self._progress(deal, worker, tile, attempt, now)
         if m is not None:
             for block_id in missing:
                 m.forget(block_id)
-                self._inline.add((worker, block_id))  # not from its group again: it may have missed it
-        self._release(tile, attempt)
-        self.ledger.retry(tile, attempt)
+                deal.inline.add((worker, block_id))  # not from its group again: it may have missed it
+        self._release(deal, tile, attempt)
+        deal.ledger.retry(tile, attempt)
         if missing:
             return self._offer(now, [worker])
-        refused = self._refused.setdefault(tile, set())
+        refused = deal.refused.setdefault(tile, set())
         refused.add(worker)
         if all(w in refused for w, m in self.members.items() if not m.suspect):
             refused.clear()  # nobody else can: do not leave the tile undealt
         return self._offer(now, [*self._hungry, worker])
 
-    def discard(self, worker: str, tile: int, attempt: int, now: float) -> list[Send]:
+    def discard(self, worker: str, tile: int, attempt: int, now: float, seq: int | None = None) -> list[Send]:
         """(tile, attempt) answered, but its block is not assembled here (a verification copy)."""
-        m = self._progress(worker, tile, attempt, now)
-        self._release(tile, attempt)
-        self.ledger.drop(tile, attempt)
+        deal = self.deal(seq)
+        m = self._progress(deal, worker, tile, attempt, now)
+        self._release(deal, tile, attempt)
+        deal.ledger.drop(tile, attempt)
         return self._fill(m, now) if m is not None else []
 
-    def departed(self, tile: int, attempt: int, at: float) -> None:
+    def departed(self, tile: int, attempt: int, at: float, seq: int | None = None) -> None:
         """A send left the PS only at `at` (behind others on the PS's link): the worker owes its result, and
         the tile's age for a copy counts, from then."""
-        if self.ledger is not None:
-            self.ledger.departed(tile, attempt, at)
+        deal = self.deals.get(seq) if seq is not None else self._only()
+        if deal is not None:
+            deal.ledger.departed(tile, attempt, at)
 
     def redo(self, worker: str, now: float) -> list[Send]:
         """What `worker` has in flight will not be heard of (its results were dropped unread): deal it again."""
-        if self.ledger is None:
+        if not self.deals:
             return []
-        for att in self.ledger.inflight(worker):
-            self._release(att.tile, att.attempt)
-            self.ledger.retry(att.tile, att.attempt)
+        for deal in self._ranked:
+            for att in deal.ledger.inflight(worker):
+                self._release(deal, att.tile, att.attempt)
+                deal.ledger.retry(att.tile, att.attempt)
         return self._offer(now, [*self._hungry, worker])
 
     def heard(self, worker: str) -> None:
@@ -242,8 +295,14 @@ class Dealer:
         if worker in self.members:
             self.members[worker].suspect = False
 
-    def running(self, worker: str, tile: int, attempt: int) -> Attempt | None:
-        return self.ledger.running.get((tile, attempt)) if self.ledger is not None else None
+    def running(self, worker: str, tile: int, attempt: int, seq: int | None = None) -> Attempt | None:
+        deal = self.deals.get(seq) if seq is not None else self._only()
+        return deal.ledger.running.get((tile, attempt)) if deal is not None else None
+
+    def take_lost(self) -> list[Recovery]:
+        """Losses recorded since the caller last asked (each also in its GEMM's `Deal.recoveries`)."""
+        lost, self.lost = self.lost, []
+        return lost
 
     def take_closed(self) -> list[Recovery]:
         closed, self.closed = self.closed, []
@@ -253,7 +312,7 @@ class Dealer:
     def tick(self, now: float) -> list[Send]:
         """Suspects whose retry time came are tried again, workers past their deadline are presumed lost,
         their tiles dealt to whoever has room, and idle workers copy tiles that run far too long."""
-        if self.ledger is None:
+        if not self.deals:
             return []
         out: list[Send] = []
         while self._suspects and self._suspects[0][0] <= now:
@@ -265,14 +324,15 @@ class Dealer:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, wid, token = heapq.heappop(self._deadlines)
             m = self.members.get(wid)
-            if m is None or m.token != token or m.suspect or not self.ledger.count(wid):
+            if m is None or m.token != token or m.suspect or not self._count(wid):
                 continue
-            since = self._since(m)
-            if since + self._deadline_s(m) > now + 1e-9:
+            since, (deal, oldest) = self._since(m), self._oldest(m)
+            if since + self._deadline_s(m, deal, oldest) > now + 1e-9:
                 self._arm(m)
                 continue
             self._suspect(m, now, "tile_deadline", since)
-        out += self._offer(now, list(self._hungry) if self.ledger.queued else ())
+        if any(d.ledger.queued for d in self._ranked):
+            out += self._offer(now, list(self._hungry))
         return out + self._speculate_idle(now)
 
     def next_check_at(self, now: float) -> float:
@@ -281,51 +341,77 @@ class Dealer:
         for heap in (self._deadlines, self._suspects):
             if heap:
                 at = min(at, heap[0][0])
-        if self.ledger is not None and self.p.speculate_factor > 0 and self._idle:
-            oldest = self.ledger.oldest_lone()
-            if oldest is not None:
-                at = min(at, max(oldest.sent_at + self._threshold(), now + self.p.tick_s))
+        if self.p.speculate_factor > 0 and self._idle:
+            for deal in self._ranked:
+                oldest = deal.ledger.oldest_lone()
+                if oldest is not None:
+                    at = min(at, max(oldest.sent_at + self._threshold(deal), now + self.p.tick_s))
         return at
 
     # ---- dealing -----------------------------------------------------------------------------------
     def _fill(self, m: Member, now: float, depth: int | None = None) -> list[Send]:
-        """Give `m` tiles up to its room (and `depth`): planned, shared, stolen, or a copy once idle."""
-        led, w, out = self.ledger, m.id, []
-        if led is None or m.suspect or not m.proven or w not in self.members:
+        """Give `m` tiles up to its room (and `depth`): planned, shared, stolen, or a copy once idle, from
+        the first GEMM in dealing order that has one for it."""
+        w, out = m.id, []
+        if not self._ranked or m.suspect or not m.proven or w not in self.members:
             return out
-        hungry = False
-        while led.count(w) < min(depth or math.inf, led.room(w, self.p.window, self.work.chunks)):
-            if led.count(w) and self._over_budget(m):
+        hungry, count = False, self._count(w)
+        while True:
+            if count and self._over_budget(m):
                 break
-            att = led.take(w, now, self._score(m), self._avoid(w)) if led.dealable() else None
-            if att is None and not led.count(w):
-                att = self._speculate(m, now)
+            deal, att = self._take(m, now, count, depth)
+            if att is None and not count:
+                deal, att = self._speculate(m, now)
             if att is None:
-                hungry = True
+                hungry = self._room(m, count, depth)
                 break
-            if led.count(w) == 1:
+            count += 1
+            if count == 1:
                 m.last_progress = now  # the clock of an idle worker starts now
-            out.append(self._send(m, att, now))
-        self._mark(m, hungry)
-        if out or led.count(w):
+            out.append(self._send(deal, m, att, now))
+        self._mark(m, hungry, count)
+        if out or count:
             self._arm(m)
         return out
 
-    def _avoid(self, worker: str) -> set[int]:
-        """The tiles `worker` refused in this GEMM."""
-        return {t for t, who in self._refused.items() if worker in who} if self._refused else set()
+    def _take(self, m: Member, now: float, count: int, depth: int | None) -> tuple[Deal | None, Attempt | None]:
+        """The next tile for `m` from the first GEMM that has room for it (its pieces stream `chunks` at
+        once where it has planned tiles, else `window`) and a tile to give."""
+        cap = depth or math.inf
+        for deal in self._ranked:
+            led = deal.ledger
+            if led.complete or not led.dealable() or count >= min(cap, led.room(m.id, self.p.window, deal.work.chunks)):
+                continue
+            att = led.take(m.id, now, inputs.score(deal, m), self._avoid(deal, m.id), busy=count > 0)
+            if att is not None:
+                return deal, att
+        return None, None
 
-    def _mark(self, m: Member, hungry: bool) -> None:
-        for group, member in ((self._hungry, hungry), (self._idle, hungry and not self.ledger.count(m.id))):
+    def _room(self, m: Member, count: int, depth: int | None) -> bool:
+        """Whether `m` could take another tile (it found none: it is hungry)."""
+        cap = min(depth or math.inf, max(d.ledger.room(m.id, self.p.window, d.work.chunks) for d in self._ranked))
+        return count < cap
+
+    def _count(self, worker: str) -> int:
+        """Attempts running on `worker`, over every GEMM in flight."""
+        return sum(d.ledger.count(worker) for d in self._ranked)
+
+    @staticmethod
+    def _avoid(deal: Deal, worker: str) -> set[int]:
+        """The tiles `worker` refused in this GEMM."""
+        return {t for t, who in deal.refused.items() if worker in who} if deal.refused else set()
+
+    def _mark(self, m: Member, hungry: bool, count: int) -> None:
+        for group, member in ((self._hungry, hungry), (self._idle, hungry and not count)):
             if member:
                 group[m.id] = None
             else:
                 group.pop(m.id, None)
 
     def _offer(self, now: float, ids: Iterable[str]) -> list[Send]:
-        """Work appeared in the shared queue: members in `ids` take what they have room for."""
+        """Work appeared in a shared queue: members in `ids` take what they have room for."""
         out: list[Send] = []
-        if self.ledger is None:
+        if not self.deals:
             return out
         for wid in ids:
             m = self.members.get(wid)
@@ -334,34 +420,44 @@ class Dealer:
         return out
 
     def _speculate_idle(self, now: float) -> list[Send]:
-        led, out = self.ledger, []
+        out: list[Send] = []
         if self.p.speculate_factor <= 0 or not self._idle:
             return out
-        oldest = led.oldest_lone()
-        if oldest is None or now - oldest.sent_at <= self._threshold():
+        if not any(self._stale(d, now) for d in self._ranked):
             return out
         for wid in list(self._idle):
-            before = led.speculated
+            before = self._speculated()
             out += self._fill(self.members[wid], now)
-            if led.speculated == before:
+            if self._speculated() == before:
                 break  # nothing is old enough for anyone
         return out
 
-    def _speculate(self, m: Member, now: float) -> Attempt | None:
-        if self.p.speculate_factor <= 0:
-            return None
-        return self.ledger.speculate(m.id, now, self._threshold())
+    def _stale(self, deal: Deal, now: float) -> bool:
+        oldest = deal.ledger.oldest_lone()
+        return oldest is not None and now - oldest.sent_at > self._threshold(deal)
 
-    def _threshold(self) -> float:
-        return max(self.p.speculate_min_s, self.p.speculate_factor * self._usual())
+    def _speculated(self) -> int:
+        return sum(d.ledger.speculated for d in self._ranked)
 
-    def _usual(self) -> float:
+    def _speculate(self, m: Member, now: float) -> tuple[Deal | None, Attempt | None]:
+        if self.p.speculate_factor > 0:
+            for deal in self._ranked:
+                if not deal.ledger.complete:
+                    att = deal.ledger.speculate(m.id, now, self._threshold(deal))
+                    if att is not None:
+                        return deal, att
+        return None, None
+
+    def _threshold(self, deal: Deal) -> float:
+        return max(self.p.speculate_min_s, self.p.speculate_factor * self._usual(deal))
+
+    def _usual(self, deal: Deal) -> float:
         """The median round trip of this GEMM's shape over the members, or the median predicted tile time
         before any (or `tile_timeout_s` when no profile predicts one)."""
-        trips = self._rts.get(self.work.shape)
+        trips = self._rts.get(deal.work.shape)
         if trips:
             return trips[len(trips) // 2]
-        return self._typical or self.p.tile_timeout_s
+        return deal.typical or self.p.tile_timeout_s
 
     def _over_budget(self, m: Member) -> bool:
         """Whether one more tile would put more bytes in flight to `m` than it may hold: the policy's limit,
@@ -373,72 +469,28 @@ class Dealer:
             cap = min(cap, int(DEFAULT_INFLIGHT_S * m.profile.downlink_bytes_per_s))
         return m.inflight_bytes >= cap
 
-    def _score(self, m: Member):  # noqa: ANN202
-        if not m.known:
-            return None
-        work, known = self.work, m.known
-        if work.parts:
-            return lambda t: self._known(known, a_id(work.a_key, t), t.rows) + self._known(known, b_id(work.b_key, t), t.cols)
-        return lambda t: (a_id(work.a_key, t) in known) * t.rows + (b_id(work.b_key, t) in known) * t.cols
-
-    def _known(self, known, block_id: str, rows: int) -> int:  # noqa: ANN001
-        """Rows of a block (or of its segments) that a member caches."""
-        segs = self.work.parts.get(block_id)
-        if not segs:
-            return rows * (block_id in known)
-        return sum(hi - lo for sid, lo, hi in segs if sid in known)
-
-    def _send(self, m: Member, att: Attempt, now: float) -> Send:
-        work, t = self.work, self.ledger.tiles[att.tile]
-        a = self._input(m, a_id(work.a_key, t), t.r0, t.r1)
-        b = self._input(m, b_id(work.b_key, t), t.c0, t.c1)
+    def _send(self, deal: Deal, m: Member, att: Attempt, now: float) -> Send:
+        work, t = deal.work, deal.ledger.tiles[att.tile]
+        a = inputs.block_input(deal, m, a_id(work.a_key, t), t.r0, t.r1, self.joined, self.members)
+        b = inputs.block_input(deal, m, b_id(work.b_key, t), t.c0, t.c1, self.joined, self.members)
         nbytes = (a.rows("data") + b.rows("data")) * work.k * work.b
         pushed = (a.rows("publish") + b.rows("publish")) * work.k * work.b
         m.inflight_bytes += nbytes + pushed
-        self._bytes[(att.tile, att.attempt)] = nbytes + pushed
-        for rec in self.recoveries:
+        deal.bytes[(att.tile, att.attempt)] = nbytes + pushed
+        for rec in deal.recoveries:
             if att.tile in rec.tiles:
                 rec.redispatched_at = now
-        return Send(m.id, t, att.attempt, a, b, nbytes, pushed)
-
-    def _input(self, m: Member, block_id: str, lo: int, hi: int) -> BlockSend:
-        """How an input block of a tile reaches `m`: whole, or as its segments (`Work.parts`)."""
-        row = self.work.k * self.work.b
-        segs = self.work.parts.get(block_id) if self.work.parts else None
-        if not segs:
-            return self._block(m, block_id, lo, hi, (hi - lo) * row)
-        return BlockSend(block_id, lo, hi, False, parts=tuple(self._block(m, sid, slo, shi, (shi - slo) * row)
-                                                              for sid, slo, shi in segs))
-
-    def _block(self, m: Member, block_id: str, lo: int, hi: int, nbytes: int) -> BlockSend:
-        """How a block reaches `m`: it caches it already, or it comes from its fan-out group (published now
-        if it is the first of the group to need it), or it travels with the tile."""
-        if block_id in m.known:  # (a published one may still be on its way: the worker waits for it)
-            m.known.move_to_end(block_id)
-            return BlockSend(block_id, lo, hi, False, self._published.get(block_id, ""))
-        group = self.work.shared.get(block_id) if self.work.shared else None
-        if (group is not None and group[0] in self.joined.get(m.id, ()) and nbytes <= m.cache_bytes
-                and (m.id, block_id) not in self._inline):
-            name, members = group
-            first = block_id not in self._published
-            if first:  # every subscribed member receives it, and caches it
-                self._published[block_id] = name
-                for wid in members:
-                    if wid in self.members and name in self.joined.get(wid, ()):
-                        self.members[wid].remember(block_id, nbytes)
-            return BlockSend(block_id, lo, hi, False, name, first)
-        m.remember(block_id, nbytes)
-        return BlockSend(block_id, lo, hi, True)
+        return Send(m.id, t, att.attempt, a, b, nbytes, pushed, work.seq)
 
     # ---- bookkeeping -------------------------------------------------------------------------------
-    def _progress(self, worker: str, tile: int, attempt: int, now: float) -> Member | None:
+    def _progress(self, deal: Deal, worker: str, tile: int, attempt: int, now: float) -> Member | None:
         """`worker` answered (tile, attempt): its round trip, progress clock and suspicion."""
         m = self.members.get(worker)
         if m is None:
             return None
-        att = self.ledger.running.get((tile, attempt))
+        att = deal.ledger.running.get((tile, attempt))
         if att is not None:
-            rt, shape = now - att.sent_at, self.work.shape
+            rt, shape = now - att.sent_at, deal.work.shape
             old = m.round_trips.get(shape, 0.0)
             new = rt if old == 0 else (1 - RT_WEIGHT) * old + RT_WEIGHT * rt
             trips = self._rts.setdefault(shape, SortedList())
@@ -453,14 +505,14 @@ class Dealer:
         for shape, rt in m.round_trips.items():
             self._rts[shape].remove(rt)
 
-    def _release(self, tile: int, attempt: int) -> None:
-        att = self.ledger.running.get((tile, attempt))
-        nbytes = self._bytes.pop((tile, attempt), 0)
+    def _release(self, deal: Deal, tile: int, attempt: int) -> None:
+        att = deal.ledger.running.get((tile, attempt))
+        nbytes = deal.bytes.pop((tile, attempt), 0)
         if att is not None and att.worker in self.members:
             self.members[att.worker].inflight_bytes -= nbytes
 
-    def _close(self, tile: int, now: float) -> None:
-        for rec in self.recoveries:
+    def _close(self, deal: Deal, tile: int, now: float) -> None:
+        for rec in deal.recoveries:
             if rec.done_at is None and tile in rec.tiles:
                 rec.tiles.discard(tile)
                 if not rec.tiles:
@@ -478,31 +530,37 @@ class Dealer:
     def _lose(self, m: Member, now: float, cause: str, silent_since: float) -> None:
         self._hungry.pop(m.id, None)
         self._idle.pop(m.id, None)
-        if self.ledger is None:
-            return
-        for att in self.ledger.inflight(m.id):
-            self._release(att.tile, att.attempt)
-        lost = self.ledger.give_back(m.id, self.work.chunks)
-        if lost:
-            self.recoveries.append(Recovery(m.id, cause, silent_since, now, set(lost), len(lost)))
+        for deal in self._ranked:
+            for att in deal.ledger.inflight(m.id):
+                self._release(deal, att.tile, att.attempt)
+            lost = deal.ledger.give_back(m.id, deal.work.chunks)
+            if lost:
+                rec = Recovery(m.id, cause, silent_since, now, set(lost), len(lost), seq=deal.work.seq)
+                deal.recoveries.append(rec)
+                self.lost.append(rec)
+
+    def _oldest(self, m: Member) -> tuple[Deal, Attempt]:
+        """The oldest tile `m` has in flight, and its GEMM (each ledger issues in time order)."""
+        firsts = [(next(iter(d.ledger.by_worker[m.id].values())), d) for d in self._ranked if d.ledger.count(m.id)]
+        att, deal = min(firsts, key=lambda x: x[0].sent_at)
+        return deal, att
 
     def _since(self, m: Member) -> float:
         """Since when `m` owes a result: its last progress, or its oldest tile in flight if later."""
-        oldest = next(iter(self.ledger.by_worker[m.id].values()))  # issued in time order
-        return max(m.last_progress, oldest.sent_at)
+        return max(m.last_progress, self._oldest(m)[1].sent_at)
 
-    def _deadline_s(self, m: Member) -> float:
+    def _deadline_s(self, m: Member, deal: Deal, oldest: Attempt) -> float:
         """How long `m` may owe a result: `timeout_factor` x its usual time for its oldest tile (its round
         trips on this shape, or the cost model's time on its profile, whichever is longer), at least
         `tile_timeout_s`."""
-        work = self.work
-        oldest = next(iter(self.ledger.by_worker[m.id].values()))
-        usual = max(m.round_trips.get(work.shape, 0.0), m.predicted_s(self.ledger.tiles[oldest.tile], work.k, work.b))
+        work = deal.work
+        usual = max(m.round_trips.get(work.shape, 0.0), m.predicted_s(deal.ledger.tiles[oldest.tile], work.k, work.b))
         return max(self.p.tile_timeout_s, self.p.timeout_factor * usual)
 
     def _arm(self, m: Member) -> None:
         m.token += 1
-        due = self._since(m) + self._deadline_s(m)
+        deal, oldest = self._oldest(m)
+        due = max(m.last_progress, oldest.sent_at) + self._deadline_s(m, deal, oldest)
         heapq.heappush(self._deadlines, (due, next(self._order), m.id, m.token))
 
     def _median_predicted(self, work: Work, owners: Sequence[str | None] | None) -> float:

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cleave.ledger import DEFAULT_WINDOW
+from cleave.ledger import DEFAULT_WINDOW, GemmLedger
 from cleave.schemas import DeviceProfile
 from cleave.tiles import Tile
 
@@ -132,6 +132,7 @@ class Send:
     b: BlockSend
     nbytes: int  # input bytes that travel with the tile
     pushed: int = 0  # input bytes published to a fan-out group with it (once for all its members)
+    seq: int = 0  # the GEMM run it belongs to (`Work.seq`)
 
 
 @dataclass
@@ -147,3 +148,23 @@ class Recovery:
     count: int
     redispatched_at: float | None = None
     done_at: float | None = None
+    seq: int = 0  # the GEMM run whose tiles these were
+
+
+@dataclass
+class Deal:
+    """One GEMM being dealt (several may be at once, see `Dealer.begin`) and what the dealer tracks of it."""
+
+    work: Work
+    ledger: GemmLedger
+    priority: int = 0  # lower is dealt first: the GEMM on the critical path
+    typical: float = 0.0  # its median predicted tile time
+    recoveries: list[Recovery] = field(default_factory=list)  # its losses, open and closed
+    bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (tile, attempt) -> input bytes it carried
+    published: dict[str, str] = field(default_factory=dict)  # its blocks published so far -> their group
+    refused: dict[int, set[str]] = field(default_factory=dict)  # tile -> workers that refused it
+    inline: set[tuple[str, str]] = field(default_factory=set)  # (worker, block) it said it lacked: sent with its tiles
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return (self.priority, self.work.seq)

@@ -1,5 +1,6 @@
-"""The PS's NATS shell around the dealing core (`cleave.dealer.Dealer`): one GEMM at a time, its tiles
-turned into messages to the workers of the current plan, their results checked and assembled.
+"""The PS's NATS shell around the dealing core (`cleave.dealer.Dealer`): the GEMMs in flight (one, or
+several: a layer's weight gradient is dealt beside the input gradients that follow it, `gemm(priority=)`),
+their tiles turned into messages to the workers of the current plan, their results checked and assembled.
 
 Every decision (who gets which tile, what is stolen, copied, given back, when a worker is presumed lost)
 is the dealer's; this module only does I/O and the byte work, off the event loop (slicing, casting and
@@ -63,9 +64,10 @@ class Counters:
     fenced: int = 0  # results for another GEMM run (of this step or an earlier one)
     bytes_down: int = 0
     bytes_up: int = 0
-    gemm_s: float = 0.0  # wall time spent in distributed GEMMs
+    gemm_s: float = 0.0  # wall time with distributed GEMMs in flight (overlapping ones counted once)
     planned_gemm_s: float = 0.0  # the plan's makespans of the GEMMs run
     unplanned: int = 0  # GEMMs run without a planned layout (dealt as a uniform grid)
+    concurrent: int = 0  # the most GEMMs in flight at once
     recoveries: list[Event] = field(default_factory=list)
 
 
@@ -81,8 +83,21 @@ class GemmRun:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     blocks: dict[str, TensorData] = field(default_factory=dict)  # encoded once, for every worker that needs it
     spoiled: str = ""  # a worker found lying during this GEMM
+    checks: dict[int, Check] = field(default_factory=dict)  # tile -> its pending verification
     expected_s: float = 0.0  # the plan's makespan for this GEMM (0: no prediction)
+    rounded: str = ""  # the precision its blocks come back in ("": float32; `TileTask.rounded`)
     bytes_down: int = 0  # what the PS published for it (tiles and fan-out blocks)
+
+
+BLOCK_DTYPES = {"bfloat16": np.dtype(np.int16)}  # numpy has no bfloat16: its bits, as int16
+BF16_EXPONENT = 0x7F80  # all ones: an infinity or a NaN
+
+
+def finite(block: np.ndarray, dtype: str) -> bool:
+    """Whether every value of a result block is finite (a bfloat16 block is read as its bits)."""
+    if dtype == "bfloat16":
+        return bool(((block & BF16_EXPONENT) != BF16_EXPONENT).all())
+    return bool(np.isfinite(block).all())
 
 
 def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
@@ -103,7 +118,8 @@ class Dispatcher:
         self.clock = time.monotonic  # what the dealer is told the time is (a test may replay recorded times)
         self.dealer = Dealer(policy_of(s))
         self.plan: Plan | None = None
-        self.run: GemmRun | None = None
+        self.runs: dict[int, GemmRun] = {}  # the GEMMs in flight, by seq
+        self._busy_from = 0.0  # since when some are
         self.seq = 0  # GEMM runs of this epoch
         self.c = Counters()
         self._uids: dict[tuple, tuple[int, weakref.ref]] = {}
@@ -113,15 +129,20 @@ class Dispatcher:
         # the approximate mode: input blocks travel in half precision (results stay float32)
         self.tile_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[s.tile_dtype]
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
-        self._logged = 0  # the dealer's recoveries of the GEMM in flight already logged
         self._tasks: set[asyncio.Task] = set()
         bus.on_dropped.append(self._dropped)
         self._joining: asyncio.Task | None = None  # telling the workers their fan-out groups
         self._last_join: dict[str, list[str]] = {}  # worker -> the groups it last confirmed
         self._sent_bytes = self.tile_dtype.itemsize if self.tile_dtype else 4  # bytes per element that travel
+
     @property
     def workers(self) -> dict:
         return self.dealer.members
+
+    @property
+    def run(self) -> GemmRun | None:
+        """The GEMM in flight when there is one (None otherwise, or with several)."""
+        return next(iter(self.runs.values())) if len(self.runs) == 1 else None
 
     # ---- plan ----------------------------------------------------------------------------------------
     async def set_plan(self, plan: Plan) -> None:
@@ -186,10 +207,11 @@ class Dispatcher:
         return hit[0]
 
     async def gemm(self, a: torch.Tensor, bt: torch.Tensor, step: int, op: int, name: str,
-                   names: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """a · btᵀ through the fleet. `names`: the tensors whose identity names the blocks in the workers'
-        caches (a CUDA PS's GPU tensors, of which `a` and `bt` are host copies); a pinned `a` gets a pinned
-        product, which goes back to the GPU without blocking."""
+                   names: tuple[torch.Tensor, torch.Tensor] | None = None, priority: int = 0) -> torch.Tensor:
+        """a · btᵀ through the fleet, dealt beside the other GEMMs in flight: workers take its tiles when
+        none of a lower `priority` has one for them. `names`: the tensors whose identity names the blocks in
+        the workers' caches (a CUDA PS's GPU tensors, of which `a` and `bt` are host copies); a pinned `a`
+        gets a pinned product, which goes back to the GPU without blocking."""
         want = a.dtype  # a bf16/fp16 job (cleave.precision) sends its inputs as they come and gets them back so
         cast = self.tile_dtype if want == torch.float32 else None  # the approximate mode rounds float32 inputs
         sent = cast or want  # the bytes per element that travel
@@ -198,20 +220,24 @@ class Dispatcher:
         grid, owners, expected_s = self._tiling(m, n, k, sent.itemsize)
         self._sent_bytes = sent.itemsize
         self.seq += 1
-        self._logged = 0
-        self.verifier.new_gemm()
+        seq = self.seq
         a_key, b_key = (f"{self.epoch}.{self._uid(t)}" for t in names or (a, bt))
         if cast is not None:
             a, bt = await asyncio.to_thread(lambda: (a.to(cast), bt.to(cast)))
-        # half-precision tiles come back in float32 (accumulated over the whole K), rounded once when assembled
-        run = self.run = GemmRun(self.seq, step, op, name, a, bt, torch.empty(m, n, dtype=torch.float32
-                                 if sent.itemsize == 2 else a.dtype, pin_memory=pin), expected_s=expected_s)
+        if not self.runs:
+            self._busy_from = self.clock()
+        # the approximate mode's tiles come back in float32 (accumulated over the whole K); a bf16/fp16 job's
+        # in its precision, each block rounded once by its worker as the product would be here
+        rounded = "" if cast is not None or want == torch.float32 else codec.dtype_name(want)
+        run = self.runs[seq] = GemmRun(seq, step, op, name, a, bt, torch.empty(m, n, dtype=want if rounded else
+                                       torch.float32, pin_memory=pin), expected_s=expected_s, rounded=rounded)
+        self.c.concurrent = max(self.c.concurrent, len(self.runs))
         split, shared = fanout.layout(grid, owners, a_key, b_key, self._chunks) if self.s.fanout else (None, None)
-        work = Work(self.seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared, split)
+        work = Work(seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared, split)
         started = waited = self.clock()
         try:
-            await self._post(self.dealer.begin(work, started))
-            while not self.dealer.complete or self.verifier.checks:
+            await self._post(self.dealer.begin(work, started, priority))
+            while not self.dealer.is_complete(seq) or run.checks:
                 if self.stopping:
                     raise StepAborted("the parameter server is stopping")
                 if run.spoiled:
@@ -222,19 +248,20 @@ class Dispatcher:
                     await self._tick()
                     if not self._live() and self.clock() - waited > DEFAULT_WAIT_LOG_S:
                         waited = self.clock()
-                        led = self.dealer.ledger
+                        led = self.dealer.deal(seq).ledger
                         log.warning("waiting_for_workers", step=step, gemm=name,
                                     pending=len(led.tiles) - len(led.done) - len(led.retired))
         finally:
-            led = self.dealer.ledger
-            self.dealer.end()
-            self.run = None
+            led = self.dealer.deal(seq).ledger
+            self.dealer.end(seq)
+            del self.runs[seq]
+            if not self.runs:
+                self.c.gemm_s += self.clock() - self._busy_from
         wall = self.clock() - started
         log.debug("gemm_done", step=step, gemm=name, m=m, n=n, k=k, tiles=len(grid), wall_s=round(wall, 4),
                   planned_s=round(expected_s, 4), resent=led.resent, speculated=led.speculated,
                   bytes_down=run.bytes_down, distinct=(m + n) * k * sent.itemsize)
         c = self.c
-        c.gemm_s += wall
         c.planned_gemm_s += expected_s
         c.unplanned += owners is None
         c.tiles += len(grid)
@@ -285,39 +312,41 @@ class Dispatcher:
         await self._post(sends)
 
     async def _post(self, sends: list[Send]) -> None:
-        """Encode a batch of tiles in a worker thread, then publish them in order."""
-        run = self.run
-        if not sends or run is None:
+        """Encode a batch of tiles in a worker thread, then publish them in order (those of a GEMM that is
+        over are not sent)."""
+        sends = [s for s in sends if s.seq in self.runs]
+        if not sends:
             return
-        frames = await asyncio.to_thread(self._frames, run, sends)
-        for worker, subject, frame, send in frames:
+        frames = await asyncio.to_thread(self._frames, sends)
+        for worker, subject, frame, send, run in frames:
             try:
                 sent = await self.bus.publish_frame(subject, frame)
                 self.c.bytes_down += sent
                 run.bytes_down += sent
             except Exception as e:  # disconnected: the deadline check will hand the tile to someone else
                 log.warning("tile_not_sent", worker_id=worker, error=repr(e))
-            if send is not None and self.run is run:  # its clock starts when it leaves, not when dealt
-                self.dealer.departed(send.tile.index, send.attempt, self.clock())
+            if send is not None and send.seq in self.runs:  # its clock starts when it leaves, not when dealt
+                self.dealer.departed(send.tile.index, send.attempt, self.clock(), send.seq)
 
-    def _frames(self, run: GemmRun, sends: list[Send]) -> list[tuple[str, str, bytes, Send | None]]:
-        """(worker, subject, encoded message) for each send: a shared block published to its group first,
-        then the TileTask (runs off the event loop)."""
+    def _frames(self, sends: list[Send]) -> list[tuple[str, str, bytes, Send | None, GemmRun]]:
+        """(worker, subject, encoded message, send, its GEMM) for each send: a shared block published to its
+        group first, then the TileTask (runs off the event loop)."""
         out = []
         for s in sends:
+            run = self.runs[s.seq]
             for block, src in ((s.a, run.a), (s.b, run.bt)):
                 for leaf in block.leaves():
                     if leaf.publish:
                         push = BlockPush.model_construct(job=self.job_id, epoch=self.epoch, gemm=run.seq,
                                                          block=self._ref(run, leaf, src, data=True))
                         subject = SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=leaf.fanout)
-                        out.append((s.worker, subject, codec.encode(push, compress=False), None))
+                        out.append((s.worker, subject, codec.encode(push, compress=False), None, run))
             task = TileTask.model_construct(
                 job=self.job_id, epoch=self.epoch, step=run.step, op=run.op, gemm=run.seq, tile=s.tile.index,
                 attempt=s.attempt, a=self._ref(run, s.a, run.a), b=self._ref(run, s.b, run.bt),
-                reply=self.reply_to(s.worker), sent_at=time.time(),
+                reply=self.reply_to(s.worker), sent_at=time.time(), rounded=run.rounded,
             )
-            out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode(task, compress=False), s))
+            out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode(task, compress=False), s, run))
         return out
 
     def reply_to(self, worker: str) -> str:
@@ -339,52 +368,56 @@ class Dispatcher:
     # ---- results -------------------------------------------------------------------------------------
     async def on_result(self, msg: TileResult, nbytes: int) -> None:
         self.c.bytes_up += nbytes
-        run = self.run
         if msg.job != self.job_id or msg.epoch != self.epoch:
             return self._reject("wrong_job", msg)
-        if run is None or msg.gemm != run.seq or (msg.step, msg.op) != (run.step, run.op):
+        run = self.runs.get(msg.gemm)
+        if run is None or (msg.step, msg.op) != (run.step, run.op):
             self.c.dropped += 1  # late: from a GEMM run that is over; but the worker is alive
-            self.c.fenced += run is not None and msg.gemm != run.seq and (msg.step, msg.op) == (run.step, run.op)
+            self.c.fenced += any((msg.step, msg.op) == (r.step, r.op) for r in self.runs.values())
             self.dealer.heard(msg.worker_id)
             return None
-        led = self.dealer.ledger
+        seq, led = run.seq, self.dealer.deal(run.seq).ledger
         if not led.was_issued(msg.tile, msg.attempt):
             return self._reject("unknown_tile", msg)
-        att = self.dealer.running(msg.worker_id, msg.tile, msg.attempt)
+        att = self.dealer.running(msg.worker_id, msg.tile, msg.attempt, seq)
         if att is not None and att.worker != msg.worker_id:
             return self._reject("wrong_worker", msg)
         now = self.clock()
         if msg.missing:
             self.c.cache_misses += 1
-            sends = self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, now, msg.missing)
+            sends = self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, now, msg.missing, seq)
         elif msg.error or msg.out is None:
             self._reject("worker_error", msg, msg.error)
-            sends = self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, now)
+            sends = self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, now, seq=seq)
         else:
             sends = await self._accept(run, msg)
         await self._post(sends)
         return None
 
     async def _accept(self, run: GemmRun, msg: TileResult) -> list[Send]:
-        t = self.dealer.ledger.tiles[msg.tile]
+        seq = run.seq
+        t = self.dealer.deal(seq).ledger.tiles[msg.tile]
         out = msg.out
-        if tuple(out.shape) != (t.rows, t.cols) or out.dtype != str(run.out.dtype).removeprefix("torch."):
+        if tuple(out.shape) != (t.rows, t.cols) or out.dtype != codec.dtype_name(run.out.dtype):
             self._reject("bad_shape", msg, f"{out.dtype}{tuple(out.shape)} for a {t.rows}x{t.cols} block")
-            return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock())
-        block = np.frombuffer(out.data, dtype=np.dtype(out.dtype)).reshape(t.rows, t.cols)
-        if not await self._off_loop(block.nbytes, lambda: bool(np.isfinite(block).all()) or not self._inputs_finite(run, t)):
+            return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock(), seq=seq)
+        block = np.frombuffer(out.data, dtype=BLOCK_DTYPES.get(out.dtype) or np.dtype(out.dtype)).reshape(t.rows, t.cols)
+        if not await self._off_loop(block.nbytes, lambda: finite(block, out.dtype) or not self._inputs_finite(run, t)):
             self._reject("not_finite", msg)
-            return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock())
+            return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock(), seq=seq)
+        if seq not in self.runs:  # it ended while the block was checked (a step aborted)
+            return []
         now = self.clock()
-        check = self.verifier.checks.get(msg.tile)
+        check = run.checks.get(msg.tile)
         if check is not None and check.attempt == msg.attempt:
-            sends = self.dealer.discard(msg.worker_id, msg.tile, msg.attempt, now)
-            await self._settle(run, check, torch.from_numpy(block.copy()))
+            sends = self.dealer.discard(msg.worker_id, msg.tile, msg.attempt, now, seq)
+            await self._settle(run, check, torch.from_numpy(block.copy()).view(run.out.dtype))
             return sends
-        outcome, sends = self.dealer.done(msg.worker_id, msg.tile, msg.attempt, now)
+        outcome, sends = self.dealer.done(msg.worker_id, msg.tile, msg.attempt, now, seq)
         if outcome != "accepted":
             return sends
-        await self._off_loop(block.nbytes, lambda: run.out.numpy().__setitem__((slice(t.r0, t.r1), slice(t.c0, t.c1)), block))
+        target = run.out.view(torch.int16) if run.out.dtype == torch.bfloat16 else run.out  # numpy has no bfloat16
+        await self._off_loop(block.nbytes, lambda: target.numpy().__setitem__((slice(t.r0, t.r1), slice(t.c0, t.c1)), block))
         self._log_losses()
         if self.verifier.sample():
             sends += self._verify(run, msg.tile, msg.worker_id)
@@ -397,7 +430,7 @@ class Dispatcher:
         return await asyncio.to_thread(fn) if nbytes > OFF_LOOP_BYTES else fn()
 
     def _maybe_done(self, run: GemmRun) -> None:
-        if self.dealer.complete and not self.verifier.checks:
+        if self.dealer.is_complete(run.seq) and not run.checks:
             run.done.set()
 
     def _verify(self, run: GemmRun, tile: int, first: str) -> list[Send]:
@@ -405,25 +438,31 @@ class Dispatcher:
         others = [w for w in self._live() if w != first]
         if not others:
             return []
-        worker = min(others, key=self.dealer.ledger.count)
-        t = self.dealer.ledger.tiles[tile]
-        send = self.dealer.extra(tile, worker, self.clock())
-        self.verifier.checks[tile] = Check(tile, send.attempt, first, worker, run.out[t.r0 : t.r1, t.c0 : t.c1].clone())
+        led = self.dealer.deal(run.seq).ledger
+        worker = min(others, key=led.count)
+        t = led.tiles[tile]
+        send = self.dealer.extra(tile, worker, self.clock(), run.seq)
+        run.checks[tile] = Check(tile, send.attempt, first, worker, run.out[t.r0 : t.r1, t.c0 : t.c1].clone())
         return [send]
 
     async def _settle(self, run: GemmRun, check: Check, second: torch.Tensor) -> None:
-        del self.verifier.checks[check.tile]
-        t = self.dealer.ledger.tiles[check.tile]
+        del run.checks[check.tile]
+        if run.seq not in self.runs:
+            return
+        t = self.dealer.deal(run.seq).ledger.tiles[check.tile]
         if self.verifier.agree(check.block, second):  # no need for the PS's own product
             self.verifier.done += 1
             self._maybe_done(run)
             return
-        truth = await asyncio.to_thread(tiles.compute, run.a[t.r0 : t.r1].float(), run.bt[t.c0 : t.c1].float())
+        truth = await asyncio.to_thread(lambda: tiles.compute(run.a[t.r0 : t.r1].float(), run.bt[t.c0 : t.c1].float())
+                                        .to(run.out.dtype))
         liar = self.verifier.judge(check, second, truth)
         if liar is not None:
             self.faulty.add(liar)
             self.dealer.remove(liar, self.clock(), "verification_mismatch")
-            run.spoiled = liar
+            for other in self.runs.values():  # its blocks may be in any GEMM in flight: the step is redone
+                other.spoiled = liar
+                other.done.set()
             log.warning("worker_faulty", worker_id=liar, step=run.step, gemm=run.name, tile=check.tile)
             self.c.recoveries.append(Event(kind="worker_faulty", at=time.time(), step=run.step, worker_id=liar,
                                            cause="verification_mismatch", detail={"gemm": run.name}))
@@ -445,7 +484,7 @@ class Dispatcher:
         again now rather than at their deadline (results name their sender in the subject; without a name,
         every worker's)."""
         prefix = SUBJECT_RESULTS.split("{", 1)[0]
-        if self.run is None or not subject.startswith(prefix):
+        if not self.runs or not subject.startswith(prefix):
             return
         tokens = subject[len(prefix):].split(".")  # job, epoch, worker
         workers = tokens[2:3] if len(tokens) > 2 else list(self.dealer.members)
@@ -460,23 +499,20 @@ class Dispatcher:
 
     def _forget_checks(self, worker: str) -> None:
         """A verifier that vanished verifies nothing."""
-        for tile, check in list(self.verifier.checks.items()):
-            if check.verifier == worker:
-                del self.verifier.checks[tile]
-        if self.run is not None:
-            self._maybe_done(self.run)
+        for run in list(self.runs.values()):
+            for tile, check in list(run.checks.items()):
+                if check.verifier == worker:
+                    del run.checks[tile]
+            self._maybe_done(run)
 
     def _log_losses(self) -> None:
         """Log each loss once, and report each recovery once its tiles are all done again."""
-        run, recs = self.run, self.dealer.recoveries
-        if len(recs) < self._logged:  # a new GEMM began
-            self._logged = 0
-        for rec in recs[self._logged :]:
+        for rec in self.dealer.take_lost():
+            run = self.runs.get(rec.seq)
             log.warning("tiles_resent", worker_id=rec.worker, cause=rec.cause, step=run.step if run else None,
-                            gemm=run.name if run else None, tiles=rec.count)
-        self._logged = len(recs)
+                        gemm=run.name if run else None, tiles=rec.count)
         for rec in self.dealer.take_closed():
-            self.c.recoveries.append(self._event(rec, run))
+            self.c.recoveries.append(self._event(rec, self.runs.get(rec.seq)))
 
     @staticmethod
     def _event(rec: Recovery, run: GemmRun | None) -> Event:

@@ -28,19 +28,18 @@ class Verifier:
     def __init__(self, fraction: float, seed: int = 0) -> None:
         self.fraction = fraction
         self.rng = random.Random(seed)
-        self.checks: dict[int, Check] = {}  # tile -> pending check, for the GEMM in flight
-        self.done = self.mismatches = 0
+        self.done = self.mismatches = 0  # (the pending checks are each GEMM's: `GemmRun.checks`)
 
     def sample(self) -> bool:
         return self.fraction > 0 and self.rng.random() < self.fraction
 
-    def new_gemm(self) -> None:
-        self.checks.clear()
-
     @staticmethod
     def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Equal within float32 reordering, or within two rounding steps of a bf16/fp16 job's blocks."""
+        rtol = max(DEFAULT_RTOL, 2 * max(torch.finfo(a.dtype).eps, torch.finfo(b.dtype).eps))
+        a, b = a.float(), b.float()
         scale = max(float(a.abs().max()), float(b.abs().max()), 1.0)
-        return bool(torch.allclose(a, b, rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL * scale))
+        return bool(torch.allclose(a, b, rtol=rtol, atol=DEFAULT_ATOL * scale))
 
     def judge(self, check: Check, second: torch.Tensor, truth: torch.Tensor) -> str | None:
         """The worker whose block is wrong (checked against the PS's own product), or None if both agree."""

@@ -123,7 +123,8 @@ def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, c
     start = time.perf_counter()
     if a.dtype in HALF:  # the approximate mode sends half-precision inputs; products accumulate in float32
         a, bt = a.float(), bt.float()
-    out = to_host(tiles.compute(a, to_device(bt, a.device)))
+    out = tiles.compute(a, to_device(bt, a.device))
+    out = to_host(out.to(codec.torch_dtype(task.rounded)) if task.rounded else out)
     if corrupt:
         out[0, 0] += corrupt
     return TileResult(
