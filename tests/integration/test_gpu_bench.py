@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "gpu.py"
 
 
+@pytest.mark.slow  # ~14 s; the benchmark's CPU path (benchmarks/gpu_check.sh runs it with the device tests)
 def test_gpu_benchmark_runs_its_tiny_preset(tmp_path):
     out = tmp_path / "gpu.json"
     subprocess.run([sys.executable, str(BENCH), "--models", "tiny", "--steps", "2", "--workers", "2",

@@ -111,6 +111,7 @@ def test_split_learning_equals_plain_training(tmp_path):
     assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(5)])
 
 
+@pytest.mark.slow  # ~20 s; cleave's own PS kills are in test_churn's default run
 def test_split_learning_ps_killed_mid_step_and_around_commits_resumes_exactly(tmp_path):
     """The server half is committed after each step; the client keeps its state from before its last step
     and goes back to it when the restarted PS asks for that step again: the losses are plain training's."""

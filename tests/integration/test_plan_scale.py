@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from cleave import bus as busmod
 from cleave.schemas import MAX_PLAN_BYTES, PLAN_BUCKET, PLAN_KEY, Plan
 from cleave_scheduler.main import Scheduler
@@ -30,6 +32,7 @@ async def wait_applied(ps: InProcessPS, timeout_s: float) -> Plan:
     return plan
 
 
+@pytest.mark.slow  # ~16 s; the 10,000-device plan's size and speed are benchmarks/plan_wire.py's and planner.py's
 async def test_a_10000_device_plan_reaches_the_ps_through_the_kv(nats_url):
     stop = asyncio.Event()
     bus = await busmod.connect(nats_url, "cleave-scheduler")
