@@ -3,7 +3,8 @@
 The PS holds the fp32 weights, their gradients and AdamW's two moments (4 copies of the parameters), the
 activations autograd saves for the backward at batch x seq (counted exactly by running the model's forward
 on the meta device, which allocates nothing), the largest GEMM's inputs and output as they travel (the bus
-buffers), the streamed checkpoint's few in-flight chunks, and the Python/torch runtime. A job whose
+buffers) and those of the weight-gradient GEMMs deferred beside it (`deferred_gemms`: copies of dYᵀ and Xᵀ
+and the product, for the largest such GEMMs), the streamed checkpoint's few in-flight chunks, and the Python/torch runtime. A job whose
 estimate exceeds the memory the PS may use is refused at once, with the numbers and the knob to turn,
 instead of being killed by the OOM killer later. `cleave train --dry-run` prints the estimate.
 """
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from cleave.costmodel import tile_memory_bytes
 from cleave.errors import ConfigError
 from cleave.job import JobConfig
+from cleave.ledger import DEFAULT_DEFERRED
 from cleave.models import GemmShape, build_model, gemm_shapes
 from cleave.planner import _even_blocks  # the even split the planner falls back to
 from cleave.tiles import MIN_BLOCK
@@ -57,7 +59,7 @@ class Estimate:
             f"gradients    {self.grads / GB:10.2f} GB",
             f"optimizer    {self.optimizer / GB:10.2f} GB  (AdamW: two moments)",
             f"activations  {self.activations / GB:10.2f} GB  (saved for the backward at batch x seq)",
-            f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output)",
+            f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output, and deferred dW's)",
             f"checkpoint   {self.checkpoint / GB:10.2f} GB  (streamed: chunks in flight)",
             f"runtime      {self.runtime / GB:10.2f} GB  (Python, torch)",
             f"PS peak      {self.total / GB:10.2f} GB",
@@ -86,12 +88,17 @@ def activation_bytes(job: JobConfig) -> int:
     return sum(saved.values()) + logits.numel() * logits.element_size()
 
 
-def estimate(job: JobConfig, workers: int, tile_bytes: int = 4) -> Estimate:
+def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = DEFAULT_DEFERRED) -> Estimate:
     cfg = job.arch()
     meta = build_model(cfg, device="meta")
     params = sum(p.numel() for p in meta.parameters())
     shapes = gemm_shapes(cfg, job.batch_size, job.seq)
-    bus = max((g.m * g.k + g.k * g.n) * tile_bytes + g.m * g.n * 4 for g in shapes)
+
+    def buffers(g: GemmShape) -> int:
+        return (g.m * g.k + g.k * g.n) * tile_bytes + g.m * g.n * 4
+
+    dws = sorted((buffers(g) for g in shapes if g.name.endswith(".dw") for _ in range(g.count_per_step)), reverse=True)
+    bus = max(buffers(g) for g in shapes) + sum(dws[:deferred])
     largest = max((_largest_block(g, workers, tile_bytes) for g in shapes), key=lambda t: t[-1])
     kmax = max(g.k for g in shapes)
     thin = int(tile_memory_bytes(np.array([MIN_BLOCK]), np.array([MIN_BLOCK]), kmax, tile_bytes)[0])

@@ -50,8 +50,9 @@ def check_fits(job: JobConfig, workers: int, dry_run: bool) -> None:
         if dry_run:
             print(f"no preflight estimate for method {job.method!r} yet")
         return
-    est = preflight.estimate(job, workers)
-    memory = PsSettings().memory_bytes or preflight.available_memory()
+    ps = PsSettings()
+    est = preflight.estimate(job, workers, deferred=ps.deferred_gemms)
+    memory = ps.memory_bytes or preflight.available_memory()
     if dry_run:
         print(f"preflight of job {job.job_id} ({job.model_name}, batch {job.batch_size} x seq {job.seq}, "
               f"{workers} workers):")

@@ -189,7 +189,7 @@ class Job:
         if self.job.precision != "fp32" and self.s.tile_dtype != "fp32":
             raise ConfigError(f"CLEAVE_PS_TILE_DTYPE={self.s.tile_dtype} is the approximate mode of an fp32 job; "
                               f"with precision={self.job.precision} the tiles already travel in 2 bytes: unset it")
-        est = preflight.estimate(self.job, workers=1, tile_bytes=self.wire_bytes)
+        est = preflight.estimate(self.job, workers=1, tile_bytes=self.wire_bytes, deferred=self.s.deferred_gemms)
         memory = self.s.memory_bytes or preflight.available_memory()
         preflight.check(self.job, est, memory)
         log.info("preflight_passed", job=self.job.job_id, ps_peak_gb=round(est.total / 1e9, 2),

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cleave.ledger import DEFAULT_WINDOW
+from cleave.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
 
 
 class PsSettings(BaseSettings):
@@ -26,7 +26,7 @@ class PsSettings(BaseSettings):
     verify_fraction: float = Field(0.0, ge=0, le=1)  # tiles also computed by a second worker, to catch liars
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
     fanout: bool = True  # publish an input block several planned workers need once, to their group subject
-    deferred_gemms: int = Field(8, ge=0)  # weight gradients dealt beside the backward's later GEMMs; 0: one GEMM at a time
+    deferred_gemms: int = Field(DEFAULT_DEFERRED, ge=0)  # weight gradients dealt beside the backward's later GEMMs; 0: one GEMM at a time
     gemm_timeout_s: float = Field(3600.0, gt=0)  # a GEMM not done by then aborts the step (nothing applied)
     max_inflight_bytes: int = Field(48 * 1024 * 1024, ge=0)  # input bytes in flight to one worker past its
     # first tile (and no more than 2 s of its downlink): under nats-server's max_pending (64 MiB); 0 = no limit
