@@ -17,7 +17,6 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 import torch
 
@@ -29,19 +28,14 @@ from cleave.schemas import (
     SUBJECT_CONTROL,
     SUBJECT_FANOUT,
     SUBJECT_RESULTS,
-    SUBJECT_TILES,
-    BlockPart,
-    BlockPush,
-    BlockRef,
     Event,
     FanoutAck,
     FanoutJoin,
     Plan,
     TensorData,
     TileResult,
-    TileTask,
 )
-from cleave_ps import linkcheck
+from cleave_ps import frames, linkcheck
 from cleave_ps.settings import PsSettings
 from cleave_ps.verify import Check, Verifier
 
@@ -87,17 +81,6 @@ class GemmRun:
     expected_s: float = 0.0  # the plan's makespan for this GEMM (0: no prediction)
     rounded: str = ""  # the precision its blocks come back in ("": float32; `TileTask.rounded`)
     bytes_down: int = 0  # what the PS published for it (tiles and fan-out blocks)
-
-
-BLOCK_DTYPES = {"bfloat16": np.dtype(np.int16)}  # numpy has no bfloat16: its bits, as int16
-BF16_EXPONENT = 0x7F80  # all ones: an infinity or a NaN
-
-
-def finite(block: np.ndarray, dtype: str) -> bool:
-    """Whether every value of a result block is finite (a bfloat16 block is read as its bits)."""
-    if dtype == "bfloat16":
-        return bool(((block & BF16_EXPONENT) != BF16_EXPONENT).all())
-    return bool(np.isfinite(block).all())
 
 
 def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
@@ -329,41 +312,12 @@ class Dispatcher:
                 self.dealer.departed(send.tile.index, send.attempt, self.clock(), send.seq)
 
     def _frames(self, sends: list[Send]) -> list[tuple[str, str, bytes, Send | None, GemmRun]]:
-        """(worker, subject, encoded message, send, its GEMM) for each send: a shared block published to its
-        group first, then the TileTask (runs off the event loop)."""
-        out = []
-        for s in sends:
-            run = self.runs[s.seq]
-            for block, src in ((s.a, run.a), (s.b, run.bt)):
-                for leaf in block.leaves():
-                    if leaf.publish:
-                        push = BlockPush.model_construct(job=self.job_id, epoch=self.epoch, gemm=run.seq,
-                                                         block=self._ref(run, leaf, src, data=True))
-                        subject = SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=leaf.fanout)
-                        out.append((s.worker, subject, codec.encode(push, compress=False), None, run))
-            task = TileTask.model_construct(
-                job=self.job_id, epoch=self.epoch, step=run.step, op=run.op, gemm=run.seq, tile=s.tile.index,
-                attempt=s.attempt, a=self._ref(run, s.a, run.a), b=self._ref(run, s.b, run.bt),
-                reply=self.reply_to(s.worker), sent_at=time.time(), rounded=run.rounded,
-            )
-            out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode(task, compress=False), s, run))
-        return out
+        """(worker, subject, encoded message, send, its GEMM) for each send (runs off the event loop)."""
+        return [(*frame, self.runs[s.seq]) for s in sends
+                for frame in frames.encode(self.job_id, self.epoch, self.runs[s.seq], s, self.reply_to(s.worker))]
 
     def reply_to(self, worker: str) -> str:
         return SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch, worker_id=worker)
-
-    @staticmethod
-    def _ref(run: GemmRun, block, src: torch.Tensor, data: bool = False) -> BlockRef:  # noqa: ANN001
-        if block.parts:
-            refs = [Dispatcher._ref(run, p, src) for p in block.parts]
-            parts = tuple(BlockPart.model_construct(id=r.id, tensor=r.tensor, fanout=r.fanout) for r in refs)
-            return BlockRef.model_construct(id=block.id, tensor=None, fanout=False, parts=parts)
-        if not (block.data or data):
-            return BlockRef.model_construct(id=block.id, tensor=None, fanout=bool(block.fanout), parts=())
-        tensor = run.blocks.get(block.id)
-        if tensor is None:
-            tensor = run.blocks[block.id] = codec.tensor_to_data(src[block.lo : block.hi])
-        return BlockRef.model_construct(id=block.id, tensor=tensor, fanout=False, parts=())
 
     # ---- results -------------------------------------------------------------------------------------
     async def on_result(self, msg: TileResult, nbytes: int) -> None:
@@ -401,8 +355,8 @@ class Dispatcher:
         if tuple(out.shape) != (t.rows, t.cols) or out.dtype != codec.dtype_name(run.out.dtype):
             self._reject("bad_shape", msg, f"{out.dtype}{tuple(out.shape)} for a {t.rows}x{t.cols} block")
             return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock(), seq=seq)
-        block = np.frombuffer(out.data, dtype=BLOCK_DTYPES.get(out.dtype) or np.dtype(out.dtype)).reshape(t.rows, t.cols)
-        if not await self._off_loop(block.nbytes, lambda: finite(block, out.dtype) or not self._inputs_finite(run, t)):
+        block = frames.block(out, t.rows, t.cols)
+        if not await self._off_loop(block.nbytes, lambda: frames.finite(block, out.dtype) or not self._inputs_finite(run, t)):
             self._reject("not_finite", msg)
             return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock(), seq=seq)
         if seq not in self.runs:  # it ended while the block was checked (a step aborted)
