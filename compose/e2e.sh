@@ -72,7 +72,7 @@ wait "$ref_pid" || fail "the reference run failed: $(tail -3 "$RUN/reference.log
 summary=$(check_run "$RUN/metrics.jsonl" "$RUN/reference.jsonl" "$STEPS") || fail "$summary"
 replicas=""
 if [ "$REPLICA_STEPS" -gt 0 ]; then  # the replicas scenario, on a fresh stack (down -v: no JetStream left)
-  dc down -v --timeout 20 >/dev/null 2>&1
+  t1=$(date +%s); dc down -v --timeout 20 >/dev/null 2>&1
   FILES+=(-f "$HERE/docker-compose.replicas.yml" -f "$HERE/e2e/replicas.yml")
   job="e2e-replicas-$(date +%s)"; rm -f "$RUN/metrics.jsonl"
   printf '{"job_id": "%s", "preset": "tiny", "steps": %d, "data": "/e2e/data.txt"}\n' "$job" "$REPLICA_STEPS" >"$RUN/job.json"
@@ -87,6 +87,6 @@ if [ "$REPLICA_STEPS" -gt 0 ]; then  # the replicas scenario, on a fresh stack (
     [ "$code" = 0 ] || fail "the PS replica $svc exited with $code"
   done
   r=$(check_run "$RUN/metrics.jsonl" "$RUN/reference-replicas.jsonl" "$REPLICA_STEPS") || fail "replicas: $r"
-  replicas=", 2 PS replicas (replica 1 killed): $r"
+  replicas=", 2 PS replicas (replica 1 killed): $r in $(( $(date +%s) - t1 ))s"
 fi
 echo "e2e: ok: images built $built, kills $kills (+1 freeze/thaw, 1 restart), $summary$replicas, $(( $(date +%s) - t0 ))s"
