@@ -60,7 +60,7 @@ def bench(job: JobConfig, workers: int, replicas: int, want: list[float], params
         "gemm_s": statistics.median(m["gemm_s"] for m in body),  # replica 0's distributed GEMMs
         "allreduce_s": allreduce, "replica_wait_s": statistics.median(m.get("replica_wait_s", 0.0) for m in body),
         "allreduce_bytes": grad_bytes, "allreduce_bytes_per_s": grad_bytes / allreduce if allreduce else None,
-        "workers_of_replica_0": statistics.median(m["workers"] for m in body),
+        "workers_in_job": statistics.median(m["workers"] for m in body),  # every replica's, summed
         "max_rel_loss_diff_vs_reference": max(abs(m["loss"] - w) / abs(w) for m, w in zip(lines, want, strict=True)),
     }
 

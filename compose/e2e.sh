@@ -4,12 +4,16 @@
 # `--scale worker=3`, kills a worker, freezes and thaws one, kills the PS, restarts a worker (the chaos
 # scripts), waits for the job and checks that every step appears exactly once and the losses equal
 # `cleave train --reference` of the same job; tears everything down. One summary line; non-zero on failure;
-# `SKIPPED: why` (exit 0) where it cannot run. Usage: compose/e2e.sh (as root)
+# `SKIPPED: why` (exit 0) where it cannot run. Then the replicas scenario: the stack again with
+# docker-compose.replicas.yml (2 PS replicas, 4 workers), a job of E2E_REPLICA_STEPS, replica 1 killed
+# (the group re-forms from the last commit), the same checks (E2E_REPLICA_STEPS=0 skips it).
+# Usage: compose/e2e.sh (as root)
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 REPO="$(cd "$HERE/.." && pwd)"
 source "$HERE/e2e/engine.sh"
 STEPS=${E2E_STEPS:-200}
+REPLICA_STEPS=${E2E_REPLICA_STEPS:-40}
 RUN="$E2E_DIR/run"
 t0=$(date +%s); built=0; kills=0
 e2e_can_run
@@ -25,6 +29,21 @@ steps_done() { [ -f "$RUN/metrics.jsonl" ] && wc -l <"$RUN/metrics.jsonl" || ech
 wait_step() {  # until the PS has committed $1 steps
   local deadline=$(( $(date +%s) + 600 ))
   while [ "$(steps_done)" -lt "$1" ]; do [ "$(date +%s)" -lt "$deadline" ] || fail "step $1 not reached"; sleep 1; done
+}
+
+check_run() {  # check_run METRICS REFERENCE STEPS: every step once, losses equal the reference
+  python3 - "$@" <<'PY'
+import json, sys
+got = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+ref = {m["step"]: m["loss"] for m in map(json.loads, open(sys.argv[2])) if m}
+steps = [m["step"] for m in got]
+if steps != list(range(int(sys.argv[3]))):
+    sys.exit(f"steps are not 0..{int(sys.argv[3]) - 1} exactly once: {len(steps)} lines, {len(set(steps))} distinct")
+diff = max(abs(m["loss"] - ref[m["step"]]) / abs(ref[m["step"]]) for m in got)
+if diff > 1e-4:
+    sys.exit(f"losses differ from the reference by up to {diff:.2e} (relative)")
+print(f"{len(steps)} steps once, max loss diff {diff:.1e}")
+PY
 }
 
 e2e_compose_plugin >/dev/null
@@ -50,17 +69,25 @@ wait_step 110; "$HERE/chaos/restart.sh" "${FILES[@]}" worker
 code=$(timeout 900 docker wait "$(dc ps -q -a ps)") || fail "the PS did not finish"
 [ "$code" = 0 ] || fail "the PS exited with $code"
 wait "$ref_pid" || fail "the reference run failed: $(tail -3 "$RUN/reference.log")"
-summary=$(python3 - "$RUN/metrics.jsonl" "$RUN/reference.jsonl" "$STEPS" <<'PY'
-import json, sys
-got = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-ref = {m["step"]: m["loss"] for m in map(json.loads, open(sys.argv[2])) if m}
-steps = [m["step"] for m in got]
-if steps != list(range(int(sys.argv[3]))):
-    sys.exit(f"steps are not 0..{int(sys.argv[3]) - 1} exactly once: {len(steps)} lines, {len(set(steps))} distinct")
-diff = max(abs(m["loss"] - ref[m["step"]]) / abs(ref[m["step"]]) for m in got)
-if diff > 1e-4:
-    sys.exit(f"losses differ from the reference by up to {diff:.2e} (relative)")
-print(f"{len(steps)} steps once, max loss diff {diff:.1e}")
-PY
-) || fail "$summary"
-echo "e2e: ok: images built $built, kills $kills (+1 freeze/thaw, 1 restart), $summary, $(( $(date +%s) - t0 ))s"
+summary=$(check_run "$RUN/metrics.jsonl" "$RUN/reference.jsonl" "$STEPS") || fail "$summary"
+replicas=""
+if [ "$REPLICA_STEPS" -gt 0 ]; then  # the replicas scenario, on a fresh stack (down -v: no JetStream left)
+  t1=$(date +%s); dc down -v --timeout 20 >/dev/null 2>&1
+  FILES+=(-f "$HERE/docker-compose.replicas.yml" -f "$HERE/e2e/replicas.yml")
+  job="e2e-replicas-$(date +%s)"; rm -f "$RUN/metrics.jsonl"
+  printf '{"job_id": "%s", "preset": "tiny", "steps": %d, "data": "/e2e/data.txt"}\n' "$job" "$REPLICA_STEPS" >"$RUN/job.json"
+  nice -n 5 "$REPO/.venv/bin/cleave" train --config "$RUN/job.json" --data "$RUN/data.txt" --reference \
+    --metrics-out "$RUN/reference-replicas.jsonl" --run-dir "$RUN/reference-replicas" >"$RUN/reference.log" 2>&1 \
+    || fail "the reference run failed: $(tail -3 "$RUN/reference.log")"
+  dc up -d --no-build --scale worker=4 >/dev/null 2>&1 || fail "compose up (replicas)"
+  wait_step $(( REPLICA_STEPS / 3 )); "$HERE/chaos/kill.sh" "${FILES[@]}" ps-1; kills=$((kills + 1))
+  wait_step "$REPLICA_STEPS"  # replica 0 exits 5 and comes back once after the kill: wait for the job, not for it
+  for svc in ps ps-1; do
+    code=$(timeout 900 docker wait "$(dc ps -q -a "$svc")") || fail "the PS replica $svc did not finish"
+    [ "$code" = 0 ] || fail "the PS replica $svc exited with $code"
+  done
+  r=$(check_run "$RUN/metrics.jsonl" "$RUN/reference-replicas.jsonl" "$REPLICA_STEPS") || fail "replicas: $r"
+  again=$(docker inspect -f '{{.RestartCount}}' "$(dc ps -q -a ps)")  # replica 0's exits 5, restarted by compose
+  replicas=", 2 PS replicas (replica 1 killed, replica 0 restarted by compose $again time(s)): $r in $(( $(date +%s) - t1 ))s"
+fi
+echo "e2e: ok: images built $built, kills $kills (+1 freeze/thaw, 1 restart), $summary$replicas, $(( $(date +%s) - t0 ))s"

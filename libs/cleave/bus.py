@@ -205,10 +205,12 @@ class Bus:
             while not stop.is_set():
                 if self.reconnects != seen_reconnects and self.nc.is_connected:
                     # the server may have restarted: a fresh watch replays the current value, then follows
-                    seen_reconnects = self.reconnects
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(watcher.stop(), DEFAULT_TIMEOUT_S)
-                    watcher = await asyncio.wait_for(kv.watch(key), DEFAULT_TIMEOUT_S)
+                    watcher = await self._rewatch(kv, bucket, key, stop)
+                    seen_reconnects = self.reconnects
+                    if watcher is None:
+                        return
                 try:
                     entry = await watcher.updates(timeout=DEFAULT_WATCH_POLL_S)
                 except TimeoutError:
@@ -221,6 +223,18 @@ class Bus:
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watcher.stop(), DEFAULT_TIMEOUT_S)
+
+    async def _rewatch(self, kv: KeyValue, bucket: str, key: str, stop: asyncio.Event):  # noqa: ANN202
+        """A new watch of `key` after a reconnect, retried until it is set up or `stop` (then None): on a
+        cluster that lost a node, the bucket's stream may still be electing a leader (seconds)."""
+        while not stop.is_set():
+            try:
+                return await asyncio.wait_for(kv.watch(key), DEFAULT_TIMEOUT_S)
+            except (TimeoutError, nats.errors.Error) as e:
+                log.warning("watch_retried", bucket=bucket, key=key, reason=type(e).__name__)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), DEFAULT_WATCH_POLL_S)
+        return None
 
     async def follow(self, stream: str, subject: str, on_msg: Callable[[str, bytes], object],
                      stop: asyncio.Event) -> None:

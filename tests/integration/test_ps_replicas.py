@@ -49,6 +49,14 @@ def test_two_replicas_equal_the_reference(tmp_path, reference):
     published = [json_fields(line) for line in sched.splitlines() if "replica_plan_published" in line]
     last = {p["replica"]: int(p["workers"]) for p in published}
     assert last == {"0": 2, "1": 2}  # the fleet's 4 workers split between the two replicas
+    # the metrics line is the whole job's: each replica's own workers and tiles (its log) summed
+    own = [json_fields(line) for r in (0, 1) for line in (tmp_path / "run" / "logs" / f"ps-{r}.log").read_text()
+           .splitlines() if "step_done" in line]
+    for m in lines:
+        mine = [f for f in own if f["step"] == str(m["step"])]
+        assert len(mine) == 2, mine  # one line per replica
+        assert (m["workers"], m["tiles"]) == (sum(int(f["workers"]) for f in mine), sum(int(f["tiles"]) for f in mine))
+    assert lines[-1]["workers"] == 4
 
 
 def json_fields(line: str) -> dict[str, str]:

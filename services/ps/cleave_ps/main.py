@@ -231,6 +231,8 @@ class Job:
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
                  workers=m.workers, tiles=m.tiles, resent=m.tiles_resent,
                  peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+        if self.group is not None:  # the line reports the whole job (the log above: this replica's part)
+            m = m.model_copy(update=await asyncio.to_thread(self.group.job_totals, m))
         if self.s.replica == 0:  # one replica commits (and reports); all hold the same state
             await self.progress.done(m, self.trainer.model, self.trainer.opt)
 

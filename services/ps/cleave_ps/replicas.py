@@ -10,9 +10,11 @@ refused with the fields that differ. Then the replicas form a gloo group (NCCL w
 A step: each replica runs forward and backward on its share of the global batch (equal shares, so the mean
 of the replicas' mean losses is the global batch's mean loss), then `average` waits for every replica
 (a barrier: `replica_wait_s`), sums the gradients and the loss with one all-reduce (`allreduce_s`) and
-divides by the group size; every replica then clips and steps the same optimizer on the same numbers. A
-replica that dies makes the collective fail in the others (`ReplicaLost`): they exit with
-EXIT_GROUP_LOST and the group re-forms from the last commit (gloo cannot shrink a group in place).
+divides by the group size; every replica then clips and steps the same optimizer on the same numbers.
+After the step one more all-reduce of a few integers (`job_totals`) sums the replicas' workers, tiles and
+bytes, so that replica 0's metrics line reports the whole job. A replica that dies makes the collective
+fail in the others (`ReplicaLost`): they exit with EXIT_GROUP_LOST and the group re-forms from the last
+commit (gloo cannot shrink a group in place).
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ import torch.distributed as dist
 
 from cleave import partition
 from cleave.errors import CleaveError, ConfigError
+from cleave.schemas import StepMetrics
 
+# a step's counts that the metrics line reports for the whole job, summed over the replicas (the recovery
+# events themselves, gemm_s and the predictions stay replica 0's)
+JOB_TOTALS = ("workers", "tiles", "tiles_resent", "tiles_copied", "tiles_dropped", "rejected", "bytes_down",
+              "bytes_up", "recoveries")
 EXIT_GROUP_LOST = 5  # a replica of the group is gone: restart and re-form from the last commit
 GENERATION_KEY = "generation"
 
@@ -154,6 +161,17 @@ class ReplicaGroup:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         return float(flat[-1]), t1 - t0, t2 - t1
+
+    def job_totals(self, m: StepMetrics) -> dict[str, int]:
+        """The whole job's counts of a step (JOB_TOTALS: every replica's own, summed with one all-reduce of
+        a few integers after the step), for replica 0's metrics line."""
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        t = torch.tensor([getattr(m, k) for k in JOB_TOTALS], dtype=torch.int64, device=device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        except Exception as e:
+            raise ReplicaLost(f"replica {self.replica}: the group broke summing the step's counts: {str(e)[:300]}") from None
+        return dict(zip(JOB_TOTALS, t.tolist(), strict=True))
 
     def agree(self, value: str, what: str) -> None:
         """Every replica holds the same `value` (e.g. the step it resumes from), or ReplicaLost."""
