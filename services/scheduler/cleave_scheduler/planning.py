@@ -14,7 +14,8 @@ PLANNERS = ("cost", "even", "uniform")
 def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: float | None) -> Plan:
     """`plan` with per-GEMM blocks from the cost-aware planner ("cost"), the even split over every device
     ("even"), or none ("uniform": tiles of one shape dealt from a queue). Each layout's `makespan_s` and the
-    plan's `predicted_step_s` are what the run time will take (`cleave.dealing`, and the PS's egress);
+    plan's `predicted_step_s` are what the run time will take (`cleave.dealing`: the PS's dealing core on
+    the workers' profiles, copies of late pieces included; and the PS's egress);
     `lower_bound_s` is the planner's relaxation bound."""
     if kind == "uniform" or shapes is None or not plan.workers:
         return plan
@@ -24,13 +25,14 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
     model = (planner.plan_model if kind == "cost" else planner.even_split_model)(
         devices, specs, shapes.dtype_bytes, ps_bandwidth
     )
-    layouts, step_s = [], 0.0
+    layouts, step_s, dealt = [], 0.0, {}
     for g in model.gemms:
         boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
         owners = [a.device for a in g.assignments]
-        dealt = dealt_makespan(boxes, owners, devices, g.k, shapes.dtype_bytes, plan.tile_rows, plan.tile_cols,
-                               plan.chunks, cache_bytes=caches)
-        makespan = max(dealt, g.egress_s)
+        if (g.m, g.n, g.k) not in dealt:  # kinds of one shape share their blocks, and so their prediction
+            dealt[g.m, g.n, g.k] = dealt_makespan(boxes, owners, devices, g.k, shapes.dtype_bytes, plan.tile_rows,
+                                                  plan.tile_cols, plan.chunks, cache_bytes=caches)
+        makespan = max(dealt[g.m, g.n, g.k], g.egress_s)
         step_s += makespan * g.count_per_step
         layouts.append(GemmLayout(m=g.m, n=g.n, k=g.k, boxes=np.array(boxes, dtype=np.int64).reshape(-1),
                                   owners=owners, makespan_s=makespan))
