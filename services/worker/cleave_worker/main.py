@@ -52,9 +52,10 @@ DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out gro
 
 class Worker:
     def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile,
-                 hb_bus: busmod.Bus | None = None) -> None:
+                 hb_bus: busmod.Bus | None = None, probe_bus: busmod.Bus | None = None) -> None:
         self.s, self.bus, self.profile = settings, bus, profile
         self.hb_bus = hb_bus or bus  # heartbeats on their own connection: never queued behind results or probes
+        self.probe_bus = probe_bus or bus  # probes on theirs: a re-probe's megabytes never queue ahead of results
         self.cache = BlockCache(settings.cache_bytes)
         self.started_at = time.time()
         self.tiles_done = 0
@@ -175,7 +176,7 @@ class Worker:
         while not await wait_for_stop(stop, self.s.probe_every_s):
             try:
                 flops = await asyncio.to_thread(measure_flops)
-                self.profile = await measured_profile(self.s, self.bus, flops)
+                self.profile = await measured_profile(self.s, self.probe_bus, flops)
             except Exception as e:  # e.g. the scheduler restarting: measure again next time
                 self.log.warning("reprobe_failed", error=repr(e))
 
@@ -264,15 +265,21 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     declared = parse_profile(settings.profile) if settings.profile else None
     bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
                                **auth.connect_options(settings, "worker"))
-    profile = declared or shared or await first_profile(settings, bus, flops, stop)
+    # a measuring device probes on a connection of its own: a re-probe's upload (up to MAX_PROBE_BYTES) would
+    # otherwise sit in the tiles' socket ahead of every result sent after it (half a second at 5 MB/s up)
+    probe_bus = None if declared is not None or shared is not None else await busmod.connect(
+        settings.nats_url, f"cleave-worker-{settings.worker_id}-probe", **auth.connect_options(settings, "worker"))
+    profile = declared or shared or await first_profile(settings, probe_bus, flops, stop)
     if profile is None:  # stopped before the links could be measured
         await bus.close()
+        if probe_bus is not None:
+            await probe_bus.close()
         return 0
     # a real device beats on its own connection, so that no result, probe or reconnect backlog on the
     # bulk one delays its heartbeats (a swarm's emulated workers share one machine and keep one each)
     hb_bus = None if shared is not None else await busmod.connect(
         settings.nats_url, f"cleave-worker-{settings.worker_id}-hb", **auth.connect_options(settings, "worker"))
-    worker = Worker(settings, bus, profile, hb_bus)
+    worker = Worker(settings, bus, profile, hb_bus, probe_bus)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
     cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, worker.on_roundcast)
@@ -296,8 +303,9 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     await control.unsubscribe()
     await check.unsubscribe()
     await bus.close()
-    if hb_bus is not None:
-        await hb_bus.close()
+    for extra in (hb_bus, probe_bus):
+        if extra is not None:
+            await extra.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits, stale_dropped=worker.stale)
     return 0
 
