@@ -22,12 +22,15 @@ def device(flops: float, down: float = FAST_LINK, up: float = FAST_LINK, latency
 
 
 def predict(fleet: dict[str, DeviceProfile], m: int, n: int) -> tuple[float, float]:
-    """(the dealer's prediction, each device alone) for the even split of C[m, n], one tile a block."""
+    """(the dealer's prediction, each device alone) for the even split of C[m, n], one tile a block; the
+    prediction alone and within a step (of that one GEMM) agree."""
     g = planner.even_split(fleet, m, n, K, 4)
     boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
     owners = [a.device for a in g.assignments]
     args = (boxes, owners, fleet, K, 4, m, n, 1, 1)
-    return dealing.dealt_makespan(*args), dealing.streamed_makespan(*args)
+    dealt = dealing.dealt_makespan(*args)
+    assert dealing.step_makespans([(boxes, owners, K)], [0], fleet, 4, m, n, 1, 1) == [pytest.approx(dealt)]
+    return dealt, dealing.streamed_makespan(*args)
 
 
 def test_a_lone_tile_costs_the_sum_of_its_stages():
@@ -56,6 +59,8 @@ def test_past_the_budget_each_device_alone_is_the_prediction():
     boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
     owners = [a.device for a in g.assignments]
     assert dealing.dealt_makespan(boxes, owners, fleet, K, 4, 300, 100, 1, 1, budget=8) == pytest.approx(10.0)
+    assert dealing.step_makespans([(boxes, owners, K)], [0], fleet, 4, 300, 100, 1, 1, budget=8) == \
+        [pytest.approx(10.0)]
 
 
 # the six links of benchmarks/real_links.py as its workers measured them (benchmarks/results/real_links.json)
@@ -66,12 +71,12 @@ MEASURED = {  # down, up (bytes/s), latency (s), FLOPS
 }
 
 
-@pytest.mark.parametrize(("kind", "rel"), [("cost", 1e-9), ("even", 0.1)])
+@pytest.mark.parametrize(("kind", "rel"), [("cost", 1e-9), ("even", 0.08)])
 def test_the_scheduler_predicts_what_the_simulator_simulates(kind, rel):
     """For the shaped fleet of benchmarks/real_links.py: the scheduler's plan (`with_layouts`) predicts the
-    simulated step: the cost plan exactly (5.24 s), the even split within 10% (10.11 s predicted, 9.92 s
-    simulated: the simulator carries each GEMM's late copies and suspicions into the next kind, the
-    prediction deals each kind on its own), where each device alone took 35.9 s, 3.6x too long."""
+    simulated step: the cost plan exactly (5.24 s), the even split within 8% (9.36 s predicted, 9.92 s
+    simulated: the prediction deals one layer of each kind, the simulator every layer, and the straggler's
+    copies and suspicions fall differently), where each device alone took 35.9 s, 3.6x too long."""
     fleet = {w: DeviceProfile(flops=f, memory_bytes=512 * 1024**2, downlink_bytes_per_s=d, uplink_bytes_per_s=u,
                               latency_s=lat) for w, (d, u, lat, f) in MEASURED.items()}
     job = JobConfig(job_id="v", preset="small")  # as the benchmark trains it

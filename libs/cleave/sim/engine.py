@@ -234,20 +234,24 @@ class GemmRun:
         self._deliver(self.dealer.set_fleet(self.fleet(ids), self.now))
 
 
-def play(ts: TileSet, profiles: dict[str, DeviceProfile], caches: dict[str, int], window: int,
-         fan_out: bool = True, runs: int = 1) -> list[float]:
-    """The spans of `runs` undisturbed runs of one GEMM, one after another, by one dealer with the PS's
-    default policy and `window` (its round trips carry over) on these devices, idle at each start and
-    keeping their profiles: what `cleave.dealing.dealt_makespan` predicts with."""
+def play(sets: Sequence[TileSet], profiles: dict[str, DeviceProfile], caches: dict[str, int], window: int,
+         fan_out: bool = True, rounds: int = 1) -> list[float]:
+    """The span of each GEMM of `sets` in the last of `rounds` undisturbed rounds, each round the GEMMs one
+    after another as a training step runs them, by one dealer with the PS's default policy and `window`
+    (round trips, suspicions and busy devices carry over, as in the PS) on devices that keep their
+    profiles: what `cleave.dealing` predicts with."""
     world = World.build(Fleet.of(profiles))
     members = [(w, caches[w], p) for w, p in profiles.items()]
     dealer = Dealer(Policy(window=window))
     dealer.set_fleet(members, 0.0)
-    busy, now, spans = np.zeros((len(world), 3)), 0.0, []
-    for seq in range(1, runs + 1):
-        run = GemmRun(ts, now, dealer, world.index, world.actual, world.leave_at, busy,
-                      lambda ids: [x for x in members if x[0] in set(ids)], seq, fan_out=fan_out)
-        out = run.run()
-        spans.append(out.span)
-        now = out.end
+    busy, now, seq, spans = np.zeros((len(world), 3)), 0.0, 0, []
+    for _ in range(rounds):
+        spans = []
+        for ts in sets:
+            seq += 1
+            run = GemmRun(ts, now, dealer, world.index, world.actual, world.leave_at, busy,
+                          lambda ids: [x for x in members if x[0] in set(ids)], seq, fan_out=fan_out)
+            out = run.run()
+            spans.append(out.span)
+            now = out.end
     return spans
