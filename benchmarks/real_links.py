@@ -7,12 +7,13 @@ scheduler plans the `small` preset's GEMMs for them (planner `cost`, then `even`
 to the cost model: the links are the kernel's. For each plan it reports, after the warm-up steps, the
 measured GEMM time per step against the plan's (`gemm_s` vs `predicted_gemm_s`), and per GEMM kind the
 median wall time against the plan's makespan (from the PS's debug log), and the simulator's step
-(`cleave.sim.simulate_step`) on the profiles the workers measured. The six workers share this
-machine's cores, so their measured FLOPS (each measured alone) overstate what they get together: the
-links are set slow enough that they, not the CPU, should set the pace. Needs root.
-Writes benchmarks/results/real_links.json.
+(`cleave.sim.simulate_step`) on the last profiles the workers measured (a re-probe during training
+measures less than the first; the plans were made with the profiles of their time). The six workers share
+this machine's cores; with `--cpu-shares` each runs in a CPU share of its own (`Link.cpu`, a CFS quota;
+1.5 cores in all), so that they do not take each other's compute. Needs root.
+Writes benchmarks/results/real_links.json (`--out` elsewhere).
 
-    sudo nice -n 10 .venv/bin/python benchmarks/real_links.py [--steps 6] [--preset small]
+    sudo nice -n 10 .venv/bin/python benchmarks/real_links.py [--steps 8] [--preset small] [--cpu-shares]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from cleave import netlab
@@ -35,13 +37,14 @@ from cleave_cli.netstack import ShapedFleet
 RESULTS = Path(__file__).parent / "results" / "real_links.json"
 WARMUP_STEPS = 2
 MB = 1e6
-LINKS = [  # down, up in bytes/s: the literature's edge profile (downlink 2-10x the uplink), scaled down
-    Link("phone-a", down=4 * MB, up=1.5 * MB),
-    Link("phone-b", down=6 * MB, up=2 * MB),
-    Link("laptop-a", down=12 * MB, up=4 * MB),
-    Link("laptop-b", down=10 * MB, up=5 * MB),
-    Link("desktop", down=16 * MB, up=8 * MB),
-    Link("straggler", down=1 * MB, up=0.5 * MB),
+LINKS = [  # down, up in bytes/s: the literature's edge profile (downlink 2-10x the uplink), scaled down;
+    # cores (with --cpu-shares): phones and the straggler 0.15-0.2, laptops 0.3, the desktop 0.4
+    Link("phone-a", down=4 * MB, up=1.5 * MB, cpu=0.15),
+    Link("phone-b", down=6 * MB, up=2 * MB, cpu=0.2),
+    Link("laptop-a", down=12 * MB, up=4 * MB, cpu=0.3),
+    Link("laptop-b", down=10 * MB, up=5 * MB, cpu=0.3),
+    Link("desktop", down=16 * MB, up=8 * MB, cpu=0.4),
+    Link("straggler", down=1 * MB, up=0.5 * MB, cpu=0.15),
 ]
 
 
@@ -59,21 +62,30 @@ def gemm_table(log: Path) -> dict[str, dict]:
             for name, v in rows.items()}
 
 
-def profiles(run_dir: Path) -> dict[str, dict]:
+def spread(gemms: dict[str, dict]) -> dict[str, float]:
+    """Per GEMM kind, measured / planned: the smallest, the median, the largest, and how many kinds are
+    within 20%."""
+    r = sorted(g["measured_over_planned"] for g in gemms.values())
+    return {"min": r[0], "median": statistics.median(r), "max": r[-1], "kinds": len(r),
+            "within_20pct": sum(0.8 <= x <= 1.2 for x in r)} if r else {}
+
+
+def profiles(run_dir: Path, links: list[Link]) -> dict[str, dict]:
     """What each worker measured (its last links_measured line)."""
     out = {}
-    for link in LINKS:
+    for link in links:
         for line in (run_dir / "logs" / f"worker-{link.id}.log").read_text().splitlines():
             if '"links_measured"' in line:
                 e = json.loads(line)
                 out[link.id] = {"down": e["down"], "up": e["up"], "latency_s": e["latency_s"], "flops": e["flops"],
-                                "bounded": e["bounded"], "shaped_down": link.down, "shaped_up": link.up}
+                                "bounded": e["bounded"], "shaped_down": link.down, "shaped_up": link.up,
+                                "cpu_cores": link.cpu}
     return out
 
 
-def run(planner: str, job: JobConfig, run_dir: Path) -> dict:
+def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link]) -> dict:
     env = {"CLEAVE_LOG_JSON": "1"}
-    fleet = ShapedFleet(run_dir, 0, links=LINKS, worker_env=env,
+    fleet = ShapedFleet(run_dir, 0, links=links, worker_env=env,
                         scheduler_env={**env, "CLEAVE_SCHEDULER_PLANNER": planner})
     with fleet:
         fleet.start_ps(job, run_dir / "m.jsonl", ps_env={**env, "CLEAVE_LOG_LEVEL": "debug"})
@@ -85,16 +97,17 @@ def run(planner: str, job: JobConfig, run_dir: Path) -> dict:
     gemm = statistics.median(m["gemm_s"] for m in body)
     planned = [m["predicted_gemm_s"] for m in body if m["predicted_gemm_s"]]
     predicted = statistics.median(planned) if planned else None
-    measured = profiles(run_dir)
+    measured = profiles(run_dir, links)
     fleet_profiles = {w: DeviceProfile(flops=p["flops"], memory_bytes=512 * 1024**2, downlink_bytes_per_s=p["down"],
                                        uplink_bytes_per_s=p["up"], latency_s=p["latency_s"]) for w, p in measured.items()}
     shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
     simulated = simulate_step(fleet_profiles, shapes, 4, planner=planner, steps=2)  # the same measured profiles
+    gemms = gemm_table(run_dir / "logs" / "ps.log")
     return {"planner": planner, "measured_gemm_s": gemm, "predicted_gemm_s": predicted,
             "gemm_measured_over_predicted": gemm / predicted if predicted else None,
             "simulated_gemm_s": simulated, "gemm_measured_over_simulated": gemm / simulated,
             "measured_step_s": statistics.median(m["step_time_s"] for m in body), "steps": steps,
-            "gemms": gemm_table(run_dir / "logs" / "ps.log"), "profiles": measured,
+            "gemms": gemms, "per_kind": spread(gemms), "profiles": measured,
             "losses": [m["loss"] for m in lines]}
 
 
@@ -102,32 +115,38 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--preset", default="small")
+    p.add_argument("--cpu-shares", action="store_true", help="a CPU share per device (Link.cpu; needs cgroup v1)")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    why = netlab.unavailable()
+    why = netlab.unavailable() or (netlab.cpu_unavailable() if args.cpu_shares else None)
     if why:
-        sys.exit(f"real_links needs network namespaces: {why}")
+        sys.exit(f"real_links needs network namespaces (and with --cpu-shares, cgroups): {why}")
+    links = LINKS if args.cpu_shares else [replace(link, cpu=None) for link in LINKS]
     job = JobConfig(job_id="real-links", preset=args.preset, steps=args.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        cost = run("cost", job, Path(tmp) / "cost")
-        even = run("even", job.model_copy(update={"job_id": "real-links-even"}), Path(tmp) / "even")
-    out = {"preset": args.preset, "links": [link.__dict__ for link in LINKS], "cost": cost, "even": even,
+        cost = run("cost", job, Path(tmp) / "cost", links)
+        even = run("even", job.model_copy(update={"job_id": "real-links-even"}), Path(tmp) / "even", links)
+    out = {"preset": args.preset, "steps": args.steps, "cpu_shares": args.cpu_shares,
+           "links": [link.__dict__ for link in links], "cost": cost, "even": even,
            "even_over_cost_measured": even["measured_gemm_s"] / cost["measured_gemm_s"],
            "same_losses": all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(cost["losses"], even["losses"], strict=True))}
     nan = float("nan")
     for r in (cost, even):
         print(f"{r['planner']:>5}: GEMMs {r['measured_gemm_s']:.2f}s/step measured vs {r['predicted_gemm_s'] or nan:.2f}s "
               f"predicted -> x{r['gemm_measured_over_predicted'] or nan:.2f}; simulated {r['simulated_gemm_s']:.2f}s -> "
-              f"x{r['gemm_measured_over_simulated']:.2f} (step {r['measured_step_s']:.2f}s)")
+              f"x{r['gemm_measured_over_simulated']:.2f} (step {r['measured_step_s']:.2f}s); per kind "
+              f"x{r['per_kind']['min']:.2f}-{r['per_kind']['max']:.2f}, median {r['per_kind']['median']:.2f}, "
+              f"{r['per_kind']['within_20pct']} of {r['per_kind']['kinds']} within 20%")
         for name, g in sorted(r["gemms"].items(), key=lambda kv: -kv[1]["wall_s"]):
             print(f"    {name:<28} {g['wall_s']:7.3f}s {g['planned_s']:7.3f}s  x{g['measured_over_planned']:.2f}")
     print("measured profiles (cost run): " + ", ".join(
-        f"{w} {p['down'] / MB:.1f}/{p['up'] / MB:.1f} MB/s (shaped {p['shaped_down'] / MB:.1f}/{p['shaped_up'] / MB:.1f})"
+        f"{w} {p['down'] / MB:.1f}/{p['up'] / MB:.1f} MB/s (shaped {p['shaped_down'] / MB:.1f}/{p['shaped_up'] / MB:.1f}), {p['flops'] / 1e9:.0f} GFLOP/s"
         for w, p in cost["profiles"].items()))
     print(f"even split / cost-aware plan (measured GEMM time): x{out['even_over_cost_measured']:.2f}; "
           f"losses identical under both plans: {out['same_losses']}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ each joined to the hub by its own veth pair on its own subnet (hub 10.77.<i>.1, 
 link's downlink (hub -> device) is a `tbf` on the hub end, its uplink (device -> hub) a `tbf` on the
 device end; a link with no rates is left unshaped. `cut` takes the device end down (packets in both
 directions are dropped, established TCP connections stay open and back off, as on a dead radio link) and
-`restore` brings it back with its shaping.
+`restore` brings it back with its shaping. A link with `cpu` set gives its device a share of the machine's
+cores too: everything run in its namespace (`wrap`) runs in a cgroup of its own whose CFS quota is `cpu`
+cores every CPU_PERIOD_US, so the emulated devices of one machine do not take each other's compute (each
+measures its FLOPS, and computes its tiles, within its own share). Needs cgroup v1's cpu controller.
 
 Every name starts with a prefix unique to the run (`cl` + 6 hex digits), so two labs never collide, and
 every interface and address lives inside the lab's own namespaces: nothing is added to the root namespace.
@@ -22,6 +25,7 @@ import os
 import secrets
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +36,9 @@ DEFAULT_QUEUE_S = 0.05  # tbf queue: at most this many seconds of a link's bytes
 MIN_BURST_BYTES = 16 * 1024  # tbf bucket: at least a few MTUs (and >= rate / HZ) or it cannot reach its rate
 MAX_LINKS = 250  # one /24 per link inside 10.77.0.0/16
 DEFAULT_CMD_TIMEOUT_S = 10.0
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller: one child per device with a share
+CPU_PERIOD_US = 10_000  # a share is enforced every 10 ms: a worker's FLOPS probe (a few ms) spans periods
+MIN_QUOTA_US = 1_000  # the kernel's smallest quota: shares start at 0.1 core
 
 
 class NetlabError(CleaveError):
@@ -45,6 +52,7 @@ class Link:
     id: str
     down: float | None = None
     up: float | None = None
+    cpu: float | None = None  # cores its device may use (a CFS quota); None = no limit of its own
 
 
 def load_links(path: str | Path) -> list[Link]:
@@ -52,13 +60,17 @@ def load_links(path: str | Path) -> list[Link]:
     (the fleet-file form of `cleave.fleet`; other fields are ignored, a missing rate means unshaped)."""
     try:
         raw = json.loads(Path(path).read_text())
-        links = [Link(str(e["id"]), e.get("downlink_bytes_per_s"), e.get("uplink_bytes_per_s")) for e in raw]
+        links = [Link(str(e["id"]), e.get("downlink_bytes_per_s"), e.get("uplink_bytes_per_s"), e.get("cpu_cores"))
+                 for e in raw]
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ConfigError(f"fleet file {path}: {e!r}") from None
     for link in links:
         for rate in (link.down, link.up):
             if rate is not None and not (isinstance(rate, int | float) and rate > 0):
                 raise ConfigError(f"fleet file {path}: link {link.id!r} has rate {rate!r}, expected bytes/s > 0")
+        if link.cpu is not None and not (isinstance(link.cpu, int | float) and link.cpu * CPU_PERIOD_US >= MIN_QUOTA_US):
+            raise ConfigError(f"fleet file {path}: link {link.id!r} has cpu_cores {link.cpu!r}, expected >= "
+                              f"{MIN_QUOTA_US / CPU_PERIOD_US}")
     return links
 
 
@@ -83,6 +95,16 @@ def unavailable() -> str | None:
     return None
 
 
+def cpu_unavailable() -> str | None:
+    """Why links cannot have a CPU share here (None when they can)."""
+    quota = CGROUP_CPU / "cpu.cfs_quota_us"
+    if not quota.exists():
+        return f"no cgroup v1 cpu controller at {CGROUP_CPU} (cgroup v2 is not supported yet)"
+    if not os.access(CGROUP_CPU, os.W_OK):
+        return f"cannot create a cgroup under {CGROUP_CPU} (needs root)"
+    return None
+
+
 def tbf(dev: str, rate: float) -> list[str]:
     """The tc arguments that shape `dev`'s egress to `rate` bytes/s with a DEFAULT_QUEUE_S queue."""
     burst = max(MIN_BURST_BYTES, int(rate / 100))
@@ -98,11 +120,15 @@ class Netlab:
     links: list[Link]
     prefix: str = field(default_factory=lambda: f"cl{secrets.token_hex(3)}")
     created: list[str] = field(default_factory=list)  # namespaces, in creation order
+    cgroups: dict[str, Path] = field(default_factory=dict)  # device namespace -> its CPU share's cgroup
 
     def __post_init__(self) -> None:
         ids = [link.id for link in self.links]
         if len(set(ids)) != len(ids) or len(ids) > MAX_LINKS:
             raise ConfigError(f"a lab takes up to {MAX_LINKS} links with distinct ids, got {ids}")
+        for link in self.links:
+            if link.cpu is not None and not link.cpu * CPU_PERIOD_US >= MIN_QUOTA_US:
+                raise ConfigError(f"link {link.id!r}: cpu {link.cpu!r} is below {MIN_QUOTA_US / CPU_PERIOD_US} core")
         self.index = {link.id: i + 1 for i, link in enumerate(self.links)}
 
     @property
@@ -121,8 +147,13 @@ class Netlab:
         return f"nats://{'127.0.0.1' if link_id is None else self.hub_ip(link_id)}:{HUB_PORT}"
 
     def wrap(self, ns: str, argv: list[str]) -> list[str]:
-        """`argv` run inside namespace `ns` (ip netns exec execs it: the pid is the program's own)."""
-        return ["ip", "netns", "exec", ns, *argv]
+        """`argv` run inside namespace `ns`, and in its device's CPU share if it has one (the shell joins the
+        cgroup and execs ip netns exec, which execs `argv`: the pid is the program's own)."""
+        inside = ["ip", "netns", "exec", ns, *argv]
+        group = self.cgroups.get(ns)
+        if group is None:
+            return inside
+        return ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh", *inside]
 
     def _devs(self, link_id: str) -> tuple[str, str]:
         i = self.index[link_id]
@@ -153,6 +184,23 @@ class Netlab:
         for name, d in ((self.hub, hub_dev), (ns, dev)):
             sh("ip", "-n", name, "link", "set", d, "up")
         self.shape(link)
+        if link.cpu is not None:
+            self._add_share(ns, link.cpu)
+
+    def _add_share(self, ns: str, cores: float) -> None:
+        why = cpu_unavailable()
+        if why:
+            raise NetlabError(f"a CPU share for {ns}: {why}")
+        group = CGROUP_CPU / ns
+        group.mkdir()
+        self.cgroups[ns] = group
+        (group / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(int(cores * CPU_PERIOD_US)))
+
+    def throttled(self, link_id: str) -> int:
+        """How many periods its device's processes were stopped by their CPU share so far (cpu.stat)."""
+        stat = (self.cgroups[self.ns(link_id)] / "cpu.stat").read_text().split()
+        return int(stat[stat.index("nr_throttled") + 1])
 
     def shape(self, link: Link) -> None:
         """(Re)apply a link's rates: downlink on the hub end's egress, uplink on the device end's."""
@@ -186,6 +234,13 @@ class Netlab:
                     os.kill(int(pid), signal.SIGKILL)
             sh("ip", "netns", "del", name, check=False)
         self.created.clear()
+        for group in self.cgroups.values():  # empty once its processes (all in its namespace) are gone
+            deadline = time.monotonic() + DEFAULT_CMD_TIMEOUT_S
+            while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+                time.sleep(0.01)  # SIGKILLed above: waiting for the kernel to reap them
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        self.cgroups.clear()
 
     def __enter__(self) -> Netlab:
         return self.create()

@@ -82,6 +82,52 @@ def test_links_are_shaped_cut_restored_and_torn_down() -> None:
     assert lab.prefix not in subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
 
 
+BUSY = """
+import os, time
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < 1.0:
+    pass
+print(sum(os.times()[:2]) / (time.perf_counter() - t0))
+"""
+
+
+@pytest.mark.skipif(netlab.cpu_unavailable() is not None, reason=f"no CPU shares: {netlab.cpu_unavailable()}")
+def test_a_devices_cpu_share_caps_what_its_processes_compute() -> None:
+    with Netlab([Link("phone", cpu=0.2)]) as lab:
+        done = subprocess.run(lab.wrap(lab.ns("phone"), [sys.executable, "-c", BUSY]), capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert float(done.stdout) < 0.2 * 1.3  # CPU seconds per second of a busy loop (all of python's start-up)
+        assert lab.throttled("phone") > 10  # held back by the share, not by a busy machine
+        group = lab.cgroups[lab.ns("phone")]
+    assert not group.exists()  # the cgroup goes with the lab
+
+
+FLOPS = """
+import time, torch
+torch.set_num_threads(1)
+from cleave_worker.main import device_flops
+measured = device_flops()
+a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+t0, runs = time.perf_counter(), 0
+while time.perf_counter() - t0 < 2.0:  # what a tile's GEMMs get, for two seconds
+    a @ b
+    runs += 1
+print(measured / (2 * 1024**3 * runs / (time.perf_counter() - t0)))
+"""
+
+
+@pytest.mark.skipif(netlab.cpu_unavailable() is not None, reason=f"no CPU shares: {netlab.cpu_unavailable()}")
+def test_a_worker_measures_the_flops_its_cpu_share_sustains() -> None:
+    """Not the core's peak: a 512 x 512 product fits in one 10 ms period's quota, and the best of five
+    reported 30-99 GFLOP/s in a 0.3-core share that sustains 18-28 (the worker sizes its products up)."""
+    with Netlab([Link("phone", cpu=0.2)]) as lab:
+        done = subprocess.run(lab.wrap(lab.ns("phone"), [sys.executable, "-c", FLOPS]), capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert 0.6 < float(done.stdout) < 1.5
+
+
 def test_a_failed_create_leaves_nothing_behind() -> None:
     lab = Netlab([Link("a", down=1e6), Link("b", up=1e6)])
     subprocess.run(["ip", "netns", "add", lab.ns("b")], check=True)  # taken: create fails at the second link

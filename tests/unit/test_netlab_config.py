@@ -11,12 +11,12 @@ from cleave.netlab import Link, Netlab, load_links, tbf
 def test_links_come_from_a_fleet_file_and_missing_rates_mean_unshaped(tmp_path):
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps([{"id": "phone", "downlink_bytes_per_s": 10e6, "uplink_bytes_per_s": 5e6, "flops": 1e12},
-                                {"id": "lan"}]))
-    assert load_links(path) == [Link("phone", 10e6, 5e6), Link("lan")]
+                                {"id": "lan"}, {"id": "slow-cpu", "cpu_cores": 0.25}]))
+    assert load_links(path) == [Link("phone", 10e6, 5e6), Link("lan"), Link("slow-cpu", cpu=0.25)]
 
 
 @pytest.mark.parametrize("entry", [{"downlink_bytes_per_s": 1e6}, {"id": "x", "uplink_bytes_per_s": -1},
-                                   {"id": "x", "downlink_bytes_per_s": "fast"}])
+                                   {"id": "x", "downlink_bytes_per_s": "fast"}, {"id": "x", "cpu_cores": 0.05}])
 def test_a_bad_fleet_file_is_refused_with_its_reason(tmp_path, entry):
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps([entry]))
@@ -40,3 +40,10 @@ def test_names_are_unique_per_lab_and_fit_the_kernel_limit():
     assert a.nats_url("y") == "nats://10.77.2.1:4222" and a.nats_url() == "nats://127.0.0.1:4222"
     with pytest.raises(ConfigError):
         Netlab([Link("x"), Link("x")])
+
+
+def test_a_cpu_share_below_the_kernels_smallest_quota_is_refused():
+    with pytest.raises(ConfigError, match="cpu"):
+        Netlab([Link("x", cpu=0.01)])
+    lab = Netlab([Link("x", cpu=0.5)])
+    assert lab.wrap(lab.ns("x"), ["true"]) == ["ip", "netns", "exec", lab.ns("x"), "true"]  # none until created

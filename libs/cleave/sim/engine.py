@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cleave import fanout
-from cleave.dealer import BlockSend, Dealer, Recovery, Send, Work
+from cleave.dealer import BlockSend, Dealer, Policy, Recovery, Send, Work
+from cleave.fleet import Fleet
 from cleave.profile import streamed
 from cleave.schemas import DeviceProfile
-from cleave.sim.world import Profiles
+from cleave.sim.world import Profiles, World
 from cleave.tiles import Tile
 
 FINISH, CHECK, PLAN = 0, 1, 2  # event kinds
@@ -231,3 +232,26 @@ class GemmRun:
     def _on_plan(self, i: int, ids: tuple[str, ...]) -> None:
         self.out.plans_applied = i + 1
         self._deliver(self.dealer.set_fleet(self.fleet(ids), self.now))
+
+
+def play(sets: Sequence[TileSet], profiles: dict[str, DeviceProfile], caches: dict[str, int], window: int,
+         fan_out: bool = True, rounds: int = 1) -> list[float]:
+    """The span of each GEMM of `sets` in the last of `rounds` undisturbed rounds, each round the GEMMs one
+    after another as a training step runs them, by one dealer with the PS's default policy and `window`
+    (round trips, suspicions and busy devices carry over, as in the PS) on devices that keep their
+    profiles: what `cleave.dealing` predicts with."""
+    world = World.build(Fleet.of(profiles))
+    members = [(w, caches[w], p) for w, p in profiles.items()]
+    dealer = Dealer(Policy(window=window))
+    dealer.set_fleet(members, 0.0)
+    busy, now, seq, spans = np.zeros((len(world), 3)), 0.0, 0, []
+    for _ in range(rounds):
+        spans = []
+        for ts in sets:
+            seq += 1
+            run = GemmRun(ts, now, dealer, world.index, world.actual, world.leave_at, busy,
+                          lambda ids: [x for x in members if x[0] in set(ids)], seq, fan_out=fan_out)
+            out = run.run()
+            spans.append(out.span)
+            now = out.end
+    return spans

@@ -96,8 +96,10 @@ class Cutter:
 
     def tileset(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         """(the tiles, the predicted makespan) of C[m, n] = A[m, k] · B[k, n] under the layout `version`
-        (`plan` is that layout's own plan); the prediction is the scheduler's (`cleave.dealing`): the
-        planner's blocks as the PS deals them and the devices stream them, or the PS's egress if longer."""
+        (`plan` is that layout's own plan); the prediction is `cleave.dealing.dealt_makespan`: the planner's
+        blocks as the PS's dealer deals them to devices that stream them, this GEMM kind alone (the scheduler's
+        `step_makespans` deals a step of one layer, so the dealer's state carries across kinds), or the
+        PS's egress if longer."""
         key = (version, m, n, k)
         if key not in self.cache:
             self.cache[key] = self._cut(version, plan, m, n, k)

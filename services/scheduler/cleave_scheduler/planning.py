@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from cleave import codec, planner
-from cleave.dealing import dealt_makespan
+from cleave.dealing import step_makespans
 from cleave.schemas import MAX_CONTROL_BYTES, MAX_PLAN_BYTES, GemmLayout, JobShapes, Plan
+from cleave.sim.step import step_order
 
 PLANNERS = ("cost", "even", "uniform")
 
@@ -14,8 +15,9 @@ PLANNERS = ("cost", "even", "uniform")
 def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: float | None) -> Plan:
     """`plan` with per-GEMM blocks from the cost-aware planner ("cost"), the even split over every device
     ("even"), or none ("uniform": tiles of one shape dealt from a queue). Each layout's `makespan_s` and the
-    plan's `predicted_step_s` are what the run time will take (`cleave.dealing`, and the PS's egress);
-    `lower_bound_s` is the planner's relaxation bound."""
+    plan's `predicted_step_s` are what the run time will take (`cleave.dealing.step_makespans`: the PS's
+    dealing core on the workers' profiles over a step's GEMMs, copies of late pieces included; and the PS's
+    egress); `lower_bound_s` is the planner's relaxation bound."""
     if kind == "uniform" or shapes is None or not plan.workers:
         return plan
     devices = {w.worker_id: w.profile for w in plan.workers}
@@ -24,13 +26,14 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
     model = (planner.plan_model if kind == "cost" else planner.even_split_model)(
         devices, specs, shapes.dtype_bytes, ps_bandwidth
     )
+    kinds = [([(a.row0, a.row1, a.col0, a.col1) for a in g.assignments], [a.device for a in g.assignments], g.k)
+             for g in model.gemms]
+    layer = list(dict.fromkeys(step_order(model.gemms)))  # a step of one layer: each kind once, in step order
+    dealt = step_makespans(kinds, layer, devices, shapes.dtype_bytes, plan.tile_rows, plan.tile_cols, plan.chunks,
+                           cache_bytes=caches)
     layouts, step_s = [], 0.0
-    for g in model.gemms:
-        boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
-        owners = [a.device for a in g.assignments]
-        dealt = dealt_makespan(boxes, owners, devices, g.k, shapes.dtype_bytes, plan.tile_rows, plan.tile_cols,
-                               plan.chunks, cache_bytes=caches)
-        makespan = max(dealt, g.egress_s)
+    for g, (boxes, owners, _), fleet_s in zip(model.gemms, kinds, dealt, strict=True):
+        makespan = max(fleet_s, g.egress_s)
         step_s += makespan * g.count_per_step
         layouts.append(GemmLayout(m=g.m, n=g.n, k=g.k, boxes=np.array(boxes, dtype=np.int64).reshape(-1),
                                   owners=owners, makespan_s=makespan))

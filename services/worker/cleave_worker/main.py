@@ -40,7 +40,16 @@ from cleave.schemas import (
     SplitTask,
     TileTask,
 )
-from cleave_worker.core import BlockCache, check_inputs, compute, leaves, measure_flops, reply_to
+from cleave_worker.core import (
+    DEVICE,
+    FLOPS_N,
+    BlockCache,
+    check_inputs,
+    compute,
+    leaves,
+    measure_flops,
+    reply_to,
+)
 from cleave_worker.probe import measure_links
 from cleave_worker.rounds import RoundRunner
 from cleave_worker.settings import WorkerSettings
@@ -48,13 +57,32 @@ from cleave_worker.split_client import SplitRunner
 
 DEFAULT_PROBE_RETRY_S = 1.0  # until its links are measured a worker does not join (it is planned not at all)
 DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
+FLOPS_RUN_S = 0.03  # on a CPU each timed product of the FLOPS probe lasts about this long: several periods of a
+# CPU share (cleave.netlab: 10 ms) or time slices of a busy machine, so none is caught whole in a lucky one
+MAX_FLOPS_N = 2048  # ... and is at most this square (0.2 s at 80 GFLOP/s)
+
+
+def device_flops() -> float:
+    """This device's GEMM FLOP/s (`measure_flops`, the best of a few products). On a CPU the products grow
+    from the 512 x 512 default until even the best lasts FLOPS_RUN_S: the default lasts 3 ms at 80 GFLOP/s,
+    short enough to fall inside one time slice of a shared or capped CPU and report the core's peak, not
+    what the device sustains (the emulated devices of benchmarks/real_links.py, on the same two cores,
+    measured 14-99 GFLOP/s). A device slower than 9 GFLOP/s measures as before."""
+    n = FLOPS_N["cpu"]
+    while True:
+        flops = measure_flops(n=n) if DEVICE.type == "cpu" else measure_flops()
+        run_s = 2 * n**3 / flops
+        if DEVICE.type != "cpu" or run_s >= FLOPS_RUN_S or n >= MAX_FLOPS_N:
+            return flops
+        n = min(MAX_FLOPS_N, int(n * max(1.25, (FLOPS_RUN_S / run_s) ** (1 / 3))))
 
 
 class Worker:
     def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile,
-                 hb_bus: busmod.Bus | None = None) -> None:
+                 hb_bus: busmod.Bus | None = None, probe_bus: busmod.Bus | None = None) -> None:
         self.s, self.bus, self.profile = settings, bus, profile
         self.hb_bus = hb_bus or bus  # heartbeats on their own connection: never queued behind results or probes
+        self.probe_bus = probe_bus or bus  # probes on theirs: a re-probe's megabytes never queue ahead of results
         self.cache = BlockCache(settings.cache_bytes)
         self.started_at = time.time()
         self.tiles_done = 0
@@ -174,8 +202,8 @@ class Worker:
         measurement keeps the last profile (the failure is logged)."""
         while not await wait_for_stop(stop, self.s.probe_every_s):
             try:
-                flops = await asyncio.to_thread(measure_flops)
-                self.profile = await measured_profile(self.s, self.bus, flops)
+                flops = await asyncio.to_thread(device_flops)
+                self.profile = await measured_profile(self.s, self.probe_bus, flops)
             except Exception as e:  # e.g. the scheduler restarting: measure again next time
                 self.log.warning("reprobe_failed", error=repr(e))
 
@@ -253,7 +281,7 @@ async def first_profile(s: WorkerSettings, bus: busmod.Bus, flops: float, stop: 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     torch.set_num_threads(settings.threads)
-    return await run_worker(settings, stop, measure_flops())
+    return await run_worker(settings, stop, device_flops())
 
 
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float,
@@ -264,15 +292,21 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     declared = parse_profile(settings.profile) if settings.profile else None
     bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
                                **auth.connect_options(settings, "worker"))
-    profile = declared or shared or await first_profile(settings, bus, flops, stop)
+    # a measuring device probes on a connection of its own: a re-probe's upload (up to MAX_PROBE_BYTES) would
+    # otherwise sit in the tiles' socket ahead of every result sent after it (half a second at 5 MB/s up)
+    probe_bus = None if declared is not None or shared is not None else await busmod.connect(
+        settings.nats_url, f"cleave-worker-{settings.worker_id}-probe", **auth.connect_options(settings, "worker"))
+    profile = declared or shared or await first_profile(settings, probe_bus, flops, stop)
     if profile is None:  # stopped before the links could be measured
         await bus.close()
+        if probe_bus is not None:
+            await probe_bus.close()
         return 0
     # a real device beats on its own connection, so that no result, probe or reconnect backlog on the
     # bulk one delays its heartbeats (a swarm's emulated workers share one machine and keep one each)
     hb_bus = None if shared is not None else await busmod.connect(
         settings.nats_url, f"cleave-worker-{settings.worker_id}-hb", **auth.connect_options(settings, "worker"))
-    worker = Worker(settings, bus, profile, hb_bus)
+    worker = Worker(settings, bus, profile, hb_bus, probe_bus)
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, worker.on_tile)
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, worker.on_round)
     cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, worker.on_roundcast)
@@ -296,8 +330,9 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     await control.unsubscribe()
     await check.unsubscribe()
     await bus.close()
-    if hb_bus is not None:
-        await hb_bus.close()
+    for extra in (hb_bus, probe_bus):
+        if extra is not None:
+            await extra.close()
     log.info("worker_stopped", tiles_done=worker.tiles_done, cache_hits=worker.cache.hits, stale_dropped=worker.stale)
     return 0
 
