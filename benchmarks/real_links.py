@@ -10,10 +10,13 @@ median wall time against the plan's makespan (from the PS's debug log), and the 
 (`cleave.sim.simulate_step`) on the last profiles the workers measured (a re-probe during training
 measures less than the first; the plans were made with the profiles of their time). The six workers share
 this machine's cores; with `--cpu-shares` each runs in a CPU share of its own (`Link.cpu`, a CFS quota;
-1.5 cores in all), so that they do not take each other's compute. Needs root.
+1.5 cores in all), so that they do not take each other's compute. The model predicts a step's GEMMs one after
+the other, so the PS deals them so in these two runs (`deferred_gemms: 0`); a third run of the cost plan with
+the PS's default (weight gradients dealt beside the backward, docs/architecture.md) measures what that
+overlap gains behind these links. Needs root.
 Writes benchmarks/results/real_links.json (`--out` elsewhere).
 
-    sudo nice -n 10 .venv/bin/python benchmarks/real_links.py [--steps 8] [--preset small] [--cpu-shares]
+    sudo nice -n 10 .venv/bin/python benchmarks/real_links.py [--steps 8] [--preset small] [--cpu-shares] [--no-deferred]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from cleave import netlab
 from cleave.job import JobConfig
+from cleave.ledger import DEFAULT_DEFERRED
 from cleave.models import gemm_shapes, get_preset
 from cleave.netlab import Link
 from cleave.schemas import DeviceProfile
@@ -83,12 +87,13 @@ def profiles(run_dir: Path, links: list[Link]) -> dict[str, dict]:
     return out
 
 
-def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link]) -> dict:
+def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link], deferred: int = 0) -> dict:
     env = {"CLEAVE_LOG_JSON": "1"}
     fleet = ShapedFleet(run_dir, 0, links=links, worker_env=env,
                         scheduler_env={**env, "CLEAVE_SCHEDULER_PLANNER": planner})
     with fleet:
-        fleet.start_ps(job, run_dir / "m.jsonl", ps_env={**env, "CLEAVE_LOG_LEVEL": "debug"})
+        fleet.start_ps(job, run_dir / "m.jsonl", ps_env={**env, "CLEAVE_LOG_LEVEL": "debug",
+                                                           "CLEAVE_PS_DEFERRED_GEMMS": str(deferred)})
         lines = fleet.wait_ps(run_dir / "m.jsonl", timeout_s=1800)
     body = [m for m in lines if m["step"] >= WARMUP_STEPS]
     steps = [{"step": m["step"], "gemm_s": m["gemm_s"], "predicted_gemm_s": m["predicted_gemm_s"],
@@ -103,7 +108,7 @@ def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link]) -> dict:
     shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
     simulated = simulate_step(fleet_profiles, shapes, 4, planner=planner, steps=2)  # the same measured profiles
     gemms = gemm_table(run_dir / "logs" / "ps.log")
-    return {"planner": planner, "measured_gemm_s": gemm, "predicted_gemm_s": predicted,
+    return {"planner": planner, "deferred_gemms": deferred, "measured_gemm_s": gemm, "predicted_gemm_s": predicted,
             "gemm_measured_over_predicted": gemm / predicted if predicted else None,
             "simulated_gemm_s": simulated, "gemm_measured_over_simulated": gemm / simulated,
             "measured_step_s": statistics.median(m["step_time_s"] for m in body), "steps": steps,
@@ -116,6 +121,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--preset", default="small")
     p.add_argument("--cpu-shares", action="store_true", help="a CPU share per device (Link.cpu; needs cgroup v1)")
+    p.add_argument("--no-deferred", dest="deferred", action="store_false",
+                   help="skip the third run (the cost plan with weight gradients dealt beside the backward)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     why = netlab.unavailable() or (netlab.cpu_unavailable() if args.cpu_shares else None)
@@ -126,9 +133,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cost = run("cost", job, Path(tmp) / "cost", links)
         even = run("even", job.model_copy(update={"job_id": "real-links-even"}), Path(tmp) / "even", links)
+        overlap = run("cost", job.model_copy(update={"job_id": "real-links-deferred"}), Path(tmp) / "deferred", links,
+                      DEFAULT_DEFERRED) if args.deferred else None
     out = {"preset": args.preset, "steps": args.steps, "cpu_shares": args.cpu_shares,
            "links": [link.__dict__ for link in links], "cost": cost, "even": even,
-           "even_over_cost_measured": even["measured_gemm_s"] / cost["measured_gemm_s"],
+           "even_over_cost_measured": even["measured_gemm_s"] / cost["measured_gemm_s"], "deferred": overlap,
            "same_losses": all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(cost["losses"], even["losses"], strict=True))}
     nan = float("nan")
     for r in (cost, even):
@@ -144,6 +153,11 @@ def main() -> None:
         for w, p in cost["profiles"].items()))
     print(f"even split / cost-aware plan (measured GEMM time): x{out['even_over_cost_measured']:.2f}; "
           f"losses identical under both plans: {out['same_losses']}")
+    if overlap:
+        print(f"cost plan, weight gradients dealt beside the backward (deferred_gemms {DEFAULT_DEFERRED}): step "
+              f"{overlap['measured_step_s']:.2f}s vs {cost['measured_step_s']:.2f}s one GEMM at a time "
+              f"(x{overlap['measured_step_s'] / cost['measured_step_s']:.2f}); GEMM time {overlap['measured_gemm_s']:.2f}s "
+              f"vs {cost['measured_gemm_s']:.2f}s; losses identical: {overlap['losses'] == cost['losses']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

@@ -1,7 +1,9 @@
 """The cost model against kernel-shaped links: three workers, each behind its own tbf-shaped veth link
 (`cleave.netlab`), measure their own profiles as real devices do and train `tiny` under the cost-aware plan;
 the scheduler's predicted GEMM time per step and the simulator's (`cleave.sim.simulate_step`, on the
-profiles the workers measured) are compared with the measured one. Nothing paces itself to the model.
+profiles the workers measured) are compared with the measured one. Nothing paces itself to the model. The
+model predicts GEMMs one after the other, so the PS deals them so (`deferred_gemms: 0`; with weight gradients
+dealt beside the backward, a step's GEMMs overlap: benchmarks/real_links.py measures that apart).
 
 The links are slow enough that they, not this machine's CPU, set the pace. Both figures are recorded with
 the test's report (`record_property`) and printed. Needs root (skips with the reason if not).
@@ -50,7 +52,7 @@ def test_the_cost_model_predicts_gemms_behind_shaped_links_within_20_percent(tmp
     job = JobConfig(job_id=f"validate-{time.time_ns()}", preset="tiny", steps=STEPS)
     fleet = ShapedFleet(tmp_path, 0, links=LINKS, worker_env={"CLEAVE_LOG_JSON": "1"})
     with fleet:
-        fleet.start_ps(job, tmp_path / "m.jsonl")
+        fleet.start_ps(job, tmp_path / "m.jsonl", ps_env={"CLEAVE_PS_DEFERRED_GEMMS": "0"})
         lines = fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=240)
     body = [m for m in lines if m["step"] >= WARMUP_STEPS]
     assert body and all(m["predicted_gemm_s"] is not None for m in body), "steps ran without a cost-aware plan"
