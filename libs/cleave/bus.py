@@ -73,6 +73,7 @@ class Bus:
         self.js = nc.jetstream(timeout=DEFAULT_TIMEOUT_S)
         self.rejected: dict[str, int] = {}  # reason -> count of messages refused on receipt
         self.on_dropped: list[Callable[[str], None]] = []  # told the subject of a message dropped unread
+        self.watch_retries = 0  # watches that failed to be set up again after a reconnect (and were retried)
         self.closing = False  # set by close(): the disconnection that follows is expected
         self.replicas = replicas_of(nc)  # of what setup, kv and object_store create
 
@@ -231,6 +232,7 @@ class Bus:
             try:
                 return await asyncio.wait_for(kv.watch(key), DEFAULT_TIMEOUT_S)
             except (TimeoutError, nats.errors.Error) as e:
+                self.watch_retries += 1
                 log.warning("watch_retried", bucket=bucket, key=key, reason=type(e).__name__)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), DEFAULT_WATCH_POLL_S)
