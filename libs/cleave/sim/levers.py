@@ -1,0 +1,87 @@
+"""Levers on a simulated Cleave step: named variants of the default job (the workers' block cache, the
+planner's pieces per block and largest tile, the bytes an element travels in), each run on the same world
+and accounted by `cleave.sim.breakdown`, so that their effects compare side by side
+(`benchmarks/sim_levers.py`).
+
+A lever is data (`Lever`): the knobs it changes, or `build` (a function of the config, workload and world
+that returns the `Simulation` to run) for a lever that needs a different simulation altogether, such as
+GEMMs dealt concurrently; add it to `LEVERS` (or pass a list of your own to `run_levers`) and it becomes one
+more row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cleave.dealer import DEFAULT_CACHE_BYTES, Policy
+from cleave.sim.breakdown import step_breakdown
+from cleave.sim.ps import ps_flops
+from cleave.sim.step import Simulation
+from cleave.sim.systems import SimConfig, build_world
+from cleave.sim.workload import Workload
+from cleave.sim.world import World
+
+MiB = 2**20
+Build = Callable[[SimConfig, Workload, World], Simulation]
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One variant of the job: what it changes (None: the default's)."""
+
+    name: str
+    what: str
+    cache_bytes: int | None = None  # each worker's input-block cache
+    chunks: int | None = None  # pieces a planned block goes out in (at least)
+    tile: tuple[int, int] | None = None  # largest tile (rows, cols) a block is cut to
+    dtype_bytes: int | None = None  # bytes an element travels in (2: fp16 or bf16; 1: 8-bit strips)
+    build: Build | None = None  # a simulation of its own (the other fields are then ignored)
+
+
+LEVERS: tuple[Lever, ...] = (
+    Lever("default", "the simulator's defaults: 128 MiB cache, 4 pieces a block, fp16 strips"),
+    Lever("cache 256 MiB", "the workers' block cache at 256 MiB (half the 512 MiB device)", cache_bytes=256 * MiB),
+    Lever("cache 384 MiB", "the workers' block cache at 384 MiB (three quarters of the device)", cache_bytes=384 * MiB),
+    Lever("chunks 1", "planned blocks sent whole (no streaming of pieces)", chunks=1),
+    Lever("chunks 8", "planned blocks in at least 8 pieces", chunks=8),
+    Lever("tile 1024", "blocks cut to tiles of at most 1,024 x 1,024 (the runtime's default tile)", tile=(1024, 1024)),
+    Lever("fp32 strips", "4 bytes an element (the exact fp32 job's strips), for scale", dtype_bytes=4),
+    Lever("8-bit strips", "1 byte an element (int8 strips; blockwise scales left out), approximate", dtype_bytes=1),
+    Lever("8-bit + cache 384 MiB", "8-bit strips and a 384 MiB cache together", cache_bytes=384 * MiB, dtype_bytes=1),
+)
+
+
+def lever_simulation(cfg: SimConfig, work: Workload, world: World, lever: Lever) -> Simulation:
+    """The simulation `lever` runs (`systems.simulation`'s, with the lever's knobs)."""
+    if lever.build is not None:
+        return lever.build(cfg, work, world)
+    return Simulation(
+        world, work.shapes, lever.dtype_bytes or work.dtype_bytes, "cost", lever.tile or cfg.tile,
+        cfg.ps_bandwidth, Policy(window=cfg.window), replan_every_s=cfg.replan_every_s,
+        chunks=lever.chunks or cfg.chunks, cache_bytes=lever.cache_bytes or DEFAULT_CACHE_BYTES,
+        fan_out=cfg.fan_out,
+    )
+
+
+def run_lever(cfg: SimConfig, lever: Lever) -> dict[str, Any]:
+    """One step of the job under `lever` on a fresh world of `cfg`: its breakdown, the PS's own work added."""
+    t0 = time.perf_counter()
+    work = Workload.of(cfg.model, cfg.batch, cfg.seq, cfg.dtype)
+    sim = lever_simulation(cfg, work, build_world(cfg), lever)
+    acc = step_breakdown(sim)
+    ps_s = ps_flops(work)["total"] / cfg.ps_flops
+    return {
+        "lever": lever.name, "what": lever.what, "ps_bandwidth": cfg.ps_bandwidth,
+        "cache_bytes": sim.cache_bytes, "chunks": sim.chunks, "tile": sim.tile, "dtype_bytes": sim.dtype_bytes,
+        "gemm_step_s": acc["step_s"], "ps_compute_s": ps_s, "step_s": acc["step_s"] + ps_s,
+        "breakdown": acc, "sim_wall_s": time.perf_counter() - t0,
+    }
+
+
+def run_levers(cfg: SimConfig, levers: Sequence[Lever] = LEVERS,
+               links: Sequence[float | None] = (None,)) -> list[dict[str, Any]]:
+    """Every lever at every PS link (bytes/s, None: unlimited), each on the same world of `cfg`."""
+    return [run_lever(replace(cfg, ps_bandwidth=bw), lv) for bw in links for lv in levers]
