@@ -8,8 +8,9 @@ in one run (docs/evaluation.md, "What closes the gap to the pipeline").
 - **Offline**, one process, real torch math: the same job (same seed, batches, optimizer) with every linear
   layer's three GEMMs (`cleave.tiled`) taking their inputs rounded as the strips would travel: fp32 (no
   rounding: the offline baseline), bf16, fp16, and 8-bit strips (`cleave.compression.Int8Blockwise`: int8
-  codes, one fp32 scale per block of B values, 1 + 4/B bytes an element), computed in fp32. The offline bf16
-  and fp16 rows check the offline model of rounding against the real runs.
+  codes, one fp32 scale per block of B values, 1 + 4/B bytes an element), computed in fp32; products in
+  fp32 as the runtime returns them, or (`+out`) rounded to 8-bit too, as the simulator's 8-bit lever
+  assumes (one byte each way). The offline bf16 and fp16 rows check the offline model against the real runs.
 
 Writes benchmarks/results/approx_strips.json.
 
@@ -35,6 +36,7 @@ from cleave.training import Trainer
 
 OUT = Path(__file__).parent / "results" / "approx_strips.json"
 CLEAVE = Path(sys.executable).with_name("cleave")
+MODES = ("fp32", "bf16", "fp16", "int8:256", "int8:64", "int8:64+out")  # offline
 LAST = 10  # losses compared over the last this many steps (one step's loss is noisy)
 
 
@@ -42,8 +44,8 @@ class Rounded:
     """A GEMM backend whose inputs are rounded as strips of `mode` would travel, then multiplied in fp32."""
 
     def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.int8 = Int8Blockwise(int(mode.split(":")[1])) if mode.startswith("int8") else None
+        self.mode, self.out = mode.removesuffix("+out"), mode.endswith("+out")
+        self.int8 = Int8Blockwise(int(self.mode.split(":")[1])) if mode.startswith("int8") else None
 
     def round(self, t: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
@@ -56,14 +58,15 @@ class Rounded:
         return 1 + 4 / self.int8.block if self.int8 else {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}[self.mode]
 
     def gemm(self, a: torch.Tensor, bt: torch.Tensor, name: str) -> torch.Tensor:
-        return (self.round(a) @ self.round(bt).t()).to(a.dtype)
+        c = self.round(a) @ self.round(bt).t()
+        return (self.round(c) if self.out else c).to(a.dtype)
 
 
 def offline(mode: str, steps: int, seed: int, preset: str) -> dict:
     torch.manual_seed(seed)
     backend = Rounded(mode)
     trainer = Trainer(JobConfig.build(preset=preset, steps=steps, seed=seed, device="cpu"), backend)
-    return {"mode": mode, "bytes_per_element": backend.bytes_per_element(),
+    return {"mode": mode, "bytes_per_element": backend.bytes_per_element(), "products_rounded": backend.out,
             "losses": [trainer.step(s) for s in range(steps)]}
 
 
@@ -101,11 +104,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     doc: dict = {"config": {k: str(v) for k, v in vars(args).items()}}
-    off = [offline(m, args.steps, args.seed, args.preset) for m in ("fp32", "bf16", "fp16", "int8:256", "int8:64")]
+    off = [offline(m, args.steps, args.seed, args.preset) for m in MODES]
     against(off, off[0])
     doc["offline"] = off
     for r in off:
-        print(f"offline {r['mode']:9s} {r['bytes_per_element']:5.3f} B/elem  final loss {r['final_loss']:.4f}  "
+        print(f"offline {r['mode']:11s} {r['bytes_per_element']:5.3f} B/elem  final loss {r['final_loss']:.4f}  "
               f"diff {r['final_diff']:+.4f} (last {LAST} mean {r['last_mean_diff']:+.4f}, max |d| {r['max_abs_diff']:.4f})")
     if not args.offline_only:
         with tempfile.TemporaryDirectory(prefix="approx-strips-") as tmp:

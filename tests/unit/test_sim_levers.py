@@ -31,6 +31,8 @@ def test_the_breakdown_adds_up_to_the_step():
     assert 0.0 <= b["device_idle_share"] < 1.0
     assert all(0.0 < s <= 1.0 for s in b["device_busy_share"].values())
     assert b["step_s"] >= b["compute_floor_s"] and b["step_s"] >= b["ps_egress_floor_s"]
+    assert b["step_s"] >= b["lower_bound_s"] >= b["device_bound_s"] > 0
+    assert b["planned_s"] >= b["lower_bound_s"]
 
 
 def test_a_cache_too_small_for_every_strip_counts_them_all():

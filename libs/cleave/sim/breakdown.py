@@ -7,7 +7,10 @@ device that took part waits after its last result until the GEMM's last one), sp
 duplicates. Per device, over the step: the seconds its downlink, compute and uplink were busy (bytes over
 its actual link, FLOPs over its actual FLOP/s: `up / b · 2k` FLOPs for the results it sent), which of the
 three bounds it, and its idle share (1 - its busiest stage over the step). Floors beside them: the fleet's
-compute (step FLOPs over the used devices' FLOP/s) and the PS's egress for the distinct inputs.
+compute (step FLOPs over the used devices' FLOP/s), the PS's egress for the distinct inputs, and the
+planner's own (`GemmPlan.bound`, per GEMM the largest of its area relaxation over the devices' links and
+FLOP/s, its FLOPs and the PS's egress; `planned_s` is the planner's makespan): no dealing of these GEMMs one
+after another beats their sum.
 """
 
 from __future__ import annotations
@@ -83,6 +86,15 @@ def strips_over_cache(sim: Simulation, shape: GemmShape) -> dict[str, float]:
     return {"strips": len(sizes), "over_cache": len(big), "over_cache_bytes_share": sum(big) / sum(sizes)}
 
 
+def planned(sim: Simulation, shape: GemmShape) -> dict[str, float]:
+    """The planner's seconds for the kind (`count` GEMMs): its makespan, its lower bound and the bound's
+    device part (the area relaxation over the devices' links and FLOP/s)."""
+    gp = sim.cutter.gemm_plan(0, sim.scheduler.plans[0], shape.m, shape.n, shape.k)
+    c = shape.count_per_step
+    return {"planned_s": gp.makespan_s * c, "lower_bound_s": gp.lower_bound_s * c,
+            "device_bound_s": gp.bound.devices_s * c}
+
+
 def _kind_json(sim: Simulation, name: str, kind: Kind, step_s: float) -> dict[str, Any]:
     shape = GemmShape(name, kind.m, kind.n, kind.k, kind.count)
     distinct = float((kind.m + kind.n) * kind.k * sim.dtype_bytes * kind.count)
@@ -98,6 +110,7 @@ def _kind_json(sim: Simulation, name: str, kind: Kind, step_s: float) -> dict[st
         "tail_s_per_gemm": kind.tail_s / kind.tailed if kind.tailed else None,
         "speculated": kind.speculated, "duplicates": kind.duplicates,
         **strips_over_cache(sim, shape),
+        **planned(sim, shape),
     }
 
 
@@ -113,8 +126,10 @@ def breakdown(sim: Simulation, tally: Tally, stats: StepStats) -> dict[str, Any]
     bound = np.argmax(per, axis=1)
     flops = sum(2.0 * k.m * k.n * k.k * k.count for k in tally.kinds.values())
     distinct = sum((k.m + k.n) * k.k * sim.dtype_bytes * k.count for k in tally.kinds.values())
+    kinds = {name: _kind_json(sim, name, k, step_s) for name, k in tally.kinds.items()}
     return {
         "step_s": step_s,
+        **{f: sum(k[f] for k in kinds.values()) for f in ("planned_s", "lower_bound_s", "device_bound_s")},
         "devices_used": len(used),
         "compute_floor_s": flops / _fleet_flops(sim),
         "ps_egress_floor_s": distinct / sim.ps_bandwidth if sim.ps_bandwidth else 0.0,
@@ -124,7 +139,7 @@ def breakdown(sim: Simulation, tally: Tally, stats: StepStats) -> dict[str, Any]
         "device_busy_share": dict(zip(STAGES, (per.mean(axis=0) / step_s).tolist(), strict=True)),
         "device_idle_share": float(1.0 - (per.max(axis=1) / step_s).mean()),
         "speculated": stats.speculated, "duplicates": stats.duplicates,
-        "kinds": {name: _kind_json(sim, name, k, step_s) for name, k in tally.kinds.items()},
+        "kinds": kinds,
     }
 
 
