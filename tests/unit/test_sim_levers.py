@@ -59,3 +59,10 @@ def test_a_lever_can_bring_its_own_simulation():
 
     r = run_lever(CFG, Lever("own", "a simulation of its own", build=build))
     assert seen == [CFG.model] and r["step_s"] > r["gemm_step_s"] > 0
+
+
+def test_without_fan_out_an_undisturbed_step_takes_the_dealt_prediction():
+    """The breakdown's floors in order: lower bound <= planner's makespan <= dealt pieces = the step."""
+    b = run_lever(replace(CFG, ps_bandwidth=None), Lever("no fan-out", "", fan_out=False))["breakdown"]
+    assert b["step_s"] == pytest.approx(b["dealt_s"], rel=1e-6)
+    assert b["lower_bound_s"] <= b["planned_s"] < b["dealt_s"]

@@ -87,12 +87,16 @@ def strips_over_cache(sim: Simulation, shape: GemmShape) -> dict[str, float]:
 
 
 def planned(sim: Simulation, shape: GemmShape) -> dict[str, float]:
-    """The planner's seconds for the kind (`count` GEMMs): its makespan, its lower bound and the bound's
-    device part (the area relaxation over the devices' links and FLOP/s)."""
-    gp = sim.cutter.gemm_plan(0, sim.scheduler.plans[0], shape.m, shape.n, shape.k)
+    """The planner's seconds for the kind (`count` GEMMs): its makespan (stages fully overlapped), its lower
+    bound and the bound's device part (the area relaxation over the devices' links and FLOP/s), and the
+    scheduler's prediction of its blocks dealt and streamed in pieces (`dealing.dealt_makespan`: the first
+    piece's download and the last one's upload overlap nothing), or the PS's egress if longer."""
+    plan = sim.scheduler.plans[0]
+    gp = sim.cutter.gemm_plan(0, plan, shape.m, shape.n, shape.k)
+    dealt = sim.cutter.tileset(0, plan, shape.m, shape.n, shape.k)[1]
     c = shape.count_per_step
     return {"planned_s": gp.makespan_s * c, "lower_bound_s": gp.lower_bound_s * c,
-            "device_bound_s": gp.bound.devices_s * c}
+            "device_bound_s": gp.bound.devices_s * c, "dealt_s": dealt * c}
 
 
 def _kind_json(sim: Simulation, name: str, kind: Kind, step_s: float) -> dict[str, Any]:
@@ -129,7 +133,7 @@ def breakdown(sim: Simulation, tally: Tally, stats: StepStats) -> dict[str, Any]
     kinds = {name: _kind_json(sim, name, k, step_s) for name, k in tally.kinds.items()}
     return {
         "step_s": step_s,
-        **{f: sum(k[f] for k in kinds.values()) for f in ("planned_s", "lower_bound_s", "device_bound_s")},
+        **{f: sum(k[f] for k in kinds.values()) for f in ("planned_s", "lower_bound_s", "device_bound_s", "dealt_s")},
         "devices_used": len(used),
         "compute_floor_s": flops / _fleet_flops(sim),
         "ps_egress_floor_s": distinct / sim.ps_bandwidth if sim.ps_bandwidth else 0.0,

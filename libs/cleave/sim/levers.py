@@ -38,19 +38,22 @@ class Lever:
     chunks: int | None = None  # pieces a planned block goes out in (at least)
     tile: tuple[int, int] | None = None  # largest tile (rows, cols) a block is cut to
     dtype_bytes: int | None = None  # bytes an element travels in (2: fp16 or bf16; 1: 8-bit strips)
+    fan_out: bool | None = None  # shared strips published once to their group
     build: Build | None = None  # a simulation of its own (the other fields are then ignored)
 
 
-LEVERS: tuple[Lever, ...] = (
-    Lever("default", "the simulator's defaults: 128 MiB cache, 4 pieces a block, fp16 strips"),
+LEVERS: tuple[Lever, ...] = (  # in the order the benchmark runs them: the likeliest levers first
+    Lever("default", "the simulator's defaults: 128 MiB cache, 4 pieces a block, fp16 strips, fan-out"),
     Lever("cache 256 MiB", "the workers' block cache at 256 MiB (half the 512 MiB device)", cache_bytes=256 * MiB),
-    Lever("cache 384 MiB", "the workers' block cache at 384 MiB (three quarters of the device)", cache_bytes=384 * MiB),
+    Lever("cache 384 MiB", "the workers' block cache at 384 MiB (three quarters of it)", cache_bytes=384 * MiB),
+    Lever("8-bit strips", "1 byte an element each way (int8; blockwise scales left out), approximate", dtype_bytes=1),
+    Lever("8-bit + cache 384 MiB", "8-bit strips and a 384 MiB cache", cache_bytes=384 * MiB, dtype_bytes=1),
+    Lever("fan-out off", "every strip travels with its tile (the published setting)", fan_out=False),
+    Lever("8-bit, fan-out off", "8-bit strips, every strip with its tile", dtype_bytes=1, fan_out=False),
     Lever("chunks 1", "planned blocks sent whole (no streaming of pieces)", chunks=1),
     Lever("chunks 8", "planned blocks in at least 8 pieces", chunks=8),
     Lever("tile 1024", "blocks cut to tiles of at most 1,024 x 1,024 (the runtime's default tile)", tile=(1024, 1024)),
     Lever("fp32 strips", "4 bytes an element (the exact fp32 job's strips), for scale", dtype_bytes=4),
-    Lever("8-bit strips", "1 byte an element (int8 strips; blockwise scales left out), approximate", dtype_bytes=1),
-    Lever("8-bit + cache 384 MiB", "8-bit strips and a 384 MiB cache together", cache_bytes=384 * MiB, dtype_bytes=1),
 )
 
 
@@ -62,7 +65,7 @@ def lever_simulation(cfg: SimConfig, work: Workload, world: World, lever: Lever)
         world, work.shapes, lever.dtype_bytes or work.dtype_bytes, "cost", lever.tile or cfg.tile,
         cfg.ps_bandwidth, Policy(window=cfg.window), replan_every_s=cfg.replan_every_s,
         chunks=lever.chunks or cfg.chunks, cache_bytes=lever.cache_bytes or DEFAULT_CACHE_BYTES,
-        fan_out=cfg.fan_out,
+        fan_out=cfg.fan_out if lever.fan_out is None else lever.fan_out,
     )
 
 
@@ -75,7 +78,7 @@ def run_lever(cfg: SimConfig, lever: Lever) -> dict[str, Any]:
     ps_s = ps_flops(work)["total"] / cfg.ps_flops
     return {
         "lever": lever.name, "what": lever.what, "ps_bandwidth": cfg.ps_bandwidth,
-        "cache_bytes": sim.cache_bytes, "chunks": sim.chunks, "tile": sim.tile, "dtype_bytes": sim.dtype_bytes,
+        "cache_bytes": sim.cache_bytes, "chunks": sim.chunks, "tile": sim.tile, "dtype_bytes": sim.dtype_bytes, "fan_out": sim.fan_out,
         "gemm_step_s": acc["step_s"], "ps_compute_s": ps_s, "step_s": acc["step_s"] + ps_s,
         "breakdown": acc, "sim_wall_s": time.perf_counter() - t0,
     }
