@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cleave.sim.breakdown import step_breakdown
-from cleave.sim.levers import LEVERS, Lever, lever_simulation, run_lever
+from cleave.sim.levers import LEVERS, Lever, fused_shapes, lever_simulation, run_lever
 from cleave.sim.step import Simulation
 from cleave.sim.systems import SimConfig, build_world, simulation
 from cleave.sim.workload import Workload
@@ -66,3 +66,13 @@ def test_without_fan_out_an_undisturbed_step_takes_the_dealt_prediction():
     b = run_lever(replace(CFG, ps_bandwidth=None), Lever("no fan-out", "", fan_out=False))["breakdown"]
     assert b["step_s"] == pytest.approx(b["dealt_s"], rel=1e-6)
     assert b["lower_bound_s"] <= b["planned_s"] < b["dealt_s"]
+
+
+def test_fusing_the_layers_that_read_one_input_keeps_every_flop():
+    llama, opt = (Workload.of(m, 2, 64).shapes for m in ("llama2-7b", "opt-13b"))
+    fused = fused_shapes(llama)
+    assert len(fused) == len(llama) - 9  # q, k, v -> one and gate, up -> one, for fwd, dx and dw
+    assert sum(s.flops * s.count_per_step for s in fused) == sum(s.flops * s.count_per_step for s in llama)
+    qkv = {s.name.rsplit(".", 1)[1]: s for s in fused if "q_k_v" in s.name}
+    assert (qkv["fwd"].n, qkv["dx"].k, qkv["dw"].m) == (3 * 4096,) * 3
+    assert fused_shapes(opt) == list(opt)  # c_attn is fused already

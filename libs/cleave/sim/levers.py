@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cleave.dealer import DEFAULT_CACHE_BYTES, Policy
+from cleave.models import GemmShape
 from cleave.sim.breakdown import step_breakdown
 from cleave.sim.ps import ps_flops
 from cleave.sim.step import Simulation
@@ -54,7 +55,39 @@ LEVERS: tuple[Lever, ...] = (  # in the order the benchmark runs them: the likel
     Lever("chunks 8", "planned blocks in at least 8 pieces", chunks=8),
     Lever("tile 1024", "blocks cut to tiles of at most 1,024 x 1,024 (the runtime's default tile)", tile=(1024, 1024)),
     Lever("fp32 strips", "4 bytes an element (the exact fp32 job's strips), for scale", dtype_bytes=4),
+    Lever("fused inputs", "layers that read one input fused (Llama's q/k/v, gate/up: their strips reused)",
+          build=lambda cfg, work, world: fused(cfg, work, world)),
 )
+
+
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # Llama's layers that read one input
+
+
+def fused_shapes(shapes: Sequence[GemmShape]) -> list[GemmShape]:
+    """The step's GEMMs with the linear layers that read one input fused into one GEMM each (what reusing
+    their input strips across their GEMMs amounts to): forwards Y = X·[W1; W2; ...]ᵀ, dX = [dY1 dY2 ...]·[W1; W2;
+    ...], dW = [dY1 dY2 ...]ᵀ·X. OPT and GPT-2 fuse Q, K and V already (`c_attn`): nothing changes there."""
+    out, done = [], set()
+    for s in shapes:
+        group = next((g for g in SHARED_INPUT if any(f".{p}." in s.name for p in g)), None)
+        if group is None:
+            out.append(s)
+            continue
+        prefix, kind = s.name.split(".")[0], s.name.rsplit(".", 1)[1]
+        if (prefix, group, kind) in done:
+            continue
+        done.add((prefix, group, kind))
+        parts = [t for t in shapes if t.name.rsplit(".", 1)[1] == kind and t.name.split(".")[1] in group]
+        total = sum(t.n if kind == "fwd" else t.k if kind == "dx" else t.m for t in parts)
+        name = f"{prefix}.{'_'.join(p.split('_')[0] for p in group)}_proj.{kind}"
+        m, n, k = {"fwd": (s.m, total, s.k), "dx": (s.m, s.n, total), "dw": (total, s.n, s.k)}[kind]
+        out.append(GemmShape(name, m, n, k, s.count_per_step))
+    return out
+
+
+def fused(cfg: SimConfig, work: Workload, world: World) -> Simulation:
+    """The default simulation of the step with `fused_shapes`."""
+    return lever_simulation(cfg, replace(work, shapes=tuple(fused_shapes(work.shapes))), world, Lever("", ""))
 
 
 def lever_simulation(cfg: SimConfig, work: Workload, world: World, lever: Lever) -> Simulation:
