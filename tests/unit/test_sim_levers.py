@@ -33,6 +33,7 @@ def test_the_breakdown_adds_up_to_the_step():
     assert b["step_s"] >= b["compute_floor_s"] and b["step_s"] >= b["ps_egress_floor_s"]
     assert b["step_s"] >= b["lower_bound_s"] >= b["device_bound_s"] > 0
     assert b["planned_s"] >= b["lower_bound_s"]
+    assert b["step_s"] >= b["busiest_device_s"] > 0
 
 
 def test_a_cache_too_small_for_every_strip_counts_them_all():

@@ -10,7 +10,8 @@ three bounds it, and its idle share (1 - its busiest stage over the step). Floor
 compute (step FLOPs over the used devices' FLOP/s), the PS's egress for the distinct inputs, and the
 planner's own (`GemmPlan.bound`, per GEMM the largest of its area relaxation over the devices' links and
 FLOP/s, its FLOPs and the PS's egress; `planned_s` is the planner's makespan): no dealing of these GEMMs one
-after another beats their sum.
+after another beats their sum. `busiest_device_s` (the most seconds any one device's stage was busy) is the
+floor for any order of the same bytes on the same devices, GEMMs dealt concurrently included.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def breakdown(sim: Simulation, tally: Tally, stats: StepStats) -> dict[str, Any]
         "devices_bound_by": {s: int(np.count_nonzero(bound == i)) for i, s in enumerate(STAGES)},
         "device_busy_share": dict(zip(STAGES, (per.mean(axis=0) / step_s).tolist(), strict=True)),
         "device_idle_share": float(1.0 - (per.max(axis=1) / step_s).mean()),
+        "busiest_device_s": float(per.max()),  # its busiest stage's seconds: no order of these bytes beats it
         "speculated": stats.speculated, "duplicates": stats.duplicates,
         "kinds": kinds,
     }
