@@ -40,6 +40,7 @@ class Lever:
     tile: tuple[int, int] | None = None  # largest tile (rows, cols) a block is cut to
     dtype_bytes: int | None = None  # bytes an element travels in (2: fp16 or bf16; 1: 8-bit strips)
     fan_out: bool | None = None  # shared strips published once to their group
+    speculate: bool = True  # False: no speculative copies of late tiles (the PS's speculate_factor 0)
     build: Build | None = None  # a simulation of its own (the other fields are then ignored)
 
 
@@ -50,11 +51,14 @@ LEVERS: tuple[Lever, ...] = (  # in the order the benchmark runs them: the likel
     Lever("8-bit strips", "1 byte an element each way (int8; blockwise scales left out), approximate", dtype_bytes=1),
     Lever("8-bit + cache 384 MiB", "8-bit strips and a 384 MiB cache", cache_bytes=384 * MiB, dtype_bytes=1),
     Lever("fan-out off", "every strip travels with its tile (the published setting)", fan_out=False),
-    Lever("8-bit, fan-out off", "8-bit strips, every strip with its tile", dtype_bytes=1, fan_out=False),
+    Lever("8-bit + fan-out off", "8-bit strips, every strip with its tile", dtype_bytes=1, fan_out=False),
     Lever("chunks 1", "planned blocks sent whole (no streaming of pieces)", chunks=1),
     Lever("chunks 8", "planned blocks in at least 8 pieces", chunks=8),
     Lever("tile 1024", "blocks cut to tiles of at most 1,024 x 1,024 (the runtime's default tile)", tile=(1024, 1024)),
     Lever("fp32 strips", "4 bytes an element (the exact fp32 job's strips), for scale", dtype_bytes=4),
+    Lever("no copies", "no speculative copies of late tiles", speculate=False),
+    Lever("8-bit + cache 384 MiB + no copies", "8-bit strips, a 384 MiB cache, no speculative copies",
+          cache_bytes=384 * MiB, dtype_bytes=1, speculate=False),
     Lever("fused inputs", "layers that read one input fused (Llama's q/k/v, gate/up: their strips reused)",
           build=lambda cfg, work, world: fused(cfg, work, world)),
 )
