@@ -94,13 +94,18 @@ def fused(cfg: SimConfig, work: Workload, world: World) -> Simulation:
     return lever_simulation(cfg, replace(work, shapes=tuple(fused_shapes(work.shapes))), world, Lever("", ""))
 
 
+def policy(cfg: SimConfig, lever: Lever) -> Policy:
+    """The PS's dealing knobs under `lever` (no speculative copies: `speculate_factor` 0)."""
+    return Policy(window=cfg.window, speculate_factor=Policy.speculate_factor if lever.speculate else 0.0)
+
+
 def lever_simulation(cfg: SimConfig, work: Workload, world: World, lever: Lever) -> Simulation:
     """The simulation `lever` runs (`systems.simulation`'s, with the lever's knobs)."""
     if lever.build is not None:
         return lever.build(cfg, work, world)
     return Simulation(
         world, work.shapes, lever.dtype_bytes or work.dtype_bytes, "cost", lever.tile or cfg.tile,
-        cfg.ps_bandwidth, Policy(window=cfg.window), replan_every_s=cfg.replan_every_s,
+        cfg.ps_bandwidth, policy(cfg, lever), replan_every_s=cfg.replan_every_s,
         chunks=lever.chunks or cfg.chunks, cache_bytes=lever.cache_bytes or DEFAULT_CACHE_BYTES,
         fan_out=cfg.fan_out if lever.fan_out is None else lever.fan_out,
     )
