@@ -4,7 +4,7 @@ an unlimited PS link (the published setting) and the default 10 Gbit/s one, each
 (`cleave.sim.breakdown`), against the best baseline (the pipeline with memory ignored, the same fleet).
 Writes benchmarks/results/sim_levers.json (docs/evaluation.md, "What closes the gap to the pipeline").
 
-    nice -n 10 .venv/bin/python benchmarks/sim_levers.py            # the default point (~25 min, 2 cores)
+    nice -n 10 .venv/bin/python benchmarks/sim_levers.py            # the default point (about an hour, shared 2 cores)
     nice -n 10 .venv/bin/python benchmarks/sim_levers.py --model opt-1.3b --devices 64 --batch 16 --out /tmp/x.json
 """
 
