@@ -10,7 +10,7 @@ measured step; `Simulation` runs steps with churn and stragglers (`cleave sim`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -177,12 +177,15 @@ class Simulation:
             self.clean[key] = out
         return out, True
 
-    def step(self) -> StepStats:
-        """One training step: every GEMM in order."""
+    def step(self, on_gemm: Callable[[GemmShape, Outcome, bool], None] | None = None) -> StepStats:
+        """One training step: every GEMM in order (`on_gemm` sees each one's outcome, and whether it was
+        simulated event by event: `cleave.sim.breakdown` accounts the step with it)."""
         start = self.now
         stats = StepStats(0.0, {}, {})
         for i in self.order:
             out, simulated = self.gemm(self.shapes[i])
+            if on_gemm is not None:
+                on_gemm(self.shapes[i], out, simulated)
             stats.add(out)
             stats.gemms_simulated += simulated
             self.now = out.end
