@@ -90,11 +90,13 @@ def strips_over_cache(sim: Simulation, shape: GemmShape) -> dict[str, float]:
 def planned(sim: Simulation, shape: GemmShape) -> dict[str, float]:
     """The planner's seconds for the kind (`count` GEMMs): its makespan (stages fully overlapped), its lower
     bound and the bound's device part (the area relaxation over the devices' links and FLOP/s), and the
-    scheduler's prediction of its blocks dealt and streamed in pieces (`dealing.dealt_makespan`: the first
-    piece's download and the last one's upload overlap nothing), or the PS's egress if longer."""
+    blocks streamed in pieces by each device alone (`dealing.streamed_makespan`: the first piece's download
+    and the last one's upload overlap nothing, no piece copied; what the scheduler predicted before it dealt
+    plans with the PS's dealer), or the PS's egress if longer."""
     plan = sim.scheduler.plans[0]
     gp = sim.cutter.gemm_plan(0, plan, shape.m, shape.n, shape.k)
-    dealt = sim.cutter.tileset(0, plan, shape.m, shape.n, shape.k)[1]
+    sim.cutter.tileset(0, plan, shape.m, shape.n, shape.k)
+    dealt = max(sim.cutter.streamed[(0, shape.m, shape.n, shape.k)], gp.egress_s)
     c = shape.count_per_step
     return {"planned_s": gp.makespan_s * c, "lower_bound_s": gp.lower_bound_s * c,
             "device_bound_s": gp.bound.devices_s * c, "dealt_s": dealt * c}

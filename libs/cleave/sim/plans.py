@@ -93,6 +93,7 @@ class Cutter:
     cache: dict[tuple, tuple[TileSet, float]] = field(default_factory=dict)
     gemm_plans: dict[tuple, Any] = field(default_factory=dict)
     dealt: dict[tuple, float] = field(default_factory=dict)  # the fleet's part of each prediction (no egress)
+    streamed: dict[tuple, float] = field(default_factory=dict)  # ... each device streaming its own blocks alone
 
     def tileset(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         """(the tiles, the predicted makespan) of C[m, n] = A[m, k] · B[k, n] under the layout `version`
@@ -131,6 +132,8 @@ class Cutter:
         dealt = dealing.dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window,
                                        dict.fromkeys(profiles, self.cache_bytes))
         self.dealt[(version, m, n, k)] = dealt
+        self.streamed[(version, m, n, k)] = dealing.streamed_makespan(
+            blocks, planned, profiles, k, b, *limit, self.chunks, self.window, dict.fromkeys(profiles, self.cache_bytes))
         return TileSet(m, n, k, b, cut, owners, gp.egress_s, self.chunks), max(dealt, gp.egress_s)
 
     def gemm_plan(self, version: int, plan: Plan, m: int, n: int, k: int) -> planner.GemmPlan:
