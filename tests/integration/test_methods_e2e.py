@@ -37,7 +37,7 @@ def test_one_worker_one_local_step_equals_plain_training(tmp_path, method):
     assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(5)])
 
 
-@pytest.mark.parametrize("method", ["diloco", "fedavg"])
+@pytest.mark.parametrize("method", ["diloco", pytest.param("fedavg", marks=pytest.mark.slow)])  # (fedavg ~14 s: slow)
 def test_a_worker_killed_mid_round_is_tolerated(tmp_path, method):
     job = JobConfig(job_id=f"churn-{method}", preset="tiny", steps=6, method=method, local_steps=3,
                     round_timeout_s=30)
@@ -133,6 +133,7 @@ def test_split_learning_ps_killed_mid_step_and_around_commits_resumes_exactly(tm
     assert "split_step_rewound" in logs  # the kill before the commit made the client go back one step
 
 
+@pytest.mark.slow  # ~12 s
 def test_split_learning_says_clearly_when_its_client_is_lost(tmp_path):
     """The client half of the model lives only on the client: losing it ends the job with a clear error."""
     job = JobConfig(job_id="split-lost", preset="tiny", steps=6, method="split", round_timeout_s=20)

@@ -118,6 +118,7 @@ print(measured / (2 * 1024**3 * runs / (time.perf_counter() - t0)))
 
 
 @pytest.mark.skipif(netlab.cpu_unavailable() is not None, reason=f"no CPU shares: {netlab.cpu_unavailable()}")
+@pytest.mark.slow  # ~21 s
 def test_a_worker_measures_the_flops_its_cpu_share_sustains() -> None:
     """Not the core's peak: a 512 x 512 product fits in one 10 ms period's quota, and the best of five
     reported 30-99 GFLOP/s in a 0.3-core share that sustains 18-28 (the worker sizes its products up)."""

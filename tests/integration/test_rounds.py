@@ -26,7 +26,7 @@ def run_job(tmp_path, job: JobConfig, workers: int, extra: dict[str, list[str]] 
         fleet.stop()
 
 
-@pytest.mark.parametrize("method", ["diloco", "fedavg", "split"])
+@pytest.mark.parametrize("method", ["diloco", pytest.param("fedavg", marks=pytest.mark.slow), "split"])  # (~11 s each)
 def test_val_every_is_the_validation_loss_of_the_ps_model(tmp_path, method):
     """One worker and one local step (diloco: outer lr 1, no momentum) is plain training, and so is split
     learning: the validation loss after rounds (steps) 2 and 4 is the reference run's after steps 2 and 4."""
@@ -53,7 +53,7 @@ def test_min_updates_decides_whether_a_round_applies(tmp_path, min_updates):
     assert [m["applied"] for m in lines] == [min_updates == 0] * 3
 
 
-@pytest.mark.parametrize("max_staleness", [0, 50])
+@pytest.mark.parametrize("max_staleness", [0, pytest.param(50, marks=pytest.mark.slow)])  # (~12 s each)
 def test_max_staleness_decides_whether_a_straggler_counts(tmp_path, max_staleness):
     """min_updates 1: rounds close on the fast worker's update; a straggler (a declared slow device) answers
     rounds long closed. Within max_staleness its updates are folded in, otherwise dropped and counted."""

@@ -47,6 +47,7 @@ def connection_names(monitor: str, state: str) -> list[str]:
         return [c.get("name", "") for c in json.load(r)["connections"]]
 
 
+@pytest.mark.slow  # ~14 s; benchmarks/fleet_scale.py runs 10 to 1,000 workers
 async def test_a_swarm_of_20_workers_trains_equal_to_the_reference(tmp_path, nats_with_monitor):
     nats_url, monitor = nats_with_monitor
     job = JobConfig(preset="tiny", steps=3, job_id="swarm-test")
