@@ -54,7 +54,7 @@ def test_a_worker_killed_mid_round_is_tolerated(tmp_path, method):
     assert "round_worker_lost" in (tmp_path / "run" / "logs" / "ps.log").read_text()
 
 
-@pytest.mark.slow  # ~30 s; the split and cleave PS-kill resumes stay in the default run
+@pytest.mark.slow  # ~30 s; cleave's own PS-kill resumes stay in the default run (test_churn)
 def test_diloco_ps_killed_mid_round_and_around_commits_resumes_exactly(tmp_path):
     """The global weights, the round and the outer momentum are committed after each round, and a worker asked
     for a round again answers with the update it computed (its inner AdamW steps once): killed three times,
