@@ -42,7 +42,7 @@ def test_val_every_is_the_validation_loss_of_the_ps_model(tmp_path, method):
     assert_same([m["val_loss"] for m in lines[1::2]], want[1::2])
 
 
-@pytest.mark.parametrize("min_updates", [0, 3])
+@pytest.mark.parametrize("min_updates", [pytest.param(0, marks=pytest.mark.slow), 3])  # (~10 s each)
 def test_min_updates_decides_whether_a_round_applies(tmp_path, min_updates):
     """Two workers: with min_updates 0 every round applies both updates; with 3 the round closes when both
     answered (no one else is in the plan) and applies nothing."""

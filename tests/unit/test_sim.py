@@ -197,6 +197,7 @@ def test_cleave_traffic_per_device_falls_as_devices_join():
         assert after[0] < before[0] and after[1] < before[1] and after[2] < before[2]
 
 
+@pytest.mark.slow  # ~10 s
 def test_a_seed_fixes_the_simulation():
     def run(seed):
         cfg = SimConfig(
