@@ -111,6 +111,7 @@ def test_export_from_the_running_stack(run_dir: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(hf_logits(tmp_path / "hf").float(), want, rtol=0, atol=0.1)
 
 
+@pytest.mark.slow  # ~13 s (init_from itself: test_init_any_hf in the default run)
 def test_train_starts_from_an_export(run_dir: Path, tmp_path: Path) -> None:
     export(run_dir, tmp_path / "hf")
     job = JobConfig(job_id="from-export", preset="tiny", steps=2, seed=1, init_from=str(tmp_path / "hf"))

@@ -244,6 +244,7 @@ def test_cli_json_has_every_system(capsys):
     assert "cleave" in cli(["--model", "opt-125m", "--devices", "16", "--batch", "8", "--seq", "128"], capsys)
 
 
+@pytest.mark.slow  # ~9 s (the report's JSON points: test_cli_json_has_every_system)
 def test_cli_report_writes_json_and_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = json.loads(

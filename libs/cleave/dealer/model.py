@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cleave.ledger import DEFAULT_WINDOW, GemmLedger
 from cleave.schemas import DeviceProfile
@@ -99,10 +100,11 @@ class Work:
         return (self.m, self.n, self.k)
 
 
-@dataclass(frozen=True)
-class BlockSend:
+class BlockSend(NamedTuple):
     """An input block of a tile: its id and range, and whether its bytes travel with it (`data`: not cached
-    there), or come on the fan-out subject of group `fanout` (published with this send when `publish`)."""
+    there), or come on the fan-out subject of group `fanout` (published with this send when `publish`). A
+    tuple: the dealer makes one per block and segment of every tile it deals (a third of a frozen
+    dataclass's cost)."""
 
     id: str
     lo: int
