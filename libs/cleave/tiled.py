@@ -79,6 +79,20 @@ class LateGrads:
         weight.grad = dw if weight.grad is None else weight.grad + dw
 
 
+class _Computed:
+    """A GEMM a backend without `submit` computed when asked (`_Computed.of(backend)` submits that way)."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def result(self) -> torch.Tensor:
+        return self.out
+
+    @staticmethod
+    def of(backend: GemmBackend):  # noqa: ANN205
+        return lambda a, bt, name, priority=0: _Computed(backend.gemm(a, bt, name))
+
+
 class LocalTiles:
     """Runs the tiling in this process: the distributed math without the network (tests, debugging)."""
 
@@ -113,21 +127,19 @@ class _TiledLinearFn(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         dy2 = _cast(dy.reshape(-1, dy.shape[-1]), ctx.dtype).contiguous()  # (B*T, N)
         dx = dw = db = None
-        if ctx.late is not None:  # both at once, the weight gradient deferred behind the input gradient
-            dx_at = ctx.backend.submit(dy2, _cast(weight, ctx.dtype).t().contiguous(), ctx.name + ".dx",
-                                       priority=0) if ctx.needs_input_grad[0] else None
-            if ctx.needs_input_grad[1]:
-                dw_at = ctx.backend.submit(dy2.t().contiguous(), x2.t().contiguous(), ctx.name + ".dw", priority=1)
+        # the fleet runs both at once, the weight gradient deferred behind the input gradient (`LateGrads`);
+        # any other backend computes each as it is asked, in the same order
+        submit = ctx.backend.submit if ctx.late is not None else _Computed.of(ctx.backend)
+        dx_at = submit(dy2, _cast(weight, ctx.dtype).t().contiguous(), ctx.name + ".dx",  # dY·W
+                       priority=0) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            dw_at = submit(dy2.t().contiguous(), x2.t().contiguous(), ctx.name + ".dw", priority=1)  # dYᵀ·X
+            if ctx.late is not None:
                 ctx.late.add(weight, dw_at)
-            if dx_at is not None:
-                dx = dx_at.result().view(ctx.x_shape).to(ctx.x_dtype)
-        else:
-            if ctx.needs_input_grad[0]:
-                w = _cast(weight, ctx.dtype).t().contiguous()
-                dx = ctx.backend.gemm(dy2, w, ctx.name + ".dx").view(ctx.x_shape).to(ctx.x_dtype)  # dY·W
-            if ctx.needs_input_grad[1]:
-                dw = ctx.backend.gemm(dy2.t().contiguous(), x2.t().contiguous(), ctx.name + ".dw")  # dYᵀ·X
-                dw = dw.to(weight.dtype)
+            else:
+                dw = dw_at.result().to(weight.dtype)
+        if dx_at is not None:
+            dx = dx_at.result().view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(weight.dtype)
         return dx, dw, db, None, None, None, None
