@@ -297,11 +297,11 @@ class Dispatcher:
     async def _post(self, sends: list[Send]) -> None:
         """Encode a batch of tiles in a worker thread, then publish them in order (those of a GEMM that is
         over are not sent)."""
-        sends = [s for s in sends if s.seq in self.runs]
-        if not sends:
+        dealt = [(s, self.runs[s.seq]) for s in sends if s.seq in self.runs]  # (looked up here: a GEMM may end
+        if not dealt:  # on the loop while the thread encodes)
             return
-        frames = await asyncio.to_thread(self._frames, sends)
-        for worker, subject, frame, send, run in frames:
+        encoded = await asyncio.to_thread(self._frames, dealt)
+        for worker, subject, frame, send, run in encoded:
             try:
                 sent = await self.bus.publish_frame(subject, frame)
                 self.c.bytes_down += sent
@@ -311,10 +311,10 @@ class Dispatcher:
             if send is not None and send.seq in self.runs:  # its clock starts when it leaves, not when dealt
                 self.dealer.departed(send.tile.index, send.attempt, self.clock(), send.seq)
 
-    def _frames(self, sends: list[Send]) -> list[tuple[str, str, bytes, Send | None, GemmRun]]:
+    def _frames(self, dealt: list[tuple[Send, GemmRun]]) -> list[tuple[str, str, bytes, Send | None, GemmRun]]:
         """(worker, subject, encoded message, send, its GEMM) for each send (runs off the event loop)."""
-        return [(*frame, self.runs[s.seq]) for s in sends
-                for frame in frames.encode(self.job_id, self.epoch, self.runs[s.seq], s, self.reply_to(s.worker))]
+        return [(*frame, run) for s, run in dealt
+                for frame in frames.encode(self.job_id, self.epoch, run, s, self.reply_to(s.worker))]
 
     def reply_to(self, worker: str) -> str:
         return SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch, worker_id=worker)
