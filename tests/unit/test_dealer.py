@@ -127,6 +127,24 @@ def test_deadline_suspects_a_silent_worker_and_tries_it_again_later():
     assert outcome == "accepted" and not dealer.members["b"].suspect
 
 
+def test_a_suspect_retried_gets_tiles_only_once_its_link_is_proven():
+    """After `suspect_retry` tile timeouts a suspect is checked again, not dealt to: the shell proves its
+    downlink (`take_checks`, a round trip) and only `proved` deals it tiles."""
+    dealer = Dealer(Policy(window=1, tile_timeout_s=1.0, speculate_factor=0, suspect_retry=2.0))
+    dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
+    dealer.begin(work(m=64, n=64, rows=4, cols=4), 0.0)
+    dealer.tick(1.01)  # b (like a) has said nothing for a tile timeout
+    assert dealer.members["b"].suspect and dealer.take_checks() == []
+    assert dealer.next_check_at(1.01) == pytest.approx(3.01)
+    retried = dealer.tick(3.02)
+    assert not any(s.worker == "b" for s in retried) and not dealer._count("b")
+    assert dealer.take_checks() == ["a", "b"] and not dealer.members["b"].proven
+    assert dealer.take_checks() == []  # each asked for once
+    sends = dealer.proved("b", 3.1)
+    assert sends and {s.worker for s in sends} == {"b"} and dealer.members["b"].proven
+    assert dealer.proved("b", 3.2) == []  # proven already: nothing more
+
+
 def test_cached_blocks_do_not_travel_again_and_misses_resend_them():
     dealer = Dealer(Policy(window=1))
     dealer.set_fleet([("a", 1 << 20, None)], 0.0)

@@ -12,7 +12,18 @@ import torch
 from cleave import codec
 from cleave.dealer import Dealer, Policy
 from cleave.fleet import synthetic_fleet
-from cleave.schemas import BlockPush, FanoutAck, GemmLayout, Plan, PlanWorker, TileResult, TileTask
+from cleave.schemas import (
+    SUBJECT_LINKCHECK,
+    BlockPush,
+    DeviceProfile,
+    FanoutAck,
+    GemmLayout,
+    LinkCheckAck,
+    Plan,
+    PlanWorker,
+    TileResult,
+    TileTask,
+)
 from cleave.sim import plans as simplans
 from cleave.sim.engine import GemmRun, fleet_of
 from cleave.sim.world import World
@@ -38,16 +49,19 @@ class Recording(Dealer):
         fleet = list(fleet)
         return self._log(("plan", now, tuple(w for w, _, _ in fleet)), super().set_fleet(fleet, now, cause))
 
-    def begin(self, work, now):
-        return self._log(("begin", now), super().begin(work, now))
+    def begin(self, work, now, priority=0):
+        return self._log(("begin", now), super().begin(work, now, priority))
 
-    def done(self, worker, tile, attempt, now):
-        outcome, sends = super().done(worker, tile, attempt, now)
+    def done(self, worker, tile, attempt, now, seq=None):
+        outcome, sends = super().done(worker, tile, attempt, now, seq)
         self._log(("done", now, worker, tile, attempt), sends)
         return outcome, sends
 
     def tick(self, now):
         return self._log(("tick", now), super().tick(now))
+
+    def proved(self, worker, now):
+        return self._log(("proved", now, worker), super().proved(worker, now))
 
 
 class Wire:
@@ -73,7 +87,10 @@ class Wire:
         return len(frame)
 
     async def request(self, subject, join, schema, timeout_s):
-        """A worker joining every fan-out group it is asked to."""
+        """A worker joining every fan-out group it is asked to; link checks are answered when the replay
+        says the simulator's came back (`proved`)."""
+        if subject.startswith(SUBJECT_LINKCHECK.split("{")[0]):
+            raise TimeoutError("the replay proves links")
         return FanoutAck(worker_id=subject.rsplit(".", 1)[1], joined=join.subjects)
 
     def reject(self, *args):
@@ -145,6 +162,8 @@ async def replay(events, layout, profiles, policy):
                                          attempt=attempt, worker_id=worker, out=out), 0)
         elif kind == "tick":
             await d._tick()
+        elif kind == "proved":
+            await d.post(d.dealer.proved(args[0], now))
         else:
             await d.set_plan(plan_of(args[0], None, profiles, 2 + i))  # its layout is for later GEMMs
         decided.append(((kind, now, *args), wire.sent[before:]))
@@ -160,3 +179,50 @@ async def test_the_simulator_and_the_ps_make_the_same_decisions():
     assert out.resent >= 1  # tiles were sent again
     assert any(send[4] or send[6] for _, sends in events for send in sends)  # blocks published to groups
     assert await replay(events, layout, profiles, policy) == events
+
+
+async def test_the_ps_checks_a_suspects_link_before_dealing_it_again():
+    """The PS's shell of the rule `test_a_suspect_retried_gets_tiles_only_once_its_link_is_proven` checks:
+    when a suspect's retry time comes, a link check goes to it over its tile connection, and its next tile
+    only once the check is answered."""
+
+    class Checked(Wire):
+        def __init__(self):
+            super().__init__()
+            self.checked, self.answer = [], asyncio.Event()
+
+        async def request(self, subject, msg, schema, timeout_s):
+            if not subject.startswith(SUBJECT_LINKCHECK.split("{")[0]):
+                return await super().request(subject, msg, schema, timeout_s)
+            self.checked.append(subject.rsplit(".", 1)[1])
+            await self.answer.wait()
+            return LinkCheckAck(worker_id=self.checked[-1])
+
+    wire, clock = Checked(), [0.0]
+    d = Dispatcher(wire, "job", 1, PsSettings(tick_s=1e6, fanout=False))  # it ticks only when the test says so
+    d.dealer.p = Policy(window=1, tile_timeout_s=1.0, speculate_factor=0, suspect_retry=2.0)
+    d.clock = lambda: clock[0]
+    profiles = {w: DeviceProfile(flops=1e9, memory_bytes=1 << 30, downlink_bytes_per_s=1e7, uplink_bytes_per_s=1e7,
+                                 latency_s=0.01) for w in ("a", "b")}
+    await d.set_plan(plan_of(profiles, None, profiles, 1))
+    gemm = asyncio.create_task(d.gemm(torch.randn(256, 16), torch.randn(256, 16), step=1, op=1, name="x"))
+    while len(wire.sent) < 2:
+        await asyncio.wait_for(wire.published.wait(), 10)
+        wire.published.clear()
+    clock[0] = 1.01
+    await d._tick()  # both silent for a tile timeout: suspect
+    assert all(m.suspect for m in d.dealer.members.values())
+    clock[0] = 3.02
+    before = len(wire.sent)
+    await d._tick()  # their retry: checked, not dealt to
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert sorted(wire.checked) == ["a", "b"] and len(wire.sent) == before
+    wire.answer.set()
+    while len(wire.sent) < before + 2:
+        await asyncio.wait_for(wire.published.wait(), 10)
+        wire.published.clear()
+    assert {s[0] for s in wire.sent[before:]} == {"a", "b"}
+    d.stopping = True
+    gemm.cancel()
+    await asyncio.gather(gemm, return_exceptions=True)

@@ -18,7 +18,7 @@ from cleave.sim import plans as simplans
 from cleave.sim.baselines import SystemResult
 from cleave.sim.engine import GemmRun, fleet_of
 from cleave.sim.report import CHURN_RATES
-from cleave.sim.step import Simulation, recovery_over_step, simulate_step, step_order
+from cleave.sim.step import Simulation, backward_pairs, recovery_over_step, simulate_step, step_order
 from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
 from cleave.sim.workload import Workload
 from cleave.sim.world import World
@@ -114,6 +114,27 @@ def test_lost_devices_never_lose_a_tile(seed):
     assert all(out.last.get(i, 0.0) <= leave_at[i] for i in gone.tolist())  # nothing comes back from the gone
 
 
+def test_a_suspect_straggler_is_dealt_again_only_after_its_link_check(monkeypatch):
+    """A hidden straggler misses its deadline and is suspect; when its retry comes the simulated PS checks
+    its link (a round trip over its downlink) and deals it tiles again only once the check is back."""
+    proved = []
+    real = Dealer.proved
+
+    def proving(self, worker, now):
+        proved.append((worker, now))
+        return real(self, worker, now)
+
+    monkeypatch.setattr(Dealer, "proved", proving)
+    world = World.build(synthetic_fleet(20, seed=0), stragglers=0.3, hidden_stragglers=True, seed=0)
+    policy = PsPolicy(window=1, tile_timeout_s=0.02, suspect_retry=1.0)
+    run, out, _ = gemm(world, shapes()[0], tile=(64, 64), policy=policy)
+    assert_done_once(run, shapes()[0])
+    (rec,) = out.recoveries
+    (worker, at), = proved
+    d = world.index[worker]
+    assert worker == rec.worker and at >= rec.detected_at + policy.tile_timeout_s + 2 * world.actual.lat[d]
+
+
 def test_recovery_over_a_step_weighs_every_gemm_kind_by_its_time():
     world = World.build(synthetic_fleet(24, seed=2))
     sim = Simulation(world, shapes(), 2, policy=PsPolicy(window=1))
@@ -133,6 +154,40 @@ def test_a_step_with_churn_computes_every_flop_once():
     assert stats.recoveries and stats.resent >= 1
     assert len(world) > 30  # devices joined, and some of them were planned
     assert any(len(p.members) != 30 for p in sim.scheduler.plans)
+
+
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_deferred_weight_gradients_compute_every_flop_once_under_churn(seed):
+    """The backward dealt as the PS's `deferred_gemms` does it (weight gradients beside the input gradients)
+    loses nothing when devices leave and join mid-pass, and applies the plans that arrive meanwhile."""
+    world = World.build(synthetic_fleet(30, seed=seed), churn_per_hour=400.0, stragglers=0.1, seed=seed)
+    sim = Simulation(world, shapes(), 2, policy=PsPolicy(window=2), replan_every_s=1.0, deferred=[1, 8, 2][seed])
+    for _ in range(2):
+        stats = sim.step()
+        assert stats.flops == pytest.approx(sum(s.flops * s.count_per_step for s in shapes()))
+        assert stats.tiles and not sim.dealer.deals  # every GEMM ended with the pass
+    assert stats.recoveries and sim.version > 0
+
+
+def test_deferred_weight_gradients_fill_the_tails_of_the_input_gradients():
+    """Undisturbed, dealing each layer's weight gradient beside the input gradients shortens the step (the
+    tails of every GEMM are filled), never below the busiest device's own seconds."""
+    from cleave.sim.breakdown import step_breakdown
+
+    sh = shapes("opt-125m", 8, 1024)
+    world = World.build(synthetic_fleet(32, seed=4))
+    one, deferred = (step_breakdown(Simulation(world, sh, 2, deferred=d)) for d in (0, 8))
+    assert deferred["busiest_device_s"] <= deferred["step_s"] < 0.95 * one["step_s"]
+    assert deferred["device_idle_share"] < one["device_idle_share"]
+    assert sum(k["count"] for k in deferred["kinds"].values()) == sum(s.count_per_step for s in sh)
+
+
+def test_backward_pairs_are_the_layers_input_and_weight_gradients():
+    sh = shapes()
+    pairs = backward_pairs(sh, step_order(sh))
+    assert len(pairs) == sum(s.count_per_step for s in sh if s.name.endswith(".dx"))
+    for dx, dw in pairs:
+        assert sh[dx].name[:-3] == sh[dw].name[:-3] and sh[dx].name.endswith(".dx")
 
 
 def test_the_step_runs_every_gemm_in_order():

@@ -2,6 +2,7 @@
 
 from cleave.dealer.core import Dealer
 from cleave.dealer.model import (
+    CHECK_BYTES,
     DEFAULT_CACHE_BYTES,
     JOINS_KEPT,
     BlockSend,
@@ -12,4 +13,4 @@ from cleave.dealer.model import (
     Work,
 )
 
-__all__ = ["DEFAULT_CACHE_BYTES", "JOINS_KEPT", "BlockSend", "Dealer", "Member", "Policy", "Recovery", "Send", "Work"]
+__all__ = ["CHECK_BYTES", "DEFAULT_CACHE_BYTES", "JOINS_KEPT", "BlockSend", "Dealer", "Member", "Policy", "Recovery", "Send", "Work"]

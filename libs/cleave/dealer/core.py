@@ -151,7 +151,8 @@ class Dealer:
             self._left.popitem(last=False)
 
     def take_checks(self) -> list[str]:
-        """Members that came back since the caller last asked: each gets tiles only once `proved`."""
+        """Members that came back (to the plan, or from suspicion) since the caller last asked: each gets
+        tiles only once `proved`."""
         checks, self.checks = self.checks, []
         return checks
 
@@ -310,7 +311,7 @@ class Dealer:
 
     # ---- time --------------------------------------------------------------------------------------
     def tick(self, now: float) -> list[Send]:
-        """Suspects whose retry time came are tried again, workers past their deadline are presumed lost,
+        """Suspects whose retry time came are checked again (`take_checks`), workers past their deadline are presumed lost,
         their tiles dealt to whoever has room, and idle workers copy tiles that run far too long."""
         if not self.deals:
             return []
@@ -319,8 +320,8 @@ class Dealer:
             _, _, wid, since = heapq.heappop(self._suspects)
             m = self.members.get(wid)
             if m is not None and m.suspect and m.suspect_since == since:
-                m.suspect = False
-                out += self._fill(m, now)
+                m.suspect, m.proven = False, False  # tiles again once a round trip over its downlink succeeds
+                self.checks.append(wid)
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, wid, token = heapq.heappop(self._deadlines)
             m = self.members.get(wid)

@@ -20,6 +20,7 @@ JOINS_KEPT = 2  # a worker stays in the fan-out groups of its latest two joins (
 TYPICAL_SAMPLE = 256  # tiles sampled for the median predicted tile time
 DEFAULT_INFLIGHT_S = 2.0  # with a byte limit: no more in flight to a worker than 2 s of its downlink
 DEFAULT_BEATEN = 3  # a worker whose tiles copies finish first this many times in a row is suspect
+CHECK_BYTES = 64 * 1024  # a link check's request: dozens of TCP segments, so a connection backing off does not pass
 LEFT_KEPT = 100_000  # ids of workers that left, remembered so that a returning one proves its link first
 
 

@@ -1,6 +1,8 @@
 """Where a simulated step's time goes (pure: it reads the outcomes `Simulation.step` hands its hook).
 
-Per GEMM kind: how often the step runs it, its seconds, what the PS sent against the kind's distinct inputs
+Per GEMM kind: how often the step runs it, its seconds (each GEMM's span from its begin to its last result;
+with deferred weight gradients, `Simulation.deferred`, the backward's GEMMs overlap and their seconds add up
+to more than the step), what the PS sent against the kind's distinct inputs
 `(m + n)·k·b`, how long the PS's link was busy with it, the input strips too big for the workers' block
 cache (they travel with every tile that needs them and are never fanned out), the tail (the mean seconds a
 device that took part waits after its last result until the GEMM's last one), speculative copies and

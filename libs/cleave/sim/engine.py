@@ -8,7 +8,9 @@ paces itself to a declared profile does (`cleave.profile.streamed`, the `Pacer`'
 compute and uplink work on consecutive tiles in parallel, so a long run of tiles costs
 `latency + max(down / downlink, up / uplink, flops / FLOPS)` and a lone tile the sum of its stages. A
 device that has left receives nothing and answers nothing; the dealer notices by its deadline or when a
-new plan (`plans`: time, the plan's worker ids) drops it.
+new plan (`plans`: time, the plan's worker ids) drops it. A worker back in the plan or back from suspicion
+gets tiles once a link check (`CHECK_BYTES` down behind what its downlink still carries, a round trip) has
+come back, as `cleave_ps.linkcheck` proves it; one that has left never answers.
 
 The dealer is called at the times its `next_check_at` asks for (the PS calls it every `tick_s`, which the
 dealer already rounds speculation to), so deadlines fire at their exact time here and up to one tick later
@@ -26,14 +28,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cleave import fanout
-from cleave.dealer import BlockSend, Dealer, Policy, Recovery, Send, Work
+from cleave.dealer import CHECK_BYTES, BlockSend, Dealer, Policy, Recovery, Send, Work
 from cleave.fleet import Fleet
+from cleave.ledger import GemmLedger
 from cleave.profile import streamed
 from cleave.schemas import DeviceProfile
 from cleave.sim.world import Profiles, World
 from cleave.tiles import Tile
 
-FINISH, CHECK, PLAN = 0, 1, 2  # event kinds
+FINISH, CHECK, PLAN, PROVED = 0, 1, 2, 3  # event kinds
 
 
 @dataclass(frozen=True)
@@ -113,64 +116,90 @@ def fleet_of(ids: Sequence[str], index: dict[str, int], declared: Profiles, cach
     return out
 
 
-class GemmRun:
-    """Simulate one GEMM from `start` until every tile is done (see the module docstring).
+class Engine:
+    """GEMMs dealt by one dealer to simulated devices from `start` on, one or several at once (see the
+    module docstring): `begin` a GEMM, `run_until` some are done, read each one's `Outcome` in `outcomes`.
 
     `dealer` (the PS's, with its members) and `busy_until` (per device, when its downlink, compute and
-    uplink are next free) and `link` (the PS's egress) carry over from GEMM to GEMM; `plans` are (time, the
-    new plan's worker ids) applied when their time comes within this GEMM; `fleet` makes the dealer's members
-    of ids. With `fan_out`, blocks several planned devices need are published once to all of them, as the PS
-    does for workers that joined their group (here every planned device has)."""
+    uplink are next free) and `link` (the PS's egress) carry over from engine to engine; `plans` are (time,
+    the new plan's worker ids) applied when their time comes (`add_plans` adds later ones), `plans_applied`
+    counts those applied; `fleet` makes the dealer's members of ids. With `fan_out`, blocks several planned
+    devices need are published once to all of them, as the PS does for workers that joined their group
+    (here every planned device has). What a GEMM's devices still send after it is done is ignored, as the
+    PS ignores results of a GEMM it ended."""
 
-    def __init__(self, ts: TileSet, start: float, dealer: Dealer, index: dict[str, int], actual: Profiles,
-                 leave_at: np.ndarray, busy_until: np.ndarray, fleet, seq: int = 0,  # noqa: ANN001
+    def __init__(self, start: float, dealer: Dealer, index: dict[str, int], actual: Profiles,
+                 leave_at: np.ndarray, busy_until: np.ndarray, fleet,  # noqa: ANN001
                  plans: Sequence[tuple[float, tuple[str, ...]]] = (), link: PsLink | None = None,
                  fan_out: bool = True) -> None:
-        self.ts, self.now, self.dealer, self.index = ts, start, dealer, index
+        self.now, self.dealer, self.index = start, dealer, index
         self.act, self.leave_at, self.busy, self.fleet = actual, leave_at, busy_until, fleet
-        self.seq, self.plans = seq, list(plans)
         self.link = link or PsLink()
         self.fan_out = fan_out
         self.heap: list[tuple[float, int, int, tuple]] = []
         self.order = itertools.count()
         self.check_at = math.inf
-        self.out = Outcome(start, start, {}, {}, len(ts.tiles), 0, 0, 0, [], 0)
+        self.plans: list[tuple[float, tuple[str, ...]]] = []
+        self.plans_applied = 0
+        self.events = 0
+        self.sets: dict[int, TileSet] = {}  # the GEMMs in flight, by seq
+        self.outcomes: dict[int, Outcome] = {}  # every GEMM begun here, by seq (`end` set once it is done)
+        self.ledgers: dict[int, GemmLedger] = {}  # ... and its ledger
+        self.shared: dict[str, tuple[str, list[str]]] = {}  # fan-out block id -> (group, members)
+        self.add_plans(plans)
 
-    def run(self) -> Outcome:
-        ts, d = self.ts, self.dealer
-        for i, (t, ids) in enumerate(self.plans):
-            self._push(max(t, self.now), PLAN, (i, ids))
-        a_key, b_key = f"g{self.seq}a", f"g{self.seq}b"
+    def add_plans(self, plans: Sequence[tuple[float, tuple[str, ...]]]) -> None:
+        for t, ids in plans:
+            self._push(max(t, self.now), PLAN, (len(self.plans), ids))
+            self.plans.append((t, ids))
+
+    def begin(self, ts: TileSet, seq: int, priority: int = 0) -> None:
+        """Start dealing `ts` now, beside the GEMMs in flight (`Dealer.begin`'s `priority`)."""
+        d = self.dealer
+        a_key, b_key = f"g{seq}a", f"g{seq}b"
         split, shared = fanout.layout(ts.tiles, ts.owners, a_key, b_key, ts.chunks) if self.fan_out else (None, None)
         if shared:
             for w, groups in fanout.memberships([(ts.tiles, ts.owners)], ts.chunks).items():
                 d.join(w, groups)
-        self.shared = shared or {}
-        work = Work(self.seq, ts.m, ts.n, ts.k, ts.b, ts.tiles, ts.owners, ts.chunks, a_key, b_key, shared, split)
-        sent_before = self.link.sent
-        self._deliver(d.begin(work, self.now))
-        while not d.complete:
+            self.shared.update(shared)
+        self.sets[seq] = ts
+        out = self.outcomes[seq] = Outcome(self.now, self.now, {}, {}, len(ts.tiles), 0, 0, 0, [], 0)
+        out.ps_bytes, out.end = 0.0, math.nan
+        work = Work(seq, ts.m, ts.n, ts.k, ts.b, ts.tiles, ts.owners, ts.chunks, a_key, b_key, shared, split)
+        self._deliver(d.begin(work, self.now, priority))
+        self.ledgers[seq] = d.deal(seq).ledger
+
+    def run_until(self, seqs: Sequence[int]) -> None:
+        """Play events until every GEMM of `seqs` is done (the others go on meanwhile)."""
+        d = self.dealer
+        while any(s in self.sets for s in seqs):
+            self._check_links()
             self._schedule_check()
             if not self.heap:
-                raise RuntimeError(f"GEMM {ts.m}x{ts.n}: no worker left to finish it")
+                left = ", ".join(f"{ts.m}x{ts.n}" for ts in self.sets.values())
+                raise RuntimeError(f"GEMM {left}: no worker left to finish it")
             self.now, _, kind, args = heapq.heappop(self.heap)
-            self.out.events += 1
+            self.events += 1
             if kind == FINISH:
                 self._on_finish(*args)
             elif kind == CHECK:
                 if self.now >= self.check_at - 1e-12:
                     self.check_at = math.inf
                     self._deliver(d.tick(self.now))
-            else:
+            elif kind == PLAN:
                 self._on_plan(*args)
-        led = self.ledger = d.ledger  # kept for the caller to inspect
-        self.out.end = self.now
-        self.out.ps_bytes = self.link.sent - sent_before
-        self.out.ps_busy_s = max(0.0, self.link.free_at - self.out.start)
-        self.out.resent, self.out.duplicates, self.out.speculated = led.resent, led.duplicates, led.speculated
-        self.out.recoveries = list(d.recoveries)
-        d.end()
-        return self.out
+            else:
+                self._deliver(d.proved(args[0], self.now))
+
+    def _done(self, seq: int) -> None:
+        led, out = self.ledgers[seq], self.outcomes[seq]
+        out.end = self.now
+        out.plans_applied = self.plans_applied
+        out.ps_busy_s = max(0.0, self.link.free_at - out.start)
+        out.resent, out.duplicates, out.speculated = led.resent, led.duplicates, led.speculated
+        out.recoveries = list(self.dealer.deal(seq).recoveries)
+        self.dealer.end(seq)
+        del self.sets[seq]
 
     def _push(self, t: float, kind: int, args: tuple) -> None:
         heapq.heappush(self.heap, (t, next(self.order), kind, args))
@@ -181,6 +210,14 @@ class GemmRun:
             self.check_at = at
             self._push(at, CHECK, ())
 
+    def _check_links(self) -> None:
+        """The link checks the dealer asks for: each answer comes back after its bytes and a round trip."""
+        for w in self.dealer.take_checks():
+            d = self.index[w]
+            at = max(self.now + self.act.lat[d], self.busy[d][0]) + CHECK_BYTES / self.act.down[d] + self.act.lat[d]
+            if at < self.leave_at[d]:
+                self._push(at, PROVED, (w,))
+
     # ---- the devices -------------------------------------------------------------------------------
     def _deliver(self, sends: list[Send]) -> None:
         for s in sends:
@@ -189,49 +226,74 @@ class GemmRun:
     def _device(self, s: Send) -> None:
         """Tile `s` leaves the PS (after what it sent before), its shared blocks reach their whole group, and
         its device streams it through its links and compute."""
-        d, t, ts, a = self.index[s.worker], s.tile, self.ts, self.act
+        d, t, ts, a, out = self.index[s.worker], s.tile, self.sets[s.seq], self.act, self.outcomes[s.seq]
+        sent = self.link.sent
         at = self.link.depart(self.now, s.nbytes + s.pushed)
         if at > self.now:
-            self.dealer.departed(t.index, s.attempt, at)
+            self.dealer.departed(t.index, s.attempt, at, s.seq)
         for leaf in (*s.a.leaves(), *s.b.leaves()):
             if leaf.publish:
-                self._publish(leaf, (leaf.hi - leaf.lo) * ts.k * ts.b, at)
+                self._publish(leaf, (leaf.hi - leaf.lo) * ts.k * ts.b, at, out)
+        out.ps_bytes += self.link.sent - sent
         if at >= self.leave_at[d]:
             return  # sent into the void: the device has left, the PS does not know yet
         up, flops = t.rows * t.cols * ts.b, 2.0 * t.rows * t.cols * ts.k
         clock = streamed(tuple(self.busy[d]), at, a.lat[d], s.nbytes / a.down[d], flops / a.flops[d], up / a.up[d])
         self.busy[d] = clock
-        self.out.down[d] = self.out.down.get(d, 0.0) + s.nbytes
+        out.down[d] = out.down.get(d, 0.0) + s.nbytes
         if clock[2] < self.leave_at[d]:
-            self._push(clock[2], FINISH, (s.worker, t.index, s.attempt))
+            self._push(clock[2], FINISH, (s.worker, s.seq, t.index, s.attempt))
 
-    def _publish(self, block: BlockSend, nbytes: float, at: float) -> None:
+    def _publish(self, block: BlockSend, nbytes: float, at: float, out: Outcome) -> None:
         """A block published to its group: every member still there downloads it, in turn with its tiles."""
         name, members = self.shared[block.id]
         for w in members:
             d = self.index[w]
             if at < self.leave_at[d] and name in self.dealer.joined.get(w, ()):
                 self.busy[d][0] = max(at + self.act.lat[d], self.busy[d][0]) + nbytes / self.act.down[d]
-                self.out.down[d] = self.out.down.get(d, 0.0) + nbytes
+                out.down[d] = out.down.get(d, 0.0) + nbytes
 
-    def _on_finish(self, w: str, tile: int, attempt: int) -> None:
-        d, led, ts = self.index[w], self.dealer.ledger, self.ts
+    def _on_finish(self, w: str, seq: int, tile: int, attempt: int) -> None:
+        if seq not in self.sets:
+            return  # a result of a GEMM that is done: the PS drops it
+        d, led, ts, out = self.index[w], self.ledgers[seq], self.sets[seq], self.outcomes[seq]
         t = led.tiles[tile]
-        self.out.up[d] = self.out.up.get(d, 0.0) + t.rows * t.cols * ts.b
-        self.out.last[d] = self.now
-        outcome, sends = self.dealer.done(w, tile, attempt, self.now)
+        out.up[d] = out.up.get(d, 0.0) + t.rows * t.cols * ts.b
+        out.last[d] = self.now
+        outcome, sends = self.dealer.done(w, tile, attempt, self.now, seq)
         if outcome == "accepted":
-            self.out.flops += 2.0 * t.rows * t.cols * ts.k
-            self.out.accepted_at[tile] = self.now
+            out.flops += 2.0 * t.rows * t.cols * ts.k
+            out.accepted_at[tile] = self.now
             up = led.parent.get(tile)
             while up is not None and led.covered(up):  # the last piece of a block cut when it was lost
-                self.out.accepted_at[up] = self.now
+                out.accepted_at[up] = self.now
                 up = led.parent.get(up)
         self._deliver(sends)
+        if outcome == "accepted" and self.dealer.is_complete(seq):
+            self._done(seq)
 
     def _on_plan(self, i: int, ids: tuple[str, ...]) -> None:
-        self.out.plans_applied = i + 1
+        self.plans_applied = i + 1
         self._deliver(self.dealer.set_fleet(self.fleet(ids), self.now))
+
+
+class GemmRun(Engine):
+    """One GEMM alone from `start` until every tile is done (an `Engine` with one GEMM; `run` returns its
+    `Outcome`, `ledger` its ledger), as the PS deals a GEMM when nothing else is in flight."""
+
+    def __init__(self, ts: TileSet, start: float, dealer: Dealer, index: dict[str, int], actual: Profiles,
+                 leave_at: np.ndarray, busy_until: np.ndarray, fleet, seq: int = 0,  # noqa: ANN001
+                 plans: Sequence[tuple[float, tuple[str, ...]]] = (), link: PsLink | None = None,
+                 fan_out: bool = True) -> None:
+        super().__init__(start, dealer, index, actual, leave_at, busy_until, fleet, plans, link, fan_out)
+        self.ts, self.seq = ts, seq
+
+    def run(self) -> Outcome:
+        self.begin(self.ts, self.seq)
+        self.run_until([self.seq])
+        self.ledger, self.out = self.ledgers[self.seq], self.outcomes[self.seq]
+        self.out.events = self.events
+        return self.out
 
 
 def play(sets: Sequence[TileSet], profiles: dict[str, DeviceProfile], caches: dict[str, int], window: int,

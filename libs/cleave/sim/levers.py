@@ -3,9 +3,9 @@ planner's pieces per block and largest tile, the bytes an element travels in), e
 and accounted by `cleave.sim.breakdown`, so that their effects compare side by side
 (`benchmarks/sim_levers.py`).
 
-A lever is data (`Lever`): the knobs it changes, or `build` (a function of the config, workload and world
-that returns the `Simulation` to run) for a lever that needs a different simulation altogether, such as
-GEMMs dealt concurrently; add it to `LEVERS` (or pass a list of your own to `run_levers`) and it becomes one
+A lever is data (`Lever`): the knobs it changes (GEMMs dealt concurrently among them: `deferred`), or
+`build` (a function of the config, workload and world that returns the `Simulation` to run) for a lever
+that needs a different simulation altogether, such as fused layers; add it to `LEVERS` (or pass a list of your own to `run_levers`) and it becomes one
 more row.
 """
 
@@ -41,6 +41,7 @@ class Lever:
     dtype_bytes: int | None = None  # bytes an element travels in (2: fp16 or bf16; 1: 8-bit strips)
     fan_out: bool | None = None  # shared strips published once to their group
     speculate: bool = True  # False: no speculative copies of late tiles (the PS's speculate_factor 0)
+    deferred: int | None = None  # weight gradients dealt beside the input gradients (the PS's deferred_gemms)
     build: Build | None = None  # a simulation of its own (the other fields are then ignored)
 
 
@@ -59,6 +60,9 @@ LEVERS: tuple[Lever, ...] = (  # in the order the benchmark runs them: the likel
     Lever("no copies", "no speculative copies of late tiles", speculate=False),
     Lever("8-bit + cache 384 MiB + no copies", "8-bit strips, a 384 MiB cache, no speculative copies",
           cache_bytes=384 * MiB, dtype_bytes=1, speculate=False),
+    Lever("deferred dW", "each layer's weight gradient dealt beside the input gradients, at most 8 waiting (the "
+          "PS's default deferred_gemms)", deferred=8),
+    Lever("8-bit + deferred dW", "8-bit strips and deferred weight gradients", dtype_bytes=1, deferred=8),
     Lever("fused inputs", "layers that read one input fused (Llama's q/k/v, gate/up: their strips reused)",
           build=lambda cfg, work, world: fused(cfg, work, world)),
 )
@@ -107,7 +111,7 @@ def lever_simulation(cfg: SimConfig, work: Workload, world: World, lever: Lever)
         world, work.shapes, lever.dtype_bytes or work.dtype_bytes, "cost", lever.tile or cfg.tile,
         cfg.ps_bandwidth, policy(cfg, lever), replan_every_s=cfg.replan_every_s,
         chunks=lever.chunks or cfg.chunks, cache_bytes=lever.cache_bytes or DEFAULT_CACHE_BYTES,
-        fan_out=cfg.fan_out if lever.fan_out is None else lever.fan_out,
+        fan_out=cfg.fan_out if lever.fan_out is None else lever.fan_out, deferred=lever.deferred or 0,
     )
 
 
@@ -121,6 +125,7 @@ def run_lever(cfg: SimConfig, lever: Lever) -> dict[str, Any]:
     return {
         "lever": lever.name, "what": lever.what, "ps_bandwidth": cfg.ps_bandwidth,
         "cache_bytes": sim.cache_bytes, "chunks": sim.chunks, "tile": sim.tile, "dtype_bytes": sim.dtype_bytes, "fan_out": sim.fan_out,
+        "deferred": sim.deferred,
         "gemm_step_s": acc["step_s"], "ps_compute_s": ps_s, "step_s": acc["step_s"] + ps_s,
         "breakdown": acc, "sim_wall_s": time.perf_counter() - t0,
     }

@@ -1,5 +1,7 @@
-"""Training steps over a simulated fleet: every GEMM of a step, one after another as the PS runs them, each
-dealt by the PS's dealing core (`cleave.sim.engine`) under the latest plan (`cleave.sim.plans`).
+"""Training steps over a simulated fleet: every GEMM of a step as the PS runs them, each dealt by the PS's
+dealing core (`cleave.sim.engine`) under the latest plan (`cleave.sim.plans`): one after another, or with
+`deferred` > 0 the backward's weight gradients dealt beside the input gradients as the PS's `deferred_gemms`
+does (`Simulation._backward`).
 
 A GEMM that nothing disturbs (no device of its plan leaves or is busy from before, no plan arrives, nobody
 is suspect) costs what the same GEMM cost last time under the same plan, so it is simulated once and then
@@ -10,6 +12,7 @@ measured step; `Simulation` runs steps with churn and stragglers (`cleave sim`).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,7 +23,7 @@ from cleave.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
 from cleave.fleet import Fleet
 from cleave.models import GemmShape
 from cleave.schemas import DeviceProfile
-from cleave.sim.engine import GemmRun, Outcome, PsLink, TileSet, fleet_of
+from cleave.sim.engine import Engine, GemmRun, Outcome, PsLink, TileSet, fleet_of
 from cleave.sim.plans import Cutter, PlannerKind, Scheduler
 from cleave.sim.world import World
 from cleave.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
@@ -40,6 +43,21 @@ def step_order(shapes: Sequence[GemmShape]) -> list[int]:
         for layer in reversed(layers) if rev else layers:
             order += reversed(layer) if rev else layer
     return order
+
+
+def backward_pairs(shapes: Sequence[GemmShape], order: Sequence[int]) -> list[tuple[int | None, int | None]]:
+    """The backward GEMMs of `order` as the PS submits them: per linear layer (its input gradient, its weight
+    gradient), indices into `shapes`, None where the layer has no such GEMM."""
+    pairs: list[tuple[str, dict[str, int]]] = []
+    for i in order:
+        base, kind = shapes[i].name.rsplit(".", 1)
+        if kind not in ("dx", "dw"):
+            continue
+        if pairs and pairs[-1][0] == base and kind not in pairs[-1][1]:
+            pairs[-1][1][kind] = i
+        else:
+            pairs.append((base, {kind: i}))
+    return [(p.get("dx"), p.get("dw")) for _, p in pairs]
 
 
 @dataclass
@@ -88,6 +106,10 @@ class Simulation:
     chunks: int = DEFAULT_CHUNKS  # a planned block goes out in at least this many pieces (`tiles.cut_block`)
     cache_bytes: int = DEFAULT_CACHE_BYTES  # each worker's input-block cache, mirrored by the PS
     fan_out: bool = True  # shared blocks published once to their group (the PS's `fanout` setting)
+    # the PS's `deferred_gemms`: weight gradients dealt beside the backward's input gradients, at most this many
+    # waiting; 0 (the simulator's default, unlike the PS's 8): one GEMM at a time, and every undisturbed GEMM
+    # simulated once and reused; with deferral every backward GEMM is simulated event by event (slower)
+    deferred: int = 0
     now: float = 0.0
 
     def __post_init__(self) -> None:
@@ -103,6 +125,8 @@ class Simulation:
         self.busy = np.zeros((len(self.world), 3))  # per device: downlink, compute, uplink next free
         self.clean: dict[tuple, Outcome] = {}
         self.order = step_order(self.shapes)
+        self.forward = [i for i in self.order if not self.shapes[i].name.endswith((".dx", ".dw"))]
+        self.pairs = backward_pairs(self.shapes, self.order)
 
     def fleet(self, ids: Sequence[str]) -> list[tuple[str, int, DeviceProfile]]:
         return fleet_of(ids, self.world.index, self.world.declared, self.cache_bytes, self._profiles)
@@ -182,15 +206,64 @@ class Simulation:
         simulated event by event: `cleave.sim.breakdown` accounts the step with it)."""
         start = self.now
         stats = StepStats(0.0, {}, {})
-        for i in self.order:
-            out, simulated = self.gemm(self.shapes[i])
+
+        def seen(shape: GemmShape, out: Outcome, simulated: bool) -> None:
             if on_gemm is not None:
-                on_gemm(self.shapes[i], out, simulated)
+                on_gemm(shape, out, simulated)
             stats.add(out)
             stats.gemms_simulated += simulated
+
+        for i in self.forward if self.deferred else self.order:
+            out, simulated = self.gemm(self.shapes[i])
+            seen(self.shapes[i], out, simulated)
             self.now = out.end
+        if self.deferred:
+            self._backward(seen)
         stats.step_s = self.now - start
         return stats
+
+    def _backward(self, seen: Callable[[GemmShape, Outcome, bool], None]) -> None:
+        """The backward pass as the PS runs it with `deferred_gemms` (`cleave.tiled.LateGrads`): per layer its
+        input gradient (priority 0) and its weight gradient (priority 1) begin together; the pass waits for
+        the input gradient only, and for the oldest weight gradient when more than `deferred` wait; every
+        one is done when the pass ends. All on one `Engine`, each GEMM cut under the plan in force when it
+        begins; plans that arrive meanwhile apply when they do."""
+        self._advance(self.now + HORIZON_MIN_S)
+        self._apply_ready_plans()
+        base, plans = self.version, self.scheduler.plans
+        eng = Engine(self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at, self.busy,
+                     self.fleet, [(p.ready_at, p.ids(self.world)) for p in plans[base + 1 :]], self.link,
+                     self.fan_out)
+        begun: list[tuple[int, GemmShape]] = []
+        waiting: deque[int] = deque()
+        for dx, dw in self.pairs:
+            seqs = []
+            for i, priority in ((dx, 0), (dw, 1)):
+                if i is None:
+                    continue
+                shape = self.shapes[i]
+                plan = plans[base + eng.plans_applied]
+                ts, predicted = self.cutter.tileset(plan.layout, plans[plan.layout], shape.m, shape.n, shape.k)
+                known = len(plans)
+                self._advance(eng.now + max(HORIZON_FACTOR * (predicted if math.isfinite(predicted) else 0.0),
+                                            HORIZON_MIN_S))
+                eng.leave_at, eng.busy = self.world.leave_at, self.busy  # (grown with the world)
+                eng.add_plans([(p.ready_at, p.ids(self.world)) for p in plans[known:]])
+                self.seq += 1
+                eng.begin(ts, self.seq, priority)
+                begun.append((self.seq, shape))
+                seqs.append(self.seq)
+            if dw is not None:
+                waiting.append(seqs[-1])
+            while len(waiting) > self.deferred:
+                eng.run_until([waiting.popleft()])
+            if dx is not None:
+                eng.run_until(seqs[:1])
+        eng.run_until(list(waiting))
+        self.version = base + eng.plans_applied
+        self.now = eng.now
+        for seq, shape in begun:
+            seen(shape, eng.outcomes[seq], True)
 
 
 def world_of(fleet_profiles: Mapping[str, DeviceProfile] | Fleet) -> World:

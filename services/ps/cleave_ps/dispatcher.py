@@ -135,8 +135,7 @@ class Dispatcher:
         sends = self.dealer.set_fleet(fleet, self.clock())
         for gone in before - set(self.dealer.members):
             self._forget_checks(gone)
-        for worker in self.dealer.take_checks():  # came back: tiles only once its downlink is proven
-            self._track(linkcheck.prove(self, worker))
+        self._prove_returning()
         self._log_losses()
         log.info("plan_applied", version=plan.version, workers=len(fleet), reason=plan.reason)
         await self._post(sends)
@@ -286,8 +285,14 @@ class Dispatcher:
         for worker in self.dealer.suspected:
             self._forget_checks(worker)
         self.dealer.suspected.clear()
+        self._prove_returning()
         self._log_losses()
         await self._post(sends)
+
+    def _prove_returning(self) -> None:
+        """Workers back in the plan, or back from suspicion: tiles only once their downlink is proven."""
+        for worker in self.dealer.take_checks():
+            self._track(linkcheck.prove(self, worker))
 
     # ---- sending -------------------------------------------------------------------------------------
     async def post(self, sends: list[Send]) -> None:

@@ -1,10 +1,10 @@
 """Proving a returning worker's downlink before it is dealt tiles: the shell of the dealer's rule
 (`Dealer.take_checks` / `Dealer.proved`).
 
-A worker that left the plan and came back (its link was cut, its process restarted) has heartbeats on a
+A worker that left the plan and came back, or a suspect whose retry time came, (its link was cut, its process restarted) has heartbeats on a
 connection of their own, which may recover long before the connection its tiles travel on: after a cut,
 nats-server's TCP connection to it can sit in retransmit back-off for seconds, with tiles from before the
-cut still queued. So the PS sends it a small request (`LinkCheck`, DEFAULT_CHECK_BYTES) on its tile
+cut still queued. So the PS sends it a small request (`LinkCheck`, CHECK_BYTES) on its tile
 connection, behind whatever is still queued there, and deals it tiles only once the answer is back. The
 check names when it was sent: the worker drops the tiles sent before it (given back when it left) rather
 than spend its compute and uplink on results nobody waits for.
@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from cleave.dealer import CHECK_BYTES
 from cleave.schemas import SUBJECT_LINKCHECK, DeviceProfile, LinkCheck, LinkCheckAck
 
 if TYPE_CHECKING:
     from cleave_ps.dispatcher import Dispatcher
 
 log = structlog.get_logger("ps")
-DEFAULT_CHECK_BYTES = 64 * 1024  # dozens of TCP segments: a connection still backing off does not pass quickly
 DEFAULT_CHECK_TIMEOUT_S = 2.0  # at least; longer on a slow declared or measured downlink
 DEFAULT_CHECK_RETRY_S = 0.5  # between a failed check and the next
 
@@ -33,7 +33,7 @@ def check_timeout(profile: DeviceProfile | None) -> float:
     """How long one check may take: 4x what its bytes and round trip cost on the worker's link, >= 2 s."""
     if profile is None:
         return DEFAULT_CHECK_TIMEOUT_S
-    return max(DEFAULT_CHECK_TIMEOUT_S, 4 * (DEFAULT_CHECK_BYTES / profile.downlink_bytes_per_s + 2 * profile.latency_s))
+    return max(DEFAULT_CHECK_TIMEOUT_S, 4 * (CHECK_BYTES / profile.downlink_bytes_per_s + 2 * profile.latency_s))
 
 
 async def prove(d: Dispatcher, worker: str) -> None:
@@ -45,7 +45,7 @@ async def prove(d: Dispatcher, worker: str) -> None:
             return
         tries += 1
         started = d.clock()
-        msg = LinkCheck(job=d.job_id, epoch=d.epoch, sent_at=time.time(), payload=bytes(DEFAULT_CHECK_BYTES))
+        msg = LinkCheck(job=d.job_id, epoch=d.epoch, sent_at=time.time(), payload=bytes(CHECK_BYTES))
         try:
             await d.bus.request(SUBJECT_LINKCHECK.format(worker_id=worker), msg, LinkCheckAck,
                                 timeout_s=check_timeout(m.profile))
