@@ -111,7 +111,7 @@ def lever_simulation(cfg: SimConfig, work: Workload, world: World, lever: Lever)
         world, work.shapes, lever.dtype_bytes or work.dtype_bytes, "cost", lever.tile or cfg.tile,
         cfg.ps_bandwidth, policy(cfg, lever), replan_every_s=cfg.replan_every_s,
         chunks=lever.chunks or cfg.chunks, cache_bytes=lever.cache_bytes or DEFAULT_CACHE_BYTES,
-        fan_out=cfg.fan_out if lever.fan_out is None else lever.fan_out, deferred=lever.deferred or 0,
+        fan_out=cfg.fan_out if lever.fan_out is None else lever.fan_out, deferred=cfg.deferred if lever.deferred is None else lever.deferred,
     )
 
 

@@ -59,6 +59,7 @@ class SimConfig:
     window: int = 1  # tiles in flight per worker beyond its planned pieces (1: stealing waits for idle workers)
     replan_every_s: float = 0.0  # > 0: recompute the planner's layout at most this often
     fan_out: bool = True  # shared blocks published once to their group, as the PS does
+    deferred: int = 0  # weight gradients dealt beside the input gradients (`Simulation.deferred`; 0: one at a time)
     ps_flops: float = DEFAULT_PS_FLOPS  # the PS's FLOP/s for its own work (attention, norms, loss, optimizer)
     ps_memory: float = DEFAULT_PS_MEMORY  # one PS machine's memory, bytes
     ps_link: float = DEFAULT_PS_LINK  # bytes/s between PS replicas (their gradient all-reduce)
@@ -111,6 +112,7 @@ def simulation(cfg: SimConfig, work: Workload, world: World) -> Simulation:
         replan_every_s=cfg.replan_every_s,
         chunks=cfg.chunks,
         fan_out=cfg.fan_out,
+        deferred=cfg.deferred,
     )
 
 

@@ -68,6 +68,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=4,
                    help="a planned block goes out in at least N pieces, streamed (1: whole blocks)")
     p.add_argument("--window", type=int, default=1, help="tiles in flight per worker beyond its planned pieces")
+    p.add_argument("--deferred", type=int, default=0,
+                   help="weight gradients dealt beside the backward's input gradients, at most N waiting (the "
+                        "PS's deferred_gemms, 8 there by default; 0 here: one GEMM at a time, faster to simulate)")
     p.add_argument(
         "--replan-every",
         type=float,
@@ -110,6 +113,7 @@ def config(args: argparse.Namespace) -> Any:
         ("--steps", args.steps, 1),
         ("--window", args.window, 1),
         ("--chunks", args.chunks, 1),
+        ("--deferred", args.deferred, 0),
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
@@ -141,6 +145,7 @@ def config(args: argparse.Namespace) -> Any:
         chunks=args.chunks,
         replan_every_s=args.replan_every,
         fan_out=not args.no_fanout,
+        deferred=args.deferred,
         systems=parse_systems(args.systems),
         **ps,
     )
