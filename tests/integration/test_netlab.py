@@ -106,8 +106,8 @@ def test_a_devices_cpu_share_caps_what_its_processes_compute() -> None:
 FLOPS = """
 import time, torch
 torch.set_num_threads(1)
-from cleave_worker.main import device_flops
-measured = device_flops()
+from cleave_worker.core import measure_flops
+measured = measure_flops()
 a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
 t0, runs = time.perf_counter(), 0
 while time.perf_counter() - t0 < 2.0:  # what a tile's GEMMs get, for two seconds

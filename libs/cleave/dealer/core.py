@@ -327,7 +327,8 @@ class Dealer:
             m = self.members.get(wid)
             if m is None or m.token != token or m.suspect or not self._count(wid):
                 continue
-            since, (deal, oldest) = self._since(m), self._oldest(m)
+            deal, oldest = self._oldest(m)
+            since = max(m.last_progress, oldest.sent_at)  # since when it owes a result
             if since + self._deadline_s(m, deal, oldest) > now + 1e-9:
                 self._arm(m)
                 continue
@@ -390,7 +391,8 @@ class Dealer:
 
     def _room(self, m: Member, count: int, depth: int | None) -> bool:
         """Whether `m` could take another tile (it found none: it is hungry)."""
-        cap = min(depth or math.inf, max(d.ledger.room(m.id, self.p.window, d.work.chunks) for d in self._ranked))
+        rooms = [d.ledger.room(m.id, self.p.window, d.work.chunks) for d in self._ranked if not d.ledger.complete]
+        cap = min(depth or math.inf, max(rooms, default=0))
         return count < cap
 
     def _count(self, worker: str) -> int:
@@ -545,10 +547,6 @@ class Dealer:
         firsts = [(next(iter(d.ledger.by_worker[m.id].values())), d) for d in self._ranked if d.ledger.count(m.id)]
         att, deal = min(firsts, key=lambda x: x[0].sent_at)
         return deal, att
-
-    def _since(self, m: Member) -> float:
-        """Since when `m` owes a result: its last progress, or its oldest tile in flight if later."""
-        return max(m.last_progress, self._oldest(m)[1].sent_at)
 
     def _deadline_s(self, m: Member, deal: Deal, oldest: Attempt) -> float:
         """How long `m` may owe a result: `timeout_factor` x its usual time for its oldest tile (its round

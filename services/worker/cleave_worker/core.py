@@ -23,6 +23,9 @@ HALF = (torch.float16, torch.bfloat16)
 FLOAT32_BYTES = 4  # tiles are computed and returned in float32; the PS plans with dtype_bytes=4
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # workers use CUDA when present
 FLOPS_N = {"cpu": 512, "cuda": 4096}  # side of the measured product: a GPU needs a large one to be busy
+FLOPS_RUN_S = 0.03  # on a CPU each timed product of the FLOPS probe lasts about this long: several periods of a
+# CPU share (cleave.netlab: 10 ms) or time slices of a busy machine, so none is caught whole in a lucky one
+MAX_FLOPS_N = 2048  # ... and is at most this square (0.2 s at 80 GFLOP/s)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -147,10 +150,26 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_flops(n: int | None = None, reps: int = 5, device: torch.device = DEVICE) -> float:
-    """Sustained fp32 GEMM FLOP/s on the device tiles are computed on (best of a few runs of an n x n
-    product; on CUDA each run is timed between synchronisations, so the kernel is counted, not its launch)."""
+    """Sustained fp32 GEMM FLOP/s on the device tiles are computed on: the best of `reps` runs of an n x n
+    product (on CUDA each run is timed between synchronisations, so the kernel is counted, not its launch).
+    Without `n`, on a CPU the product grows from 512 x 512 until even the best run lasts FLOPS_RUN_S: the
+    512 x 512 product lasts 3 ms at 80 GFLOP/s, short enough to fall inside one time slice of a shared or
+    capped CPU and report the core's peak, not what the device sustains (the emulated devices of
+    benchmarks/real_links.py, on the same two cores, measured 14-99 GFLOP/s). A device slower than 9 GFLOP/s
+    measures at 512 x 512."""
     device = torch.device(device)
-    n = n or FLOPS_N.get(device.type, FLOPS_N["cpu"])
+    if n is None and device.type == "cpu":
+        n = FLOPS_N["cpu"]
+        while True:
+            flops = _best_flops(n, reps, device)
+            run_s = 2 * n**3 / flops
+            if run_s >= FLOPS_RUN_S or n >= MAX_FLOPS_N:
+                return flops
+            n = min(MAX_FLOPS_N, int(n * max(1.25, (FLOPS_RUN_S / run_s) ** (1 / 3))))
+    return _best_flops(n or FLOPS_N.get(device.type, FLOPS_N["cpu"]), reps, device)
+
+
+def _best_flops(n: int, reps: int, device: torch.device) -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b  # warm-up (on CUDA also the library's handle and the kernel choice)
     _sync(device)

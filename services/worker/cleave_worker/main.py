@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import structlog
 import torch
@@ -41,8 +43,6 @@ from cleave.schemas import (
     TileTask,
 )
 from cleave_worker.core import (
-    DEVICE,
-    FLOPS_N,
     BlockCache,
     check_inputs,
     compute,
@@ -57,24 +57,6 @@ from cleave_worker.split_client import SplitRunner
 
 DEFAULT_PROBE_RETRY_S = 1.0  # until its links are measured a worker does not join (it is planned not at all)
 DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
-FLOPS_RUN_S = 0.03  # on a CPU each timed product of the FLOPS probe lasts about this long: several periods of a
-# CPU share (cleave.netlab: 10 ms) or time slices of a busy machine, so none is caught whole in a lucky one
-MAX_FLOPS_N = 2048  # ... and is at most this square (0.2 s at 80 GFLOP/s)
-
-
-def device_flops() -> float:
-    """This device's GEMM FLOP/s (`measure_flops`, the best of a few products). On a CPU the products grow
-    from the 512 x 512 default until even the best lasts FLOPS_RUN_S: the default lasts 3 ms at 80 GFLOP/s,
-    short enough to fall inside one time slice of a shared or capped CPU and report the core's peak, not
-    what the device sustains (the emulated devices of benchmarks/real_links.py, on the same two cores,
-    measured 14-99 GFLOP/s). A device slower than 9 GFLOP/s measures as before."""
-    n = FLOPS_N["cpu"]
-    while True:
-        flops = measure_flops(n=n) if DEVICE.type == "cpu" else measure_flops()
-        run_s = 2 * n**3 / flops
-        if DEVICE.type != "cpu" or run_s >= FLOPS_RUN_S or n >= MAX_FLOPS_N:
-            return flops
-        n = min(MAX_FLOPS_N, int(n * max(1.25, (FLOPS_RUN_S / run_s) ** (1 / 3))))
 
 
 class Worker:
@@ -86,6 +68,8 @@ class Worker:
         self.cache = BlockCache(settings.cache_bytes)
         self.started_at = time.time()
         self.tiles_done = 0
+        self.computing = 0  # tiles and rounds computing now (a FLOPS re-measurement beside them is discarded)
+        self.computations = 0  # ... and begun so far
         self.busy_s = 0.0
         self.epochs: dict[str, int] = {}  # job -> newest PS epoch seen; older PSs are fenced off
         self.faults = Faults(settings.fail_at, settings.fault_dir, tag=settings.worker_id)
@@ -167,7 +151,8 @@ class Worker:
             self.log.warning("tile_refused", reason=why, step=task.step, op=task.op, tile=task.tile)
             result = reply_to(task, self.s.worker_id, error=why)
         else:
-            result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
+            with self._computing():
+                result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
             self.tiles_done += 1
             self.busy_s += result.compute_s
         due = 0.0
@@ -197,12 +182,28 @@ class Worker:
         await stop.wait()
         self.outbox.put_nowait(None)
 
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        self.computing += 1
+        self.computations += 1
+        try:
+            yield
+        finally:
+            self.computing -= 1
+
     async def reprobe(self, stop: asyncio.Event) -> None:
         """Measure the links and the FLOPS again now and then: they change under a real device. A failed
-        measurement keeps the last profile (the failure is logged)."""
+        measurement keeps the last profile (the failure is logged); so does a FLOPS measurement that shared
+        the device with this worker's own tiles or rounds (it would under-report what the device has: the
+        dealer's round trips tell a busy worker's pace anyway)."""
         while not await wait_for_stop(stop, self.s.probe_every_s):
             try:
-                flops = await asyncio.to_thread(device_flops)
+                before = (self.computing, self.computations)
+                flops = await asyncio.to_thread(measure_flops)
+                if before != (0, self.computations) or self.computing:
+                    self.log.info("flops_kept", reason="computed tiles meanwhile", flops=self.profile.flops,
+                                  measured=flops)
+                    flops = self.profile.flops
                 self.profile = await measured_profile(self.s, self.probe_bus, flops)
             except Exception as e:  # e.g. the scheduler restarting: measure again next time
                 self.log.warning("reprobe_failed", error=repr(e))
@@ -212,7 +213,8 @@ class Worker:
         self.faults.hit("round", task.round)
         arrived = time.time()
         try:
-            update = await asyncio.to_thread(self.rounds.run, task)
+            with self._computing():
+                update = await asyncio.to_thread(self.rounds.run, task)
         except Exception as e:  # a bad task spoils this round's update, not the worker
             self.log.warning("round_failed", job=task.job, round=task.round, error=repr(e))
             update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
@@ -281,7 +283,7 @@ async def first_profile(s: WorkerSettings, bus: busmod.Bus, flops: float, stop: 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     torch.set_num_threads(settings.threads)
-    return await run_worker(settings, stop, device_flops())
+    return await run_worker(settings, stop, measure_flops())
 
 
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float,
