@@ -16,7 +16,7 @@ treat it like any other); the worker concatenates the segments of a tile's block
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from cleave.schemas import MAX_BLOCK_PARTS
 from cleave.tiles import Tile
@@ -85,15 +85,16 @@ def in_step(tiles: Sequence[Tile], owners: Sequence[str | None], a_key: str = "a
     sooner."""
     seen: dict[str, int] = {}
     first: dict[str, dict[int, set[str]]] = {}
+    placed: set[tuple[str, str]] = set()  # (block, owner): its first window is taken
     for t, owner in zip(tiles, owners, strict=True):
         if owner is None:
             continue
         n = seen[owner] = seen.get(owner, -1) + 1
         n //= window
         for block in inputs(t, split, a_key, b_key):
-            at = first.setdefault(block, {})
-            if not any(owner in who for who in at.values()):
-                at.setdefault(n, set()).add(owner)
+            if (block, owner) not in placed:
+                placed.add((block, owner))
+                first.setdefault(block, {}).setdefault(n, set()).add(owner)
     return {block: max(at.values(), key=len) for block, at in first.items()}
 
 
@@ -125,7 +126,14 @@ def memberships(gemms: Iterable[tuple[Sequence[Tile], Sequence[str | None] | Non
     """Each worker's fan-out groups over a plan's GEMMs (tiles and owners, as the PS cuts them)."""
     out: dict[str, set[str]] = {}
     for tiles, owners in gemms:
-        for name, members in layout(tiles, owners, window=window)[1].values():
-            for w in members:
-                out.setdefault(w, set()).add(name)
+        groups_of(layout(tiles, owners, window=window)[1], out)
+    return out
+
+
+def groups_of(shared: Mapping[str, tuple[str, frozenset[str]]], out: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+    """Each worker's fan-out groups in one GEMM's `shared` (`layout`'s second part), added to `out`."""
+    out = {} if out is None else out
+    for name, members in shared.values():
+        for w in members:
+            out.setdefault(w, set()).add(name)
     return out

@@ -41,8 +41,26 @@ def block_input(deal: Deal, m: Member, block_id: str, lo: int, hi: int, joined: 
     segs = deal.work.parts.get(block_id) if deal.work.parts else None
     if not segs:
         return _block(deal, m, block_id, lo, hi, (hi - lo) * row, joined, members)
+    known = m.known
+    if all(sid in known for sid, _, _ in segs):  # the usual case: what `_block` says of each, made once
+        for sid, _, _ in segs:
+            known.move_to_end(sid)
+        return BlockSend(block_id, lo, hi, False, parts=_cached_parts(deal, block_id, segs))
     return BlockSend(block_id, lo, hi, False, parts=tuple(
         _block(deal, m, sid, slo, shi, (shi - slo) * row, joined, members) for sid, slo, shi in segs))
+
+
+def _cached_parts(deal: Deal, block_id: str, segs: tuple[tuple[str, int, int], ...]) -> tuple[BlockSend, ...]:
+    """The parts of a block all of whose segments a worker caches (each named, with its group if it was
+    published: it may still be on its way), shared by every worker that caches them all."""
+    parts = deal.cached_parts.get(block_id)
+    if parts is None:
+        parts = deal.cached_parts[block_id] = tuple(
+            BlockSend(sid, slo, shi, False, deal.published.get(sid, "")) for sid, slo, shi in segs)
+        for sid, _, _ in segs:
+            if sid not in deal.published:
+                deal.parents.setdefault(sid, []).append(block_id)
+    return parts
 
 
 def _block(deal: Deal, m: Member, block_id: str, lo: int, hi: int, nbytes: int, joined: Mapping[str, set[str]],
@@ -59,6 +77,8 @@ def _block(deal: Deal, m: Member, block_id: str, lo: int, hi: int, nbytes: int, 
         first = block_id not in deal.published
         if first:  # every subscribed member receives it, and caches it
             deal.published[block_id] = name
+            for parent in deal.parents.pop(block_id, ()):
+                deal.cached_parts.pop(parent, None)
             for wid in group_members:
                 if wid in members and name in joined.get(wid, ()):
                     members[wid].remember(block_id, nbytes)

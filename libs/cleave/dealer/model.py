@@ -167,6 +167,10 @@ class Deal:
     published: dict[str, str] = field(default_factory=dict)  # its blocks published so far -> their group
     refused: dict[int, set[str]] = field(default_factory=dict)  # tile -> workers that refused it
     inline: set[tuple[str, str]] = field(default_factory=set)  # (worker, block) it said it lacked: sent with its tiles
+    # a segmented block's parts as a worker caching every segment gets them (`inputs.block_input`); dropped
+    # when one of its segments is published (`parents`: segment -> the blocks whose cached parts name it)
+    cached_parts: dict[str, tuple[BlockSend, ...]] = field(default_factory=dict)
+    parents: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def rank(self) -> tuple[int, int]:

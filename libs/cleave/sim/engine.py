@@ -159,7 +159,7 @@ class Engine:
         a_key, b_key = f"g{seq}a", f"g{seq}b"
         split, shared = fanout.layout(ts.tiles, ts.owners, a_key, b_key, ts.chunks) if self.fan_out else (None, None)
         if shared:
-            for w, groups in fanout.memberships([(ts.tiles, ts.owners)], ts.chunks).items():
+            for w, groups in fanout.groups_of(shared).items():
                 d.join(w, groups)
             self.shared.update(shared)
         self.sets[seq] = ts
