@@ -25,6 +25,7 @@ from nats.js.errors import (
     KeyValueError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -47,6 +48,7 @@ from cleave.schemas import (
 
 log = structlog.get_logger("cleave.bus")
 T = TypeVar("T", bound=Wire)
+R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RECONNECT_WAIT_S = 0.5
@@ -54,6 +56,9 @@ DEFAULT_PENDING_BYTES = 512 * 1024 * 1024  # per subscription: past this, nats-p
 # exhaust memory; a dropped tile or result is re-sent after its deadline)
 DEFAULT_REGISTRY_TTL_S = 10.0  # registry entries outlive a missed heartbeat or two, then vanish
 DEFAULT_WATCH_POLL_S = 0.5
+ELECTION_S = 30.0  # a JetStream stream that lost its leader (a cluster node died) elects one within seconds:
+# idempotent requests are retried this long (`Bus.patiently`)
+TRANSIENT = (TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)  # what an election looks like
 HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
 # Slow consumers, in every nats-server config we ship (docs/operations.md): the server cuts off a client with
 # more than max_pending bytes waiting for it, or whose socket takes longer than write_deadline for one write.
@@ -74,6 +79,7 @@ class Bus:
         self.rejected: dict[str, int] = {}  # reason -> count of messages refused on receipt
         self.on_dropped: list[Callable[[str], None]] = []  # told the subject of a message dropped unread
         self.watch_retries = 0  # watches that failed to be set up again after a reconnect (and were retried)
+        self.retries = 0  # requests `patiently` tried again
         self.closing = False  # set by close(): the disconnection that follows is expected
         self.replicas = replicas_of(nc)  # of what setup, kv and object_store create
 
@@ -164,6 +170,23 @@ class Bus:
             )
         except Exception:  # created concurrently by another service: use theirs
             return await asyncio.wait_for(self.js.key_value(bucket), DEFAULT_TIMEOUT_S)
+
+    async def patiently(self, call: Callable[[], Awaitable[R]], what: str, budget_s: float = ELECTION_S) -> R:
+        """`call()` (each try bounded by DEFAULT_TIMEOUT_S) retried on the errors of a stream electing a
+        leader (`TRANSIENT`) until it succeeds or `budget_s` has passed; then the last error is raised. Only
+        for calls that may run twice (reads, or writes whose second try detects the first)."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + budget_s, 0.25
+        while True:
+            try:
+                return await asyncio.wait_for(call(), DEFAULT_TIMEOUT_S)
+            except TRANSIENT as e:
+                if loop.time() + delay >= deadline:
+                    raise
+                self.retries += 1
+                log.warning("bus_retried", what=what, reason=type(e).__name__, retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
     async def kv_get(self, kv: KeyValue, key: str, schema: type[T],
                      max_bytes: int = MAX_CONTROL_BYTES) -> tuple[T, int] | None:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import nats
 import pytest
 
 from cleave import bus as busmod
@@ -149,6 +150,49 @@ async def test_an_older_ps_is_fenced(tmp_path, nats_url):
     finally:
         await old_bus.close()
         await new_bus.close()
+
+
+async def test_a_commit_whose_answer_is_lost_in_an_election_lands_once(tmp_path, nats_url):
+    """During a cluster election a KV request may time out after it was applied. The commit tries again
+    (`Bus.patiently`): its own head found in place is success, not a fence; another PS's head still fences."""
+    job = JobConfig(job_id="lost-answer", preset="tiny", steps=2)
+    trainer = Trainer(job)
+    bus, other_bus = await busmod.connect(nats_url, "ps"), await busmod.connect(nats_url, "other")
+    try:
+        await bus.setup()
+        p = Persister(bus, job.job_id, job.model_dump_json())
+        await p.open()
+        await p.claim_epoch()
+        real, lost, waits = p.kv.update, [], [p.kv.get]
+
+        async def update_then_time_out(key, value, last=None):  # applied, but the answer never arrives
+            rev = await real(key, value, last=last)
+            if not lost:
+                lost.append(rev)
+                raise TimeoutError("the stream is electing a leader")
+            return rev
+
+        async def get_once_slow(key):
+            if len(waits) == 1:
+                waits.append(None)
+                raise nats.errors.NoRespondersError()
+            return await waits[0](key)
+
+        p.kv.update, p.kv.get = update_then_time_out, get_once_slow
+        await p.commit(snapshot(trainer.model, trainer.opt, job.job_id, 0, p.epoch), ())  # creates the head
+        head = await p.commit(snapshot(trainer.model, trainer.opt, job.job_id, 1, p.epoch), ())
+        assert lost and p.revision == lost[0] and head.step == 1 and bus.retries >= 2
+        assert (await _reload(other_bus, job, Trainer(job))).step == 1
+        other = Persister(other_bus, job.job_id, job.model_dump_json())
+        await other.open()
+        await other._heads()  # its revision: the current head
+        other.epoch = p.epoch  # (one that shares the epoch, so that the head's own check fences)
+        await other.commit(snapshot(trainer.model, trainer.opt, job.job_id, 2, p.epoch), ())
+        with pytest.raises(Fenced):
+            await p.commit(snapshot(trainer.model, trainer.opt, job.job_id, 3, p.epoch), ())
+    finally:
+        await bus.close()
+        await other_bus.close()
 
 
 async def _reload(bus, job, trainer):

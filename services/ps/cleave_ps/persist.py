@@ -186,16 +186,26 @@ class Persister:
         if len(frame) > MAX_CONTROL_BYTES:
             raise CleaveError("state head record over the control message limit")
         await self._check_epoch()
-        try:
-            self.revision = await self.bus.kv_swap(self.kv, self.head_key, frame, self.revision)
-        except Conflict:
-            raise Fenced(f"the head of job {self.job_id} was moved by another PS") from None
+        self.revision = await self._swap_head(frame)
         self.committed.append(name)
         await self._prune()
         return head
 
+    async def _swap_head(self, frame: bytes) -> int:
+        """Move the head to `frame` from the revision this PS last saw; its new revision. Tried again while
+        the bucket's stream elects a leader (`Bus.patiently`): a try whose answer was lost may have landed,
+        so a conflict is this PS's own write when the head now holds `frame`, else another PS's (Fenced)."""
+        try:
+            return await self.bus.patiently(
+                lambda: self.bus.kv_swap(self.kv, self.head_key, frame, self.revision), "state head")
+        except Conflict:
+            entry = await self.bus.patiently(lambda: self.kv.get(self.head_key), "state head")
+            if entry.value == frame:
+                return entry.revision
+            raise Fenced(f"the head of job {self.job_id} was moved by another PS") from None
+
     async def _check_epoch(self) -> None:
-        entry = await asyncio.wait_for(self.kv.get(self.epoch_key), DEFAULT_TIMEOUT_S)
+        entry = await self.bus.patiently(lambda: self.kv.get(self.epoch_key), "epoch check")
         if int(entry.value or b"0") != self.epoch:
             raise Fenced(f"epoch {self.epoch} of job {self.job_id} is superseded by {int(entry.value)}")
 
