@@ -22,7 +22,7 @@ from cleave.schemas import MAX_BLOCK_PARTS
 from cleave.tiles import Tile
 
 MIN_MEMBERS = 2  # a block that one worker needs goes with its tile
-MAX_PARTS = MAX_BLOCK_PARTS  # a block that would need more segments than this is sent whole
+
 
 Parts = dict[str, tuple[tuple[str, int, int], ...]]  # block id -> its segments (id, lo, hi), in order
 
@@ -61,7 +61,7 @@ def _segments(key: str, spans) -> Parts:  # noqa: ANN001
     at = {x: i for i, x in enumerate(cuts)}
     out: Parts = {}
     for lo, hi in spans:
-        if 1 < at[hi] - at[lo] <= MAX_PARTS:
+        if 1 < at[hi] - at[lo] <= MAX_BLOCK_PARTS:  # one that would need more segments goes whole
             out[f"{key}.{lo}.{hi}"] = tuple((f"{key}.{cuts[i]}.{cuts[i + 1]}", cuts[i], cuts[i + 1])
                                             for i in range(at[lo], at[hi]))
     return out
