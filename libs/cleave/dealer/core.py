@@ -23,21 +23,16 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from sortedcontainers import SortedList
-
-from cleave.dealer import inputs
+from cleave.dealer import inputs, trips
 from cleave.dealer.model import (
     DEFAULT_INFLIGHT_S,
     JOINS_KEPT,
     LEFT_KEPT,
-    RT_WEIGHT,
-    TYPICAL_SAMPLE,
     Deal,
     Member,
     Policy,
     Recovery,
     Send,
-    Shape,
     Work,
 )
 from cleave.fanout import a_id, b_id
@@ -64,7 +59,7 @@ class Dealer:
         self._idle: dict[str, None] = {}  # ... of which those with nothing in flight
         self._deadlines: list[tuple[float, int, str, int]] = []  # (due, order, member, token)
         self._suspects: list[tuple[float, int, str, float]] = []  # (retry at, order, member, suspect since)
-        self._rts: dict[Shape, SortedList] = {}  # each member's round trip on a shape, sorted
+        self._rts = trips.RoundTrips()  # each member's round trip per GEMM shape, and their median
         self._order = itertools.count()
         self.joined: dict[str, set[str]] = {}  # worker -> the fan-out groups it has subscribed to
         self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
@@ -142,7 +137,7 @@ class Dealer:
         if m is None:
             return
         self._lose(m, now, cause, m.last_progress)
-        self._forget_rts(m)
+        self._rts.forget(m)
         self.joined.pop(worker, None)
         self._joins.pop(worker, None)
         del self.members[worker]
@@ -176,7 +171,7 @@ class Dealer:
             self._deadlines, self._hungry, self._idle = [], {}, {}
             for m in self.members.values():
                 m.inflight_bytes = 0
-        deal = Deal(work, GemmLedger(work.tiles, owners), priority, self._median_predicted(work, owners))
+        deal = Deal(work, GemmLedger(work.tiles, owners), priority, trips.median_predicted(self.members, work, owners))
         self.deals[work.seq] = deal
         self._ranked = sorted(self.deals.values(), key=lambda d: d.rank)
         out: list[Send] = []
@@ -457,9 +452,9 @@ class Dealer:
     def _usual(self, deal: Deal) -> float:
         """The median round trip of this GEMM's shape over the members, or the median predicted tile time
         before any (or `tile_timeout_s` when no profile predicts one)."""
-        trips = self._rts.get(deal.work.shape)
-        if trips:
-            return trips[len(trips) // 2]
+        median = self._rts.median(deal.work.shape)
+        if median is not None:
+            return median
         return deal.typical or self.p.tile_timeout_s
 
     def _over_budget(self, m: Member) -> bool:
@@ -493,20 +488,9 @@ class Dealer:
             return None
         att = deal.ledger.running.get((tile, attempt))
         if att is not None:
-            rt, shape = now - att.sent_at, deal.work.shape
-            old = m.round_trips.get(shape, 0.0)
-            new = rt if old == 0 else (1 - RT_WEIGHT) * old + RT_WEIGHT * rt
-            trips = self._rts.setdefault(shape, SortedList())
-            if old:
-                trips.remove(old)
-            trips.add(new)
-            m.round_trips[shape] = new
+            self._rts.record(m, deal.work.shape, now - att.sent_at)
         m.last_progress, m.suspect = now, False
         return m
-
-    def _forget_rts(self, m: Member) -> None:
-        for shape, rt in m.round_trips.items():
-            self._rts[shape].remove(rt)
 
     def _release(self, deal: Deal, tile: int, attempt: int) -> None:
         att = deal.ledger.running.get((tile, attempt))
@@ -561,17 +545,3 @@ class Dealer:
         deal, oldest = self._oldest(m)
         due = max(m.last_progress, oldest.sent_at) + self._deadline_s(m, deal, oldest)
         heapq.heappush(self._deadlines, (due, next(self._order), m.id, m.token))
-
-    def _median_predicted(self, work: Work, owners: Sequence[str | None] | None) -> float:
-        """The median predicted tile time: each planned tile on its owner, else on a middle member."""
-        members = [m for m in self.members.values() if m.profile is not None]
-        if not members or not work.tiles:
-            return 0.0
-        middle = members[len(members) // 2]
-        step = max(1, len(work.tiles) // TYPICAL_SAMPLE)
-        times = sorted(
-            (self.members[o] if o is not None and self.members[o].profile is not None else middle)
-            .predicted_s(work.tiles[i], work.k, work.b)
-            for i, o in ((i, owners[i] if owners else None) for i in range(0, len(work.tiles), step))
-        )
-        return times[len(times) // 2]
