@@ -33,18 +33,20 @@ class PlanError(CleaveError):
 
 @dataclass(frozen=True, eq=False)
 class Rates:
-    """A fleet's profiles in the units of one GEMM (inner dimension k, b bytes per element)."""
+    """A fleet's profiles in the units of one GEMM (inner dimension k, b bytes per element on the links;
+    `mem_b` bytes per element in a device's memory, b unless the devices compute in another precision than
+    the one that travels: a bf16 job's workers compute in float32)."""
 
     lat: np.ndarray  # seconds per tile
     lines: np.ndarray  # input rows + columns received per second: downlink / (k·b)
     area: np.ndarray  # output elements per second: min(uplink / b, flops / 2k)
-    mem: np.ndarray  # int64 memory in elements: floor(memory_bytes / b)
+    mem: np.ndarray  # int64 memory in elements: floor(memory_bytes / mem_b)
     k: int
 
     @classmethod
-    def of(cls, fleet: Fleet, k: int, b: int) -> Rates:
+    def of(cls, fleet: Fleet, k: int, b: int, mem_b: int | None = None) -> Rates:
         area = np.minimum(fleet.uplink / b, fleet.flops / (2.0 * k))
-        return cls(fleet.latency, fleet.downlink / (k * b), area, fleet.memory_bytes // b, k)
+        return cls(fleet.latency, fleet.downlink / (k * b), area, fleet.memory_bytes // (mem_b or b), k)
 
     def take(self, idx: np.ndarray) -> Rates:
         return Rates(self.lat[idx], self.lines[idx], self.area[idx], self.mem[idx], self.k)

@@ -195,19 +195,21 @@ class ModelPlan:
         return json.dumps(self.to_dict(assignments), indent=indent)
 
 
-def _check(fleet: Fleet, m: int, n: int, k: int, b: int, ps_bandwidth: float | None, name: str) -> None:
+def _check(fleet: Fleet, m: int, n: int, k: int, b: int, ps_bandwidth: float | None, name: str,
+           mem_b: int) -> None:
     if len(fleet) == 0:
         raise PlanError("the fleet is empty: no device to plan on")
     if min(m, n, k) < 1:
         raise PlanError(f"GEMM {name}: m, n, k must be positive, got {m}x{n}x{k}")
-    if b not in (1, 2, 4, 8):
-        raise PlanError(f"dtype_bytes must be 1, 2, 4 or 8, got {b}")
+    for what, v in (("dtype_bytes", b), ("memory_dtype_bytes", mem_b)):
+        if v not in (1, 2, 4, 8):
+            raise PlanError(f"{what} must be 1, 2, 4 or 8, got {v}")
     if ps_bandwidth is not None and not ps_bandwidth > 0:
         raise PlanError(f"ps_bandwidth must be positive bytes/s or None (unlimited), got {ps_bandwidth}")
-    need = (2 * k + 1) * b
+    need = (2 * k + 1) * mem_b
     if int(fleet.memory_bytes.max()) < need:
         raise PlanError(
-            f"GEMM {name} ({m}x{n}, k={k}, {b} B/element) needs {need} bytes for its smallest "
+            f"GEMM {name} ({m}x{n}, k={k}, {mem_b} B/element in memory) needs {need} bytes for its smallest "
             f"tile (1x1); the largest device memory is {int(fleet.memory_bytes.max())} bytes"
         )
 
@@ -240,16 +242,16 @@ def _gemm_plan(fleet: Fleet, shape: GemmShape, b: int, blocks: Blocks, bound: Ge
 
 
 def _plan_shapes(
-    fleet: Fleet, shapes: Sequence[GemmShape], b: int, ps_bandwidth: float | None
+    fleet: Fleet, shapes: Sequence[GemmShape], b: int, ps_bandwidth: float | None, mem_b: int | None = None
 ) -> list[GemmPlan]:
     cache: dict[tuple[int, int, int], tuple[Blocks, GemmBound]] = {}
     rates: dict[int, Rates] = {}
     plans = []
     for s in shapes:
-        _check(fleet, s.m, s.n, s.k, b, ps_bandwidth, s.name)
+        _check(fleet, s.m, s.n, s.k, b, ps_bandwidth, s.name, mem_b or b)
         key = (min(s.m, s.n), max(s.m, s.n), s.k)
         if key not in cache:
-            r = rates.setdefault(s.k, Rates.of(fleet, s.k, b))
+            r = rates.setdefault(s.k, Rates.of(fleet, s.k, b, mem_b))
             bound = gemm_bound(fleet, r, s.m, s.n, b, ps_bandwidth)
             cache[key] = (solve(r, key[0], key[1], bound.devices_s), bound)
         plans.append(_gemm_plan(fleet, s, b, *cache[key]))
@@ -273,14 +275,17 @@ def plan_gemm(
 
 
 def plan_model(
-    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None
+    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None,
+    memory_dtype_bytes: int | None = None,
 ) -> ModelPlan:
-    """Plan every GEMM kind of a step (`cleave.models.gemm_shapes`); kinds of one shape share a plan."""
+    """Plan every GEMM kind of a step (`cleave.models.gemm_shapes`); kinds of one shape share a plan.
+    `dtype_bytes` is what an element takes on the links, `memory_dtype_bytes` in a device's memory (default:
+    the same)."""
     start, cpu = time.perf_counter(), time.process_time()
     fleet = Fleet.of(devices)
     if len(fleet) == 0:
         raise PlanError("the fleet is empty: no device to plan on")
-    plans = _plan_shapes(fleet, shapes, dtype_bytes, ps_bandwidth)
+    plans = _plan_shapes(fleet, shapes, dtype_bytes, ps_bandwidth, memory_dtype_bytes)
     return ModelPlan(
         tuple(plans),
         time.perf_counter() - start,
@@ -304,19 +309,20 @@ def _even_blocks(m: int, n: int, count: int) -> tuple[np.ndarray, ...]:
     return edges[grp], edges[grp + 1], c0, c1
 
 
-def _even(fleet: Fleet, shape: GemmShape, b: int, ps_bandwidth: float | None) -> GemmPlan:
-    _check(fleet, shape.m, shape.n, shape.k, b, ps_bandwidth, shape.name)
-    r = Rates.of(fleet, shape.k, b)
+def _even(fleet: Fleet, shape: GemmShape, b: int, ps_bandwidth: float | None, mem_b: int | None = None) -> GemmPlan:
+    mem_b = mem_b or b
+    _check(fleet, shape.m, shape.n, shape.k, b, ps_bandwidth, shape.name, mem_b)
+    r = Rates.of(fleet, shape.k, b, mem_b)
     bound = gemm_bound(fleet, r, shape.m, shape.n, b, ps_bandwidth)
     # every device that can hold a 1x1 tile, in fleet order, with more rounds until all blocks fit
-    able = np.flatnonzero(fleet.memory_bytes >= (2 * shape.k + 1) * b)
+    able = np.flatnonzero(fleet.memory_bytes >= (2 * shape.k + 1) * mem_b)
     rounds = 1
     while True:
         count = min(len(able) * rounds, shape.m * shape.n)
         r0, r1, c0, c1 = _even_blocks(shape.m, shape.n, count)
         dev = able[np.arange(len(r0)) % len(able)]
         if (
-            np.all(tile_memory_bytes(r1 - r0, c1 - c0, shape.k, b) <= fleet.memory_bytes[dev])
+            np.all(tile_memory_bytes(r1 - r0, c1 - c0, shape.k, mem_b) <= fleet.memory_bytes[dev])
             or count == shape.m * shape.n
         ):
             break
@@ -360,14 +366,15 @@ def even_split(
 
 
 def even_split_model(
-    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None
+    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None,
+    memory_dtype_bytes: int | None = None,
 ) -> ModelPlan:
-    """`even_split` for every GEMM kind of a step."""
+    """`even_split` for every GEMM kind of a step (`plan_model`'s bytes per element)."""
     start, cpu = time.perf_counter(), time.process_time()
     fleet = Fleet.of(devices)
     if len(fleet) == 0:
         raise PlanError("the fleet is empty: no device to plan on")
-    plans = tuple(_even(fleet, s, dtype_bytes, ps_bandwidth) for s in shapes)
+    plans = tuple(_even(fleet, s, dtype_bytes, ps_bandwidth, memory_dtype_bytes) for s in shapes)
     return ModelPlan(
         plans, time.perf_counter() - start, time.process_time() - cpu, len(fleet), dtype_bytes, ps_bandwidth
     )

@@ -174,12 +174,16 @@ class GemmSpec(Wire):
     count_per_step: int = Field(1, gt=0)
 
 
+COMPUTE_DTYPE_BYTES = 4  # a worker computes every tile in float32: what an element takes in its memory
+
+
 class JobShapes(Wire):
     """What the PS tells the scheduler about its job so that the plan can be cost-aware."""
 
     job: str
     gemms: tuple[GemmSpec, ...]  # with replicas > 1: one replica's share of the batch
-    dtype_bytes: int = 4
+    dtype_bytes: int = 4  # an input or output element on the links (2 for a bf16 or fp16 job)
+    memory_dtype_bytes: int | None = None  # ... in a worker's memory (its tiles compute in float32); None: the same
     replicas: int = Field(1, ge=1, le=MAX_PS_REPLICAS)  # PS replicas, each planned its own part of the fleet
 
 

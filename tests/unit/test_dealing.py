@@ -86,3 +86,28 @@ def test_the_scheduler_predicts_what_the_simulator_simulates(kind, rel):
     predicted = with_layouts(plan, job_shapes(job.preset, job.batch_size, job.seq, 4), kind, None).predicted_step_s
     simulated = simulate_step(fleet, shapes, 4, planner=kind, steps=2)
     assert predicted == pytest.approx(simulated, rel=rel)
+
+
+def test_a_half_precision_job_is_planned_with_two_bytes_on_the_links_and_four_in_memory():
+    """A bf16 job's inputs and results travel in 2 bytes, but its workers compute in float32: the plan's
+    link costs use 2 bytes an element (a link-bound step predicted much faster than fp32's) while
+    every planned block still fits its device's memory at 4 bytes an element."""
+    from cleave.costmodel import tile_memory_bytes
+    from cleave.schemas import COMPUTE_DTYPE_BYTES
+
+    fleet = {f"d{i}": DeviceProfile(flops=1e12, memory_bytes=512 * 1024, downlink_bytes_per_s=1e7 * (1 + i % 3),
+                                    uplink_bytes_per_s=5e6, latency_s=0.01) for i in range(6)}
+    plan = Plan(version=1, created_at=0.0, tile_rows=1024, tile_cols=1024, chunks=4,
+                workers=[PlanWorker(worker_id=w, profile=p, cache_bytes=8 * 1024**2) for w, p in fleet.items()])
+    fp32 = job_shapes("small", 4, 128, 4)
+    bf16 = fp32.model_copy(update={"dtype_bytes": 2, "memory_dtype_bytes": COMPUTE_DTYPE_BYTES})
+    one, half = (with_layouts(plan, s, "cost", None) for s in (fp32, bf16))
+    assert 0.45 < half.predicted_step_s / one.predicted_step_s < 0.75  # (latency and the tiling keep it above 0.5)
+    def overflows(plan):  # planned blocks that a float32 worker could not hold
+        return sum(int(need) > fleet[o].memory_bytes for g in plan.gemms
+                   for need, o in zip(tile_memory_bytes(g.boxes.array[:, 1] - g.boxes.array[:, 0],
+                                                        g.boxes.array[:, 3] - g.boxes.array[:, 2], g.k,
+                                                        COMPUTE_DTYPE_BYTES), g.owners, strict=True))
+
+    assert overflows(half) == 0
+    assert overflows(with_layouts(plan, bf16.model_copy(update={"memory_dtype_bytes": None}), "cost", None)) > 0

@@ -22,6 +22,7 @@ from cleave.logs import configure
 from cleave.models import gemm_shapes
 from cleave.schedule import lr_at
 from cleave.schemas import (
+    COMPUTE_DTYPE_BYTES,
     MAX_PLAN_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
@@ -201,12 +202,15 @@ class Job:
         return 4 if self.s.tile_dtype == "fp32" and self.job.precision == "fp32" else 2
 
     async def describe_job(self) -> None:
-        """Tell the scheduler this job's GEMM shapes, so that its plan fits them."""
+        """Tell the scheduler this job's GEMM shapes, so that its plan fits them: elements travel in the job's
+        precision both ways (a bf16 or fp16 job's results are rounded by their workers; the approximate
+        `tile_dtype` mode's come back in float32, so it is planned at 4 bytes) and take float32 in memory."""
         specs = tuple(GemmSpec(name=g.name, m=g.m, n=g.n, k=g.k, count_per_step=g.count_per_step)
                       for g in gemm_shapes(self.trainer.cfg, self.job.batch_size // self.s.replicas, self.job.seq))
         kv = await self.bus.kv(PLAN_BUCKET)
-        await self.bus.kv_put(kv, SHAPES_KEY, JobShapes(job=self.job.job_id, gemms=specs, dtype_bytes=4,
-                                                        replicas=self.s.replicas))
+        await self.bus.kv_put(kv, SHAPES_KEY, JobShapes(job=self.job.job_id, gemms=specs,
+                                                        dtype_bytes=4 if self.job.precision == "fp32" else 2,
+                                                        memory_dtype_bytes=COMPUTE_DTYPE_BYTES, replicas=self.s.replicas))
 
     async def run_step(self, step: int, resumed: bool) -> None:
         d = self.dispatcher

@@ -24,7 +24,7 @@ def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: 
     caches = {w.worker_id: w.cache_bytes for w in plan.workers}
     specs = list(shapes.gemms)
     model = (planner.plan_model if kind == "cost" else planner.even_split_model)(
-        devices, specs, shapes.dtype_bytes, ps_bandwidth
+        devices, specs, shapes.dtype_bytes, ps_bandwidth, shapes.memory_dtype_bytes
     )
     kinds = [([(a.row0, a.row1, a.col0, a.col1) for a in g.assignments], [a.device for a in g.assignments], g.k)
              for g in model.gemms]

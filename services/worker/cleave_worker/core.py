@@ -17,10 +17,9 @@ import torch
 
 from cleave import codec, tiles
 from cleave.costmodel import tile_memory_bytes
-from cleave.schemas import BlockRef, TileResult, TileTask
+from cleave.schemas import COMPUTE_DTYPE_BYTES, BlockRef, TileResult, TileTask
 
 HALF = (torch.float16, torch.bfloat16)
-FLOAT32_BYTES = 4  # tiles are computed and returned in float32; the PS plans with dtype_bytes=4
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # workers use CUDA when present
 FLOPS_N = {"cpu": 512, "cuda": 4096}  # side of the measured product: a GPU needs a large one to be busy
 FLOPS_RUN_S = 0.03  # on a CPU each timed product of the FLOPS probe lasts about this long: several periods of a
@@ -101,7 +100,7 @@ def tile_bytes(a: torch.Tensor, bt: torch.Tensor) -> int:
     """Memory a tile works in: both input blocks and the output block in float32 (half-precision inputs are
     computed as float32 copies; what arrived counts as cache). The planner's own measure at 4 bytes an
     element, the one every plan keeps within a device's memory: ((rows + cols) * k + rows * cols) * 4."""
-    return int(tile_memory_bytes(np.array(a.shape[0]), np.array(bt.shape[0]), a.shape[1], FLOAT32_BYTES))
+    return int(tile_memory_bytes(np.array(a.shape[0]), np.array(bt.shape[0]), a.shape[1], COMPUTE_DTYPE_BYTES))
 
 
 def check_inputs(a: torch.Tensor, bt: torch.Tensor, budget_bytes: int) -> str:
