@@ -31,18 +31,38 @@ wait_step() {  # until the PS has committed $1 steps
   while [ "$(steps_done)" -lt "$1" ]; do [ "$(date +%s)" -lt "$deadline" ] || fail "step $1 not reached"; sleep 1; done
 }
 
-check_run() {  # check_run METRICS REFERENCE STEPS: every step once, losses equal the reference
+reference() {  # reference JOB OUT: `cleave train --reference` of the job, and again on one thread (OUT.1t.jsonl)
+  for threads in "" 1; do
+    env ${threads:+OMP_NUM_THREADS=$threads} nice -n 5 "$REPO/.venv/bin/cleave" train --config "$1" \
+      --data "$RUN/data.txt" --reference --metrics-out "$2${threads:+.1t}.jsonl" --run-dir "$2${threads:+.1t}" \
+      >"$RUN/reference.log" 2>&1 || return 1
+  done
+}
+
+check_run() {  # check_run METRICS REFERENCE STEPS: every step once, losses equal the reference within the envelope
   python3 - "$@" <<'PY'
 import json, sys
+
+def losses(path):
+    return {m["step"]: m["loss"] for m in map(json.loads, open(path)) if m}
+
+def spread(a, b):
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
+
 got = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-ref = {m["step"]: m["loss"] for m in map(json.loads, open(sys.argv[2])) if m}
+ref = losses(sys.argv[2] + ".jsonl")
 steps = [m["step"] for m in got]
 if steps != list(range(int(sys.argv[3]))):
     sys.exit(f"steps are not 0..{int(sys.argv[3]) - 1} exactly once: {len(steps)} lines, {len(set(steps))} distinct")
-diff = max(abs(m["loss"] - ref[m["step"]]) / abs(ref[m["step"]]) for m in got)
-if diff > 1e-4:
-    sys.exit(f"losses differ from the reference by up to {diff:.2e} (relative)")
-print(f"{len(steps)} steps once, max loss diff {diff:.1e}")
+diff = spread({m["step"]: m["loss"] for m in got}, ref)
+# PyTorch's own run-to-run spread: the same reference on one thread instead of all (another summation order
+# in its kernels); over hundreds of steps it reaches 1e-4 on some data. The fleet must stay inside it.
+envelope = spread(losses(sys.argv[2] + ".1t.jsonl"), ref)
+limit = max(1e-4, 2 * envelope)
+if diff > limit:
+    sys.exit(f"losses differ from the reference by up to {diff:.2e} (relative), over {limit:.1e} "
+             f"(PyTorch's own thread-count spread {envelope:.1e}, x2, at least 1e-4)")
+print(f"{len(steps)} steps once, max loss diff {diff:.1e} (PyTorch's own spread {envelope:.1e})")
 PY
 }
 
@@ -58,8 +78,7 @@ job="e2e-$(date +%s)"
 # the same text on both sides ("builtin" is CPython's own docs, which differ between Debian's and the host's)
 cat "$REPO/README.md" "$REPO"/docs/*.md >"$RUN/data.txt"
 printf '{"job_id": "%s", "preset": "tiny", "steps": %d, "data": "/e2e/data.txt"}\n' "$job" "$STEPS" >"$RUN/job.json"
-nice -n 5 "$REPO/.venv/bin/cleave" train --config "$RUN/job.json" --data "$RUN/data.txt" --reference \
-  --metrics-out "$RUN/reference.jsonl" --run-dir "$RUN/reference" >"$RUN/reference.log" 2>&1 &
+reference "$RUN/job.json" "$RUN/reference" &
 ref_pid=$!
 dc up -d --no-build --scale worker=3 >/dev/null 2>&1 || fail "compose up"
 wait_step 20;  "$HERE/chaos/kill.sh" "${FILES[@]}" worker; kills=$((kills + 1))
@@ -69,16 +88,14 @@ wait_step 110; "$HERE/chaos/restart.sh" "${FILES[@]}" worker
 code=$(timeout 900 docker wait "$(dc ps -q -a ps)") || fail "the PS did not finish"
 [ "$code" = 0 ] || fail "the PS exited with $code"
 wait "$ref_pid" || fail "the reference run failed: $(tail -3 "$RUN/reference.log")"
-summary=$(check_run "$RUN/metrics.jsonl" "$RUN/reference.jsonl" "$STEPS") || fail "$summary"
+summary=$(check_run "$RUN/metrics.jsonl" "$RUN/reference" "$STEPS") || fail "$summary"
 replicas=""
 if [ "$REPLICA_STEPS" -gt 0 ]; then  # the replicas scenario, on a fresh stack (down -v: no JetStream left)
   t1=$(date +%s); dc down -v --timeout 20 >/dev/null 2>&1
   FILES+=(-f "$HERE/docker-compose.replicas.yml" -f "$HERE/e2e/replicas.yml")
   job="e2e-replicas-$(date +%s)"; rm -f "$RUN/metrics.jsonl"
   printf '{"job_id": "%s", "preset": "tiny", "steps": %d, "data": "/e2e/data.txt"}\n' "$job" "$REPLICA_STEPS" >"$RUN/job.json"
-  nice -n 5 "$REPO/.venv/bin/cleave" train --config "$RUN/job.json" --data "$RUN/data.txt" --reference \
-    --metrics-out "$RUN/reference-replicas.jsonl" --run-dir "$RUN/reference-replicas" >"$RUN/reference.log" 2>&1 \
-    || fail "the reference run failed: $(tail -3 "$RUN/reference.log")"
+  reference "$RUN/job.json" "$RUN/reference-replicas" || fail "the reference run failed: $(tail -3 "$RUN/reference.log")"
   dc up -d --no-build --scale worker=4 >/dev/null 2>&1 || fail "compose up (replicas)"
   wait_step $(( REPLICA_STEPS / 3 )); "$HERE/chaos/kill.sh" "${FILES[@]}" ps-1; kills=$((kills + 1))
   wait_step "$REPLICA_STEPS"  # replica 0 exits 5 and comes back once after the kill: wait for the job, not for it
@@ -86,7 +103,7 @@ if [ "$REPLICA_STEPS" -gt 0 ]; then  # the replicas scenario, on a fresh stack (
     code=$(timeout 900 docker wait "$(dc ps -q -a "$svc")") || fail "the PS replica $svc did not finish"
     [ "$code" = 0 ] || fail "the PS replica $svc exited with $code"
   done
-  r=$(check_run "$RUN/metrics.jsonl" "$RUN/reference-replicas.jsonl" "$REPLICA_STEPS") || fail "replicas: $r"
+  r=$(check_run "$RUN/metrics.jsonl" "$RUN/reference-replicas" "$REPLICA_STEPS") || fail "replicas: $r"
   again=$(docker inspect -f '{{.RestartCount}}' "$(dc ps -q -a ps)")  # replica 0's exits 5, restarted by compose
   replicas=", 2 PS replicas (replica 1 killed, replica 0 restarted by compose $again time(s)): $r in $(( $(date +%s) - t1 ))s"
 fi
