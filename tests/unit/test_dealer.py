@@ -20,6 +20,13 @@ def work(m=64, n=48, rows=8, cols=8, owners=None, seq=1, chunks=1):
     return Work(seq, m, n, 16, 4, grid, owners(grid) if owners else None, chunks)
 
 
+def left(dealer: Dealer, sends, at: float):
+    """The sends left the PS at `at` (as the PS tells its dealer once each is published): copies may follow."""
+    for s in sends:
+        dealer.departed(s.tile.index, s.attempt, at, s.seq)
+    return sends
+
+
 def drive(dealer: Dealer, w: Work, rng: random.Random, workers: list[str], *, joins=(), vanish=0.2,
           freeze=0.1, late=0.3, max_events=200_000):
     """Play a fleet against the dealer until the GEMM is complete: each send is answered after a random
@@ -31,7 +38,7 @@ def drive(dealer: Dealer, w: Work, rng: random.Random, workers: list[str], *, jo
     accepted: dict[int, int] = {}
 
     def post(sends):
-        for s in sends:
+        for s in left(dealer, sends, now):
             if s.worker in gone:
                 continue
             delay = rng.uniform(0.01, 0.2) * (50 if s.worker in frozen else 1)
@@ -179,7 +186,7 @@ def test_stealing_takes_from_the_device_with_the_most_left():
 def test_an_idle_worker_copies_a_straggling_tile():
     dealer = Dealer(Policy(window=1, speculate_factor=3.0, speculate_min_s=0.2, tick_s=0.05))
     dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
-    sends = dealer.begin(work(m=4, n=8, rows=4, cols=4), 0.0)
+    sends = left(dealer, dealer.begin(work(m=4, n=8, rows=4, cols=4), 0.0), 0.0)
     a = next(s for s in sends if s.worker == "a")
     b = next(s for s in sends if s.worker == "b")
     _, more = dealer.done("a", a.tile.index, a.attempt, 0.1)  # a is now idle; its round trip is 0.1 s
@@ -236,13 +243,56 @@ def test_a_worker_whose_tiles_copies_keep_finishing_first_is_suspect():
     dealer.set_fleet([("slow", 1 << 20, None), ("fast", 1 << 20, None)], 0.0)
     now, beaten = 0.0, []
     for seq in range(1, 5):  # GEMM after GEMM, fast finishes and then copies slow's last tile, which wins
-        inbox = {s.worker: s for s in dealer.begin(work(m=4, n=64, rows=4, cols=4, seq=seq), now)}
+        inbox = {s.worker: s for s in left(dealer, dealer.begin(work(m=4, n=64, rows=4, cols=4, seq=seq), now), now)}
         assert ("slow" in inbox) == (seq <= 3)  # suspect after the third: dealt nothing in the fourth
         while not dealer.complete:
             now += 0.05
             s = inbox.pop("fast", None)  # slow never answers in time (its deadline is 100 s away)
             more = dealer.done("fast", s.tile.index, s.attempt, now)[1] if s is not None else dealer.tick(now)
-            inbox.update({x.worker: x for x in more})
+            inbox.update({x.worker: x for x in left(dealer, more, now)})
         dealer.end()
         beaten.append(dealer.members["slow"].beaten)
     assert beaten == [1, 2, 0, 0] and dealer.suspected == ["slow"] and dealer.members["slow"].suspect
+
+
+@pytest.mark.parametrize("share, copies", [(0.1, 2), (10.0, 5)])
+def test_copies_of_late_tiles_stop_at_their_share_of_the_gemms_bytes(share, copies):
+    """Copies must not load the PS link without bound: a GEMM's copies may carry at most `copy_share` of the bytes its other tiles did (here each copy sends one
+    B block of 256 bytes, the GEMM sent 3,072), and then the dealer stops asking to be called for copies."""
+    dealer = Dealer(Policy(window=1, tile_timeout_s=100.0, speculate_factor=1.0, speculate_min_s=0.01, tick_s=0.01,
+                           copy_share=share))
+    dealer.set_fleet([(w, 1 << 20, None) for w in ("f", "s1", "s2", "s3", "s4", "s5")], 0.0)
+    sends = left(dealer, dealer.begin(work(m=4, n=24, rows=4, cols=4), 0.0), 0.0)  # one each; only f answers
+    f = next(s for s in sends if s.worker == "f")
+    now, inbox = 0.1, left(dealer, dealer.done("f", f.tile.index, f.attempt, 0.1)[1], 0.1)
+    made = []
+    while inbox or (at := dealer.next_check_at(now)) < 50.0:
+        if not inbox:
+            now = at + 1e-6
+            inbox = left(dealer, dealer.tick(now), now)
+            continue
+        s = inbox.pop()
+        assert s.nbytes == 256  # every worker caches the A block all six tiles share
+        made.append(s.tile.index)
+        if s.worker == "f":  # (a worker whose tile a copy finished is free for copies too, and never answers)
+            now += 0.01
+            inbox += left(dealer, dealer.done("f", s.tile.index, s.attempt, now)[1], now)
+    assert len(made) == dealer.deal().ledger.speculated == copies
+    assert dealer.deal().copy_bytes == 256 * copies and dealer.deal().sent_bytes == 6 * 512
+
+
+def test_no_copy_is_dealt_while_sends_are_still_to_leave_the_ps():
+    """A tile waiting behind the PS's own link looks late to an idle worker; a copy would queue behind the
+    same sends and slow them: copies wait until what was dealt has left (the PS says so as it publishes each,
+    the simulator says when each will)."""
+    dealer = Dealer(Policy(window=1, tile_timeout_s=100.0, speculate_factor=3.0, speculate_min_s=0.2, tick_s=0.05))
+    dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None), ("c", 1 << 20, None)], 0.0)
+    sends = dealer.begin(work(m=4, n=12, rows=4, cols=4), 0.0)
+    a, b, c = (next(s for s in sends if s.worker == w) for w in "abc")
+    left(dealer, [a, b], 0.0)  # c's tile is still being published
+    assert dealer.done("a", a.tile.index, a.attempt, 0.1)[1] == []  # a is idle; its round trip is 0.1 s
+    assert dealer.next_check_at(0.1) >= 100.0 and dealer.tick(1.0) == []  # b's tile is late, c's not out
+    dealer.departed(c.tile.index, c.attempt, 2.0)  # c's leaves at 2.0 (the simulator's PS link says so)
+    assert dealer.next_check_at(1.0) == pytest.approx(2.0) and dealer.tick(1.5) == []
+    copy = dealer.tick(2.0)
+    assert [(s.worker, s.tile.index) for s in copy] == [("a", b.tile.index)]  # the oldest lone tile: b's

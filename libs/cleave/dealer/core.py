@@ -8,7 +8,7 @@ first, then shared tiles with cached inputs first, then, once idle, a tile stole
 most left), which input blocks travel with a tile and which the worker already caches (a mirror of its
 LRU), how much a worker may have in flight (tiles and bytes), when a worker that makes no progress is
 presumed lost and its tiles given back (cut for several devices), when a straggling tile is copied to an
-idle worker, and when a suspect worker is tried again. It does no I/O and keeps no clock: every call
+idle worker (within a share of the GEMM's bytes), and when a suspect worker is tried again. It does no I/O and keeps no clock: every call
 takes `now`, and returns the tiles to send (`Send`) for the caller to put on its wire or its simulated
 links. Every event costs O(log n) in the number of workers and tiles: deadlines, suspicions and lone
 attempts are kept in heaps, the round trips of a GEMM shape in a sorted list (their median), and only
@@ -65,6 +65,7 @@ class Dealer:
         self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
         self._left: OrderedDict[str, None] = OrderedDict()  # workers that left (the latest LEFT_KEPT)
         self.checks: list[str] = []  # returning members whose link must be proven (`take_checks`, `proved`)
+        self.backlog_until = 0.0  # the latest time a send left (or will leave) the PS (`departed`)
 
     # ---- the GEMMs in flight -----------------------------------------------------------------------
     def deal(self, seq: int | None = None) -> Deal:
@@ -270,10 +271,13 @@ class Dealer:
         return self._fill(m, now) if m is not None else []
 
     def departed(self, tile: int, attempt: int, at: float, seq: int | None = None) -> None:
-        """A send left the PS only at `at` (behind others on the PS's link): the worker owes its result, and
-        the tile's age for a copy counts, from then."""
+        """A send left the PS at `at` (later than dealt: behind others on the PS's link; the simulator says
+        when it will): the worker owes its result, and the tile's age for a copy counts, from then. No copy
+        is dealt while a send is still to leave: it would queue behind them on the link it slows."""
         deal = self.deals.get(seq) if seq is not None else self._only()
+        self.backlog_until = max(self.backlog_until, at)
         if deal is not None:
+            deal.leaving.discard((tile, attempt))
             deal.ledger.departed(tile, attempt, at)
 
     def redo(self, worker: str, now: float) -> list[Send]:
@@ -338,11 +342,11 @@ class Dealer:
         for heap in (self._deadlines, self._suspects):
             if heap:
                 at = min(at, heap[0][0])
-        if self.p.speculate_factor > 0 and self._idle:
+        if self.p.speculate_factor > 0 and self._idle and not self._unsent():
             for deal in self._ranked:
                 oldest = deal.ledger.oldest_lone()
-                if oldest is not None:
-                    at = min(at, max(oldest.sent_at + self._threshold(deal), now + self.p.tick_s))
+                if oldest is not None and deal.may_copy(self.p.copy_share):  # (else: not before its next send)
+                    at = min(at, max(oldest.sent_at + self._threshold(deal), now + self.p.tick_s, self.backlog_until))
         return at
 
     # ---- dealing -----------------------------------------------------------------------------------
@@ -357,7 +361,8 @@ class Dealer:
             if count and self._over_budget(m):
                 break
             deal, att = self._take(m, now, count, depth)
-            if att is None and not count:
+            copy = att is None and not count
+            if copy:
                 deal, att = self._speculate(m, now)
             if att is None:
                 hungry = self._room(m, count, depth)
@@ -365,7 +370,7 @@ class Dealer:
             count += 1
             if count == 1:
                 m.last_progress = now  # the clock of an idle worker starts now
-            out.append(self._send(deal, m, att, now))
+            out.append(self._send(deal, m, att, now, copy))
         self._mark(m, hungry, count)
         if out or count:
             self._arm(m)
@@ -419,7 +424,7 @@ class Dealer:
 
     def _speculate_idle(self, now: float) -> list[Send]:
         out: list[Send] = []
-        if self.p.speculate_factor <= 0 or not self._idle:
+        if self.p.speculate_factor <= 0 or not self._idle or self._backlog(now):
             return out
         if not any(self._stale(d, now) for d in self._ranked):
             return out
@@ -431,16 +436,25 @@ class Dealer:
         return out
 
     def _stale(self, deal: Deal, now: float) -> bool:
+        """Whether `deal` has a tile late enough to copy, and room for a copy."""
         oldest = deal.ledger.oldest_lone()
-        return oldest is not None and now - oldest.sent_at > self._threshold(deal)
+        return (oldest is not None and now - oldest.sent_at > self._threshold(deal)
+                and deal.may_copy(self.p.copy_share))
+
+    def _backlog(self, now: float) -> bool:
+        """Whether sends dealt are still to leave the PS at `now` (not reported yet, or reported to leave later)."""
+        return now < self.backlog_until or self._unsent()
+
+    def _unsent(self) -> bool:
+        return any(d.leaving for d in self._ranked)
 
     def _speculated(self) -> int:
         return sum(d.ledger.speculated for d in self._ranked)
 
     def _speculate(self, m: Member, now: float) -> tuple[Deal | None, Attempt | None]:
-        if self.p.speculate_factor > 0:
+        if self.p.speculate_factor > 0 and not self._backlog(now):
             for deal in self._ranked:
-                if not deal.ledger.complete:
+                if not deal.ledger.complete and deal.may_copy(self.p.copy_share):
                     att = deal.ledger.speculate(m.id, now, self._threshold(deal))
                     if att is not None:
                         return deal, att
@@ -467,7 +481,7 @@ class Dealer:
             cap = min(cap, int(DEFAULT_INFLIGHT_S * m.profile.downlink_bytes_per_s))
         return m.inflight_bytes >= cap
 
-    def _send(self, deal: Deal, m: Member, att: Attempt, now: float) -> Send:
+    def _send(self, deal: Deal, m: Member, att: Attempt, now: float, copy: bool = False) -> Send:
         work, t = deal.work, deal.ledger.tiles[att.tile]
         a = inputs.block_input(deal, m, a_id(work.a_key, t), t.r0, t.r1, self.joined, self.members)
         b = inputs.block_input(deal, m, b_id(work.b_key, t), t.c0, t.c1, self.joined, self.members)
@@ -475,6 +489,11 @@ class Dealer:
         pushed = (a.rows("publish") + b.rows("publish")) * work.k * work.b
         m.inflight_bytes += nbytes + pushed
         deal.bytes[(att.tile, att.attempt)] = nbytes + pushed
+        deal.leaving.add((att.tile, att.attempt))
+        if copy:
+            deal.copy_bytes += nbytes + pushed
+        else:
+            deal.sent_bytes += nbytes + pushed
         for rec in deal.recoveries:
             if att.tile in rec.tiles:
                 rec.redispatched_at = now
@@ -495,6 +514,7 @@ class Dealer:
     def _release(self, deal: Deal, tile: int, attempt: int) -> None:
         att = deal.ledger.running.get((tile, attempt))
         nbytes = deal.bytes.pop((tile, attempt), 0)
+        deal.leaving.discard((tile, attempt))
         if att is not None and att.worker in self.members:
             self.members[att.worker].inflight_bytes -= nbytes
 

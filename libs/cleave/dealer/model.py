@@ -20,6 +20,7 @@ JOINS_KEPT = 2  # a worker stays in the fan-out groups of its latest two joins (
 TYPICAL_SAMPLE = 256  # tiles sampled for the median predicted tile time
 DEFAULT_INFLIGHT_S = 2.0  # with a byte limit: no more in flight to a worker than 2 s of its downlink
 DEFAULT_BEATEN = 3  # a worker whose tiles copies finish first this many times in a row is suspect
+DEFAULT_COPY_SHARE = 0.25  # copies of a GEMM's late tiles add at most about a quarter to the bytes it sends
 CHECK_BYTES = 64 * 1024  # a link check's request: dozens of TCP segments, so a connection backing off does not pass
 LEFT_KEPT = 100_000  # ids of workers that left, remembered so that a returning one proves its link first
 
@@ -33,6 +34,7 @@ class Policy:
     timeout_factor: float = 4.0  # ... or this many times its usual tile time, if longer
     speculate_factor: float = 3.0  # copy a tile running this many usual round trips; 0 = never
     speculate_min_s: float = 0.2  # ... and at least this long
+    copy_share: float = DEFAULT_COPY_SHARE  # ... while a GEMM's copies sent under this share of its other bytes
     tick_s: float = 0.05  # how often the PS checks: the smallest gap between two speculation checks
     suspect_retry: float = DEFAULT_SUSPECT_RETRY  # x tile_timeout_s until a suspect is tried again
     max_inflight_bytes: int | None = None  # bytes sent to a worker and not yet answered, past its first
@@ -164,6 +166,9 @@ class Deal:
     typical: float = 0.0  # its median predicted tile time
     recoveries: list[Recovery] = field(default_factory=list)  # its losses, open and closed
     bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (tile, attempt) -> input bytes it carried
+    sent_bytes: int = 0  # input bytes its tiles carried or published, copies aside ...
+    copy_bytes: int = 0  # ... and those its speculative copies did (`Policy.copy_share` bounds them)
+    leaving: set[tuple[int, int]] = field(default_factory=set)  # (tile, attempt) dealt, not yet left the PS
     published: dict[str, str] = field(default_factory=dict)  # its blocks published so far -> their group
     refused: dict[int, set[str]] = field(default_factory=dict)  # tile -> workers that refused it
     inline: set[tuple[str, str]] = field(default_factory=set)  # (worker, block) it said it lacked: sent with its tiles
@@ -175,3 +180,8 @@ class Deal:
     @property
     def rank(self) -> tuple[int, int]:
         return (self.priority, self.work.seq)
+
+    def may_copy(self, share: float) -> bool:
+        """Whether its copies so far leave room for another: tiles that look late because they wait behind a
+        saturated PS link must not be copied over that link again and again (a copy of cached inputs adds nothing)."""
+        return self.copy_bytes <= share * self.sent_bytes

@@ -229,8 +229,7 @@ class Engine:
         d, t, ts, a, out = self.index[s.worker], s.tile, self.sets[s.seq], self.act, self.outcomes[s.seq]
         sent = self.link.sent
         at = self.link.depart(self.now, s.nbytes + s.pushed)
-        if at > self.now:
-            self.dealer.departed(t.index, s.attempt, at, s.seq)
+        self.dealer.departed(t.index, s.attempt, at, s.seq)
         for leaf in (*s.a.leaves(), *s.b.leaves()):
             if leaf.publish:
                 self._publish(leaf, (leaf.hi - leaf.lo) * ts.k * ts.b, at, out)

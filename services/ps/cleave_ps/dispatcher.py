@@ -91,7 +91,7 @@ def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, i
 
 def policy_of(s: PsSettings) -> Policy:
     return Policy(window=s.window, tile_timeout_s=s.tile_timeout_s, timeout_factor=s.timeout_factor,
-                  speculate_factor=s.speculate_factor, speculate_min_s=s.speculate_min_s, tick_s=s.tick_s,
+                  speculate_factor=s.speculate_factor, speculate_min_s=s.speculate_min_s, copy_share=s.copy_share, tick_s=s.tick_s,
                   max_inflight_bytes=s.max_inflight_bytes or None)
 
 

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cleave.dealer.model import DEFAULT_COPY_SHARE
 from cleave.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
 
 
@@ -22,6 +23,7 @@ class PsSettings(BaseSettings):
     timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
     speculate_factor: float = Field(3.0, ge=0)  # copy a tile running this many usual round trips; 0 = never
     speculate_min_s: float = Field(0.2, ge=0)  # ... and at least this long
+    copy_share: float = Field(DEFAULT_COPY_SHARE, ge=0)  # ... while a GEMM's copies sent at most this share of its other bytes
     tile_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: an approximate mode, half the downlink
     verify_fraction: float = Field(0.0, ge=0, le=1)  # tiles also computed by a second worker, to catch liars
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
