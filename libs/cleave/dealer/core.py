@@ -8,9 +8,9 @@ first, then shared tiles with cached inputs first, then, once idle, a tile stole
 most left), which input blocks travel with a tile and which the worker already caches (a mirror of its
 LRU), how much a worker may have in flight (tiles and bytes), when a worker that makes no progress is
 presumed lost and its tiles given back (cut for several devices), when a straggling tile is copied to an
-idle worker (within a share of the GEMM's bytes), and when a suspect worker is tried again. It does no I/O and keeps no clock: every call
-takes `now`, and returns the tiles to send (`Send`) for the caller to put on its wire or its simulated
-links. Every event costs O(log n) in the number of workers and tiles: deadlines, suspicions and lone
+idle worker (`cleave.dealer.copies`), and when a suspect worker is tried again. It does no I/O and keeps no
+clock: every call takes `now`, and returns the tiles to send (`Send`) for the caller to put on its wire or
+its simulated links. Every event costs O(log n) in the number of workers and tiles: deadlines, suspicions and lone
 attempts are kept in heaps, the round trips of a GEMM shape in a sorted list (their median), and only
 workers that asked for work and found none are offered new work when some appears.
 """
@@ -23,7 +23,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from cleave.dealer import inputs, trips
+from cleave.dealer import copies, inputs, trips
 from cleave.dealer.model import (
     DEFAULT_INFLIGHT_S,
     JOINS_KEPT,
@@ -65,7 +65,7 @@ class Dealer:
         self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
         self._left: OrderedDict[str, None] = OrderedDict()  # workers that left (the latest LEFT_KEPT)
         self.checks: list[str] = []  # returning members whose link must be proven (`take_checks`, `proved`)
-        self.backlog_until = 0.0  # the latest time a send left (or will leave) the PS (`departed`)
+        self.copies = copies.Copies(self.p, self._rts)  # when a late tile is copied to an idle worker
 
     # ---- the GEMMs in flight -----------------------------------------------------------------------
     def deal(self, seq: int | None = None) -> Deal:
@@ -275,9 +275,8 @@ class Dealer:
         when it will): the worker owes its result, and the tile's age for a copy counts, from then. No copy
         is dealt while a send is still to leave: it would queue behind them on the link it slows."""
         deal = self.deals.get(seq) if seq is not None else self._only()
-        self.backlog_until = max(self.backlog_until, at)
+        self.copies.departed(deal, tile, attempt, at)
         if deal is not None:
-            deal.leaving.discard((tile, attempt))
             deal.ledger.departed(tile, attempt, at)
 
     def redo(self, worker: str, now: float) -> list[Send]:
@@ -342,12 +341,7 @@ class Dealer:
         for heap in (self._deadlines, self._suspects):
             if heap:
                 at = min(at, heap[0][0])
-        if self.p.speculate_factor > 0 and self._idle and not self._unsent():
-            for deal in self._ranked:
-                oldest = deal.ledger.oldest_lone()
-                if oldest is not None and deal.may_copy(self.p.copy_share):  # (else: not before its next send)
-                    at = min(at, max(oldest.sent_at + self._threshold(deal), now + self.p.tick_s, self.backlog_until))
-        return at
+        return min(at, self.copies.due(self._ranked, now)) if self._idle else at
 
     # ---- dealing -----------------------------------------------------------------------------------
     def _fill(self, m: Member, now: float, depth: int | None = None) -> list[Send]:
@@ -363,7 +357,7 @@ class Dealer:
             deal, att = self._take(m, now, count, depth)
             copy = att is None and not count
             if copy:
-                deal, att = self._speculate(m, now)
+                deal, att = self.copies.take(self._ranked, m.id, now)
             if att is None:
                 hungry = self._room(m, count, depth)
                 break
@@ -423,10 +417,10 @@ class Dealer:
         return out
 
     def _speculate_idle(self, now: float) -> list[Send]:
+        """Idle workers copy late tiles, while some are late enough and the PS's link allows copies."""
         out: list[Send] = []
-        if self.p.speculate_factor <= 0 or not self._idle or self._backlog(now):
-            return out
-        if not any(self._stale(d, now) for d in self._ranked):
+        c = self.copies
+        if not c.on or not self._idle or c.blocked(self._ranked, now) or not c.stale(self._ranked, now):
             return out
         for wid in list(self._idle):
             before = self._speculated()
@@ -435,41 +429,8 @@ class Dealer:
                 break  # nothing is old enough for anyone
         return out
 
-    def _stale(self, deal: Deal, now: float) -> bool:
-        """Whether `deal` has a tile late enough to copy, and room for a copy."""
-        oldest = deal.ledger.oldest_lone()
-        return (oldest is not None and now - oldest.sent_at > self._threshold(deal)
-                and deal.may_copy(self.p.copy_share))
-
-    def _backlog(self, now: float) -> bool:
-        """Whether sends dealt are still to leave the PS at `now` (not reported yet, or reported to leave later)."""
-        return now < self.backlog_until or self._unsent()
-
-    def _unsent(self) -> bool:
-        return any(d.leaving for d in self._ranked)
-
     def _speculated(self) -> int:
         return sum(d.ledger.speculated for d in self._ranked)
-
-    def _speculate(self, m: Member, now: float) -> tuple[Deal | None, Attempt | None]:
-        if self.p.speculate_factor > 0 and not self._backlog(now):
-            for deal in self._ranked:
-                if not deal.ledger.complete and deal.may_copy(self.p.copy_share):
-                    att = deal.ledger.speculate(m.id, now, self._threshold(deal))
-                    if att is not None:
-                        return deal, att
-        return None, None
-
-    def _threshold(self, deal: Deal) -> float:
-        return max(self.p.speculate_min_s, self.p.speculate_factor * self._usual(deal))
-
-    def _usual(self, deal: Deal) -> float:
-        """The median round trip of this GEMM's shape over the members, or the median predicted tile time
-        before any (or `tile_timeout_s` when no profile predicts one)."""
-        median = self._rts.median(deal.work.shape)
-        if median is not None:
-            return median
-        return deal.typical or self.p.tile_timeout_s
 
     def _over_budget(self, m: Member) -> bool:
         """Whether one more tile would put more bytes in flight to `m` than it may hold: the policy's limit,
