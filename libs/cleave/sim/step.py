@@ -32,10 +32,15 @@ HORIZON_FACTOR = 10.0  # churn is drawn this many predicted GEMM spans ahead ...
 HORIZON_MIN_S = 60.0  # ... and at least this far
 
 
+def is_backward(shape: GemmShape) -> bool:
+    """Whether a GEMM kind is a backward one (an input or weight gradient)."""
+    return shape.name.endswith((".dx", ".dw"))
+
+
 def step_order(shapes: Sequence[GemmShape]) -> list[int]:
     """Indices into `shapes`, one per GEMM a step runs: forwards layer by layer, then backwards in reverse."""
-    fwd = [i for i, s in enumerate(shapes) if not s.name.endswith((".dx", ".dw"))]
-    bwd = [i for i, s in enumerate(shapes) if s.name.endswith((".dx", ".dw"))]
+    fwd = [i for i, s in enumerate(shapes) if not is_backward(s)]
+    bwd = [i for i, s in enumerate(shapes) if is_backward(s)]
     order: list[int] = []
     for group, rev in ((fwd, False), (bwd, True)):
         depth = max((shapes[i].count_per_step for i in group), default=0)
@@ -125,7 +130,7 @@ class Simulation:
         self.busy = np.zeros((len(self.world), 3))  # per device: downlink, compute, uplink next free
         self.clean: dict[tuple, Outcome] = {}
         self.order = step_order(self.shapes)
-        self.forward = [i for i in self.order if not self.shapes[i].name.endswith((".dx", ".dw"))]
+        self.forward = [i for i in self.order if not is_backward(self.shapes[i])]
         self.pairs = backward_pairs(self.shapes, self.order)
 
     def fleet(self, ids: Sequence[str]) -> list[tuple[str, int, DeviceProfile]]:
