@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from cleave_cli.progress import Progress
 from cleave_cli.stack import Stack, free_port
 
 JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join before it starts
+JOINED = re.compile(r"worker_joined .*?worker_id=(\S+)")  # the scheduler's log line for a join
 
 DEFAULT_POLL_S = 0.2
 
@@ -135,8 +137,8 @@ class LocalFleet:
         if not want or "scheduler" not in self.stack.procs:
             return
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if log.exists() and log.read_text(errors="replace").count("worker_joined") >= want:
+        while time.monotonic() < deadline:  # (distinct ids: a worker that joins again counts once)
+            if log.exists() and len(set(JOINED.findall(log.read_text(errors="replace")))) >= want:
                 return
             time.sleep(0.1)
 
