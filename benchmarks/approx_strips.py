@@ -6,7 +6,7 @@ in one run (docs/evaluation.md, "What closes the gap to the pipeline").
   blocks rounded to 2 bytes, products in fp32), and the same job `--reference` (one process): per-step
   losses and the bytes the PS sent.
 - **Offline**, one process, real torch math: the same job (same seed, batches, optimizer) with every linear
-  layer's three GEMMs (`cleave.tiled`) taking their inputs rounded as the strips would travel: fp32 (no
+  layer's three GEMMs (`cleave.gemm.tiled`) taking their inputs rounded as the strips would travel: fp32 (no
   rounding: the offline baseline), bf16, fp16, and 8-bit strips (`cleave.compression.Int8Blockwise`: int8
   codes, one fp32 scale per block of B values, 1 + 4/B bytes an element), computed in fp32; products in
   fp32 as the runtime returns them, or (`+out`) rounded to 8-bit too, as the simulator's 8-bit lever
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from cleave.compression import Int8Blockwise
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 
 OUT = Path(__file__).parent / "results" / "approx_strips.json"
 CLEAVE = Path(sys.executable).with_name("cleave")

@@ -10,7 +10,7 @@ Writes benchmarks/results/compression.json.
     nice -n 10 .venv/bin/python benchmarks/compression.py [--preset small] [--rounds 100] [--workers 2]
         [--inner-steps 2] [--numel 4194304] [--specs none int8 topkq:0.01 ...]
 
-The outer optimizer is the job's default (cleave.job.DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM).
+The outer optimizer is the job's default (cleave.train.job.DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from cleave.compression import ErrorFeedback, get_compressor, raw_bytes, unpack, wire_bytes
-from cleave.data import Corpus
-from cleave.job import JobConfig
 from cleave.methods import common, diloco
 from cleave.models import build_model, get_preset
+from cleave.train.data import Corpus
+from cleave.train.job import JobConfig
 
 RESULTS = Path(__file__).parent / "results" / "compression.json"
 DEFAULT_SPECS = ("none", "fp16", "bf16", "int8", "topk:0.1", "topk:0.01", "topkq:0.01", "topkq:0.02")

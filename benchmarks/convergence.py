@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from cleave.datasources import prepare_data
-from cleave.job import JobConfig
-from cleave.tokenizer import ByteTokenizer
+from cleave.models.tokenizer import ByteTokenizer
+from cleave.train.job import JobConfig
+from cleave.train.sources import prepare_data
 from cleave_cli.jobrun import LocalFleet, run_reference
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""The dealing core's cost per event as the fleet grows, side by side in one run (no bus: `cleave.dealer` alone).
+"""The dealing core's cost per event as the fleet grows, side by side in one run (no bus: `cleave.gemm.dealer` alone).
 
 For 10 to 10,000 workers: one GEMM with 16 tiles a worker dealt to the end, every result followed by a PS
 tick (deadlines, offers, speculation), as at a GEMM's tail when most workers wait idle; then 10% of the
@@ -16,8 +16,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from cleave import tiles
-from cleave.dealer import Dealer, Policy, Work
+from cleave.gemm import tiles
+from cleave.gemm.dealer import Dealer, Policy, Work
 from cleave.schemas import DeviceProfile
 
 RESULTS = Path(__file__).parent / "results" / "dealing.json"

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from compression import run_diloco
 
-from cleave.data import Corpus
-from cleave.job import JobConfig
 from cleave.methods import diloco
+from cleave.train.data import Corpus
+from cleave.train.job import JobConfig
 
 RESULTS = Path(__file__).parent / "results" / "diloco_grid.json"
 DEFAULT_H = (5, 10, 20)

@@ -22,9 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cleave.job import JobConfig
 from cleave.models import gemm_shapes, get_preset
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet
 from cleave_cli.stack import free_port, nats_server_binary
 

@@ -142,9 +142,9 @@ def gemm_seconds(preset_cfg, batch: int, seq: int, dtype: torch.dtype = torch.fl
 # ---- where the CPU goes -----------------------------------------------------------------------------
 IDLE = {("selectors.py", "select"), ("threading.py", "wait"), ("threading.py", "_wait_for_tstate_lock"),
         ("thread.py", "_worker"), ("queue.py", "get")}
-SERIAL = ("/msgpack/", "/pydantic", "/zstandard", "cleave/schemas.py")
-COMPUTE = ("/torch/", "cleave/models/", "cleave/training.py", "cleave/tiled.py", "cleave/schedule.py",
-           "cleave/precision.py")
+SERIAL = ("/msgpack/", "/pydantic", "/zstandard", "cleave/schemas/")
+COMPUTE = ("/torch/", "cleave/models/", "cleave/train/trainer.py", "cleave/gemm/tiled.py", "cleave/train/schedule.py",
+           "cleave/train/precision.py")
 
 
 def classify(frame) -> str | None:  # noqa: ANN001

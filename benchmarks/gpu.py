@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave.job import JobConfig
+from cleave.train.job import JobConfig
 from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "gpu.json"

@@ -1,7 +1,7 @@
 """The data-parallel methods side by side on a real local stack: round time, bytes and loss, calm and churned.
 
 For each worker count, in one run, on the same preset, data and AdamW settings:
-- `diloco` with the defaults (cleave.job: H, outer lr, momentum), `diloco` with the DiLoCo paper's outer
+- `diloco` with the defaults (cleave.train.job: H, outer lr, momentum), `diloco` with the DiLoCo paper's outer
   step (lr 0.7, Nesterov 0.9) at the same H, and `fedavg` (E = H, server lr 1: plain averaging);
 - each calm, and again with one worker SIGKILLed as the middle round reaches it (a fault point in the worker,
   so the kill lands at the same place every run): the seconds that round took, and its recovery event.
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cleave.job import DEFAULT_LOCAL_STEPS, JobConfig
+from cleave.train.job import DEFAULT_LOCAL_STEPS, JobConfig
 from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "methods.json"

@@ -26,9 +26,9 @@ import threading
 import time
 from pathlib import Path
 
-from cleave import preflight
 from cleave.errors import CleaveError
-from cleave.job import JobConfig
+from cleave.train import preflight
+from cleave.train.job import JobConfig
 from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "models.json"

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet
 
 WARMUP_STEPS = 2

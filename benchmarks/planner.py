@@ -1,7 +1,7 @@
 """Planner benchmark: plan time and gap to the lower bound at 100, 1,000 and 10,000 devices, and the
 predicted step time of the plan against the naive even split over every device, side by side.
 
-Fleets are drawn from the literature's edge profile (`cleave.fleet.synthetic_fleet`, seed 0). Every GEMM
+Fleets are drawn from the literature's edge profile (`cleave.plan.fleet.synthetic_fleet`, seed 0). Every GEMM
 kind of each model's training step is planned (`plan_model`); the GEMM shapes come from the model zoo and
 are built before the clock starts. Times are wall-clock and CPU seconds of this process; on a shared
 machine the CPU figure is the one other processes do not inflate. Writes benchmarks/results/planner.json.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cleave.fleet import synthetic_fleet
 from cleave.models import gemm_shapes, get_preset
-from cleave.planner import ModelPlan, even_split_model, plan_model
+from cleave.plan.fleet import synthetic_fleet
+from cleave.plan.planner import ModelPlan, even_split_model, plan_model
 
 JOBS = [("gpt2-medium", 8), ("gpt2-medium", 128), ("llama3-1b", 8), ("llama3-1b", 128), ("opt-1.3b", 32)]
 SEQ = 1024

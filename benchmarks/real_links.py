@@ -1,7 +1,7 @@
 """Kernel-shaped links: the scheduler's predicted GEMM times against the measured ones, and the cost-aware
 plan against the even split, side by side in one run.
 
-Six workers, each in its own network namespace behind a veth pair shaped by tbf (`cleave.netlab`) to a
+Six workers, each in its own network namespace behind a veth pair shaped by tbf (`cleave.runtime.netlab`) to a
 different downlink/uplink, measure their own profiles (probes, FLOPS) as real devices do, and the
 scheduler plans the `small` preset's GEMMs for them (planner `cost`, then `even`). Nothing paces itself
 to the cost model: the links are the kernel's. For each plan it reports, after the warm-up steps, the
@@ -29,13 +29,13 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from cleave import netlab
-from cleave.job import JobConfig
-from cleave.ledger import DEFAULT_DEFERRED
+from cleave.gemm.ledger import DEFAULT_DEFERRED
 from cleave.models import gemm_shapes, get_preset
-from cleave.netlab import Link
+from cleave.runtime import netlab
+from cleave.runtime.netlab import Link
 from cleave.schemas import DeviceProfile
 from cleave.sim import simulate_step
+from cleave.train.job import JobConfig
 from cleave_cli.netstack import ShapedFleet
 
 RESULTS = Path(__file__).parent / "results" / "real_links.json"

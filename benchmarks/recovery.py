@@ -36,9 +36,9 @@ from pathlib import Path
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.job import JobConfig
 from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet
 from cleave_ps.persist import Persister
 

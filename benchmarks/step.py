@@ -34,10 +34,10 @@ from pathlib import Path
 import floors
 
 from cleave import bus as busmod
-from cleave.job import JobConfig
-from cleave.logs import configure
+from cleave.runtime.logs import configure
 from cleave.schemas import SUBJECT_HEARTBEAT_ALL, SUBJECT_RESULTS, Heartbeat
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet, MetricsTail
 from cleave_ps.dispatcher import DEFAULT_BLOCK
 from cleave_ps.main import train

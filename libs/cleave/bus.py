@@ -63,7 +63,7 @@ HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
 # Slow consumers, in every nats-server config we ship (docs/operations.md): the server cuts off a client with
 # more than max_pending bytes waiting for it, or whose socket takes longer than write_deadline for one write.
 # The PS keeps at most 48 MiB and 2 s of a worker's measured downlink in flight to it (PsSettings
-# max_inflight_bytes, cleave.dealer DEFAULT_INFLIGHT_S): below both, with a 10x margin on the deadline.
+# max_inflight_bytes, cleave.gemm.dealer DEFAULT_INFLIGHT_S): below both, with a 10x margin on the deadline.
 SERVER_MAX_PENDING = 64 * 1024 * 1024
 SERVER_WRITE_DEADLINE_S = 20
 SERVER_LIMITS = f'max_pending: {SERVER_MAX_PENDING}\nwrite_deadline: "{SERVER_WRITE_DEADLINE_S}s"'

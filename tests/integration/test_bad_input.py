@@ -8,9 +8,9 @@ import torch
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.job import JobConfig
 from cleave.schemas import TileResult, TileTask
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 
 

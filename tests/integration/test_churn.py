@@ -13,8 +13,8 @@ import nats
 import pytest
 
 from cleave import bus as busmod
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_ps.persist import Fenced, Persister, snapshot
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from cleave import bus as busmod
-from cleave.faults import Faults
-from cleave.job import JobConfig
+from cleave.runtime.faults import Faults
 from cleave.schemas import STATE_OBJECTS, StepMetrics
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_ps.persist import Persister, Progress, read_checkpoint, snapshot
 from cleave_ps.settings import PsSettings
 from tests.integration.test_persist_stream import persister

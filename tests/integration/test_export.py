@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli import export_cmd
 from cleave_cli.stack import Stack
 from tests.integration.fleet import assert_same

@@ -5,8 +5,8 @@ with plain PyTorch; on a GPU machine `benchmarks/gpu.py` runs the same with the 
 
 from __future__ import annotations
 
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 
 

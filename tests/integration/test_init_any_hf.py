@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
 from cleave.models import PRESETS
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 
 transformers = pytest.importorskip("transformers")

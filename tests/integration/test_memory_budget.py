@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cleave import bus as busmod
-from cleave import codec, tiles
+from cleave import codec
+from cleave.gemm import tiles
 from cleave.schemas import SUBJECT_TILES, BlockRef, TileResult, TileTask
 from cleave_cli.jobrun import LocalFleet
 from cleave_worker.core import tile_bytes

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet
 from tests.integration.fleet import assert_same
 

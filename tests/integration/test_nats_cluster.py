@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 
 from cleave import bus as busmod
-from cleave.job import JobConfig
 from cleave.models import gemm_shapes
+from cleave.train.job import JobConfig
 from cleave_cli.export_cmd import read_state
 from cleave_cli.jobrun import LocalFleet, run_reference
 from cleave_cli.stack import Stack

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from cleave import netlab
-from cleave.netlab import Link, Netlab
+from cleave.runtime import netlab
+from cleave.runtime.netlab import Link, Netlab
 
 WHY = netlab.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"shaped-link lab unavailable: {WHY}")

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from cleave import bus as busmod
-from cleave.job import JobConfig
 from cleave.schemas import MAX_MESSAGE_BYTES
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_ps.persist import Persister, snapshot
 
 BIG_ELEMENTS = 36 * 1024 * 1024  # two of these in fp32: 288 MiB, over the codec's 256 MiB message limit

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import signal
 
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from tests.integration.fleet import InProcessPS, start_fleet
 
 STEPS = 3

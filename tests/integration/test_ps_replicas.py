@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cleave.job import JobConfig
+from cleave.train.job import JobConfig
 from cleave_cli.stack import free_port
 from tests.integration.fleet import assert_same
 

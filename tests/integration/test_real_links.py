@@ -1,4 +1,4 @@
-"""Training behind kernel-shaped links (cleave.netlab): nats-server, scheduler and PS in a hub namespace,
+"""Training behind kernel-shaped links (cleave.runtime.netlab): nats-server, scheduler and PS in a hub namespace,
 each worker in its own namespace behind a veth pair shaped by tbf. Needs root; skips with the reason if
 namespaces cannot be created here.
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from cleave import netlab
-from cleave.job import JobConfig
-from cleave.netlab import Link
+from cleave.runtime import netlab
+from cleave.runtime.netlab import Link
+from cleave.train.job import JobConfig
 from cleave_cli.jobrun import run_reference
 from cleave_cli.netstack import ShapedFleet
 from tests.integration.fleet import assert_same

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet
 from tests.integration.fleet import assert_same
 

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from cleave import bus as busmod
-from cleave import tiles
+from cleave.gemm import tiles
 from cleave.models import gemm_shapes, get_preset
 from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SHAPES_KEY, GemmSpec, JobShapes, Plan
 from cleave_cli.jobrun import LocalFleet

@@ -1,5 +1,5 @@
 """The cost model against kernel-shaped links: three workers, each behind its own tbf-shaped veth link
-(`cleave.netlab`), measure their own profiles as real devices do and train `tiny` under the cost-aware plan;
+(`cleave.runtime.netlab`), measure their own profiles as real devices do and train `tiny` under the cost-aware plan;
 the scheduler's predicted GEMM time per step and the simulator's (`cleave.sim.simulate_step`, on the
 profiles the workers measured) are compared with the measured one. Nothing paces itself to the model. The
 model predicts GEMMs one after the other, so the PS deals them so (`deferred_gemms: 0`; with weight gradients
@@ -17,12 +17,12 @@ import time
 
 import pytest
 
-from cleave import netlab
-from cleave.job import JobConfig
 from cleave.models import gemm_shapes, get_preset
-from cleave.netlab import Link
+from cleave.runtime import netlab
+from cleave.runtime.netlab import Link
 from cleave.schemas import DeviceProfile
 from cleave.sim import simulate_step
+from cleave.train.job import JobConfig
 from cleave_cli.netstack import ShapedFleet
 
 WHY = netlab.unavailable()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cleave import bus as busmod
-from cleave.job import JobConfig
+from cleave.train.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, run_reference
 from cleave_cli.stack import free_port, nats_server_binary
 from tests.integration.fleet import assert_same

@@ -13,9 +13,9 @@ import torch
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.job import JobConfig
 from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli.export_cmd import state_server
 from tests.integration.fleet import InProcessPS, assert_same, grads, start_fleet
 

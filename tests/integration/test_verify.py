@@ -3,8 +3,8 @@ excluded, and the step is redone without it, so the model stays the reference's.
 
 from __future__ import annotations
 
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 
 

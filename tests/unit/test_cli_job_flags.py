@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cleave.job import JobConfig
 from cleave.methods import diloco, fedavg
+from cleave.train.job import JobConfig
 from cleave_cli.commands import job_from_args
 from cleave_cli.main import build_parser
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cleave import logs
+from cleave.runtime import logs
 from cleave_cli import auth_cmd
 from cleave_cli.main import build_parser
 from cleave_cli.stack import DEFAULT_STOP_GRACE_S, nats_server_binary

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cleave.job import JobConfig
+from cleave.train.job import JobConfig
 from cleave_cli.main import build_parser
 from cleave_ps.main import replica_group
 from cleave_ps.settings import PsSettings

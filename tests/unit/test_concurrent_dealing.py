@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from cleave import tiles
-from cleave.dealer import Dealer, Policy, Work
+from cleave.gemm import tiles
+from cleave.gemm.dealer import Dealer, Policy, Work
 
 
 def work(seq, m=32, n=32, rows=8, cols=8, owners=None):

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from cleave import schemas
-from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
+from cleave.runtime.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
 from cleave_cli.main import build_parser
 from cleave_ps.replicas import EXIT_GROUP_LOST
 

@@ -14,12 +14,12 @@ import torch
 from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from cleave import datasources
-from cleave.data import DEFAULT_MIN_TOKENS, Corpus
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
-from cleave.tokenizer import ByteTokenizer, load_tokenizer
-from cleave.training import Trainer
+from cleave.models.tokenizer import ByteTokenizer, load_tokenizer
+from cleave.train import sources
+from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_cli import data_cmd
 
 BYTES = ByteTokenizer()
@@ -99,7 +99,7 @@ def text_file(tmp_path: Path) -> Path:
 
 
 def test_builtin_bytes_batches_are_unchanged() -> None:
-    if hashlib.sha256(datasources.builtin_text().encode()).hexdigest() != BUILTIN_SHA:
+    if hashlib.sha256(sources.builtin_text().encode()).hexdigest() != BUILTIN_SHA:
         pytest.skip("this CPython ships different documentation text than the pins were taken on")
     corpus = Corpus()
     assert (len(corpus.train), len(corpus.val)) == (419645, 46628)
@@ -128,10 +128,10 @@ def test_batches_depend_only_on_seed_and_step() -> None:
 
 
 def test_text_is_read_in_pieces_without_changing_the_tokens(text_file: Path, bpe_dir: Path) -> None:
-    whole = datasources.tokenize(str(text_file), BYTES)
+    whole = sources.tokenize(str(text_file), BYTES)
     assert bytes(whole.astype(np.uint8)) == text_file.read_text(encoding="utf-8", errors="replace").encode()
-    assert np.array_equal(datasources.tokenize(str(text_file), BYTES, chunk_chars=7), whole)
-    pieces = list(next(datasources.iter_documents(str(text_file), chunk_chars=100)))
+    assert np.array_equal(sources.tokenize(str(text_file), BYTES, chunk_chars=7), whole)
+    pieces = list(next(sources.iter_documents(str(text_file), chunk_chars=100)))
     assert len(pieces) > 10 and all(p.endswith("\n") for p in pieces)
 
 
@@ -145,9 +145,9 @@ def test_folder_and_glob_read_files_in_sorted_order(tmp_path: Path) -> None:
     (root / ".git" / "HEAD").write_text("not training data")
     (root / ".hidden.txt").write_text("nor this")
     want = "\n\n".join(files[k] for k in ("a.md", "b/1.txt", "b/2.txt")).encode()
-    assert bytes(datasources.tokenize(str(root), BYTES).astype(np.uint8)) == want
+    assert bytes(sources.tokenize(str(root), BYTES).astype(np.uint8)) == want
     globbed = "\n\n".join(files[k] for k in ("b/1.txt", "b/2.txt")).encode()
-    assert bytes(datasources.tokenize(f"{root}/**/*.txt", BYTES).astype(np.uint8)) == globbed
+    assert bytes(sources.tokenize(f"{root}/**/*.txt", BYTES).astype(np.uint8)) == globbed
     assert len(Corpus(str(root)).train) == int(len(want) * 0.9)
 
 
@@ -158,14 +158,14 @@ def test_jsonl_reads_a_text_field(tmp_path: Path, bpe_dir: Path) -> None:
         "\n".join(json.dumps(r) for r in rows[:4]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[4:])
     )
     assert (
-        bytes(datasources.tokenize(str(p), BYTES).astype(np.uint8))
+        bytes(sources.tokenize(str(p), BYTES).astype(np.uint8))
         == "\n\n".join(r["text"] for r in rows).encode()
     )
-    assert bytes(datasources.tokenize(f"{p}:body", BYTES).astype(np.uint8)) == b"\n\n".join(
+    assert bytes(sources.tokenize(f"{p}:body", BYTES).astype(np.uint8)) == b"\n\n".join(
         r["body"].encode() for r in rows
     )
     tok = load_tokenizer(bpe_dir)
-    ids = datasources.tokenize(str(p), tok)
+    ids = sources.tokenize(str(p), tok)
     assert (ids == tok.eos_id).sum() == len(rows) - 1  # documents are separated by the end-of-text token
     assert Corpus(str(p), tokenizer=str(bpe_dir)).vocab_size == tok.vocab_size > 256
 
@@ -174,12 +174,12 @@ def test_jsonl_errors_name_the_line_and_field(tmp_path: Path) -> None:
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "a"}\n{"content": "b"}\n')
     with pytest.raises(ConfigError, match=r"line 2 has no text field 'text' \(it has: content\).*:FIELD"):
-        datasources.tokenize(str(p), BYTES)
+        sources.tokenize(str(p), BYTES)
     p.write_text('{"text": "a"}\nnot json\n')
     with pytest.raises(ConfigError, match="line 2 is not JSON"):
-        datasources.tokenize(str(p), BYTES)
+        sources.tokenize(str(p), BYTES)
     with pytest.raises(ConfigError, match="line 1 has no text field 'body'"):
-        datasources.tokenize(f"{p}:body", BYTES)
+        sources.tokenize(f"{p}:body", BYTES)
 
 
 def test_missing_and_short_sources_are_reported(tmp_path: Path) -> None:
@@ -215,19 +215,19 @@ def test_hf_datasets_from_disk_and_local_files(tmp_path: Path, monkeypatch: pyte
     rows = {"text": [words(200, i) for i in range(6)], "id": list(range(6))}
     datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "saved"))
     want = "\n\n".join(rows["text"]).encode()
-    got = datasources.tokenize(f"hf:{tmp_path / 'saved'}", BYTES)
+    got = sources.tokenize(f"hf:{tmp_path / 'saved'}", BYTES)
     assert bytes(got.astype(np.uint8)) == want
     files = tmp_path / "files"
     files.mkdir()
     (files / "train.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in rows["text"]))
-    got = datasources.tokenize(f"hf:{files}?split=train&field=body", BYTES)
+    got = sources.tokenize(f"hf:{files}?split=train&field=body", BYTES)
     assert bytes(got.astype(np.uint8)) == want
     with pytest.raises(ConfigError, match=r"no text field 'text' \(it has: body\)"):
-        datasources.tokenize(f"hf:{files}", BYTES)
+        sources.tokenize(f"hf:{files}", BYTES)
     with pytest.raises(ConfigError, match="no split 'test'"):
-        datasources.tokenize(f"hf:{tmp_path / 'saved'}?split=test", BYTES)
+        sources.tokenize(f"hf:{tmp_path / 'saved'}?split=test", BYTES)
     with pytest.raises(ConfigError, match="offline"):
-        datasources.tokenize("hf:cleave-tests/surely-not-cached", BYTES)
+        sources.tokenize("hf:cleave-tests/surely-not-cached", BYTES)
 
 
 # ---------------------------------------------------------------- token files
@@ -238,7 +238,7 @@ def test_prepared_tokens_give_the_same_batches_as_the_text(
 ) -> None:
     for tokenizer, suffix in (("bytes", ".u16"), (str(bpe_dir), ".u32"), (str(bpe_dir), ".bin")):
         out = tmp_path / f"t{suffix}"
-        stats = datasources.prepare_data(str(text_file), load_tokenizer(tokenizer), out, chunk_chars=500)
+        stats = sources.prepare_data(str(text_file), load_tokenizer(tokenizer), out, chunk_chars=500)
         meta = json.loads((tmp_path / f"t{suffix}.json").read_text())
         assert meta["tokens"] == stats.tokens == out.stat().st_size // np.dtype(meta["dtype"]).itemsize
         assert meta["tokenizer"] == tokenizer and stats.documents == 1 and stats.chars > 0
@@ -272,7 +272,7 @@ def test_token_file_errors(tmp_path: Path, bpe_dir: Path) -> None:
     with pytest.raises(ConfigError, match="no such token file"):
         Corpus(str(tmp_path / "absent.u16"))
     with pytest.raises(ConfigError, match="name it .u16, .u32 or .bin"):
-        datasources.prepare_data("builtin", BYTES, tmp_path / "out.npy")
+        sources.prepare_data("builtin", BYTES, tmp_path / "out.npy")
 
 
 def test_prepare_data_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -305,7 +305,7 @@ def test_val_loss_with_other_sources(tmp_path: Path, kind: str) -> None:
     data = str(p)
     if kind == "tokens":
         data = str(tmp_path / "d.u16")
-        datasources.prepare_data(str(p), BYTES, data)
+        sources.prepare_data(str(p), BYTES, data)
     trainer = Trainer(JobConfig(preset="tiny", data=data, batch_size=4, seq_len=32, val_every=1))
     first = trainer.step(0)
     val = trainer.val_loss(0)

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from cleave import tiles
-from cleave.dealer import Dealer, Policy, Work
+from cleave.gemm import tiles
+from cleave.gemm.dealer import Dealer, Policy, Work
 from cleave.schemas import DeviceProfile
 
 

@@ -1,13 +1,14 @@
-"""The scheduler's prediction of a plan's GEMMs (`cleave.dealing.dealt_makespan`) against figures worked out
+"""The scheduler's prediction of a plan's GEMMs (`cleave.gemm.predict.dealt_makespan`) against figures worked out
 by hand, and against the simulator for the same fleet: one implementation (the PS's dealer) for both."""
 
 import pytest
 
-from cleave import dealing, planner
-from cleave.job import JobConfig
+from cleave.gemm import predict
 from cleave.models import gemm_shapes, get_preset
+from cleave.plan import planner
 from cleave.schemas import DeviceProfile, Plan, PlanWorker
 from cleave.sim import simulate_step
+from cleave.train.job import JobConfig
 from cleave_scheduler.planning import with_layouts
 from cleave_scheduler.synthetic import job_shapes
 
@@ -21,23 +22,23 @@ def device(flops: float, down: float = FAST_LINK, up: float = FAST_LINK, latency
                          latency_s=latency_s)
 
 
-def predict(fleet: dict[str, DeviceProfile], m: int, n: int) -> tuple[float, float]:
+def predicted(fleet: dict[str, DeviceProfile], m: int, n: int) -> tuple[float, float]:
     """(the dealer's prediction, each device alone) for the even split of C[m, n], one tile a block; the
     prediction alone and within a step (of that one GEMM) agree."""
     g = planner.even_split(fleet, m, n, K, 4)
     boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
     owners = [a.device for a in g.assignments]
     args = (boxes, owners, fleet, K, 4, m, n, 1, 1)
-    dealt = dealing.dealt_makespan(*args)
-    assert dealing.step_makespans([(boxes, owners, K)], [0], fleet, 4, m, n, 1, 1) == [pytest.approx(dealt)]
-    return dealt, dealing.streamed_makespan(*args)
+    dealt = predict.dealt_makespan(*args)
+    assert predict.step_makespans([(boxes, owners, K)], [0], fleet, 4, m, n, 1, 1) == [pytest.approx(dealt)]
+    return dealt, predict.streamed_makespan(*args)
 
 
 def test_a_lone_tile_costs_the_sum_of_its_stages():
     # two equal devices, a 100 x 100 block each: latency 0.01 s, down (100 + 100) rows x K x 4 B = 4e7 B at
     # 1e8 B/s = 0.4 s, compute 1 s, up 100 x 100 x 4 B = 4e4 B at 1e6 B/s = 0.04 s: 1.45 s in all
     fleet = {w: device(GFLOPS, down=1e8, up=1e6, latency_s=0.01) for w in ("a", "b")}
-    dealt, alone = predict(fleet, 200, 100)
+    dealt, alone = predicted(fleet, 200, 100)
     assert dealt == pytest.approx(1.45, rel=1e-9)
     assert alone == pytest.approx(1.45, rel=1e-9)
 
@@ -48,7 +49,7 @@ def test_a_straggler_in_the_even_split_is_copied_by_an_idle_device():
     speculate_factor (3) x the usual round trip (1 s, the fast devices'), checking every tick_s (0.05 s):
     the copy leaves at 3.05 s and is done at 4.05 s."""
     fleet = {"a": device(GFLOPS), "b": device(GFLOPS), "slow": device(GFLOPS / 10)}
-    dealt, alone = predict(fleet, 300, 100)
+    dealt, alone = predicted(fleet, 300, 100)
     assert alone == pytest.approx(10.0, rel=1e-6)
     assert dealt == pytest.approx(4.05, rel=1e-6)
 
@@ -58,8 +59,8 @@ def test_past_the_budget_each_device_alone_is_the_prediction():
     g = planner.even_split(fleet, 300, 100, K, 4)
     boxes = [(a.row0, a.row1, a.col0, a.col1) for a in g.assignments]
     owners = [a.device for a in g.assignments]
-    assert dealing.dealt_makespan(boxes, owners, fleet, K, 4, 300, 100, 1, 1, budget=8) == pytest.approx(10.0)
-    assert dealing.step_makespans([(boxes, owners, K)], [0], fleet, 4, 300, 100, 1, 1, budget=8) == \
+    assert predict.dealt_makespan(boxes, owners, fleet, K, 4, 300, 100, 1, 1, budget=8) == pytest.approx(10.0)
+    assert predict.step_makespans([(boxes, owners, K)], [0], fleet, 4, 300, 100, 1, 1, budget=8) == \
         [pytest.approx(10.0)]
 
 
@@ -92,7 +93,7 @@ def test_a_half_precision_job_is_planned_with_two_bytes_on_the_links_and_four_in
     """A bf16 job's inputs and results travel in 2 bytes, but its workers compute in float32: the plan's
     link costs use 2 bytes an element (a link-bound step predicted much faster than fp32's) while
     every planned block still fits its device's memory at 4 bytes an element."""
-    from cleave.costmodel import tile_memory_bytes
+    from cleave.plan.costmodel import tile_memory_bytes
     from cleave.schemas import COMPUTE_DTYPE_BYTES
 
     fleet = {f"d{i}": DeviceProfile(flops=1e12, memory_bytes=512 * 1024, downlink_bytes_per_s=1e7 * (1 + i % 3),

@@ -27,7 +27,7 @@ from cleave.models.hf import (
     to_hf_state_dict,
 )
 from cleave.models.llama import rope_frequencies
-from cleave.tokenizer import TOKENIZER_RECORD, load_tokenizer
+from cleave.models.tokenizer import TOKENIZER_RECORD, load_tokenizer
 
 TOL = 1e-5  # float32
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_embd=32)

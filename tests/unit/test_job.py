@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cleave.errors import ConfigError
-from cleave.job import METHOD_SETTINGS, JobConfig
+from cleave.train.job import METHOD_SETTINGS, JobConfig
 from cleave_cli.main import main as cli
 
 METHODS = ("cleave", "diloco", "fedavg", "split")

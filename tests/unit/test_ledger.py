@@ -1,7 +1,7 @@
 """The PS's tile ledger: each tile done once, lost work re-queued, duplicates counted."""
 
-from cleave import tiles
-from cleave.ledger import GemmLedger
+from cleave.gemm import tiles
+from cleave.gemm.ledger import GemmLedger
 
 
 def ledger(n=4):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cleave import schedule
-from cleave.data import Corpus
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
-from cleave.methods import common, diloco, fedavg, rounds
+from cleave.methods import aggregate, common, diloco, fedavg
 from cleave.models import build_model, get_preset
-from cleave.training import Trainer
+from cleave.train import schedule
+from cleave.train.data import Corpus
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 
 JOB = JobConfig(preset="tiny", batch_size=4, seq_len=32)
 STEPS = 4
@@ -168,21 +168,21 @@ def honest_and_malicious(n_honest: int = 6) -> tuple[list[dict], list[float]]:
 
 def test_median_and_trimmed_mean_neutralise_an_outlier() -> None:
     deltas, weights = honest_and_malicious()
-    mean = rounds.aggregate(deltas, weights, "mean")["w"]
+    mean = aggregate.aggregate(deltas, weights, "mean")["w"]
     assert float(mean.max()) < -1e5  # one client ruins the weighted mean
     for rule in ("median", "trimmed"):
-        agg = rounds.aggregate(deltas, weights, rule, trim=0.2)["w"]
+        agg = aggregate.aggregate(deltas, weights, rule, trim=0.2)["w"]
         torch.testing.assert_close(agg, torch.ones(100), atol=0.03, rtol=0, msg=rule)
 
 
 def test_robust_rules_on_known_values() -> None:
     vals = [{"x": torch.tensor([v])} for v in (5.0, 1.0, 100.0, 2.0)]
-    assert rounds.aggregate(vals, [1] * 4, "median")["x"].item() == 3.5  # mean of the two middles
-    assert rounds.aggregate(vals, [1] * 4, "trimmed", trim=0.25)["x"].item() == 3.5
-    assert rounds.aggregate(vals, [1] * 4, "trimmed", trim=0.0)["x"].item() == 27.0
-    assert rounds.aggregate(vals, [1, 0, 0, 1], "mean")["x"].item() == 3.5
+    assert aggregate.aggregate(vals, [1] * 4, "median")["x"].item() == 3.5  # mean of the two middles
+    assert aggregate.aggregate(vals, [1] * 4, "trimmed", trim=0.25)["x"].item() == 3.5
+    assert aggregate.aggregate(vals, [1] * 4, "trimmed", trim=0.0)["x"].item() == 27.0
+    assert aggregate.aggregate(vals, [1, 0, 0, 1], "mean")["x"].item() == 3.5
     with pytest.raises(ConfigError):
-        rounds.aggregate(vals, [1] * 4, "krum")  # type: ignore[arg-type]
+        aggregate.aggregate(vals, [1] * 4, "krum")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         diloco.DilocoConfig(outer_momentum=1.0)
 

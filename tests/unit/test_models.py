@@ -5,10 +5,10 @@ import time
 import pytest
 import torch
 
-from cleave.job import JobConfig
+from cleave.gemm.tiled import LocalTiles, TiledLinear, install
 from cleave.models import PRESETS, ModelConfig, build_model, gemm_shapes, get_preset
-from cleave.tiled import LocalTiles, TiledLinear, install
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama", "small"])

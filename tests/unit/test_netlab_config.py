@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cleave.errors import ConfigError
-from cleave.netlab import Link, Netlab, load_links, tbf
+from cleave.runtime.netlab import Link, Netlab, load_links, tbf
 
 
 def test_links_come_from_a_fleet_file_and_missing_rates_mean_unshaped(tmp_path):

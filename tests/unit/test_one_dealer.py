@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from cleave import codec
-from cleave.dealer import Dealer, Policy
-from cleave.fleet import synthetic_fleet
+from cleave.gemm.dealer import Dealer, Policy
+from cleave.gemm.engine import GemmRun, fleet_of
+from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import (
     SUBJECT_LINKCHECK,
     BlockPush,
@@ -25,7 +26,6 @@ from cleave.schemas import (
     TileTask,
 )
 from cleave.sim import plans as simplans
-from cleave.sim.engine import GemmRun, fleet_of
 from cleave.sim.world import World
 from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.settings import PsSettings

@@ -1,11 +1,11 @@
-"""The fleet split among PS replicas (cleave.partition) and the scheduler's per-replica plans."""
+"""The fleet split among PS replicas (cleave.plan.partition) and the scheduler's per-replica plans."""
 
 from __future__ import annotations
 
 import pytest
 
-from cleave import partition
 from cleave.models import gemm_shapes, get_preset
+from cleave.plan import partition
 from cleave.schemas import DeviceProfile, GemmSpec, JobShapes, Plan, PlanWorker
 from cleave_scheduler.replicas import ReplicaPlans
 

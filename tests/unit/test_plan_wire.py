@@ -8,9 +8,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from cleave import codec, planwire
+from cleave import codec
 from cleave.errors import WireError
-from cleave.schemas import MAX_PLAN_BYTES, DeviceProfile, GemmLayout, Plan, PlanWorker
+from cleave.schemas import MAX_PLAN_BYTES, DeviceProfile, GemmLayout, Plan, PlanWorker, planwire
 from cleave_scheduler.synthetic import job_shapes, scheduler_plan, synthetic_registry
 
 NATS_DEFAULT_MAX_PAYLOAD = 1024 * 1024

@@ -12,11 +12,11 @@ import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
-from cleave.costmodel import PlanError, Rates
 from cleave.errors import ConfigError
-from cleave.fleet import Fleet, load_fleet, synthetic_fleet
 from cleave.models import gemm_shapes, get_preset
-from cleave.planner import GemmPlan, even_split, plan_gemm, plan_model
+from cleave.plan.costmodel import PlanError, Rates
+from cleave.plan.fleet import Fleet, load_fleet, synthetic_fleet
+from cleave.plan.planner import GemmPlan, even_split, plan_gemm, plan_model
 from cleave_cli.plan_cmd import plan_command, register
 
 
@@ -34,7 +34,7 @@ def random_fleet(rng: np.random.Generator, n: int, k: int, b: int, mem_factor: f
 
 
 def expected_device_times(plan: GemmPlan, fleet: Fleet) -> np.ndarray:
-    """The cost model written out again, independently of cleave.costmodel."""
+    """The cost model written out again, independently of cleave.plan.costmodel."""
     r = (plan.row1 - plan.row0).astype(float)
     c = (plan.col1 - plan.col0).astype(float)
     k, b, d = plan.k, plan.dtype_bytes, plan.dev

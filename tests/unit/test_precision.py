@@ -1,4 +1,4 @@
-"""Mixed precision (cleave.precision): the tiles' rule (half inputs, float32 over the whole K, one rounding)
+"""Mixed precision (cleave.train.precision): the tiles' rule (half inputs, float32 over the whole K, one rounding)
 gives the reference's products bit for bit; fp16's loss scale skips an overflowing step as GradScaler does."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
-from cleave.precision import DEFAULT_INIT_SCALE, LossScaler
-from cleave.tiled import LocalTiles
-from cleave.training import Trainer
+from cleave.gemm.tiled import LocalTiles
+from cleave.train.job import JobConfig
+from cleave.train.precision import DEFAULT_INIT_SCALE, LossScaler
+from cleave.train.trainer import Trainer
 from cleave_cli.commands import job_from_args
 from cleave_cli.main import build_parser
 

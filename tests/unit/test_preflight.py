@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from cleave import preflight
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
+from cleave.train import preflight
+from cleave.train.job import JobConfig
 
 
 def test_the_estimate_counts_four_copies_of_the_weights_and_activations_grow_with_the_batch() -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from cleave.errors import ConfigError
-from cleave.profile import Pacer, parse_profile
+from cleave.plan.profile import Pacer, parse_profile
 
 
 def test_parse_with_units():
@@ -37,7 +37,7 @@ def test_pacer_follows_the_cost_model_and_streams_consecutive_tiles():
 
 
 def test_the_liveness_limit_adds_what_a_link_adds_to_a_heartbeat():
-    from cleave.profile import liveness_limit
+    from cleave.plan.profile import liveness_limit
     from cleave.schemas import DeviceProfile
 
     def p(up, latency=0.0):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
+from cleave.train.job import JobConfig
 from cleave_ps.replicas import ReplicaGroup, fingerprint, job_differences
 
 

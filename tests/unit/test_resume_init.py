@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleave import codec, datasources
+from cleave import codec
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
 from cleave.models import build_model, get_preset
 from cleave.models.hf import export_hf, load_hf
+from cleave.models.tokenizer import ByteTokenizer
 from cleave.schemas import CheckpointManifest
-from cleave.tokenizer import ByteTokenizer
-from cleave.training import Trainer
+from cleave.train import sources
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_ps.ckpt_stream import encode, restore, snapshot
 
 STEPS = 6
@@ -38,7 +39,7 @@ def test_resumed_run_continues_from_the_exact_data_position(tmp_path: Path, sour
     data = "builtin"
     if source == "tokens":
         data = str(tmp_path / "builtin.u16")
-        datasources.prepare_data("builtin", ByteTokenizer(), data)
+        sources.prepare_data("builtin", ByteTokenizer(), data)
     job = JobConfig(preset="tiny", steps=STEPS, batch_size=4, seq_len=32, data=data)
     plain = Trainer(job)
     want = [plain.step(s) for s in range(STEPS)]
@@ -90,6 +91,6 @@ def test_init_from_checks_keys_before_copying(tmp_path: Path, monkeypatch: pytes
     export_hf(perturbed("tiny"), get_preset("tiny"), tmp_path / "m")
     cfg, sd = load_hf(tmp_path / "m")
     sd.pop("transformer.h.1.mlp.c_fc.bias")
-    monkeypatch.setattr("cleave.training.load_hf", lambda path: (cfg, sd))
+    monkeypatch.setattr("cleave.train.trainer.load_hf", lambda path: (cfg, sd))
     with pytest.raises(ConfigError, match=r"missing keys: transformer.h.1.mlp.c_fc.bias"):
         Trainer(JobConfig(preset="tiny", init_from=str(tmp_path / "m")))

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from cleave import schedule
-from cleave.job import JobConfig
-from cleave.training import Trainer
+from cleave.train import schedule
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 from cleave_ps.ckpt_stream import encode, restore, snapshot
 
 

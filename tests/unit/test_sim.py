@@ -8,15 +8,15 @@ import math
 import numpy as np
 import pytest
 
-from cleave import dealing, tiles
-from cleave.dealer import DEFAULT_CACHE_BYTES, Dealer
-from cleave.dealer import Policy as PsPolicy
-from cleave.fleet import synthetic_fleet
+from cleave.gemm import predict, tiles
+from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer
+from cleave.gemm.dealer import Policy as PsPolicy
+from cleave.gemm.engine import GemmRun, fleet_of
 from cleave.models import PRESETS, build_model, gemm_shapes
+from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import DeviceProfile
 from cleave.sim import plans as simplans
 from cleave.sim.baselines import SystemResult
-from cleave.sim.engine import GemmRun, fleet_of
 from cleave.sim.report import CHURN_RATES
 from cleave.sim.step import Simulation, backward_pairs, recovery_over_step, simulate_step, step_order
 from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
@@ -73,10 +73,10 @@ def assert_done_once(run, shape):
 
 
 def test_an_undisturbed_gemm_takes_what_the_planner_predicts():
-    """The scheduler predicts with the PS's dealer on the declared profiles (`dealing.dealt_makespan`), so
+    """The scheduler predicts with the PS's dealer on the declared profiles (`predict.dealt_makespan`), so
     an undisturbed GEMM takes exactly its prediction. With fan-out every input leaves the PS once (its
     segments, `fanout.parts`); without, each device's blocks go with its tiles and it takes exactly what
-    each device alone with its own pieces takes (`dealing.streamed_makespan`, the budget's fallback)."""
+    each device alone with its own pieces takes (`predict.streamed_makespan`, the budget's fallback)."""
     world = World.build(synthetic_fleet(24, seed=1))
     for shape in shapes()[:6]:
         run, shared, predicted = gemm(world, shape)
@@ -85,7 +85,7 @@ def test_an_undisturbed_gemm_takes_what_the_planner_predicts():
         run, out, _ = gemm(world, shape, fan_out=False)
         assert_done_once(run, shape)
         boxes = [(t.r0, t.r1, t.c0, t.c1) for t in run.ts.tiles]  # pieces already: sent whole, 4 in flight
-        alone = dealing.streamed_makespan(boxes, run.ts.owners, {d.id: d.profile for d in world.fleet(
+        alone = predict.streamed_makespan(boxes, run.ts.owners, {d.id: d.profile for d in world.fleet(
             np.arange(len(world))).devices()}, shape.k, 2, shape.m, shape.n, 1, 4)
         assert out.span == pytest.approx(alone, rel=1e-9)
         assert out.resent == out.duplicates == out.speculated == 0

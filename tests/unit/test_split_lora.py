@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cleave import schedule
-from cleave.data import Corpus
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
 from cleave.methods import common, fedavg, lora, split
 from cleave.models import ModelConfig, build_model, get_preset
-from cleave.training import Trainer
+from cleave.train import schedule
+from cleave.train.data import Corpus
+from cleave.train.job import JobConfig
+from cleave.train.trainer import Trainer
 
 STEPS = 4
 UNTIED = ModelConfig(family="gpt2", n_layer=2, n_head=2, n_embd=32, block_size=32, tie_embeddings=False)

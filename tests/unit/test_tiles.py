@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from cleave import tiles
+from cleave.gemm import tiles
 
 
 @pytest.mark.parametrize("m, n, br, bc", [(1, 1, 1, 1), (7, 5, 3, 2), (100, 37, 32, 64), (64, 64, 64, 64), (5, 9, 10, 10)])

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTok
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from cleave.errors import ConfigError
-from cleave.tokenizer import TOKENIZER_RECORD, ByteTokenizer, Tokenizer, load_tokenizer
+from cleave.models.tokenizer import TOKENIZER_RECORD, ByteTokenizer, Tokenizer, load_tokenizer
 
 TEXT = [
     "The quick brown fox jumps over the lazy dog.",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cleave.costmodel import tile_memory_bytes
-from cleave.planner import plan_gemm
+from cleave.plan.costmodel import tile_memory_bytes
+from cleave.plan.planner import plan_gemm
 from cleave_worker.core import check_inputs, tile_bytes
 from tests.unit.test_planner import random_fleet
 

@@ -1,6 +1,6 @@
 """What every method's math shares: the loss, the optimizer, one local step, parameter snapshots, shards.
 
-Each helper does exactly what `cleave.training.Trainer` does (same loss, same AdamW parameter groups, same
+Each helper does exactly what `cleave.train.trainer.Trainer` does (same loss, same AdamW parameter groups, same
 global-norm clipping), so that a method that degenerates to plain training reproduces it step for step.
 """
 
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cleave.data import Corpus
 from cleave.errors import WireError
-from cleave.job import JobConfig
+from cleave.train.data import Corpus
+from cleave.train.job import JobConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids (B, T) and next-token targets (B, T)
 State = dict[str, torch.Tensor]

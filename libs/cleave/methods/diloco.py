@@ -23,9 +23,7 @@ import torch
 from torch import nn
 
 from cleave.errors import ConfigError
-from cleave.job import DEFAULT_LOCAL_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
-from cleave.methods.common import Batch, State, load_into, local_train, snapshot, trainable
-from cleave.methods.rounds import (
+from cleave.methods.aggregate import (
     DEFAULT_TRIM,
     RULES,
     RoundCollector,
@@ -34,6 +32,8 @@ from cleave.methods.rounds import (
     Verdict,
     close_and_aggregate,
 )
+from cleave.methods.common import Batch, State, load_into, local_train, snapshot, trainable
+from cleave.train.job import DEFAULT_LOCAL_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM
 
 DEFAULT_INNER_STEPS = DEFAULT_LOCAL_STEPS  # H: local steps between synchronisations (the job's default)
 PAPER_INNER_STEPS = 500  # the DiLoCo paper's setting (Douillard et al. 2023, C4, 60M-400M models)

@@ -17,9 +17,7 @@ import torch
 from torch import nn
 
 from cleave.errors import ConfigError
-from cleave.job import DEFAULT_LOCAL_STEPS as JOB_LOCAL_STEPS
-from cleave.methods.common import Batch, State, load_into, snapshot, train_step, trainable
-from cleave.methods.rounds import (
+from cleave.methods.aggregate import (
     DEFAULT_TRIM,
     RULES,
     RoundCollector,
@@ -28,6 +26,8 @@ from cleave.methods.rounds import (
     Verdict,
     close_and_aggregate,
 )
+from cleave.methods.common import Batch, State, load_into, snapshot, train_step, trainable
+from cleave.train.job import DEFAULT_LOCAL_STEPS as JOB_LOCAL_STEPS
 
 DEFAULT_LOCAL_STEPS = JOB_LOCAL_STEPS  # E: the job's default
 

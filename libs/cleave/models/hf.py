@@ -22,7 +22,7 @@ from torch import nn
 from cleave.errors import ConfigError
 from cleave.models.config import ModelConfig, RopeScaling
 from cleave.models.presets import build_model
-from cleave.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_RECORD, load_tokenizer
+from cleave.models.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_RECORD, load_tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from cleave.gemm.engine import Outcome
 from cleave.models import GemmShape
-from cleave.sim.engine import Outcome
 from cleave.sim.step import Simulation, StepStats
 
 STAGES = ("down", "compute", "up")

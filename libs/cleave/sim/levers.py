@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cleave.dealer import DEFAULT_CACHE_BYTES, Policy
+from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Policy
 from cleave.models import GemmShape
 from cleave.sim.breakdown import step_breakdown
 from cleave.sim.ps import ps_flops

@@ -1,5 +1,5 @@
 """What the scheduler and the PS know: the plans published as the fleet changes, and each GEMM cut into the
-tiles the PS deals (pure: the planner of `cleave.planner`, no NATS).
+tiles the PS deals (pure: the planner of `cleave.plan.planner`, no NATS).
 
 The scheduler notices a join at once and a leave `liveness_s` after it happens. It publishes a plan for
 every change (changes that come while one is being made wait for the next), and each reaches the PS
@@ -21,10 +21,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from cleave import dealing, planner, tiles
-from cleave.costmodel import egress_bytes
-from cleave.ledger import DEFAULT_WINDOW
-from cleave.sim.engine import TileSet
+from cleave.gemm import predict, tiles
+from cleave.gemm.engine import TileSet
+from cleave.gemm.ledger import DEFAULT_WINDOW
+from cleave.plan import planner
+from cleave.plan.costmodel import egress_bytes
 from cleave.sim.world import World
 
 PlannerKind = Literal["cost", "even", "uniform"]
@@ -89,7 +90,7 @@ class Cutter:
     chunks: int = tiles.DEFAULT_CHUNKS  # ... and into at least this many pieces (`tiles.cut_block`)
     ps_bandwidth: float | None = None
     window: int = DEFAULT_WINDOW  # the PS's tiles in flight per worker (for the prediction)
-    cache_bytes: int = dealing.UNLIMITED  # the workers' block cache (pieces stream only where it holds inputs)
+    cache_bytes: int = predict.UNLIMITED  # the workers' block cache (pieces stream only where it holds inputs)
     cache: dict[tuple, tuple[TileSet, float]] = field(default_factory=dict)
     gemm_plans: dict[tuple, Any] = field(default_factory=dict)
     dealt: dict[tuple, float] = field(default_factory=dict)  # the fleet's part of each prediction (no egress)
@@ -97,7 +98,7 @@ class Cutter:
 
     def tileset(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         """(the tiles, the predicted makespan) of C[m, n] = A[m, k] · B[k, n] under the layout `version`
-        (`plan` is that layout's own plan); the prediction is `cleave.dealing.dealt_makespan`: the planner's
+        (`plan` is that layout's own plan); the prediction is `cleave.gemm.predict.dealt_makespan`: the planner's
         blocks as the PS's dealer deals them to devices that stream them, this GEMM kind alone (the scheduler's
         `step_makespans` deals a step of one layer, so the dealer's state carries across kinds), or the
         PS's egress if longer."""
@@ -123,16 +124,16 @@ class Cutter:
         owners: list[str | None] = []
         limit = self.tile or (m, n)
         for owner, box in zip(planned, blocks, strict=True):
-            parts = dealing.cut(box, k, b, *limit, self.chunks, self.cache_bytes)
+            parts = predict.cut(box, k, b, *limit, self.chunks, self.cache_bytes)
             boxes += parts
             owners += [owner] * len(parts)
         cut = tiles.from_boxes(boxes)
         fleet = self.world.fleet(plan.members)
         profiles = {dev.id: dev.profile for dev in fleet.devices()}
-        dealt = dealing.dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window,
+        dealt = predict.dealt_makespan(blocks, planned, profiles, k, b, *limit, self.chunks, self.window,
                                        dict.fromkeys(profiles, self.cache_bytes))
         self.dealt[(version, m, n, k)] = dealt
-        self.streamed[(version, m, n, k)] = dealing.streamed_makespan(
+        self.streamed[(version, m, n, k)] = predict.streamed_makespan(
             blocks, planned, profiles, k, b, *limit, self.chunks, self.window, dict.fromkeys(profiles, self.cache_bytes))
         return TileSet(m, n, k, b, cut, owners, gp.egress_s, self.chunks), max(dealt, gp.egress_s)
 

@@ -1,5 +1,5 @@
 """Training steps over a simulated fleet: every GEMM of a step as the PS runs them, each dealt by the PS's
-dealing core (`cleave.sim.engine`) under the latest plan (`cleave.sim.plans`): one after another, or with
+dealing core (`cleave.gemm.engine`) under the latest plan (`cleave.sim.plans`): one after another, or with
 `deferred` > 0 the backward's weight gradients dealt beside the input gradients as the PS's `deferred_gemms`
 does (`Simulation._backward`).
 
@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from cleave.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
-from cleave.fleet import Fleet
+from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
+from cleave.gemm.engine import Engine, GemmRun, Outcome, PsLink, TileSet, fleet_of
+from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 from cleave.models import GemmShape
+from cleave.plan.fleet import Fleet
 from cleave.schemas import DeviceProfile
-from cleave.sim.engine import Engine, GemmRun, Outcome, PsLink, TileSet, fleet_of
 from cleave.sim.plans import Cutter, PlannerKind, Scheduler
 from cleave.sim.world import World
-from cleave.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 
 HORIZON_FACTOR = 10.0  # churn is drawn this many predicted GEMM spans ahead ...
 HORIZON_MIN_S = 60.0  # ... and at least this far
@@ -228,7 +228,7 @@ class Simulation:
         return stats
 
     def _backward(self, seen: Callable[[GemmShape, Outcome, bool], None]) -> None:
-        """The backward pass as the PS runs it with `deferred_gemms` (`cleave.tiled.LateGrads`): per layer its
+        """The backward pass as the PS runs it with `deferred_gemms` (`cleave.gemm.tiled.LateGrads`): per layer its
         input gradient (priority 0) and its weight gradient (priority 1) begin together; the pass waits for
         the input gradient only, and for the oldest weight gradient when more than `deferred` wait; every
         one is done when the pass ends. All on one `Engine`, each GEMM cut under the plan in force when it

@@ -11,17 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from cleave.costmodel import PlanError
-from cleave.dealer import Policy
 from cleave.errors import ConfigError
-from cleave.fleet import Fleet, load_fleet, synthetic_fleet
+from cleave.gemm.dealer import Policy
+from cleave.gemm.tiles import DEFAULT_CHUNKS
+from cleave.plan.costmodel import PlanError
+from cleave.plan.fleet import Fleet, load_fleet, synthetic_fleet
 from cleave.sim.baselines import SystemResult, alpa, dp_tp
 from cleave.sim.pipelines import asteroid, dtfm, pipeline
 from cleave.sim.ps import DEFAULT_PS_FLOPS, DEFAULT_PS_LINK, DEFAULT_PS_MEMORY, PsSpec, charge
 from cleave.sim.step import Simulation, StepStats, recovery_over_step
 from cleave.sim.workload import Links, Workload
 from cleave.sim.world import World
-from cleave.tiles import DEFAULT_CHUNKS
 
 Baseline = Callable[[Workload, Links, Links, float], SystemResult]
 BASELINES: dict[str, Baseline] = {

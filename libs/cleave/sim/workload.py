@@ -23,7 +23,7 @@ from functools import cached_property
 import numpy as np
 
 from cleave.models import GemmShape, ModelConfig, gemm_shapes, get_preset
-from cleave.planner import DTYPE_BYTES
+from cleave.plan.planner import DTYPE_BYTES
 
 STATE_FACTOR = 3.0  # weights + 2x weights of optimizer state
 WORK_FACTOR = 34.0  # bytes per token x hidden of a 16-bit layer's working set during its backward

@@ -15,47 +15,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cleave.fleet import EDGE_DOWNLINK, EDGE_FLOPS, EDGE_LATENCY, EDGE_MEMORY, EDGE_UPLINK, Fleet
+from cleave.plan.fleet import (
+    EDGE_DOWNLINK,
+    EDGE_FLOPS,
+    EDGE_LATENCY,
+    EDGE_MEMORY,
+    EDGE_UPLINK,
+    Fleet,
+    Profiles,
+)
 
 STRAGGLER_SCALE = 0.1  # a straggler's compute and links, relative to what it declared
 SECONDS_PER_HOUR = 3600.0
-COLUMNS = ("flops", "down", "up", "lat", "mem")
-
-
-@dataclass
-class Profiles:
-    """Growable columns of device profiles (bytes/s, FLOP/s, seconds, bytes)."""
-
-    flops: np.ndarray
-    down: np.ndarray
-    up: np.ndarray
-    lat: np.ndarray
-    mem: np.ndarray
-
-    @classmethod
-    def of_fleet(cls, fleet: Fleet) -> Profiles:
-        return cls(
-            fleet.flops.copy(),
-            fleet.downlink.copy(),
-            fleet.uplink.copy(),
-            fleet.latency.copy(),
-            fleet.memory_bytes.astype(np.float64),
-        )
-
-    def append(self, row: dict[str, float]) -> None:
-        for c in COLUMNS:
-            setattr(self, c, np.append(getattr(self, c), row[c]))
-
-    def row(self, i: int) -> dict[str, float]:
-        return {c: float(getattr(self, c)[i]) for c in COLUMNS}
-
-    def take(self, idx: np.ndarray) -> Profiles:
-        return Profiles(*(getattr(self, c)[idx] for c in COLUMNS))
-
-    def scaled(self, mask: np.ndarray, scale: float) -> Profiles:
-        """Compute and links multiplied by `scale` where `mask` (memory and latency unchanged)."""
-        f = np.where(mask, scale, 1.0)
-        return Profiles(self.flops * f, self.down * f, self.up * f, self.lat.copy(), self.mem.copy())
 
 
 @dataclass

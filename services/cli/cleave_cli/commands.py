@@ -9,9 +9,9 @@ import statistics
 import time
 from pathlib import Path
 
-from cleave import preflight
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
+from cleave.train import preflight
+from cleave.train.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import Progress
@@ -45,7 +45,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
 
 
 def check_fits(job: JobConfig, workers: int, dry_run: bool) -> None:
-    """The preflight (cleave.preflight): print the estimate for --dry-run; raise ConfigError if it cannot fit."""
+    """The preflight (cleave.train.preflight): print the estimate for --dry-run; raise ConfigError if it cannot fit."""
     if job.method != "cleave":
         if dry_run:
             print(f"no preflight estimate for method {job.method!r} yet")

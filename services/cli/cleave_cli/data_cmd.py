@@ -1,6 +1,6 @@
 """`cleave prepare-data`: tokenise a text corpus once into a token file that training memory-maps.
 
-Streams the source in bounded pieces (see `cleave.datasources`), so the corpus may be larger than memory;
+Streams the source in bounded pieces (see `cleave.train.sources`), so the corpus may be larger than memory;
 the result trains on exactly the tokens the text source itself would give.
 """
 
@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from cleave.datasources import PrepareStats, prepare_data, sidecar_path
-from cleave.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from cleave.models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from cleave.train.sources import PrepareStats, prepare_data, sidecar_path
 
 DEFAULT_PROGRESS_EVERY_S = 1.0
 

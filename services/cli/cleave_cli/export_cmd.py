@@ -24,11 +24,11 @@ import torch
 
 from cleave import bus as busmod
 from cleave.errors import CleaveError, ConfigError
-from cleave.job import JobConfig
-from cleave.logs import configure
 from cleave.models import ModelConfig, build_model
 from cleave.models.hf import export_hf
+from cleave.runtime.logs import configure
 from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
+from cleave.train.job import JobConfig
 from cleave_cli.stack import Stack
 from cleave_ps.persist import read_checkpoint
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave.job import JobConfig
-from cleave.metrics_file import EXCLUDED, MetricsFile
-from cleave.schedule import lr_at
+from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
 from cleave.schemas import StepMetrics
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.schedule import lr_at
+from cleave.train.trainer import Trainer
 from cleave_cli.progress import Progress
 from cleave_cli.stack import Stack, free_port
 

@@ -1,4 +1,4 @@
-"""The local stack behind shaped links (cleave.netlab): nats-server, scheduler and PS in the hub namespace,
+"""The local stack behind shaped links (cleave.runtime.netlab): nats-server, scheduler and PS in the hub namespace,
 each worker in the namespace of its own link, dialling the hub over it.
 
 `ShapedFleet` is a `LocalFleet` whose processes run inside a `Netlab`: the same supervision, logs, stack.json
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave.netlab import HUB_PORT, Link, Netlab
+from cleave.runtime.netlab import HUB_PORT, Link, Netlab
 from cleave_cli.jobrun import LocalFleet
 from cleave_cli.stack import DEFAULT_READY_TIMEOUT_S, NATS_LIMITS, Proc, Stack, nats_server_binary
 

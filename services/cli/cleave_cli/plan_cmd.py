@@ -15,9 +15,9 @@ import sys
 from typing import Any, TextIO
 
 from cleave.errors import ConfigError
-from cleave.fleet import fleet_from_spec
 from cleave.models import PRESETS, gemm_shapes, get_preset
-from cleave.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
+from cleave.plan.fleet import fleet_from_spec
+from cleave.plan.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

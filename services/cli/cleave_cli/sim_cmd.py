@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
-from cleave.planner import DTYPE_BYTES
+from cleave.plan.planner import DTYPE_BYTES
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cleave.bus import SERVER_LIMITS
 from cleave.errors import CleaveError
-from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
+from cleave.runtime.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
 from cleave_cli.chaos_cmd import held_down
 from cleave_cli.supervisor import parent_death_signal
 

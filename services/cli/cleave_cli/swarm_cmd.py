@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if not ID_PREFIX.fullmatch(args.prefix):
         raise ConfigError(f"--prefix must be 1-96 letters, digits, '_' or '-', got {args.prefix!r}")
     if args.profile:
-        from cleave.profile import parse_profile
+        from cleave.plan.profile import parse_profile
 
         parse_profile(args.profile)  # a bad one is refused here, not by each worker
     if args.processes == 1:
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one_process(args: argparse.Namespace) -> int:
-    from cleave.lifecycle import run as run_service
-    from cleave.logs import configure
+    from cleave.runtime.lifecycle import run as run_service
+    from cleave.runtime.logs import configure
     from cleave_worker.settings import WorkerSettings
     from cleave_worker.swarm import serve_swarm, swarm_ids
 

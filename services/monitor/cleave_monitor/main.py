@@ -19,8 +19,8 @@ import structlog
 from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.errors import WireError
-from cleave.lifecycle import run
-from cleave.logs import configure
+from cleave.runtime.lifecycle import run
+from cleave.runtime.logs import configure
 from cleave.schemas import (
     EVENTS_STREAM,
     MAX_CONTROL_BYTES,

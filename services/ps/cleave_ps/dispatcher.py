@@ -1,4 +1,4 @@
-"""The PS's NATS shell around the dealing core (`cleave.dealer.Dealer`): the GEMMs in flight (one, or
+"""The PS's NATS shell around the dealing core (`cleave.gemm.dealer.Dealer`): the GEMMs in flight (one, or
 several: a layer's weight gradient is dealt beside the input gradients that follow it, `gemm(priority=)`),
 their tiles turned into messages to the workers of the current plan, their results checked and assembled.
 
@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from cleave import codec, dealing, fanout, tiles
+from cleave import codec
 from cleave.bus import Bus
-from cleave.dealer import Dealer, Policy, Recovery, Send, Work
 from cleave.errors import StepAborted, StepSpoiled
+from cleave.gemm import fanout, predict, tiles
+from cleave.gemm.dealer import Dealer, Policy, Recovery, Send, Work
 from cleave.schemas import (
     SUBJECT_CONTROL,
     SUBJECT_FANOUT,
@@ -145,7 +146,7 @@ class Dispatcher:
             self._joining = asyncio.create_task(self._join_groups(plan))
 
     async def _join_groups(self, plan: Plan) -> None:
-        """Tell each planned worker the fan-out groups of this plan (`cleave.fanout`); only those that confirm
+        """Tell each planned worker the fan-out groups of this plan (`cleave.gemm.fanout`); only those that confirm
         are sent shared blocks that way, the others get them with their tiles."""
         cut = [self._tiling(g.m, g.n, g.k, self._sent_bytes)[:2] for g in plan.gemms]
         groups = fanout.memberships(cut, plan.chunks)
@@ -194,7 +195,7 @@ class Dispatcher:
         none of a lower `priority` has one for them. `names`: the tensors whose identity names the blocks in
         the workers' caches (a CUDA PS's GPU tensors, of which `a` and `bt` are host copies); a pinned `a`
         gets a pinned product, which goes back to the GPU without blocking."""
-        want = a.dtype  # a bf16/fp16 job (cleave.precision) sends its inputs as they come and gets them back so
+        want = a.dtype  # a bf16/fp16 job (cleave.train.precision) sends its inputs as they come and gets them back so
         cast = self.tile_dtype if want == torch.float32 else None  # the approximate mode rounds float32 inputs
         sent = cast or want  # the bytes per element that travel
         pin = a.is_pinned()
@@ -253,7 +254,7 @@ class Dispatcher:
         return run.out.to(want)
 
     def _tiling(self, m: int, n: int, k: int, b: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
-        """The plan's blocks for this shape, cut as `dealing.cut` says, and the planned makespan; else a
+        """The plan's blocks for this shape, cut as `predict.cut` says, and the planned makespan; else a
         uniform grid (and 0: nothing predicted)."""
         plan = self.plan
         layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
@@ -266,7 +267,7 @@ class Dispatcher:
         for i, owner in enumerate(layout.owners):
             box = tuple(flat[4 * i : 4 * i + 4])
             cache = members[owner].cache_bytes if owner in members else 0
-            parts = dealing.cut(box, k, b, plan.tile_rows, plan.tile_cols, plan.chunks, cache)
+            parts = predict.cut(box, k, b, plan.tile_rows, plan.tile_cols, plan.chunks, cache)
             boxes += parts
             owners += [owner if owner in members else None] * len(parts)
         return tiles.from_boxes(boxes), owners, layout.makespan_s

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cleave import codec
-from cleave.dealer import BlockSend, Send
+from cleave.gemm.dealer import BlockSend, Send
 from cleave.schemas import SUBJECT_FANOUT, SUBJECT_TILES, BlockPart, BlockPush, BlockRef, TensorData, TileTask
 
 if TYPE_CHECKING:

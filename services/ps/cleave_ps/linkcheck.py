@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from cleave.dealer import CHECK_BYTES
+from cleave.gemm.dealer import CHECK_BYTES
 from cleave.schemas import SUBJECT_LINKCHECK, DeviceProfile, LinkCheck, LinkCheckAck
 
 if TYPE_CHECKING:

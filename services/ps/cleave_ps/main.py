@@ -12,15 +12,13 @@ from collections import deque
 import structlog
 import torch
 
-from cleave import auth, preflight
+from cleave import auth
 from cleave import bus as busmod
 from cleave.errors import ConfigError, StepAborted, StepSpoiled
-from cleave.faults import Faults
-from cleave.job import JobConfig
-from cleave.lifecycle import EXIT_FENCED, run
-from cleave.logs import configure
 from cleave.models import gemm_shapes
-from cleave.schedule import lr_at
+from cleave.runtime.faults import Faults
+from cleave.runtime.lifecycle import EXIT_FENCED, run
+from cleave.runtime.logs import configure
 from cleave.schemas import (
     COMPUTE_DTYPE_BYTES,
     MAX_PLAN_BYTES,
@@ -35,7 +33,10 @@ from cleave.schemas import (
     StepMetrics,
     TileResult,
 )
-from cleave.training import Trainer
+from cleave.train import preflight
+from cleave.train.job import JobConfig
+from cleave.train.schedule import lr_at
+from cleave.train.trainer import Trainer
 from cleave_ps.dispatcher import Dispatcher
 from cleave_ps.persist import Fenced, Progress
 from cleave_ps.replicas import EXIT_GROUP_LOST, ReplicaGroup, ReplicaLost, fingerprint
@@ -50,7 +51,7 @@ OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (med
 
 class FleetGemm:
     """The GEMM backend of the PS's linear layers: blocks the training thread while the fleet computes; up to
-    `deferred_gemms` weight gradients run beside the backward's other GEMMs (`cleave.tiled.LateGrads`)."""
+    `deferred_gemms` weight gradients run beside the backward's other GEMMs (`cleave.gemm.tiled.LateGrads`)."""
 
     FAULT_OP = 10  # "in_step:N" kills the PS as it deals the 10th GEMM of step N
 

@@ -25,12 +25,11 @@ import torch
 from nats.js.api import ObjectMeta, ObjectMetaOptions
 from torch import nn
 
-from cleave import codec, preflight
+from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
 from cleave.errors import CleaveError, ConfigError, Conflict, WireError
-from cleave.faults import Faults
-from cleave.job import JobConfig
-from cleave.metrics_file import MetricsFile
+from cleave.runtime.faults import Faults
+from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
     MAX_MANIFEST_BYTES,
@@ -41,6 +40,8 @@ from cleave.schemas import (
     StateHead,
     StepMetrics,
 )
+from cleave.train import preflight
+from cleave.train.job import JobConfig
 from cleave_ps import ckpt_gc, ckpt_stream
 from cleave_ps.ckpt_stream import CorruptCheckpoint, Snapshot, snapshot
 from cleave_ps.settings import PsSettings

@@ -28,8 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cleave import partition
 from cleave.errors import CleaveError, ConfigError
+from cleave.plan import partition
 from cleave.schemas import StepMetrics
 
 # a step's counts that the metrics line reports for the whole job, summed over the replicas (the recovery

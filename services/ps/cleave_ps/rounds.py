@@ -27,14 +27,12 @@ import torch
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
 from cleave.errors import WireError
-from cleave.faults import Faults
-from cleave.job import JobConfig
-from cleave.lifecycle import EXIT_FENCED, wait_for_stop
 from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
-from cleave.schedule import lr_at
+from cleave.runtime.faults import Faults
+from cleave.runtime.lifecycle import EXIT_FENCED, wait_for_stop
 from cleave.schemas import (
     SUBJECT_ROUNDCAST,
     SUBJECT_UPDATES,
@@ -44,7 +42,9 @@ from cleave.schemas import (
     RoundUpdate,
     StepMetrics,
 )
-from cleave.training import Trainer
+from cleave.train.job import JobConfig
+from cleave.train.schedule import lr_at
+from cleave.train.trainer import Trainer
 from cleave_ps.persist import Fenced, Progress
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings

@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cleave.dealer.model import DEFAULT_COPY_SHARE
-from cleave.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
+from cleave.gemm.dealer.model import DEFAULT_COPY_SHARE
+from cleave.gemm.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
 
 
 class PsSettings(BaseSettings):

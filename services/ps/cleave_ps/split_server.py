@@ -21,13 +21,11 @@ import structlog
 from cleave import codec
 from cleave.bus import Bus
 from cleave.errors import CleaveError, StepAborted
-from cleave.faults import Faults
-from cleave.job import JobConfig
-from cleave.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED, wait_for_stop
 from cleave.methods import split
 from cleave.methods.common import make_adamw
 from cleave.models import build_model
-from cleave.schedule import set_lr
+from cleave.runtime.faults import Faults
+from cleave.runtime.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED, wait_for_stop
 from cleave.schemas import (
     SUBJECT_SPLIT,
     SUBJECT_UPDATES,
@@ -35,6 +33,8 @@ from cleave.schemas import (
     SplitTask,
     StepMetrics,
 )
+from cleave.train.job import JobConfig
+from cleave.train.schedule import set_lr
 from cleave_ps.persist import Fenced, Progress
 from cleave_ps.plan_view import PlanView
 from cleave_ps.settings import PsSettings

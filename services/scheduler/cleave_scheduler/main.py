@@ -12,10 +12,10 @@ import structlog
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.costmodel import PlanError
 from cleave.errors import WireError
-from cleave.lifecycle import run, wait_for_stop
-from cleave.logs import configure
+from cleave.plan.costmodel import PlanError
+from cleave.runtime.lifecycle import run, wait_for_stop
+from cleave.runtime.logs import configure
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
     MAX_PLAN_BYTES,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cleave import codec, planner
-from cleave.dealing import step_makespans
+from cleave import codec
+from cleave.gemm.predict import step_makespans
+from cleave.plan import planner
 from cleave.schemas import MAX_CONTROL_BYTES, MAX_PLAN_BYTES, GemmLayout, JobShapes, Plan
 from cleave.sim.step import step_order
 
@@ -15,7 +16,7 @@ PLANNERS = ("cost", "even", "uniform")
 def with_layouts(plan: Plan, shapes: JobShapes | None, kind: str, ps_bandwidth: float | None) -> Plan:
     """`plan` with per-GEMM blocks from the cost-aware planner ("cost"), the even split over every device
     ("even"), or none ("uniform": tiles of one shape dealt from a queue). Each layout's `makespan_s` and the
-    plan's `predicted_step_s` are what the run time will take (`cleave.dealing.step_makespans`: the PS's
+    plan's `predicted_step_s` are what the run time will take (`cleave.gemm.predict.step_makespans`: the PS's
     dealing core on the workers' profiles over a step's GEMMs, copies of late pieces included; and the PS's
     egress); `lower_bound_s` is the planner's relaxation bound."""
     if kind == "uniform" or shapes is None or not plan.workers:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cleave.profile import liveness_limit
+from cleave.plan.profile import liveness_limit
 from cleave.schemas import DeviceRecord, Heartbeat, Plan, PlanWorker
 
 

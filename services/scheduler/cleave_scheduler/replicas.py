@@ -1,4 +1,4 @@
-"""The plans of a job's PS replicas: each replica's part of the fleet (`cleave.partition`), cost-planned
+"""The plans of a job's PS replicas: each replica's part of the fleet (`cleave.plan.partition`), cost-planned
 for that replica's share of the batch and published under `REPLICA_PLAN_KEY`."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from cleave import partition
+from cleave.plan import partition
 from cleave.schemas import REPLICA_PLAN_KEY, JobShapes, Plan
 
 log = structlog.get_logger("scheduler")

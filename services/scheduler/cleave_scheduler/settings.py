@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cleave.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
+from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 
 
 class SchedulerSettings(BaseSettings):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from cleave.fleet import synthetic_fleet
 from cleave.models import gemm_shapes, get_preset
+from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import DeviceRecord, GemmSpec, JobShapes, Plan
 from cleave_scheduler.planning import with_layouts
 from cleave_scheduler.registry import Registry

@@ -15,15 +15,16 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from cleave import codec, tiles
-from cleave.costmodel import tile_memory_bytes
+from cleave import codec
+from cleave.gemm import tiles
+from cleave.plan.costmodel import tile_memory_bytes
 from cleave.schemas import COMPUTE_DTYPE_BYTES, BlockRef, TileResult, TileTask
 
 HALF = (torch.float16, torch.bfloat16)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # workers use CUDA when present
 FLOPS_N = {"cpu": 512, "cuda": 4096}  # side of the measured product: a GPU needs a large one to be busy
 FLOPS_RUN_S = 0.03  # on a CPU each timed product of the FLOPS probe lasts about this long: several periods of a
-# CPU share (cleave.netlab: 10 ms) or time slices of a busy machine, so none is caught whole in a lucky one
+# CPU share (cleave.runtime.netlab: 10 ms) or time slices of a busy machine, so none is caught whole in a lucky one
 MAX_FLOPS_N = 2048  # ... and is at most this square (0.2 s at 80 GFLOP/s)
 
 

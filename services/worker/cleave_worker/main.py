@@ -13,12 +13,12 @@ import torch
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.dealer import JOINS_KEPT
 from cleave.errors import WireError
-from cleave.faults import Faults
-from cleave.lifecycle import run, wait_for_stop
-from cleave.logs import configure
-from cleave.profile import Pacer, parse_profile
+from cleave.gemm.dealer import JOINS_KEPT
+from cleave.plan.profile import Pacer, parse_profile
+from cleave.runtime.faults import Faults
+from cleave.runtime.lifecycle import run, wait_for_stop
+from cleave.runtime.logs import configure
 from cleave.schemas import (
     MAX_LINKCHECK_BYTES,
     SUBJECT_CONTROL,

@@ -20,15 +20,15 @@ from torch import nn
 
 from cleave import codec
 from cleave.compression import ErrorFeedback, get_compressor, raw_bytes, unpack
-from cleave.data import Corpus
-from cleave.job import JobConfig
 from cleave.methods import diloco, fedavg
 from cleave.methods.common import make_adamw, shard_batch, trainable
 from cleave.methods.lora import attach_lora
 from cleave.models import build_model
-from cleave.schedule import scheduled
 from cleave.schemas import RoundTask, RoundUpdate
-from cleave.training import load_init
+from cleave.train.data import Corpus
+from cleave.train.job import JobConfig
+from cleave.train.schedule import scheduled
+from cleave.train.trainer import load_init
 
 MAX_JOBS = 2  # models kept for different jobs at once
 

@@ -21,13 +21,13 @@ import structlog
 import torch
 
 from cleave import codec
-from cleave.data import Corpus
-from cleave.job import JobConfig
 from cleave.methods import split
 from cleave.methods.common import make_adamw, shard_batch, val_batches
 from cleave.models import build_model
-from cleave.schedule import set_lr
 from cleave.schemas import SplitReply, SplitTask
+from cleave.train.data import Corpus
+from cleave.train.job import JobConfig
+from cleave.train.schedule import set_lr
 
 
 @dataclass

@@ -31,7 +31,7 @@ from urllib.parse import parse_qsl
 import numpy as np
 
 from cleave.errors import ConfigError
-from cleave.tokenizer import ByteTokenizer, Tokenizer
+from cleave.models.tokenizer import ByteTokenizer, Tokenizer
 
 BUILTIN = "builtin"
 HF_PREFIX = "hf:"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cleave.errors import CleaveError
-from cleave.fleet import Fleet
+from cleave.plan.fleet import Fleet
 
 BOUND_RTOL = 1e-6  # relative precision of the bisection behind the device lower bound
 FLOOR_SLACK = 1e-6  # the bound rounds capacities down only past this much (the planner uses less)

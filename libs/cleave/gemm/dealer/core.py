@@ -8,7 +8,7 @@ first, then shared tiles with cached inputs first, then, once idle, a tile stole
 most left), which input blocks travel with a tile and which the worker already caches (a mirror of its
 LRU), how much a worker may have in flight (tiles and bytes), when a worker that makes no progress is
 presumed lost and its tiles given back (cut for several devices), when a straggling tile is copied to an
-idle worker (`cleave.dealer.copies`), and when a suspect worker is tried again. It does no I/O and keeps no
+idle worker (`cleave.gemm.dealer.copies`), and when a suspect worker is tried again. It does no I/O and keeps no
 clock: every call takes `now`, and returns the tiles to send (`Send`) for the caller to put on its wire or
 its simulated links. Every event costs O(log n) in the number of workers and tiles: deadlines, suspicions and lone
 attempts are kept in heaps, the round trips of a GEMM shape in a sorted list (their median), and only
@@ -23,8 +23,8 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from cleave.dealer import copies, inputs, trips
-from cleave.dealer.model import (
+from cleave.gemm.dealer import copies, inputs, trips
+from cleave.gemm.dealer.model import (
     DEFAULT_INFLIGHT_S,
     JOINS_KEPT,
     LEFT_KEPT,
@@ -35,8 +35,8 @@ from cleave.dealer.model import (
     Send,
     Work,
 )
-from cleave.fanout import a_id, b_id
-from cleave.ledger import Attempt, GemmLedger
+from cleave.gemm.fanout import a_id, b_id
+from cleave.gemm.ledger import Attempt, GemmLedger
 from cleave.schemas import DeviceProfile
 
 

@@ -5,8 +5,8 @@ run time the PS cuts each block into pieces (`cut`), keeps up to max(window, chu
 flight, sends an input block to a device once (it caches it), fans shared blocks out to their group, and
 copies a piece that runs far too long to an idle device; the devices stream the pieces through their
 downlink, compute and uplink (`profile.streamed`). This module predicts that with the PS's own dealing core
-(`cleave.dealer.Dealer`) on devices that keep their profiles, as the simulator's engine plays them
-(`cleave.sim.engine.play`): `step_makespans` for a step's GEMMs in the order a step runs them, twice, the
+(`cleave.gemm.dealer.Dealer`) on devices that keep their profiles, as the simulator's engine plays them
+(`cleave.gemm.engine.play`): `step_makespans` for a step's GEMMs in the order a step runs them, twice, the
 second counting (what the scheduler publishes as each layout's `makespan_s` and the plan's
 `predicted_step_s`, for a step of one layer: the simulator's undisturbed step takes it within a few
 percent); `dealt_makespan` for one GEMM kind alone, dealt three times. A GEMM kind past PREDICT_BUDGET is predicted by `streamed_makespan`, each device alone
@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from cleave import tiles
-from cleave.ledger import DEFAULT_WINDOW
-from cleave.profile import dealt_time
+from cleave.gemm import tiles
+from cleave.gemm.ledger import DEFAULT_WINDOW
+from cleave.plan.profile import dealt_time
 from cleave.schemas import DeviceProfile
 
 Box = tuple[int, int, int, int]  # rows r0:r1, columns c0:c1 of the output
@@ -78,9 +78,9 @@ def streamed_makespan(boxes: Sequence[Box], owners: Sequence[str], profiles: Map
 
 
 def tileset(boxes: Sequence[Box], owners: Sequence[str], k: int, b: int, tile_rows: int, tile_cols: int,
-            chunks: int, cache_bytes: Mapping[str, int]):  # noqa: ANN201 (a cleave.sim.engine.TileSet)
+            chunks: int, cache_bytes: Mapping[str, int]):  # noqa: ANN201 (a cleave.gemm.engine.TileSet)
     """One GEMM's blocks cut into the pieces the PS sends (`cut`), each owned by its block's device."""
-    from cleave.sim.engine import TileSet  # here: cleave.sim imports this module
+    from cleave.gemm.engine import TileSet  # here: cleave.sim imports this module
 
     cut_boxes: list[Box] = []
     cut_owners: list[str | None] = []
@@ -103,7 +103,7 @@ def step_makespans(gemms: Sequence[tuple[Sequence[Box], Sequence[str], int]], or
     one layer, each kind once, so that a deep model costs what a shallow one does), in the second of
     PREDICT_STEPS steps; a kind dealt several times a step, its mean. Kinds past `budget` (pieces x
     devices) are left out of the dealing and predicted by `streamed_makespan`."""
-    from cleave.sim.engine import play  # here: cleave.sim imports this module
+    from cleave.gemm.engine import play  # here: cleave.sim imports this module
 
     caches = {w: (cache_bytes or {}).get(w, UNLIMITED) for w in profiles}
     sets = [tileset(boxes, owners, k, b, tile_rows, tile_cols, chunks, caches) for boxes, owners, k in gemms]
@@ -128,7 +128,7 @@ def dealt_makespan(boxes: Sequence[Box], owners: Sequence[str], profiles: Mappin
     """Seconds of one GEMM of these blocks (planned for `owners`) on the devices `profiles`, dealt as in
     `step_makespans` but alone: PREDICT_RUNS times in a row, the last counting (the simulator's guess of a
     GEMM before it simulates it)."""
-    from cleave.sim.engine import play  # here: cleave.sim imports this module
+    from cleave.gemm.engine import play  # here: cleave.sim imports this module
 
     caches = {w: (cache_bytes or {}).get(w, UNLIMITED) for w in profiles}
     ts = tileset(boxes, owners, k, b, tile_rows, tile_cols, chunks, caches)

@@ -2,7 +2,7 @@
 
 The batch of step `s` depends only on (seed, s), so the data position of a run is its step number: the PS
 checkpoint records the last committed step, and a resumed run draws exactly the batches it would have drawn.
-Sources (text, folders, JSONL, Hugging Face datasets, token files) are in `cleave.datasources`.
+Sources (text, folders, JSONL, Hugging Face datasets, token files) are in `cleave.train.sources`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cleave import datasources
-from cleave.datasources import builtin_text
 from cleave.errors import ConfigError
-from cleave.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer
+from cleave.models.tokenizer import DEFAULT_TOKENIZER, Tokenizer, load_tokenizer
+from cleave.train import sources
+from cleave.train.sources import builtin_text
 
 __all__ = ["DEFAULT_MIN_TOKENS", "Corpus", "builtin_text", "check_vocab"]
 
@@ -30,8 +30,8 @@ def _same_tokenizer(a: str, b: str) -> bool:
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
-def _token_file(src: datasources.Source, tokenizer: str | Tokenizer) -> tuple[np.ndarray, str, int]:
-    tf = datasources.open_tokens(src)
+def _token_file(src: sources.Source, tokenizer: str | Tokenizer) -> tuple[np.ndarray, str, int]:
+    tf = sources.open_tokens(src)
     name = tokenizer if isinstance(tokenizer, str) else tokenizer.name
     if tf.tokenizer is not None and not _same_tokenizer(tf.tokenizer, name):
         raise ConfigError(
@@ -59,12 +59,12 @@ class Corpus:
         tokenizer: str | Tokenizer = DEFAULT_TOKENIZER,
     ) -> None:
         self.source = source
-        src = datasources.parse_source(source)
+        src = sources.parse_source(source)
         if src.kind == "tokens":
             tokens, self.tokenizer, self.vocab_size = _token_file(src, tokenizer)
         else:
             tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-            tokens, self.tokenizer, self.vocab_size = datasources.tokenize(src, tok), tok.name, tok.vocab_size
+            tokens, self.tokenizer, self.vocab_size = sources.tokenize(src, tok), tok.name, tok.vocab_size
         if len(tokens) < DEFAULT_MIN_TOKENS:
             raise ConfigError(f"data={source!r} has {len(tokens)} tokens; need at least {DEFAULT_MIN_TOKENS}")
         split = int(len(tokens) * (1 - val_fraction))

@@ -1,7 +1,7 @@
 """The dealing of GEMM tiles to a fleet (pure): `Dealer` decides, `model` holds what it reads and returns."""
 
-from cleave.dealer.core import Dealer
-from cleave.dealer.model import (
+from cleave.gemm.dealer.core import Dealer
+from cleave.gemm.dealer.model import (
     CHECK_BYTES,
     DEFAULT_CACHE_BYTES,
     JOINS_KEPT,

@@ -10,12 +10,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from cleave import precision, schedule, tiled
-from cleave.data import Corpus, check_vocab
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
+from cleave.gemm import tiled
 from cleave.models import ModelConfig, build_model
 from cleave.models.hf import check_state_dict, load_hf, our_shapes
+from cleave.train import precision, schedule
+from cleave.train.data import Corpus, check_vocab
+from cleave.train.job import JobConfig
 
 # the config fields that change what a set of weights computes (block_size only bounds the context)
 INIT_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd", "mlp_width", "bias",

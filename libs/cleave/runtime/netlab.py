@@ -57,7 +57,7 @@ class Link:
 
 def load_links(path: str | Path) -> list[Link]:
     """Links from a fleet file: a JSON list of {"id", "downlink_bytes_per_s"?, "uplink_bytes_per_s"?, ...}
-    (the fleet-file form of `cleave.fleet`; other fields are ignored, a missing rate means unshaped)."""
+    (the fleet-file form of `cleave.plan.fleet`; other fields are ignored, a missing rate means unshaped)."""
     try:
         raw = json.loads(Path(path).read_text())
         links = [Link(str(e["id"]), e.get("downlink_bytes_per_s"), e.get("uplink_bytes_per_s"), e.get("cpu_cores"))

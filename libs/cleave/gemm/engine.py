@@ -1,10 +1,10 @@
-"""One GEMM, event by event: the PS's own dealing core (`cleave.dealer.Dealer`) deals tiles to simulated
+"""One GEMM, event by event: the PS's own dealing core (`cleave.gemm.dealer.Dealer`) deals tiles to simulated
 devices that compute them at their actual pace, leave without notice, straggle, and get speculative copies
 and re-sent tiles.
 
 Every dealing decision is the dealer's, exactly as in the PS (`cleave_ps.dispatcher` is the other shell
 around it); this module only plays the devices and the clock. A device streams its tiles as a worker that
-paces itself to a declared profile does (`cleave.profile.streamed`, the `Pacer`'s clock): downlink,
+paces itself to a declared profile does (`cleave.plan.profile.streamed`, the `Pacer`'s clock): downlink,
 compute and uplink work on consecutive tiles in parallel, so a long run of tiles costs
 `latency + max(down / downlink, up / uplink, flops / FLOPS)` and a lone tile the sum of its stages. A
 device that has left receives nothing and answers nothing; the dealer notices by its deadline or when a
@@ -27,14 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cleave import fanout
-from cleave.dealer import CHECK_BYTES, BlockSend, Dealer, Policy, Recovery, Send, Work
-from cleave.fleet import Fleet
-from cleave.ledger import GemmLedger
-from cleave.profile import streamed
+from cleave.gemm import fanout
+from cleave.gemm.dealer import CHECK_BYTES, BlockSend, Dealer, Policy, Recovery, Send, Work
+from cleave.gemm.ledger import GemmLedger
+from cleave.gemm.tiles import Tile
+from cleave.plan.fleet import Fleet, Profiles
+from cleave.plan.profile import streamed
 from cleave.schemas import DeviceProfile
-from cleave.sim.world import Profiles, World
-from cleave.tiles import Tile
 
 FINISH, CHECK, PLAN, PROVED = 0, 1, 2, 3  # event kinds
 
@@ -300,17 +299,18 @@ def play(sets: Sequence[TileSet], profiles: dict[str, DeviceProfile], caches: di
     """The span of each GEMM of `sets` in the last of `rounds` undisturbed rounds, each round the GEMMs one
     after another as a training step runs them, by one dealer with the PS's default policy and `window`
     (round trips, suspicions and busy devices carry over, as in the PS) on devices that keep their
-    profiles: what `cleave.dealing` predicts with."""
-    world = World.build(Fleet.of(profiles))
+    profiles: what `cleave.gemm.predict` predicts with."""
+    fleet = Fleet.of(profiles)
+    index, actual = {d: i for i, d in enumerate(fleet.ids)}, Profiles.of_fleet(fleet)
     members = [(w, caches[w], p) for w, p in profiles.items()]
     dealer = Dealer(Policy(window=window))
     dealer.set_fleet(members, 0.0)
-    busy, now, seq, spans = np.zeros((len(world), 3)), 0.0, 0, []
+    busy, now, seq, spans = np.zeros((len(fleet), 3)), 0.0, 0, []
     for _ in range(rounds):
         spans = []
         for ts in sets:
             seq += 1
-            run = GemmRun(ts, now, dealer, world.index, world.actual, world.leave_at, busy,
+            run = GemmRun(ts, now, dealer, index, actual, np.full(len(fleet), math.inf), busy,
                           lambda ids: [x for x in members if x[0] in set(ids)], seq, fan_out=fan_out)
             out = run.run()
             spans.append(out.span)

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cleave.costmodel import tile_memory_bytes
 from cleave.errors import ConfigError
-from cleave.job import JobConfig
-from cleave.ledger import DEFAULT_DEFERRED
+from cleave.gemm.ledger import DEFAULT_DEFERRED
+from cleave.gemm.tiles import MIN_BLOCK
 from cleave.models import GemmShape, build_model, gemm_shapes
-from cleave.planner import _even_blocks  # the even split the planner falls back to
-from cleave.tiles import MIN_BLOCK
+from cleave.plan.costmodel import tile_memory_bytes
+from cleave.plan.planner import _even_blocks  # the even split the planner falls back to
+from cleave.train.job import JobConfig
 
 RUNTIME_BYTES = 256 * 1024 * 1024  # Python, torch, nats-py and cleave imported (248 MB measured, /usr/bin/time)
 CHECKPOINT_BUFFER_BYTES = 3 * 16 * 1024 * 1024  # a hash chunk and the Object Store's chunks in flight

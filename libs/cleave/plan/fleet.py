@@ -189,3 +189,42 @@ def fleet_from_spec(spec: str, seed: int = 0) -> Fleet:
             raise ConfigError(f"--fleet {spec!r}: expected synthetic:N with N a positive integer")
         return synthetic_fleet(int(count), seed)
     return load_fleet(spec)
+
+
+COLUMNS = ("flops", "down", "up", "lat", "mem")
+
+
+@dataclass
+class Profiles:
+    """Growable columns of device profiles (bytes/s, FLOP/s, seconds, bytes)."""
+
+    flops: np.ndarray
+    down: np.ndarray
+    up: np.ndarray
+    lat: np.ndarray
+    mem: np.ndarray
+
+    @classmethod
+    def of_fleet(cls, fleet: Fleet) -> Profiles:
+        return cls(
+            fleet.flops.copy(),
+            fleet.downlink.copy(),
+            fleet.uplink.copy(),
+            fleet.latency.copy(),
+            fleet.memory_bytes.astype(np.float64),
+        )
+
+    def append(self, row: dict[str, float]) -> None:
+        for c in COLUMNS:
+            setattr(self, c, np.append(getattr(self, c), row[c]))
+
+    def row(self, i: int) -> dict[str, float]:
+        return {c: float(getattr(self, c)[i]) for c in COLUMNS}
+
+    def take(self, idx: np.ndarray) -> Profiles:
+        return Profiles(*(getattr(self, c)[idx] for c in COLUMNS))
+
+    def scaled(self, mask: np.ndarray, scale: float) -> Profiles:
+        """Compute and links multiplied by `scale` where `mask` (memory and latency unchanged)."""
+        f = np.where(mask, scale, 1.0)
+        return Profiles(self.flops * f, self.down * f, self.up * f, self.lat.copy(), self.mem.copy())

@@ -1,5 +1,5 @@
 """What the dealing core reads and returns: its policy, its view of each worker, the GEMM to deal, the
-tiles to send, and the recoveries it records (`cleave.dealer.core.Dealer` decides with them)."""
+tiles to send, and the recoveries it records (`cleave.gemm.dealer.core.Dealer` decides with them)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from cleave.ledger import DEFAULT_WINDOW, GemmLedger
+from cleave.gemm.ledger import DEFAULT_WINDOW, GemmLedger
+from cleave.gemm.tiles import Tile
 from cleave.schemas import DeviceProfile
-from cleave.tiles import Tile
 
 Shape = tuple[int, int, int]  # (m, n, k) of a GEMM
 DEFAULT_CACHE_BYTES = 128 * 1024**2  # the worker's input-block cache (its default), mirrored here
@@ -95,7 +95,7 @@ class Work:
     chunks: int = 1  # the plan's pieces per block: a worker's planned pieces stream this many at once
     a_key: str = "a"
     b_key: str = "b"
-    shared: Mapping[str, tuple[str, frozenset[str]]] | None = None  # block -> fan-out group (`cleave.fanout`)
+    shared: Mapping[str, tuple[str, frozenset[str]]] | None = None  # block -> fan-out group (`cleave.gemm.fanout`)
     parts: Mapping[str, tuple[tuple[str, int, int], ...]] | None = None  # block -> its segments (`fanout.parts`)
 
     @property

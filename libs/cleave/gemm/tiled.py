@@ -5,7 +5,7 @@ same state-dict keys, tied weights stay tied). Forward Y = X·Wᵀ, backward dX 
 each one `backend.gemm(a, bt, name)` call computing a · btᵀ. A backend that can run GEMMs concurrently
 (`submit`, the PS's fleet) gets the backward's two products together, and the weight gradient is deferred
 (`LateGrads`): its tiles fill the tails of the backward GEMMs that follow, and it is added to `weight.grad`
-by the end of the backward pass. Under a low precision (`cleave.precision`)
+by the end of the backward pass. Under a low precision (`cleave.train.precision`)
 the inputs of each GEMM are cast to it (and saved for backward in it), the backend returns the product in it,
 and the gradients go back to the float32 input and master weight: torch.autocast's semantics.
 """
@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from cleave import tiles
+from cleave.gemm import tiles
 from cleave.models import linear_layers
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cleave.tiles import Tile, cut_block
+from cleave.gemm.tiles import Tile, cut_block
 
 Outcome = Literal["accepted", "duplicate", "unknown"]
 DEFAULT_WINDOW = 2  # tiles in flight per worker (one computing, one arriving); a planned block's pieces stream

@@ -1,4 +1,4 @@
-"""How long a GEMM's tiles take (pure, part of the dealing core `cleave.dealer.core`): each member's round
+"""How long a GEMM's tiles take (pure, part of the dealing core `cleave.gemm.dealer.core`): each member's round
 trip per GEMM shape as a moving average, their median over the members (what a copy's threshold is measured
 in), and, before any round trip, the median of the tiles' times as the cost model predicts them."""
 
@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from sortedcontainers import SortedList
 
-from cleave.dealer.model import RT_WEIGHT, TYPICAL_SAMPLE, Member, Shape, Work
+from cleave.gemm.dealer.model import RT_WEIGHT, TYPICAL_SAMPLE, Member, Shape, Work
 
 
 class RoundTrips:

@@ -1,4 +1,4 @@
-"""When a late tile is copied to an idle worker (pure, part of the dealing core `cleave.dealer.core`).
+"""When a late tile is copied to an idle worker (pure, part of the dealing core `cleave.gemm.dealer.core`).
 
 A tile running alone for longer than `max(speculate_min_s, speculate_factor x the median round trip of its
 GEMM's shape)` is copied to an idle worker; the first result wins. Two rules keep copies off a PS link that
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cleave.dealer import trips
-from cleave.dealer.model import Deal, Policy
-from cleave.ledger import Attempt
+from cleave.gemm.dealer import trips
+from cleave.gemm.dealer.model import Deal, Policy
+from cleave.gemm.ledger import Attempt
 
 
 class Copies:

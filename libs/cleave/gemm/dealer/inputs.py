@@ -1,7 +1,7 @@
-"""How a dealt tile's input blocks reach its worker (pure, part of the dealing core `cleave.dealer.core`).
+"""How a dealt tile's input blocks reach its worker (pure, part of the dealing core `cleave.gemm.dealer.core`).
 
 A block the worker caches (by the dealer's mirror of its LRU) is named only; one in a fan-out group the
-worker has joined is published to the group when the first member needs it (`cleave.fanout`), and every
+worker has joined is published to the group when the first member needs it (`cleave.gemm.fanout`), and every
 member then caches it; anything else travels with the tile. A block that overlaps others without matching
 goes as its segments (`Work.parts`), each reaching the worker that way. `score` ranks shared tiles by the
 rows of their inputs a worker already caches.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from cleave.dealer.model import BlockSend, Deal, Member
-from cleave.fanout import a_id, b_id
-from cleave.tiles import Tile
+from cleave.gemm.dealer.model import BlockSend, Deal, Member
+from cleave.gemm.fanout import a_id, b_id
+from cleave.gemm.tiles import Tile
 
 
 def score(deal: Deal, m: Member) -> Callable[[Tile], int] | None:

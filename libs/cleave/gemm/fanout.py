@@ -1,7 +1,7 @@
 """Fan-out groups (pure): the input blocks of a GEMM that several planned workers need, and who needs them.
 
 A planned layout is made of bands: every device of a band gets the band's whole strip of rows of one input
-and its own run of the other (`cleave.packing`). Sent naively, a strip shared by d devices leaves the PS d
+and its own run of the other (`cleave.plan.packing`). Sent naively, a strip shared by d devices leaves the PS d
 times. Instead the PS publishes it once on the subject of the group of workers that need it, and NATS
 delivers it to each (`SUBJECT_FANOUT`). A group is named by its members, so the same set of workers
 subscribes once for every GEMM kind whose bands they share, and again only when a plan changes the set.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 
+from cleave.gemm.tiles import Tile
 from cleave.schemas import MAX_BLOCK_PARTS
-from cleave.tiles import Tile
 
 MIN_MEMBERS = 2  # a block that one worker needs goes with its tile
 

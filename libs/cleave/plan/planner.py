@@ -3,8 +3,8 @@ computes, with the predicted makespan and a lower bound on it (pure: no NATS, no
 
 `plan_gemm` plans one GEMM (what the PS calls at run time); `plan_model` plans every GEMM kind of a step
 and reports the predicted step time against the lower bound; `even_split` is the naive baseline (every
-device, equal blocks). The cost model and bounds live in `cleave.costmodel`, the packing in
-`cleave.packing`; docs/planning.md describes all three and the JSON of `ModelPlan.to_json`.
+device, equal blocks). The cost model and bounds live in `cleave.plan.costmodel`, the packing in
+`cleave.plan.packing`; docs/planning.md describes all three and the JSON of `ModelPlan.to_json`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from cleave.costmodel import (
+from cleave.plan.costmodel import (
     GemmBound,
     PlanError,
     Rates,
@@ -27,8 +27,8 @@ from cleave.costmodel import (
     tile_memory_bytes,
     tile_time,
 )
-from cleave.fleet import Fleet, FleetLike
-from cleave.packing import Blocks, solve
+from cleave.plan.fleet import Fleet, FleetLike
+from cleave.plan.packing import Blocks, solve
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 

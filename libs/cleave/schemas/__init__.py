@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from cleave import planwire
+from cleave.schemas import planwire
 
 # ---- subjects, streams and buckets -------------------------------------------------------------------
 PREFIX = "cleave"
@@ -59,7 +59,7 @@ MAX_PLAN_BYTES = 32 * 1024 * 1024  # a plan once decompressed (10,000 devices: ~
 MAX_TENSOR_ELEMENTS = 1 << 28
 MAX_GEMM_DIM = 1 << 31  # m, n or k of a planned GEMM (box coordinates travel as int32)
 MAX_PROBE_BYTES = 4 * 1024 * 1024
-MAX_BLOCK_PARTS = 256  # segments of one input block (`cleave.fanout.parts` sends a block needing more whole)
+MAX_BLOCK_PARTS = 256  # segments of one input block (`cleave.gemm.fanout.parts` sends a block needing more whole)
 MAX_LINKCHECK_BYTES = 1024 * 1024
 COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "topkq")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8")
@@ -194,7 +194,7 @@ OwnersField = Annotated[planwire.Owners, PlainValidator(planwire.owners_in), Pla
 class GemmLayout(Wire):
     """The planner's blocks for GEMMs of shape (m, n, k): box i is rows boxes[4i]:boxes[4i+1] and columns
     boxes[4i+2]:boxes[4i+3] of the output, planned for device owners[i]. Inside a Plan on the wire, both
-    travel packed (`cleave.planwire`); `boxes.array` and `owners.index` are their numpy forms."""
+    travel packed (`cleave.schemas.planwire`); `boxes.array` and `owners.index` are their numpy forms."""
 
     m: int = Field(gt=0, le=MAX_GEMM_DIM)
     n: int = Field(gt=0, le=MAX_GEMM_DIM)
@@ -239,7 +239,7 @@ class Plan(Wire):
     """Which workers take part and how the GEMMs are cut; published by the scheduler.
 
     On the wire (`model_dump`, what the codec sends) the workers are packed columns and each layout's boxes
-    and owners packed arrays (`cleave.planwire`): 10,000 devices fit in well under 1 MB. In Python,
+    and owners packed arrays (`cleave.schemas.planwire`): 10,000 devices fit in well under 1 MB. In Python,
     `plan.workers` is a sequence of PlanWorker (with `.ids` and `.columns` for numpy users)."""
 
     version: int
@@ -310,7 +310,7 @@ class BlockPart(Wire):
 class BlockRef(Wire):
     """An input block of a tile: its id, and its data unless the worker already caches it or it comes on a
     fan-out subject (`fanout`: wait briefly for it before answering that it is missing); or, with `parts`,
-    the blocks (segments of its rows, each as above) whose concatenation it is (`cleave.fanout.parts`)."""
+    the blocks (segments of its rows, each as above) whose concatenation it is (`cleave.gemm.fanout.parts`)."""
 
     id: str = Field(max_length=256)
     tensor: TensorData | None = None

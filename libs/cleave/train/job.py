@@ -56,7 +56,7 @@ class JobConfig(BaseModel):
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
     split_layers: int = Field(1, ge=0)  # split learning: blocks the client keeps after the embedding
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes
-    # the GEMMs' precision (cleave.precision): bf16/fp16 as torch.autocast, fp32 master weights and optimizer
+    # the GEMMs' precision (cleave.train.precision): bf16/fp16 as torch.autocast, fp32 master weights and optimizer
     # state, input blocks on the wire in 2 bytes; fp16 adds dynamic loss scaling (GradScaler's rules)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     local_steps: int = Field(DEFAULT_LOCAL_STEPS, ge=1)  # diloco's H / fedavg's E: local steps per round
@@ -73,7 +73,7 @@ class JobConfig(BaseModel):
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)
     seq_len: int | None = Field(None, ge=2)  # None = the preset's block_size
-    lr: float = Field(2e-3, gt=0)  # the peak learning rate (cleave.schedule)
+    lr: float = Field(2e-3, gt=0)  # the peak learning rate (cleave.train.schedule)
     lr_schedule: Literal["cosine", "constant"] = "cosine"  # cosine: linear warmup, then cosine decay to lr_min
     warmup_steps: int | None = Field(None, ge=0)  # None: 5% of the optimizer steps, at most 2000
     lr_min: float | None = Field(None, ge=0)  # the floor of the decay; None: lr / 10 (nanoGPT's min_lr)
@@ -82,8 +82,8 @@ class JobConfig(BaseModel):
     beta2: float = 0.95
     grad_clip: float = Field(1.0, ge=0)  # 0 turns clipping off
     seed: int = 0
-    data: str = "builtin"  # "builtin", a file, folder, glob, JSONL, hf:... or tokens: see cleave.datasources
-    tokenizer: str = Field("bytes", min_length=1)  # "bytes", or a spec for cleave.tokenizer.load_tokenizer
+    data: str = "builtin"  # "builtin", a file, folder, glob, JSONL, hf:... or tokens: see cleave.train.sources
+    tokenizer: str = Field("bytes", min_length=1)  # "bytes", or a spec for cleave.models.tokenizer.load_tokenizer
     val_fraction: float = Field(0.1, ge=0, lt=1)
     val_every: int = Field(0, ge=0)  # evaluate val_loss every N steps; 0 = never
     init_from: str | None = Field(None, min_length=1)  # a Hugging Face model dir to start from (fine-tuning)

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from cleave.job import JobConfig
+from cleave.train.job import JobConfig
 
 T = TypeVar("T")
 DEFAULT_WARMUP_FRACTION = 0.05  # warmup_steps=None: this share of the run's optimizer steps ...

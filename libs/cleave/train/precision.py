@@ -2,7 +2,7 @@
 
 The master weights and the optimizer state stay float32. Under bf16 or fp16 the model's forward runs in
 `torch.autocast` (the local ops, norms, softmax, attention, follow autocast's own lists), and every linear
-layer's three GEMMs (`cleave.tiled`) take their inputs in the low precision, accumulate in float32 over the
+layer's three GEMMs (`cleave.gemm.tiled`) take their inputs in the low precision, accumulate in float32 over the
 whole K and round the product to the low precision once: what an autocast GEMM computes. The PS and
 `--reference` run the same code; only where the GEMM runs differs (one local product here, tiles on the
 fleet there, each block accumulated in float32 by its worker and rounded once before it travels back:

@@ -1,0 +1,2 @@
+"""What every process needs around its work: its lifecycle (signals, exit), logging, fault injection for
+drills, the metrics file and the network lab of namespaces and shaped links."""
