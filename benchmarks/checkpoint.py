@@ -1,7 +1,7 @@
 """Streamed checkpoints: what a commit and a restore cost the PS in memory and time, against the state's size.
 
 One run against a real nats-server (a temporary store): a model of --gib GiB of fp32 parameters with its
-AdamW state, committed once through `cleave_ps.persist.Persister` and loaded back into a fresh model.
+AdamW state, committed once through `cleave_ps.state.persist.Persister` and loaded back into a fresh model.
 Prints the peak RSS each adds over the resident state (VmHWM, reset before each), as a ratio of the
 checkpoint's size, and the seconds. Writes benchmarks/results/checkpoint.json.
 
@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cleave import bus as busmod  # noqa: E402
-from cleave_ps.persist import Persister, snapshot  # noqa: E402
+from cleave_ps.state.persist import Persister, snapshot  # noqa: E402
 from tests.conftest import NatsServer  # noqa: E402 - the tests' real nats-server on a free port
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"

@@ -160,7 +160,7 @@ def classify(frame) -> str | None:  # noqa: ANN001
             return "serialisation"
         if "/nats/" in path or path.endswith("cleave/bus.py"):
             return "bus"
-        if path.endswith("cleave_ps/dispatcher.py") and name == "<lambda>":  # casts, checks, assembly
+        if path.endswith("cleave_ps/fleet/dispatcher.py") and name == "<lambda>":  # casts, checks, assembly
             return "copies"
         if path.endswith("cleave_ps/main.py") and name == "gemm":  # FleetGemm's host copies
             return "copies"

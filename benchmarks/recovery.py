@@ -40,7 +40,7 @@ from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet
-from cleave_ps.persist import Persister
+from cleave_ps.state.persist import Persister
 
 RESULTS = Path(__file__).parent / "results" / "recovery.json"
 CHECKPOINT_EVERY = 5  # the PS's commits in the run (the baseline's k only changes what is redone)

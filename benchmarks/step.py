@@ -39,7 +39,7 @@ from cleave.schemas import SUBJECT_HEARTBEAT_ALL, SUBJECT_RESULTS, Heartbeat
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet, MetricsTail
-from cleave_ps.dispatcher import DEFAULT_BLOCK
+from cleave_ps.fleet.dispatcher import DEFAULT_BLOCK
 from cleave_ps.main import train
 from cleave_ps.settings import PsSettings
 

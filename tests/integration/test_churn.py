@@ -15,7 +15,7 @@ import pytest
 from cleave import bus as busmod
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.persist import Fenced, Persister, snapshot
+from cleave_ps.state.persist import Fenced, Persister, snapshot
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 
 

@@ -21,8 +21,8 @@ from cleave.runtime.faults import Faults
 from cleave.schemas import STATE_OBJECTS, StepMetrics
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.persist import Persister, Progress, read_checkpoint, snapshot
 from cleave_ps.settings import PsSettings
+from cleave_ps.state.persist import Persister, Progress, read_checkpoint, snapshot
 from tests.integration.test_persist_stream import persister
 
 KILLED = textwrap.dedent("""
@@ -30,7 +30,7 @@ KILLED = textwrap.dedent("""
     import torch
     from torch import nn
     from cleave import bus as busmod
-    from cleave_ps.persist import Persister, snapshot
+    from cleave_ps.state.persist import Persister, snapshot
 
     async def main():
         bus = await busmod.connect(sys.argv[1], "doomed-ps")

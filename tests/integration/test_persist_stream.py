@@ -9,7 +9,7 @@ from cleave import bus as busmod
 from cleave.schemas import MAX_MESSAGE_BYTES
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.persist import Persister, snapshot
+from cleave_ps.state.persist import Persister, snapshot
 
 BIG_ELEMENTS = 36 * 1024 * 1024  # two of these in fp32: 288 MiB, over the codec's 256 MiB message limit
 

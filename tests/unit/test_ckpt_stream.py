@@ -8,7 +8,7 @@ import torch
 from cleave.errors import ConfigError
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.ckpt_stream import CorruptCheckpoint, Decoder, Encoder, encode, restore, snapshot, targets
+from cleave_ps.state.checkpoint import CorruptCheckpoint, Decoder, Encoder, encode, restore, snapshot, targets
 
 CHUNK = 4096  # small, so that the tiny model's stream has many chunks
 

@@ -9,7 +9,7 @@ import torch
 from cleave import codec
 from cleave.errors import StepSpoiled
 from cleave.schemas import SUBJECT_RESULTS, DeviceProfile, Plan, PlanWorker, TileResult, TileTask
-from cleave_ps.dispatcher import Dispatcher
+from cleave_ps.fleet.dispatcher import Dispatcher
 from cleave_ps.settings import PsSettings
 
 PROFILE = DeviceProfile(flops=1e9, memory_bytes=1 << 30, downlink_bytes_per_s=1e7, uplink_bytes_per_s=1e7,

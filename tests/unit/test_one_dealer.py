@@ -27,7 +27,7 @@ from cleave.schemas import (
 )
 from cleave.sim import plans as simplans
 from cleave.sim.world import World
-from cleave_ps.dispatcher import Dispatcher
+from cleave_ps.fleet.dispatcher import Dispatcher
 from cleave_ps.settings import PsSettings
 
 M, N, K, B, TILE, CHUNKS, CACHE = 192, 256, 32, 4, 64, 2, 1 << 20

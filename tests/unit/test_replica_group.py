@@ -7,7 +7,7 @@ import torch
 
 from cleave.errors import ConfigError
 from cleave.train.job import JobConfig
-from cleave_ps.replicas import ReplicaGroup, fingerprint, job_differences
+from cleave_ps.jobs.replicas import ReplicaGroup, fingerprint, job_differences
 
 
 def test_job_differences_name_each_field():

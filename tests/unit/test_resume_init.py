@@ -16,7 +16,7 @@ from cleave.schemas import CheckpointManifest
 from cleave.train import sources
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.ckpt_stream import encode, restore, snapshot
+from cleave_ps.state.checkpoint import encode, restore, snapshot
 
 STEPS = 6
 

@@ -23,7 +23,7 @@ from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
 from cleave.sim.workload import Workload
 from cleave.sim.world import World
 from cleave_cli import sim_cmd
-from cleave_ps.dispatcher import block_shape
+from cleave_ps.fleet.dispatcher import block_shape
 
 SMALL = ("opt-125m", 8, 128)  # model, batch, seq: GEMMs of 1024 rows, simulated in milliseconds
 

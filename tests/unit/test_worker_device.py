@@ -10,7 +10,7 @@ import torch
 
 from cleave import codec
 from cleave.schemas import BlockRef, TileTask
-from cleave_ps.staging import HostStaging
+from cleave_ps.fleet.staging import HostStaging
 from cleave_worker.core import BlockCache, compute, measure_flops, nbytes
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -2,7 +2,7 @@
 devices that compute them at their actual pace, leave without notice, straggle, and get speculative copies
 and re-sent tiles.
 
-Every dealing decision is the dealer's, exactly as in the PS (`cleave_ps.dispatcher` is the other shell
+Every dealing decision is the dealer's, exactly as in the PS (`cleave_ps.fleet.dispatcher` is the other shell
 around it); this module only plays the devices and the clock. A device streams its tiles as a worker that
 paces itself to a declared profile does (`cleave.plan.profile.streamed`, the `Pacer`'s clock): downlink,
 compute and uplink work on consecutive tiles in parallel, so a long run of tiles costs
@@ -10,7 +10,7 @@ compute and uplink work on consecutive tiles in parallel, so a long run of tiles
 device that has left receives nothing and answers nothing; the dealer notices by its deadline or when a
 new plan (`plans`: time, the plan's worker ids) drops it. A worker back in the plan or back from suspicion
 gets tiles once a link check (`CHECK_BYTES` down behind what its downlink still carries, a round trip) has
-come back, as `cleave_ps.linkcheck` proves it; one that has left never answers.
+come back, as `cleave_ps.fleet.linkcheck` proves it; one that has left never answers.
 
 The dealer is called at the times its `next_check_at` asks for (the PS calls it every `tick_s`, which the
 dealer already rounds speculation to), so deadlines fire at their exact time here and up to one tick later

@@ -8,7 +8,7 @@ planner's blocks) is recomputed for every plan, as the scheduler does today, or 
 at most that often and otherwise kept from the previous plan (a cheaper policy for very large fleets: a
 leaver's blocks then go to the shared queue, and a joiner takes shared tiles until the next layout).
 
-The PS cuts each GEMM by the latest plan it holds when the GEMM starts, as `cleave_ps.dispatcher` does:
+The PS cuts each GEMM by the latest plan it holds when the GEMM starts, as `cleave_ps.fleet.dispatcher` does:
 the planned blocks (cut by `tiles.cut_block`: to at most `tile` rows x columns when set, and into at least
 `chunks` pieces), each owned by its planned device if that device is still a worker, else by nobody.
 """

@@ -46,7 +46,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    """`group` (a PS replica's `cleave_ps.replicas.ReplicaGroup`): train on its share of each global batch and
+    """`group` (a PS replica's `cleave_ps.jobs.replicas.ReplicaGroup`): train on its share of each global batch and
     average the gradients over the group before the optimizer step (`last_sync`: its wait and all-reduce s)."""
 
     def __init__(self, job: JobConfig, backend: tiled.GemmBackend | None = None, corpus: Corpus | None = None,

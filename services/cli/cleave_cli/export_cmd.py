@@ -1,7 +1,7 @@
 """`cleave export`: a run's current model (the PS's last committed checkpoint) as a Hugging Face model dir.
 
-The PS persists its state in JetStream (`cleave_ps.persist`): the KV bucket `cleave-state` holds the head
-record `<job>.head`, which names a streamed checkpoint (a manifest and a data object, `cleave_ps.ckpt_stream`)
+The PS persists its state in JetStream (`cleave_ps.state.persist`): the KV bucket `cleave-state` holds the head
+record `<job>.head`, which names a streamed checkpoint (a manifest and a data object, `cleave_ps.state.checkpoint`)
 in the Object Store `cleave-state-objects`; the weights stream straight into the exported model.
 The export reads them from the run's NATS when it is still running (`<run_dir>/stack.json`), or else from a
 temporary nats-server started on the run's store (`<run_dir>/jetstream`) and stopped afterwards.
@@ -30,7 +30,7 @@ from cleave.runtime.logs import configure
 from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
 from cleave.train.job import JobConfig
 from cleave_cli.stack import Stack
-from cleave_ps.persist import read_checkpoint
+from cleave_ps.state.persist import read_checkpoint
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_PROBE_TIMEOUT_S = 1.0

@@ -37,13 +37,13 @@ from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
-from cleave_ps.dispatcher import Dispatcher
-from cleave_ps.persist import Fenced, Progress
-from cleave_ps.replicas import EXIT_GROUP_LOST, ReplicaGroup, ReplicaLost, fingerprint
-from cleave_ps.rounds import run_rounds
+from cleave_ps.fleet.dispatcher import Dispatcher
+from cleave_ps.fleet.staging import HostStaging
+from cleave_ps.jobs.replicas import EXIT_GROUP_LOST, ReplicaGroup, ReplicaLost, fingerprint
+from cleave_ps.jobs.rounds import run_rounds
+from cleave_ps.jobs.split import run_split
 from cleave_ps.settings import PsSettings
-from cleave_ps.split_server import run_split
-from cleave_ps.staging import HostStaging
+from cleave_ps.state.persist import Fenced, Progress
 
 log = structlog.get_logger("ps")
 OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (median)

@@ -41,7 +41,7 @@ class PsSettings(BaseSettings):
     fail_at: str = ""  # fault injection: "before_commit:3", "after_commit:3", "in_step:3", "in_round:3"
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default
-    replicas: int = Field(1, ge=1, le=64)  # PS replicas of the job (cleave_ps.replicas); each trains a share
+    replicas: int = Field(1, ge=1, le=64)  # PS replicas of the job (cleave_ps.jobs.replicas); each trains a share
     replica: int = Field(0, ge=0)  # this one's index, 0..replicas-1; replica 0 hosts the rendezvous and commits
     replica_addr: str = "127.0.0.1"  # where replica 0 listens for the others (torchrun's MASTER_ADDR)
     replica_port: int = Field(29500, ge=1, le=65535)  # ... and its port (MASTER_PORT)

@@ -50,8 +50,8 @@ from cleave_worker.core import (
     measure_flops,
     reply_to,
 )
+from cleave_worker.local_rounds import RoundRunner
 from cleave_worker.probe import measure_links
-from cleave_worker.rounds import RoundRunner
 from cleave_worker.settings import WorkerSettings
 from cleave_worker.split_client import SplitRunner
 

@@ -3,7 +3,7 @@ Pretraining commits its model and AdamW after steps, DiLoCo and FedAvg their glo
 outer momentum) after rounds, split learning its server half and AdamW after steps; `Progress` reports each
 step's line once, after the state it led to.
 
-A checkpoint is two objects (`cleave_ps.ckpt_stream`): the tensors' raw bytes, streamed one tensor after
+A checkpoint is two objects (`cleave_ps.state.checkpoint`): the tensors' raw bytes, streamed one tensor after
 another straight from the live model (no copy of the model is built), and a small manifest with each
 tensor's key and shape and each chunk's SHA-256. A crash at any point leaves the previous head and the
 checkpoint it names readable: both objects are written first under new names, the head (naming the
@@ -42,9 +42,9 @@ from cleave.schemas import (
 )
 from cleave.train import preflight
 from cleave.train.job import JobConfig
-from cleave_ps import ckpt_gc, ckpt_stream
-from cleave_ps.ckpt_stream import CorruptCheckpoint, Snapshot, snapshot
 from cleave_ps.settings import PsSettings
+from cleave_ps.state import checkpoint, sweep
+from cleave_ps.state.checkpoint import CorruptCheckpoint, Snapshot, snapshot
 
 log = structlog.get_logger("ps")
 DEFAULT_PUT_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
@@ -60,7 +60,7 @@ class Fenced(CleaveError):
 
 async def write_checkpoint(bus: Bus, store, snap: Snapshot, name: str, on_read=None) -> tuple[bytes, int]:  # noqa: ANN001
     """Stream `snap` into `<name>.data`, then its manifest into `<name>`; the manifest's bytes and the data size."""
-    enc = ckpt_stream.Encoder(snap, on_read=on_read)
+    enc = checkpoint.Encoder(snap, on_read=on_read)
     meta = ObjectMeta(name=f"{name}.data", options=ObjectMetaOptions(max_chunk_size=bus.max_payload))
     await asyncio.wait_for(store.put(f"{name}.data", enc, meta=meta), DEFAULT_PUT_TIMEOUT_S)
     manifest = await asyncio.to_thread(codec.encode, enc.manifest(f"{name}.data"))
@@ -82,8 +82,8 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
         m = codec.decode(got.data, CheckpointManifest, MAX_MANIFEST_BYTES)
     except WireError as e:
         raise CorruptCheckpoint(f"manifest {head.object} is malformed: {e}") from None
-    dests = ckpt_stream.targets(model, opt, m, skip_optimizer)
-    dec = ckpt_stream.Decoder(m, dests)
+    dests = checkpoint.targets(model, opt, m, skip_optimizer)
+    dec = checkpoint.Decoder(m, dests)
     try:
         await asyncio.wait_for(store.get(m.data_object, writeinto=dec), DEFAULT_PUT_TIMEOUT_S)
     except CleaveError:
@@ -91,7 +91,7 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
     except Exception as e:  # nats-py: not found, or its own digest over the whole object
         raise CorruptCheckpoint(f"data {m.data_object} is unreadable ({type(e).__name__})") from None
     dec.finish()
-    await asyncio.to_thread(ckpt_stream.apply, model, None if skip_optimizer else opt, m, dests)
+    await asyncio.to_thread(checkpoint.apply, model, None if skip_optimizer else opt, m, dests)
     return m
 
 
@@ -104,8 +104,8 @@ class Persister:
         self.epoch = 0
         self.committed: list[str] = []  # object names this PS wrote, oldest first
         self.rejected: list[tuple[int, str]] = []  # (step, reason) of each checkpoint load refused
-        self.orphan_age_s = ckpt_gc.DEFAULT_ORPHAN_AGE_S  # nameless chunks older than this are purged
-        self.collected = ckpt_gc.Collected()  # what the last commit's clean-up removed
+        self.orphan_age_s = sweep.DEFAULT_ORPHAN_AGE_S  # nameless chunks older than this are purged
+        self.collected = sweep.Collected()  # what the last commit's clean-up removed
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
@@ -213,9 +213,9 @@ class Persister:
     async def _prune(self) -> None:
         """Keep the last KEEP_CHECKPOINTS checkpoints; delete this job's others (also those an earlier
         incarnation committed, or wrote and never committed) and the chunks of puts that never finished
-        (`cleave_ps.ckpt_gc`; best effort)."""
+        (`cleave_ps.state.sweep`; best effort)."""
         del self.committed[:-KEEP_CHECKPOINTS]
-        self.collected = await ckpt_gc.collect(self.bus, self.store, STATE_OBJECTS, self.job_id,
+        self.collected = await sweep.collect(self.bus, self.store, STATE_OBJECTS, self.job_id,
                                                set(self.committed), self.orphan_age_s)
 
 

@@ -6,7 +6,7 @@ half, send back the gradient at the cut, and apply the server's AdamW with the c
 computed from the global gradient norm, exactly as one process would. With `val_every`, the client then
 sends the cut of the validation batches and the PS reports the whole model's validation loss.
 
-The server half and its AdamW are committed every `persist_every` steps (`cleave_ps.persist`); a restarted
+The server half and its AdamW are committed every `persist_every` steps (`cleave_ps.state.persist`); a restarted
 PS resumes at the first step not committed, and the client (which keeps the state from before its last step)
 goes back one step if it had already applied that one.
 """
@@ -35,9 +35,9 @@ from cleave.schemas import (
 )
 from cleave.train.job import JobConfig
 from cleave.train.schedule import set_lr
-from cleave_ps.persist import Fenced, Progress
-from cleave_ps.plan_view import PlanView
+from cleave_ps.fleet.plans import PlanView
 from cleave_ps.settings import PsSettings
+from cleave_ps.state.persist import Fenced, Progress
 
 log = structlog.get_logger("ps")
 DEFAULT_POLL_S = 0.05

@@ -36,9 +36,9 @@ from cleave.schemas import (
     TensorData,
     TileResult,
 )
-from cleave_ps import frames, linkcheck
+from cleave_ps.fleet import frames, linkcheck
+from cleave_ps.fleet.verify import Check, Verifier
 from cleave_ps.settings import PsSettings
-from cleave_ps.verify import Check, Verifier
 
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0

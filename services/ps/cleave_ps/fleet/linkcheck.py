@@ -22,7 +22,7 @@ from cleave.gemm.dealer import CHECK_BYTES
 from cleave.schemas import SUBJECT_LINKCHECK, DeviceProfile, LinkCheck, LinkCheckAck
 
 if TYPE_CHECKING:
-    from cleave_ps.dispatcher import Dispatcher
+    from cleave_ps.fleet.dispatcher import Dispatcher
 
 log = structlog.get_logger("ps")
 DEFAULT_CHECK_TIMEOUT_S = 2.0  # at least; longer on a slow declared or measured downlink

@@ -10,7 +10,7 @@ the validation loss of the PS's model after the round. Every worker whose update
 plan, the round timed out, or it answered with an error) is a recovery event in the round's metrics line.
 
 The global weights, the round and DiLoCo's outer momentum are committed to JetStream after every
-`persist_every` rounds (`cleave_ps.persist`): a PS killed mid-round comes back at the first round not
+`persist_every` rounds (`cleave_ps.state.persist`): a PS killed mid-round comes back at the first round not
 committed, and the workers' data shards and seeds depend only on the round, so the run goes on as if the PS
 had never died.
 """
@@ -45,9 +45,9 @@ from cleave.schemas import (
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
-from cleave_ps.persist import Fenced, Progress
-from cleave_ps.plan_view import PlanView
+from cleave_ps.fleet.plans import PlanView
 from cleave_ps.settings import PsSettings
+from cleave_ps.state.persist import Fenced, Progress
 
 log = structlog.get_logger("ps")
 DEFAULT_POLL_S = 0.05

@@ -19,7 +19,7 @@ from cleave.gemm.dealer import BlockSend, Send
 from cleave.schemas import SUBJECT_FANOUT, SUBJECT_TILES, BlockPart, BlockPush, BlockRef, TensorData, TileTask
 
 if TYPE_CHECKING:
-    from cleave_ps.dispatcher import GemmRun
+    from cleave_ps.fleet.dispatcher import GemmRun
 
 BLOCK_DTYPES = {"bfloat16": np.dtype(np.int16)}  # numpy has no bfloat16: its bits, as int16
 BF16_EXPONENT = 0x7F80  # all ones: an infinity or a NaN
