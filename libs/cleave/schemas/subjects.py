@@ -1,0 +1,31 @@
+"""Every NATS subject, JetStream stream, bucket and key name Cleave uses (placeholders in braces)."""
+
+from __future__ import annotations
+
+PREFIX = "cleave"
+SUBJECT_HEARTBEAT = PREFIX + ".hb.{worker_id}"  # worker -> scheduler: liveness and profile
+SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
+SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
+SUBJECT_FANOUT = PREFIX + ".fan.{job}.{epoch}.{group}"  # PS -> every worker of a group: a shared input block
+SUBJECT_CONTROL = PREFIX + ".ctl.{worker_id}"  # PS -> one worker (request/reply): join fan-out groups
+SUBJECT_LINKCHECK = PREFIX + ".check.{worker_id}"  # PS -> a returning worker (request/reply): prove its downlink
+# worker -> PS: finished blocks, on the worker's own subject (per-worker credentials may publish only there);
+# the PS subscribes with worker_id="*" and checks that a message's worker_id is the subject's
+SUBJECT_RESULTS = PREFIX + ".result.{job}.{epoch}.{worker_id}"
+SUBJECT_ROUNDS = PREFIX + ".round.{worker_id}"  # PS -> one worker: train locally for a round (diloco, fedavg)
+SUBJECT_ROUNDCAST = PREFIX + ".roundcast.{job}"  # PS -> every worker of a round at once: NATS fans it out
+SUBJECT_ROUNDCAST_ALL = PREFIX + ".roundcast.*"  # what workers subscribe to
+SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}.{worker_id}"  # worker -> PS: a round's update, a split reply
+SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
+SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
+SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
+SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
+
+EVENTS_STREAM = "CLEAVE_EVENTS"
+REGISTRY_BUCKET = "cleave-registry"  # key: worker id -> DeviceRecord; entries expire without heartbeats
+PLAN_BUCKET = "cleave-plans"  # key: PLAN_KEY -> Plan
+PLAN_KEY = "current"
+SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
+REPLICA_PLAN_KEY = PLAN_KEY + ".r{replica}"  # key in PLAN_BUCKET: PS replica r's part of the fleet (--ps-replicas)
+STATE_BUCKET = "cleave-state"  # PS persistence head records
+STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
