@@ -12,13 +12,13 @@ from cleave.gemm import predict, tiles
 from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer
 from cleave.gemm.dealer import Policy as PsPolicy
 from cleave.gemm.engine import GemmRun, fleet_of
-from cleave.models import PRESETS, build_model, gemm_shapes
+from cleave.models import PRESETS, backward_pairs, build_model, gemm_shapes, step_order
 from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import DeviceProfile
 from cleave.sim import plans as simplans
 from cleave.sim.baselines import SystemResult
 from cleave.sim.report import CHURN_RATES
-from cleave.sim.step import Simulation, backward_pairs, recovery_over_step, simulate_step, step_order
+from cleave.sim.step import Simulation, recovery_over_step, simulate_step
 from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
 from cleave.sim.workload import Workload
 from cleave.sim.world import World

@@ -99,7 +99,7 @@ def step_makespans(gemms: Sequence[tuple[Sequence[Box], Sequence[str], int]], or
                    fan_out: bool = True, budget: int = PREDICT_BUDGET) -> list[float]:
     """Seconds of each GEMM kind of a step (`gemms`: its blocks, their owners, its k) on the devices
     `profiles` (every member of the plan: idle ones take copies), dealt by the PS's dealing core in the
-    step's order (`order`: kind indices as `cleave.sim.step.step_order` gives them; the scheduler passes
+    step's order (`order`: kind indices as `cleave.models.step_order` gives them; the scheduler passes
     one layer, each kind once, so that a deep model costs what a shallow one does), in the second of
     PREDICT_STEPS steps; a kind dealt several times a step, its mean. Kinds past `budget` (pieces x
     devices) are left out of the dealing and predicted by `streamed_makespan`."""

@@ -1,7 +1,8 @@
 """The model zoo: GPT-2 and Llama-style decoders, their configs and named presets."""
 
 from cleave.models.config import ModelConfig, RopeScaling
-from cleave.models.presets import PRESETS, GemmShape, build_model, gemm_shapes, get_preset, linear_layers
+from cleave.models.gemms import GemmShape, backward_pairs, gemm_shapes, is_backward, linear_layers, step_order
+from cleave.models.presets import PRESETS, build_model, get_preset
 
 __all__ = [
     "PRESETS",
@@ -12,4 +13,7 @@ __all__ = [
     "gemm_shapes",
     "get_preset",
     "linear_layers",
+    "backward_pairs",
+    "is_backward",
+    "step_order",
 ]

@@ -9,7 +9,6 @@ Reading and writing model directories needs torch and `safetensors`, never `tran
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from cleave.errors import ConfigError
 from cleave.models.config import ModelConfig, RopeScaling
+from cleave.models.hub import cached_snapshot
 from cleave.models.presets import build_model
 from cleave.models.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_RECORD, load_tokenizer
 
@@ -31,7 +31,6 @@ MAX_LISTED = 5  # mismatching keys named in an error before "... and N more"
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # buffers that some published checkpoints carry; they are recomputed, never loaded
 _IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-_REPO_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 StateDict = dict[str, torch.Tensor]
 
@@ -284,20 +283,6 @@ def _safetensors() -> Any:
             "Hugging Face checkpoints need the `safetensors` package: pip install safetensors"
         ) from None
     return safetensors.torch
-
-
-def cached_snapshot(repo_id: str) -> Path | None:
-    """The local Hugging Face cache's snapshot of `repo_id`, or None; never touches the network."""
-    if not _REPO_ID.fullmatch(repo_id):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        return None
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # not cached, or not a valid repo id: the caller reports what it looked for
-        return None
 
 
 def resolve_model_dir(path: str | Path) -> Path:

@@ -1,9 +1,6 @@
-"""Named model presets and the per-step GEMM shapes derived from a model's linear layers."""
+"""Named model presets and building a model from its config."""
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -100,52 +97,3 @@ def build_model(cfg: ModelConfig, seed: int | None = None, device: str | torch.d
         torch.manual_seed(seed)
     with torch.device(device):
         return GPT2(cfg) if cfg.family == "gpt2" else Llama(cfg)
-
-
-@dataclass(frozen=True)
-class GemmShape:
-    """One kind of GEMM C[m, n] = A[m, k] · B[k, n] and how often a training step runs it."""
-
-    name: str  # e.g. "mlp.c_fc.fwd"
-    m: int
-    n: int
-    k: int
-    count_per_step: int
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.n * self.k
-
-
-def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    return {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
-
-
-@functools.lru_cache(maxsize=32)
-def _linear_kinds(cfg: ModelConfig) -> tuple[tuple[str, int, int, int], ...]:
-    """(kind, in_features, out_features, count) of the model's linear layers; building even a meta model
-    takes a second or so for the big presets, hence the cache (configs are frozen, so hashable)."""
-    counts: dict[tuple[str, int, int], int] = {}
-    for name, lin in linear_layers(build_model(cfg, device="meta")).items():
-        kind = ".".join(
-            p for p in name.split(".") if not p.isdigit() and p not in ("transformer", "h", "layers")
-        )
-        key = (kind, lin.in_features, lin.out_features)
-        counts[key] = counts.get(key, 0) + 1
-    return tuple((kind, K, N, count) for (kind, K, N), count in counts.items())
-
-
-def gemm_shapes(cfg: ModelConfig, batch: int, seq: int) -> list[GemmShape]:
-    """Forward Y=X·Wᵀ and backward dX=dY·W, dW=dYᵀ·X of every linear layer, grouped by kind.
-
-    Read off the model itself (built on the meta device, so even billion-parameter shapes are free).
-    """
-    M = batch * seq
-    shapes = []
-    for kind, K, N, count in _linear_kinds(cfg):
-        shapes += [
-            GemmShape(f"{kind}.fwd", M, N, K, count),  # Y = X·Wᵀ
-            GemmShape(f"{kind}.dx", M, K, N, count),  # dX = dY·W
-            GemmShape(f"{kind}.dw", N, K, M, count),  # dW = dYᵀ·X
-        ]
-    return shapes

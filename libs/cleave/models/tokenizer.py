@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from cleave.errors import ConfigError
+from cleave.models.hub import cached_snapshot
 
 if TYPE_CHECKING:
     import tokenizers
@@ -164,7 +165,6 @@ def load_tokenizer(spec: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
         return _from_tokenizer_json(path, name)
     if path.is_dir():
         return _from_directory(path, name)
-    from cleave.models.hf import cached_snapshot  # imports torch: only on this rare path
 
     snapshot = cached_snapshot(name)
     if snapshot is None:

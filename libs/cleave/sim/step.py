@@ -22,7 +22,7 @@ import numpy as np
 from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
 from cleave.gemm.engine import Engine, GemmRun, Outcome, PsLink, TileSet, fleet_of
 from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
-from cleave.models import GemmShape
+from cleave.models import GemmShape, backward_pairs, is_backward, step_order
 from cleave.plan.fleet import Fleet
 from cleave.schemas import DeviceProfile
 from cleave.sim.plans import Cutter, PlannerKind, Scheduler
@@ -30,39 +30,6 @@ from cleave.sim.world import World
 
 HORIZON_FACTOR = 10.0  # churn is drawn this many predicted GEMM spans ahead ...
 HORIZON_MIN_S = 60.0  # ... and at least this far
-
-
-def is_backward(shape: GemmShape) -> bool:
-    """Whether a GEMM kind is a backward one (an input or weight gradient)."""
-    return shape.name.endswith((".dx", ".dw"))
-
-
-def step_order(shapes: Sequence[GemmShape]) -> list[int]:
-    """Indices into `shapes`, one per GEMM a step runs: forwards layer by layer, then backwards in reverse."""
-    fwd = [i for i, s in enumerate(shapes) if not is_backward(s)]
-    bwd = [i for i, s in enumerate(shapes) if is_backward(s)]
-    order: list[int] = []
-    for group, rev in ((fwd, False), (bwd, True)):
-        depth = max((shapes[i].count_per_step for i in group), default=0)
-        layers = [[i for i in group if shapes[i].count_per_step > d] for d in range(depth)]
-        for layer in reversed(layers) if rev else layers:
-            order += reversed(layer) if rev else layer
-    return order
-
-
-def backward_pairs(shapes: Sequence[GemmShape], order: Sequence[int]) -> list[tuple[int | None, int | None]]:
-    """The backward GEMMs of `order` as the PS submits them: per linear layer (its input gradient, its weight
-    gradient), indices into `shapes`, None where the layer has no such GEMM."""
-    pairs: list[tuple[str, dict[str, int]]] = []
-    for i in order:
-        base, kind = shapes[i].name.rsplit(".", 1)
-        if kind not in ("dx", "dw"):
-            continue
-        if pairs and pairs[-1][0] == base and kind not in pairs[-1][1]:
-            pairs[-1][1][kind] = i
-        else:
-            pairs.append((base, {kind: i}))
-    return [(p.get("dx"), p.get("dw")) for _, p in pairs]
 
 
 @dataclass

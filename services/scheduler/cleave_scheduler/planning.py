@@ -6,9 +6,9 @@ import numpy as np
 
 from cleave import codec
 from cleave.gemm.predict import step_makespans
+from cleave.models import step_order
 from cleave.plan import planner
 from cleave.schemas import MAX_CONTROL_BYTES, MAX_PLAN_BYTES, GemmLayout, JobShapes, Plan
-from cleave.sim.step import step_order
 
 PLANNERS = ("cost", "even", "uniform")
 
