@@ -40,7 +40,7 @@ from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet, MetricsTail
 from cleave_ps.fleet.dispatcher import DEFAULT_BLOCK
-from cleave_ps.main import train
+from cleave_ps.jobs.pretrain import train
 from cleave_ps.settings import PsSettings
 
 WARMUP_STEPS = 2

@@ -12,8 +12,9 @@ import torch
 from cleave import bus as busmod
 from cleave.schemas import SUBJECT_RESULTS, TileResult
 from cleave_cli.jobrun import LocalFleet
+from cleave_ps.fleet.bridge import FleetGemm
 from cleave_ps.fleet.dispatcher import Dispatcher
-from cleave_ps.main import FleetGemm, watch_plans
+from cleave_ps.fleet.plans import watch_plans
 from cleave_ps.settings import PsSettings
 
 READY_TIMEOUT_S = 30.0

@@ -41,7 +41,7 @@ from cleave.schemas import (
     TileResult,
 )
 from cleave_cli import auth_cmd
-from cleave_cli.stack import free_port, nats_server_binary
+from cleave_cli.natsconf import free_port, nats_server_binary
 from cleave_monitor.settings import MonitorSettings
 from cleave_ps.settings import PsSettings
 from cleave_scheduler.settings import SchedulerSettings

@@ -38,7 +38,7 @@ from cleave.schemas import (
     StepMetrics,
 )
 from cleave_cli.monitor_cmd import start_monitor
-from cleave_cli.stack import free_port
+from cleave_cli.natsconf import free_port
 from cleave_monitor.main import serve
 from cleave_monitor.settings import MonitorSettings
 from tests.integration.fleet import start_fleet

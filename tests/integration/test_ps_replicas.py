@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from cleave.train.job import JobConfig
-from cleave_cli.stack import free_port
+from cleave_cli.natsconf import free_port
 from tests.integration.fleet import assert_same
 
 TRAIN = [sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "10", "--seed", "0"]

@@ -14,7 +14,7 @@ from cleave import auth
 from cleave.errors import ConfigError
 from cleave.schemas import PLAN_BUCKET, STATE_BUCKET
 from cleave_cli import auth_cmd
-from cleave_cli.stack import nats_server_binary
+from cleave_cli.natsconf import nats_server_binary
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
 

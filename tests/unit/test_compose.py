@@ -19,7 +19,8 @@ import yaml
 from cleave.runtime import logs
 from cleave_cli import auth_cmd
 from cleave_cli.main import build_parser
-from cleave_cli.stack import DEFAULT_STOP_GRACE_S, nats_server_binary
+from cleave_cli.natsconf import nats_server_binary
+from cleave_cli.stack import DEFAULT_STOP_GRACE_S
 from cleave_monitor.settings import MonitorSettings
 from cleave_ps.settings import PsSettings
 from cleave_scheduler.settings import SchedulerSettings

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from cleave_cli.main import build_parser
-from cleave_cli.stack import nats_server_binary
+from cleave_cli.natsconf import nats_server_binary
 from tests.unit.test_compose import BASE, COMPOSE, ROLES, load, resolve
 
 CLUSTER = resolve(load("docker-compose.cluster.yml"))

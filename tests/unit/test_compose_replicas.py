@@ -8,7 +8,7 @@ import pytest
 
 from cleave.train.job import JobConfig
 from cleave_cli.main import build_parser
-from cleave_ps.main import replica_group
+from cleave_ps.jobs.pretrain import replica_group
 from cleave_ps.settings import PsSettings
 from tests.unit.test_compose import BASE, env_names, load, resolve, settings_env
 

@@ -89,7 +89,7 @@ def test_precision_is_a_validated_setting_and_a_flag():
 
 
 def test_the_ps_refuses_the_approximate_tile_dtype_with_a_precision():
-    from cleave_ps.main import Job  # noqa: PLC0415 - the PS service, only for this test
+    from cleave_ps.jobs.pretrain import Job  # noqa: PLC0415 - the PS service, only for this test
     from cleave_ps.settings import PsSettings  # noqa: PLC0415
 
     job = JobConfig(preset="tiny", precision="bf16")

@@ -14,8 +14,9 @@ from cleave.schemas import StepMetrics
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
+from cleave_cli.natsconf import free_port
 from cleave_cli.progress import Progress
-from cleave_cli.stack import Stack, free_port
+from cleave_cli.stack import Stack
 
 JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join before it starts
 JOINED = re.compile(r"worker_joined .*?worker_id=(\S+)")  # the scheduler's log line for a join

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from cleave.errors import CleaveError
-from cleave_cli.stack import Stack, free_port
+from cleave_cli.natsconf import free_port
+from cleave_cli.stack import Stack
 
 DEFAULT_URL_TIMEOUT_S = 60.0  # the monitor imports torch (through the codec) before it binds its port
 URL_FILE = "monitor.url"

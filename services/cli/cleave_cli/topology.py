@@ -1,6 +1,6 @@
 """NATS past one server: a cluster of nats-servers (routes, JetStream replicated R3) and leaf nodes per site.
 
-A cluster node's config is the single server's (`stack.NATS_CONFIG`, with every limit it sets) plus a
+A cluster node's config is the single server's (`natsconf.NATS_CONFIG`, with every limit it sets) plus a
 `server_name`, `sync_interval: always` (as compose's nats.conf), the `cluster` block with routes to every
 other node, and a `leafnodes` listener that site leaf nodes dial. A site's leaf node runs no JetStream: its
 workers use core NATS only (tiles, strips, results, heartbeats), and the hub delivers each message across
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cleave.errors import ConfigError
-from cleave_cli.stack import NATS_CONFIG, NATS_LIMITS, free_port
+from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS, free_port
 
 CLUSTER_NAME = "cleave"
 CLUSTER_BLOCK = """\

@@ -9,7 +9,6 @@ read as its bits (int16), and its finiteness from its exponent bits.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,9 +16,7 @@ import torch
 from cleave import codec
 from cleave.gemm.dealer import BlockSend, Send
 from cleave.schemas import SUBJECT_FANOUT, SUBJECT_TILES, BlockPart, BlockPush, BlockRef, TensorData, TileTask
-
-if TYPE_CHECKING:
-    from cleave_ps.fleet.dispatcher import GemmRun
+from cleave_ps.fleet.runs import GemmRun
 
 BLOCK_DTYPES = {"bfloat16": np.dtype(np.int16)}  # numpy has no bfloat16: its bits, as int16
 BF16_EXPONENT = 0x7F80  # all ones: an infinity or a NaN

@@ -14,19 +14,32 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
-from cleave.gemm.dealer import CHECK_BYTES
+from cleave.bus import Bus
+from cleave.gemm.dealer import CHECK_BYTES, Dealer, Send
 from cleave.schemas import SUBJECT_LINKCHECK, DeviceProfile, LinkCheck, LinkCheckAck
-
-if TYPE_CHECKING:
-    from cleave_ps.fleet.dispatcher import Dispatcher
 
 log = structlog.get_logger("ps")
 DEFAULT_CHECK_TIMEOUT_S = 2.0  # at least; longer on a slow declared or measured downlink
 DEFAULT_CHECK_RETRY_S = 0.5  # between a failed check and the next
+
+
+class Shell(Protocol):
+    """What a link check needs of the dispatcher: its bus, its dealer and clock, and a way to send what the
+    dealer deals once the link is proven."""
+
+    bus: Bus
+    dealer: Dealer
+    job_id: str
+    epoch: int
+    stopping: bool
+
+    def clock(self) -> float: ...
+
+    async def post(self, sends: list[Send]) -> None: ...
 
 
 def check_timeout(profile: DeviceProfile | None) -> float:
@@ -36,7 +49,7 @@ def check_timeout(profile: DeviceProfile | None) -> float:
     return max(DEFAULT_CHECK_TIMEOUT_S, 4 * (CHECK_BYTES / profile.downlink_bytes_per_s + 2 * profile.latency_s))
 
 
-async def prove(d: Dispatcher, worker: str) -> None:
+async def prove(d: Shell, worker: str) -> None:
     """Check `worker`'s link until it answers (then deal it tiles), it leaves, or the PS stops."""
     tries = 0
     while not d.stopping:

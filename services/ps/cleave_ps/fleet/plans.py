@@ -1,13 +1,16 @@
-"""Which workers the scheduler's current plan lists, followed from the plan bucket (rounds and split)."""
+"""The scheduler's plans followed from the plan bucket: applied to the dispatcher (pretraining), or which workers
+the current plan lists (rounds and split)."""
 
 from __future__ import annotations
 
 import asyncio
 
+from cleave import bus as busmod
 from cleave import codec
 from cleave.bus import Bus
 from cleave.errors import WireError
 from cleave.schemas import MAX_PLAN_BYTES, PLAN_BUCKET, PLAN_KEY, Plan
+from cleave_ps.fleet.dispatcher import Dispatcher
 
 
 class PlanView:
@@ -27,3 +30,19 @@ class PlanView:
 
     async def follow(self, stop: asyncio.Event) -> None:
         await self.bus.watch(PLAN_BUCKET, PLAN_KEY, self.on_entry, stop)
+
+
+async def watch_plans(bus: busmod.Bus, dispatcher: Dispatcher, stop: asyncio.Event, key: str = PLAN_KEY) -> None:
+    """Apply every plan the scheduler publishes under `key` (the current one first)."""
+
+    async def on_entry(key: str, operation: str, value: bytes | None) -> None:
+        if not value:
+            return
+        try:
+            plan = busmod.codec.decode(value, Plan, MAX_PLAN_BYTES)
+        except busmod.WireError as e:
+            bus.reject(e.reason, "plan", str(e))
+            return
+        await dispatcher.set_plan(plan)
+
+    await bus.watch(PLAN_BUCKET, key, on_entry, stop)
