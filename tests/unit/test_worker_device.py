@@ -93,22 +93,22 @@ def test_staging_copies_each_input_once(device):
 
 @pytest.mark.parametrize("busy", [False, True])
 async def test_a_flops_re_measurement_beside_the_workers_own_tiles_is_discarded(monkeypatch, busy):
-    """`Worker.reprobe` keeps the last FLOPS when a tile (or round) computed during the measurement: sharing
+    """`Device.reprobe` keeps the last FLOPS when a tile (or round) computed during the measurement: sharing
     the device, it would have measured less than the device has."""
     import asyncio
 
     from cleave.schemas import DeviceProfile
-    from cleave_worker import main as wmain
+    from cleave_worker import device as wdevice
     from cleave_worker.settings import WorkerSettings
 
     profile = DeviceProfile(flops=8e10, memory_bytes=1 << 30, downlink_bytes_per_s=1e7, uplink_bytes_per_s=1e7,
                             latency_s=0.01)
-    worker = wmain.Worker(WorkerSettings(worker_id="w1", probe_every_s=0.01), bus=None, profile=profile)
+    device = wdevice.Device(WorkerSettings(worker_id="w1", probe_every_s=0.01), bus=None, profile=profile)
     stop = asyncio.Event()
 
     def measuring():
         if busy:
-            with worker._computing():  # a tile computes while the probe's product runs
+            with device.busy():  # a tile computes while the probe's product runs
                 pass
         return 2e10
 
@@ -116,7 +116,7 @@ async def test_a_flops_re_measurement_beside_the_workers_own_tiles_is_discarded(
         stop.set()  # one re-measurement is enough
         return profile.model_copy(update={"flops": flops})
 
-    monkeypatch.setattr(wmain, "measure_flops", measuring)
-    monkeypatch.setattr(wmain, "measured_profile", measured)
-    await asyncio.wait_for(worker.reprobe(stop), 10)
-    assert worker.profile.flops == (8e10 if busy else 2e10)
+    monkeypatch.setattr(wdevice, "measure_flops", measuring)
+    monkeypatch.setattr(wdevice, "measured_profile", measured)
+    await asyncio.wait_for(device.reprobe(stop), 10)
+    assert device.profile.flops == (8e10 if busy else 2e10)

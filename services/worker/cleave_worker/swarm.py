@@ -15,7 +15,8 @@ import torch
 from cleave import auth
 from cleave import bus as busmod
 from cleave_worker.core import measure_flops
-from cleave_worker.main import first_profile, run_worker
+from cleave_worker.device import first_profile
+from cleave_worker.main import run_worker
 from cleave_worker.settings import WorkerSettings
 
 log = structlog.get_logger("swarm")
