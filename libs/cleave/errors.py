@@ -1,10 +1,31 @@
-"""One error hierarchy for everything Cleave raises on purpose."""
+"""Every error Cleave raises on purpose, and every exit status a Cleave process ends with.
+
+An error that ends a process names the status it ends with (`exit_code`); the supervisors read the status
+to decide whether to start the process again. One tree: everything below derives from `CleaveError`, except
+`Stopped`, which is a request to stop (like KeyboardInterrupt), not an error.
+"""
+
+from __future__ import annotations
+
+import signal
+
+# ---- exit statuses -----------------------------------------------------------------------------------
+EXIT_OK = 0  # done, or stopped on request
+EXIT_ERROR = 2  # a CleaveError: a setting, a job description or an input is wrong; the message says which
+EXIT_FENCED = 3  # a PS whose job another PS took over: the supervisor does not restart it
+EXIT_JOB_FAILED = 4  # a job that cannot go on (e.g. split learning lost its client): not restarted either
+EXIT_GROUP_LOST = 5  # a PS replica of the group is gone: restart and re-form from the last commit
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: out at once, nothing drained
+NOT_RESTARTED = (EXIT_OK, EXIT_FENCED, EXIT_JOB_FAILED)  # a PS ending with these stays down
 
 
 class CleaveError(Exception):
     """Base of every error Cleave raises deliberately."""
 
+    exit_code = EXIT_ERROR  # the status of a process this error ends
 
+
+# ---- input -------------------------------------------------------------------------------------------
 class ConfigError(CleaveError):
     """A setting or job description is invalid; the message names the knob to change."""
 
@@ -22,8 +43,32 @@ class TooLarge(WireError):
         super().__init__("too_large", detail)
 
 
+class CorruptCheckpoint(CleaveError):
+    """A checkpoint's bytes do not match its manifest (a chunk's hash, or its length)."""
+
+
+# ---- planning and the fleet --------------------------------------------------------------------------
+class PlanError(CleaveError):
+    """No plan exists for this input (empty fleet, a GEMM no device can hold, ...); the message says why."""
+
+
+class ProbeFailed(CleaveError):
+    """Not even a small echo came back: nothing is known about the links."""
+
+
+class NetlabError(CleaveError):
+    """A namespace, link or qdisc could not be created or changed."""
+
+
+# ---- a job on the PS ---------------------------------------------------------------------------------
 class Conflict(CleaveError):
     """A compare-and-set lost: someone else wrote the key first."""
+
+
+class Fenced(CleaveError):
+    """Another PS took over this job (a higher epoch committed or claimed it)."""
+
+    exit_code = EXIT_FENCED
 
 
 class StepSpoiled(CleaveError):
@@ -31,4 +76,32 @@ class StepSpoiled(CleaveError):
 
 
 class StepAborted(CleaveError):
-    """A training step could not finish (the job was stopped, or the PS lost its lease)."""
+    """A training step could not finish (the job was stopped, or a GEMM ran past its timeout)."""
+
+    exit_code = EXIT_JOB_FAILED  # when not stopping: the job cannot go on
+
+
+class ClientLost(CleaveError):
+    """The split-learning client left: its half of the model went with it."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
+class ReplicaLost(CleaveError):
+    """Another replica could not be reached, or the group broke (a replica died mid-step)."""
+
+    exit_code = EXIT_GROUP_LOST
+
+
+# ---- the command line --------------------------------------------------------------------------------
+class Stopped(BaseException):  # noqa: N818 - like KeyboardInterrupt, a request, not an error
+    """A stop signal reached the `cleave` command's supervisor; `signum` says which. A BaseException so that
+    no `except Exception` between the signal and the command's clean-up swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

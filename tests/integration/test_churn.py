@@ -13,9 +13,10 @@ import nats
 import pytest
 
 from cleave import bus as busmod
+from cleave.errors import Fenced
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.state.persist import Fenced, Persister, snapshot
+from cleave_ps.state.persist import Persister, snapshot
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
 
 

@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 from cleave import schemas
-from cleave.runtime.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
+from cleave.errors import EXIT_FENCED, EXIT_GROUP_LOST, EXIT_JOB_FAILED
 from cleave_cli.main import build_parser
-from cleave_ps.jobs.replicas import EXIT_GROUP_LOST
 
 GOLDEN = Path(__file__).parent / "golden" / "contract.json"
 EXIT_CODES = {"EXIT_FENCED": EXIT_FENCED, "EXIT_JOB_FAILED": EXIT_JOB_FAILED, "EXIT_GROUP_LOST": EXIT_GROUP_LOST}

@@ -12,9 +12,9 @@ import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
-from cleave.errors import ConfigError
+from cleave.errors import ConfigError, PlanError
 from cleave.models import gemm_shapes, get_preset
-from cleave.plan.costmodel import PlanError, Rates
+from cleave.plan.costmodel import Rates
 from cleave.plan.fleet import Fleet, load_fleet, synthetic_fleet
 from cleave.plan.planner import GemmPlan, even_split, plan_gemm, plan_model
 from cleave_cli.plan_cmd import plan_command, register

@@ -20,15 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cleave.errors import CleaveError
+from cleave.errors import PlanError
 from cleave.plan.fleet import Fleet
 
 BOUND_RTOL = 1e-6  # relative precision of the bisection behind the device lower bound
 FLOOR_SLACK = 1e-6  # the bound rounds capacities down only past this much (the planner uses less)
 
-
-class PlanError(CleaveError):
-    """No plan exists for this input (empty fleet, a GEMM no device can hold, ...); the message says why."""
 
 
 @dataclass(frozen=True, eq=False)

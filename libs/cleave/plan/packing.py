@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from cleave.plan.costmodel import PlanError, Rates, Relaxation, box_area, ideal_side, max_cols, tile_time
+from cleave.errors import PlanError
+from cleave.plan.costmodel import Rates, Relaxation, box_area, ideal_side, max_cols, tile_time
 
 DP_MAX_DEVICES = 40  # pack_dp's cost grows as n² x the number of candidate heights
 DP_MAX_HEIGHTS = 512  # candidate band heights for pack_dp when S is larger

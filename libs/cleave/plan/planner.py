@@ -18,15 +18,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from cleave.plan.costmodel import (
-    GemmBound,
-    PlanError,
-    Rates,
-    egress_bytes,
-    gemm_bound,
-    tile_memory_bytes,
-    tile_time,
-)
+from cleave.errors import PlanError
+from cleave.plan.costmodel import GemmBound, Rates, egress_bytes, gemm_bound, tile_memory_bytes, tile_time
 from cleave.plan.fleet import Fleet, FleetLike
 from cleave.plan.packing import Blocks, solve
 

@@ -9,8 +9,7 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-EXIT_FENCED = 3  # a PS whose job another PS took over: the supervisor does not restart it
-EXIT_JOB_FAILED = 4  # a job that cannot go on (e.g. split learning lost its client): not restarted either
+from cleave.errors import EXIT_INTERRUPTED
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:
@@ -19,7 +18,7 @@ def install_stop_signals(stop: asyncio.Event) -> None:
 
     def on_signal() -> None:
         if stop.is_set():
-            os._exit(130)
+            os._exit(EXIT_INTERRUPTED)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):

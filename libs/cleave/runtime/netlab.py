@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cleave.errors import CleaveError, ConfigError
+from cleave.errors import ConfigError, NetlabError
 
 HUB_PORT = 4222  # nats-server's client port inside the hub namespace
 DEFAULT_QUEUE_S = 0.05  # tbf queue: at most this many seconds of a link's bytes wait (the rest are dropped)
@@ -40,9 +40,6 @@ CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller: one child
 CPU_PERIOD_US = 10_000  # a share is enforced every 10 ms: a worker's FLOPS probe (a few ms) spans periods
 MIN_QUOTA_US = 1_000  # the kernel's smallest quota: shares start at 0.1 core
 
-
-class NetlabError(CleaveError):
-    """A namespace, link or qdisc could not be created or changed."""
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from cleave.errors import ConfigError
+from cleave.errors import ConfigError, PlanError
 from cleave.gemm.dealer import Policy
 from cleave.gemm.tiles import DEFAULT_CHUNKS
-from cleave.plan.costmodel import PlanError
 from cleave.plan.fleet import Fleet, load_fleet, synthetic_fleet
 from cleave.sim.baselines import SystemResult, alpa, dp_tp
 from cleave.sim.pipelines import asteroid, dtfm, pipeline

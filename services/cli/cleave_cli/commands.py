@@ -9,13 +9,12 @@ import statistics
 import time
 from pathlib import Path
 
-from cleave.errors import ConfigError
+from cleave.errors import ConfigError, Stopped
 from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import Progress
-from cleave_cli.supervisor import Stopped
 from cleave_ps.settings import PsSettings
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from cleave.errors import CleaveError
+from cleave.errors import EXIT_INTERRUPTED, CleaveError, Stopped
 
 TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "plan": "plan_cmd",
          "export": "export_cmd", "prepare-data": "data_cmd", "sim": "sim_cmd", "swarm": "swarm_cmd"}  # module: register(sub), run(args)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in TOOLS:
             return tool(args.command).run(args)
         from cleave_cli import commands
-        from cleave_cli.supervisor import Stopped, stop_signals
+        from cleave_cli.supervisor import stop_signals
 
         try:
             with stop_signals():
@@ -149,6 +149,6 @@ def main(argv: list[str] | None = None) -> int:
             return e.exit_code
     except CleaveError as e:
         print(f"cleave: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED

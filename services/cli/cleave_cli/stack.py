@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleave.errors import CleaveError
-from cleave.runtime.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED
+from cleave.errors import NOT_RESTARTED, CleaveError
 from cleave_cli.chaos_cmd import held_down
 from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
 from cleave_cli.supervisor import parent_death_signal
@@ -159,8 +158,7 @@ class Stack:
             code = proc.popen.poll() if proc.popen else None
             if code is None:
                 continue
-            stays_down = held_down(self.run_dir, proc.name) or (proc.role == "ps" and code in (0, EXIT_FENCED,
-                                                                                            EXIT_JOB_FAILED))
+            stays_down = held_down(self.run_dir, proc.name) or (proc.role == "ps" and code in NOT_RESTARTED)
             if proc.restart and not stays_down:
                 proc.restarts += 1
                 if proc.role == "nats":

@@ -19,20 +19,11 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 
+from cleave.errors import Stopped
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-
-class Stopped(BaseException):  # noqa: N818 - like KeyboardInterrupt, a request, not an error
-    """A stop signal reached the supervisor; `signum` says which."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
 
 def parent_death_signal(sig: int) -> Callable[[], None] | None:

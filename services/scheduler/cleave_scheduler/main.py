@@ -12,8 +12,7 @@ import structlog
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.errors import WireError
-from cleave.plan.costmodel import PlanError
+from cleave.errors import PlanError, WireError
 from cleave.runtime.lifecycle import run, wait_for_stop
 from cleave.runtime.logs import configure
 from cleave.schemas import (

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cleave.bus import Bus
-from cleave.errors import CleaveError
+from cleave.errors import ProbeFailed
 from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE, Probe
 
 DEFAULT_PROBE_TIMEOUT_S = 5.0  # one echo; past it the probe yields its bound
@@ -22,9 +22,6 @@ PROBE_GROWTH = 4  # each probe this many times the last
 PROBE_TARGET_S = 0.2  # long enough that latency and a shaper's first burst (~1/100 s of its rate) barely count
 PROBE_HEADROOM = 1024  # the probe and its echo stay one NATS message each
 
-
-class ProbeFailed(CleaveError):
-    """Not even a small echo came back: nothing is known about the links."""
 
 
 @dataclass(frozen=True)

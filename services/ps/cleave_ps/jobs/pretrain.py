@@ -13,10 +13,17 @@ import structlog
 import torch
 
 from cleave import bus as busmod
-from cleave.errors import ConfigError, StepAborted, StepSpoiled
+from cleave.errors import (
+    EXIT_FENCED,
+    EXIT_GROUP_LOST,
+    ConfigError,
+    Fenced,
+    ReplicaLost,
+    StepAborted,
+    StepSpoiled,
+)
 from cleave.models import gemm_shapes
 from cleave.runtime.faults import Faults
-from cleave.runtime.lifecycle import EXIT_FENCED
 from cleave.schemas import (
     COMPUTE_DTYPE_BYTES,
     PLAN_BUCKET,
@@ -36,9 +43,9 @@ from cleave.train.trainer import Trainer
 from cleave_ps.fleet.bridge import FleetGemm
 from cleave_ps.fleet.dispatcher import Dispatcher
 from cleave_ps.fleet.plans import watch_plans
-from cleave_ps.jobs.replicas import EXIT_GROUP_LOST, ReplicaGroup, ReplicaLost, fingerprint
+from cleave_ps.jobs.replicas import ReplicaGroup, fingerprint
 from cleave_ps.settings import PsSettings
-from cleave_ps.state.persist import Fenced, Progress
+from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
 OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (median)

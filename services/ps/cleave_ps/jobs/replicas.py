@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cleave.errors import CleaveError, ConfigError
+from cleave.errors import ConfigError, ReplicaLost
 from cleave.plan import partition
 from cleave.schemas import StepMetrics
 
@@ -36,12 +36,8 @@ from cleave.schemas import StepMetrics
 # events themselves, gemm_s and the predictions stay replica 0's)
 JOB_TOTALS = ("workers", "tiles", "tiles_resent", "tiles_copied", "tiles_dropped", "rejected", "bytes_down",
               "bytes_up", "recoveries")
-EXIT_GROUP_LOST = 5  # a replica of the group is gone: restart and re-form from the last commit
 GENERATION_KEY = "generation"
 
-
-class ReplicaLost(CleaveError):
-    """Another replica could not be reached, or the group broke (a replica died mid-step)."""
 
 
 def job_differences(mine: dict, theirs: dict) -> list[str]:

@@ -26,13 +26,13 @@ import torch
 
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
-from cleave.errors import WireError
+from cleave.errors import EXIT_FENCED, Fenced, WireError
 from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
 from cleave.runtime.faults import Faults
-from cleave.runtime.lifecycle import EXIT_FENCED, wait_for_stop
+from cleave.runtime.lifecycle import wait_for_stop
 from cleave.schemas import (
     SUBJECT_ROUNDCAST,
     SUBJECT_UPDATES,
@@ -47,7 +47,7 @@ from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
 from cleave_ps.fleet.plans import PlanView
 from cleave_ps.settings import PsSettings
-from cleave_ps.state.persist import Fenced, Progress
+from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
 DEFAULT_POLL_S = 0.05

@@ -20,12 +20,12 @@ import structlog
 
 from cleave import codec
 from cleave.bus import Bus
-from cleave.errors import CleaveError, StepAborted
+from cleave.errors import EXIT_FENCED, EXIT_JOB_FAILED, ClientLost, Fenced, StepAborted
 from cleave.methods import split
 from cleave.methods.common import make_adamw
 from cleave.models import build_model
 from cleave.runtime.faults import Faults
-from cleave.runtime.lifecycle import EXIT_FENCED, EXIT_JOB_FAILED, wait_for_stop
+from cleave.runtime.lifecycle import wait_for_stop
 from cleave.schemas import (
     SUBJECT_SPLIT,
     SUBJECT_UPDATES,
@@ -37,14 +37,11 @@ from cleave.train.job import JobConfig
 from cleave.train.schedule import set_lr
 from cleave_ps.fleet.plans import PlanView
 from cleave_ps.settings import PsSettings
-from cleave_ps.state.persist import Fenced, Progress
+from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
 DEFAULT_POLL_S = 0.05
 
-
-class ClientLost(CleaveError):
-    """The split-learning client left: its half of the model went with it."""
 
 
 class SplitJob:

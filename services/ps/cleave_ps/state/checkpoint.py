@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from cleave import codec
-from cleave.errors import CleaveError, ConfigError
+from cleave.errors import ConfigError, CorruptCheckpoint
 from cleave.schemas import DTYPE_SIZES, CheckpointManifest, TensorEntry
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # hashed unit of the stream: a bad chunk is named, not just "bad"
@@ -30,9 +30,6 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
                 "int8": torch.int8, "uint8": torch.uint8}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
-
-class CorruptCheckpoint(CleaveError):
-    """A checkpoint's bytes do not match its manifest (a chunk's hash, or its length)."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch import nn
 
 from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
-from cleave.errors import CleaveError, ConfigError, Conflict, WireError
+from cleave.errors import CleaveError, ConfigError, Conflict, CorruptCheckpoint, Fenced, WireError
 from cleave.runtime.faults import Faults
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import (
@@ -44,7 +44,7 @@ from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
 from cleave_ps.state import checkpoint, sweep
-from cleave_ps.state.checkpoint import CorruptCheckpoint, Snapshot, snapshot
+from cleave_ps.state.checkpoint import Snapshot, snapshot
 
 log = structlog.get_logger("ps")
 DEFAULT_PUT_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
@@ -53,9 +53,6 @@ CHECKPOINT_BUDGET = 0.05  # persist_every=0: commit when the last commit cost <=
 STAGING_SHARE = 0.5  # checkpoint_staging=auto: a staged copy may take at most this share of the free memory
 __all__ = ["Fenced", "Persister", "Progress", "read_checkpoint", "snapshot", "write_checkpoint"]
 
-
-class Fenced(CleaveError):
-    """Another PS took over this job (a higher epoch committed or claimed it)."""
 
 
 async def write_checkpoint(bus: Bus, store, snap: Snapshot, name: str, on_read=None) -> tuple[bytes, int]:  # noqa: ANN001
