@@ -40,7 +40,8 @@ from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet, MetricsTail
 from cleave_ps.fleet.dispatcher import DEFAULT_BLOCK
-from cleave_ps.jobs.pretrain import train
+from cleave_ps.jobs import lifecycle
+from cleave_ps.jobs.pretrain import Pretrain
 from cleave_ps.settings import PsSettings
 
 WARMUP_STEPS = 2
@@ -133,7 +134,7 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
         sampler.start()
         try:
             settings = PsSettings(nats_url=url, metrics_out=metrics, deferred_gemms=deferred)
-            code = await train(settings, job, bus, asyncio.Event())
+            code = await lifecycle.run(Pretrain(settings, job, bus), bus, asyncio.Event())
         finally:
             sampler.stop()
             await bus.close()

@@ -14,7 +14,7 @@ from cleave.schemas import SUBJECT_RESULTS, TileResult
 from cleave_cli.jobrun import LocalFleet
 from cleave_ps.fleet.bridge import FleetGemm
 from cleave_ps.fleet.dispatcher import Dispatcher
-from cleave_ps.fleet.plans import watch_plans
+from cleave_ps.fleet.plans import PlanWatch
 from cleave_ps.settings import PsSettings
 
 READY_TIMEOUT_S = 30.0
@@ -43,7 +43,7 @@ class InProcessPS:
         self.sub = await self.bus.subscribe(SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch, worker_id="*"),
                                             TileResult, self.dispatcher.on_result,
                                             max_bytes=self.settings.max_result_bytes, sender="worker_id")
-        self.watcher = asyncio.create_task(watch_plans(self.bus, self.dispatcher, self.stop))
+        self.watcher = asyncio.create_task(PlanWatch(self.bus, on_plan=self.dispatcher.set_plan).follow(self.stop))
         return self
 
     async def __aexit__(self, *exc: object) -> None:

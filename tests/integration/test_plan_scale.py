@@ -2,7 +2,7 @@
 
 Registering 10,000 devices by heartbeats would take minutes, so the scheduler's registry is filled with
 synthetic devices; everything after that is the real path: `Scheduler.publish_plans` plans and puts the
-plan in the KV, the PS's `watch_plans` decodes it and its dispatcher applies it.
+plan in the KV, the PS's `PlanWatch` decodes it and its dispatcher applies it.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ from cleave.errors import ConfigError
 from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
 from cleave.train.job import JobConfig
-from cleave_ps.jobs.pretrain import train
-from cleave_ps.jobs.rounds import run_rounds
-from cleave_ps.jobs.split import run_split
+from cleave_ps.jobs import lifecycle
+from cleave_ps.jobs.pretrain import Pretrain
+from cleave_ps.jobs.rounds import Rounds
+from cleave_ps.jobs.split import SplitJob
 from cleave_ps.settings import PsSettings
 
 
@@ -28,13 +29,18 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     bus = await busmod.connect(s.nats_url, name, **auth.connect_options(s, "ps"))
     await bus.setup()
     try:
-        if job.method in ("diloco", "fedavg"):
-            return await run_rounds(s, job, bus, stop)
-        if job.method == "split":
-            return await run_split(s, job, bus, stop)
-        return await train(s, job, bus, stop)
+        return await lifecycle.run(driver(s, job, bus, stop), bus, stop)
     finally:
         await bus.close()
+
+
+def driver(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> lifecycle.Driver:
+    """The job's method as a driver of the one lifecycle."""
+    if job.method in ("diloco", "fedavg"):
+        return Rounds(s, job, bus, stop)
+    if job.method == "split":
+        return SplitJob(s, job, bus, stop)
+    return Pretrain(s, job, bus)
 
 
 def main(settings: PsSettings | None = None) -> int:

@@ -14,12 +14,7 @@ import torch
 
 from cleave import bus as busmod
 from cleave.errors import (
-    EXIT_FENCED,
-    EXIT_GROUP_LOST,
     ConfigError,
-    Fenced,
-    ReplicaLost,
-    StepAborted,
     StepSpoiled,
 )
 from cleave.models import gemm_shapes
@@ -33,6 +28,7 @@ from cleave.schemas import (
     SUBJECT_RESULTS,
     GemmSpec,
     JobShapes,
+    Plan,
     StepMetrics,
     TileResult,
 )
@@ -42,7 +38,8 @@ from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
 from cleave_ps.fleet.bridge import FleetGemm
 from cleave_ps.fleet.dispatcher import Dispatcher
-from cleave_ps.fleet.plans import watch_plans
+from cleave_ps.fleet.plans import PlanWatch
+from cleave_ps.jobs.lifecycle import Listen
 from cleave_ps.jobs.replicas import ReplicaGroup, fingerprint
 from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import Progress
@@ -76,36 +73,38 @@ def snapshot_counters(d: Dispatcher) -> dict:
                 planned_gemm_s=c.planned_gemm_s, unplanned=c.unplanned)
 
 
-class Job:
-    """One training job on the PS: resume from persisted state, run steps, commit, report each step once."""
+class Pretrain:
+    """The pretraining driver of a job's lifecycle (`lifecycle.Driver`): the dispatcher deals every linear
+    GEMM of the trainer's step to the fleet; with replicas, each trains its share of the batch and replica 0
+    commits and reports for all."""
 
-    def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> None:
-        self.s, self.job, self.bus, self.stop = s, job, bus, stop
+    def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus) -> None:
+        self.s, self.job, self.bus = s, job, bus
         self.group = replica_group(s, job)
         # each replica deals under its own job name and epoch, fenced on its own (the workers keep one per job)
         self.wire_id = job.job_id if self.group is None else f"{job.job_id}-r{s.replica}"
+        self.plan_key = PLAN_KEY if self.group is None else REPLICA_PLAN_KEY.format(replica=s.replica)
         fires = self.group is None or s.fail_replica in (-1, s.replica)
         self.faults = Faults(s.fail_at if fires else "", s.fault_dir, tag="ps" if self.group is None else self.wire_id)
         self.progress = Progress(bus, job, s, self.faults, fence_id=self.wire_id)
         self.own_s: deque[float] = deque(maxlen=OWN_TIME_WINDOW)  # the PS's time outside GEMMs, recent steps
+        self.dispatcher: Dispatcher | None = None
+        self.first = 0
 
-    async def start(self) -> int:
-        """Join the replica group (if any), claim an epoch, build the model, restore the last committed
-        state; returns the first step to run."""
-        if self.group is not None:  # before anything else: a replica of another job is refused here
+    async def join(self) -> None:
+        """Join the replica group, if any: a replica of another job is refused here, before anything else."""
+        if self.group is not None:
             await asyncio.to_thread(self.group.join, fingerprint(self.job.model_dump_json(), self.s.replicas))
             log.info("replica_group_joined", replica=self.s.replica, replicas=self.s.replicas, at=self.group.where)
-        epoch = await self.progress.open()
+
+    async def build(self, epoch: int, plans: PlanWatch) -> None:
+        self.epoch = epoch
         self.dispatcher = Dispatcher(self.bus, self.wire_id, epoch, self.s)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
         await asyncio.to_thread(self.preflight)
         self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend, None, self.group)
         if self.s.replica == 0:
             await self.describe_job()
-        first = await self.resume()
-        if not first:
-            log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=epoch)
-        return first
 
     async def resume(self) -> int:
         """Replica 0 (or the only PS) restores and reports; the other replicas load the same head quietly,
@@ -118,7 +117,19 @@ class Job:
             first = 0 if head is None else head.step + 1
         if self.group is not None:
             await asyncio.to_thread(self.group.agree, str(first), "the step to resume from")
+        if not first:
+            log.info("ps_started", job=self.job.job_id, preset=self.job.preset, steps=self.job.steps, epoch=self.epoch)
+        self.first = first
         return first
+
+    def listens(self, epoch: int) -> list[Listen]:
+        d = self.dispatcher
+        return [Listen(SUBJECT_RESULTS.format(job=self.wire_id, epoch=epoch, worker_id="*"), TileResult, d.on_result,
+                       dict(max_bytes=self.s.max_result_bytes, pending_bytes=self.s.max_pending_bytes,
+                            sender="worker_id"))]
+
+    async def on_plan(self, plan: Plan) -> None:
+        await self.dispatcher.set_plan(plan)
 
     def preflight(self) -> None:
         """Refuse a job whose estimated peak memory exceeds what this PS may use (ConfigError, exit 2)."""
@@ -147,8 +158,8 @@ class Job:
                                                         dtype_bytes=4 if self.job.precision == "fp32" else 2,
                                                         memory_dtype_bytes=COMPUTE_DTYPE_BYTES, replicas=self.s.replicas))
 
-    async def run_step(self, step: int, resumed: bool) -> None:
-        d = self.dispatcher
+    async def step(self, step: int) -> StepMetrics:
+        d, resumed = self.dispatcher, self.first > 0
         before, t0 = snapshot_counters(d), time.perf_counter()
         while True:
             self.backend.begin(step)
@@ -172,8 +183,25 @@ class Job:
                  peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
         if self.group is not None:  # the line reports the whole job (the log above: this replica's part)
             m = m.model_copy(update=await asyncio.to_thread(self.group.job_totals, m))
+        return m
+
+    async def commit(self, m: StepMetrics) -> None:
         if self.s.replica == 0:  # one replica commits (and reports); all hold the same state
             await self.progress.done(m, self.trainer.model, self.trainer.opt)
+
+    async def finish(self, first: int) -> None:
+        if self.s.replica == 0:
+            await self.progress.finish(first)
+        if self.group is not None:  # the others leave once replica 0 has committed the last step
+            await asyncio.to_thread(self.group.barrier)
+
+    def stopping(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.stopping = True  # a GEMM in flight raises StepAborted: the step is not applied
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
 
 
 def replica_group(s: PsSettings, job: JobConfig) -> ReplicaGroup | None:
@@ -185,57 +213,3 @@ def replica_group(s: PsSettings, job: JobConfig) -> ReplicaGroup | None:
     backend = "nccl" if job.device != "cpu" and torch.cuda.is_available() else "gloo"
     return ReplicaGroup(s.replica, s.replicas, s.replica_addr, s.replica_port, s.replica_join_timeout_s,
                         s.replica_step_timeout_s, backend)
-
-
-async def train(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> int:
-    run = Job(s, job, bus, stop)
-    try:
-        return await train_job(run, s, job, bus, stop)
-    except ReplicaLost as e:
-        log.warning("replica_group_lost", replica=s.replica, reason=str(e))
-        return EXIT_GROUP_LOST
-    finally:
-        if run.group is not None:
-            run.group.close()
-
-
-async def train_job(run: Job, s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) -> int:
-    first = await run.start()
-    d = run.dispatcher
-    sub = await bus.subscribe(SUBJECT_RESULTS.format(job=run.wire_id, epoch=d.epoch, worker_id="*"), TileResult,
-                              d.on_result, max_bytes=s.max_result_bytes, pending_bytes=s.max_pending_bytes,
-                              sender="worker_id")
-
-    async def abort_on_stop() -> None:
-        await stop.wait()
-        d.stopping = True  # a GEMM in flight raises StepAborted: the step is not applied
-
-    code = 0
-    async with asyncio.TaskGroup() as tg:
-        key = PLAN_KEY if run.group is None else REPLICA_PLAN_KEY.format(replica=s.replica)
-        watcher = tg.create_task(watch_plans(bus, d, stop, key))
-        tg.create_task(abort_on_stop())
-        try:
-            for step in range(first, job.steps):
-                if stop.is_set():
-                    break
-                await run.run_step(step, resumed=first > 0)
-            else:  # every step ran (none, when a restarted PS finds the job already done)
-                if s.replica == 0:
-                    await run.progress.finish(first)
-                if run.group is not None:  # the others leave once replica 0 has committed the last step
-                    await asyncio.to_thread(run.group.barrier)
-        except StepAborted as e:
-            log.warning("step_aborted", reason=str(e))
-        except Fenced as e:
-            log.warning("ps_fenced", reason=str(e))
-            code = EXIT_FENCED
-        except ReplicaLost as e:  # another replica died mid-step: nothing applied, the group re-forms
-            log.warning("replica_group_lost", replica=s.replica, reason=str(e))
-            code = EXIT_GROUP_LOST
-        finally:
-            d.stopping = True
-            stop.set()
-            watcher.cancel()
-    await sub.unsubscribe()
-    return code

@@ -26,18 +26,19 @@ import torch
 
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
-from cleave.errors import EXIT_FENCED, Fenced, WireError
+from cleave.errors import WireError
 from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_lora
 from cleave.runtime.faults import Faults
-from cleave.runtime.lifecycle import wait_for_stop
 from cleave.schemas import (
+    PLAN_KEY,
     SUBJECT_ROUNDCAST,
     SUBJECT_UPDATES,
     Event,
     PackedTensors,
+    Plan,
     RoundTask,
     RoundUpdate,
     StepMetrics,
@@ -45,26 +46,30 @@ from cleave.schemas import (
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
-from cleave_ps.fleet.plans import PlanView
+from cleave_ps.fleet.plans import PlanWatch, first_of
+from cleave_ps.jobs.lifecycle import Listen
 from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
-DEFAULT_POLL_S = 0.05
 
 
 class Rounds:
+    """The rounds driver of a job's lifecycle (`lifecycle.Driver`): DiLoCo or FedAvg over the plan's workers."""
+
+    plan_key = PLAN_KEY
+
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
         self.progress = Progress(bus, job, s, self.faults)
-        self.epoch = 0  # claimed in `start`
-        self.plan = PlanView(bus)
+        self.epoch = 0  # claimed before `build`
+        self.news = asyncio.Event()  # an update arrived or the plan changed: the round may close
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
         self.failed: set[str] = set()  # workers that answered this round with an error
         self.raw_bytes = self.bytes_up = self.dropped = 0
 
-    def build(self) -> None:
+    def _build(self) -> None:
         self.trainer = Trainer(self.job)
         if self.job.lora_rank:
             attach_lora(self.trainer.model, self.job.lora_rank, self.job.lora_alpha, seed=self.job.seed)
@@ -81,14 +86,28 @@ class Rounds:
     def outer_opt(self) -> torch.optim.Optimizer | None:
         return self.server.opt if isinstance(self.server, DilocoServer) else None
 
-    async def start(self) -> int:
-        """Claim an epoch, build the model and the server, restore the last committed round; returns the first
-        round to run."""
-        self.epoch = await self.progress.open()
-        await asyncio.to_thread(self.build)
+    async def join(self) -> None:
+        """Nothing to agree on before the epoch."""
+
+    async def build(self, epoch: int, plans: PlanWatch) -> None:
+        """The model and the DiLoCo or FedAvg server, for this epoch."""
+        self.epoch, self.plan = epoch, plans
+        await asyncio.to_thread(self._build)
+
+    async def resume(self) -> int:
+        """Restore the last committed round; the first round to run."""
         first = await self.progress.resume(self.trainer.model, self.outer_opt)
         self.server.load_state_dict({**self.server.state_dict(), "round": first})
+        log.info("ps_started", job=self.job.job_id, method=self.job.method, rounds=self.job.steps, epoch=self.epoch,
+                 first=first)
         return first
+
+    def listens(self, epoch: int) -> list[Listen]:
+        return [Listen(SUBJECT_UPDATES.format(job=self.job.job_id, epoch=epoch, worker_id="*"), RoundUpdate,
+                       self.on_update, dict(max_bytes=self.s.max_result_bytes, sender="worker_id"))]
+
+    async def on_plan(self, plan: Plan) -> None:
+        self.news.set()  # a worker may have left: the round stops waiting for it
 
     async def on_update(self, msg: RoundUpdate, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -96,6 +115,7 @@ class Rounds:
             self.dropped += 1
             if msg.error and msg.round == self.server.round:  # it answered: the round does not wait for it
                 self.failed.add(msg.worker_id)
+                self.news.set()
                 log.warning("round_update_failed", worker_id=msg.worker_id, round=msg.round, error=msg.error[:200])
             return
         try:
@@ -111,6 +131,7 @@ class Rounds:
         self.raw_bytes += msg.raw_bytes
         if msg.losses:
             self.losses[msg.worker_id] = msg.losses[0]
+        self.news.set()
 
     async def deal(self, r: int, expected: set[str]) -> int:
         """Publish round `r`'s global weights once for every expected worker (each named with its data shard;
@@ -133,13 +154,14 @@ class Rounds:
         lost: list[Event] = []
         deadline = time.monotonic() + self.job.round_timeout_s
         while not self.stop.is_set() and time.monotonic() < deadline:
+            self.news.clear()
             gone = expected - self.plan.workers - self.server.collector.senders()
             for w in sorted(gone):  # a worker that left the plan before its update came is not waited for
                 lost.append(self.lost(r, w, "left_plan", t0))
             expected &= self.plan.workers
             if self.closes(expected):
                 break
-            await wait_for_stop(self.stop, DEFAULT_POLL_S)
+            await first_of(self.news, self.stop, timeout_s=max(0.0, deadline - time.monotonic()))
         else:
             missing = sorted(expected - self.failed - self.server.collector.senders())
             if missing and not self.stop.is_set():
@@ -156,12 +178,10 @@ class Rounds:
                      detect_s=detect_s, detail={"round": r, "dropped": "its update for this round",
                                                 "redone": "nothing: the round closes with the other updates"})
 
-    async def round(self, r: int) -> StepMetrics | None:
+    async def step(self, r: int) -> StepMetrics | None:
         """Run round `r`; None if the PS is stopping (nothing applied: the round runs again after a restart)."""
         t0 = time.perf_counter()
-        while not self.plan.workers and not self.stop.is_set():
-            await wait_for_stop(self.stop, DEFAULT_POLL_S)
-        expected = set(self.plan.workers)
+        expected = set(await self.plan.some_workers(self.stop))
         bytes_down = await self.deal(r, expected)
         self.faults.hit("in_round", r)
         lost = await self.collect(r, expected, t0)
@@ -186,35 +206,18 @@ class Rounds:
         self.losses.clear()
         self.failed.clear()
         self.raw_bytes = self.bytes_up = self.dropped = 0
+        log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers, val_loss=m.val_loss,
+                 step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
         return m
 
+    async def commit(self, m: StepMetrics) -> None:
+        await self.progress.done(m, self.trainer.model, self.outer_opt)
 
-async def run_rounds(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
-    rounds = Rounds(s, job, bus, stop)
-    first = await rounds.start()
-    sub = await bus.subscribe(SUBJECT_UPDATES.format(job=job.job_id, epoch=rounds.epoch, worker_id="*"), RoundUpdate,
-                              rounds.on_update, max_bytes=s.max_result_bytes, sender="worker_id")
-    log.info("ps_started", job=job.job_id, method=job.method, rounds=job.steps, epoch=rounds.epoch, first=first)
-    code = 0
-    async with asyncio.TaskGroup() as tg:
-        watcher = tg.create_task(rounds.plan.follow(stop))
-        try:
-            for r in range(first, job.steps):
-                if stop.is_set():
-                    break
-                m = await rounds.round(r)
-                if m is None:
-                    break
-                log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers, val_loss=m.val_loss,
-                         step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
-                await rounds.progress.done(m, rounds.trainer.model, rounds.outer_opt)
-            else:
-                await rounds.progress.finish(first)
-        except Fenced as e:
-            log.warning("ps_fenced", reason=str(e))
-            code = EXIT_FENCED
-        finally:
-            stop.set()
-            watcher.cancel()
-    await sub.unsubscribe()
-    return code
+    async def finish(self, first: int) -> None:
+        await self.progress.finish(first)
+
+    def stopping(self) -> None:
+        """The round in flight sees the stop itself (it waits on it) and applies nothing."""
+
+    def close(self) -> None:
+        """Nothing is held outside this process."""

@@ -20,54 +20,72 @@ import structlog
 
 from cleave import codec
 from cleave.bus import Bus
-from cleave.errors import EXIT_FENCED, EXIT_JOB_FAILED, ClientLost, Fenced, StepAborted
+from cleave.errors import ClientLost, StepAborted
 from cleave.methods import split
 from cleave.methods.common import make_adamw
 from cleave.models import build_model
 from cleave.runtime.faults import Faults
-from cleave.runtime.lifecycle import wait_for_stop
 from cleave.schemas import (
+    PLAN_KEY,
     SUBJECT_SPLIT,
     SUBJECT_UPDATES,
+    Plan,
     SplitReply,
     SplitTask,
     StepMetrics,
 )
 from cleave.train.job import JobConfig
 from cleave.train.schedule import set_lr
-from cleave_ps.fleet.plans import PlanView
+from cleave_ps.fleet.plans import PlanWatch, first_of
+from cleave_ps.jobs.lifecycle import Listen
 from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
-DEFAULT_POLL_S = 0.05
 
 
 
 class SplitJob:
+    """The split-learning driver of a job's lifecycle (`lifecycle.Driver`): the server half runs here, the
+    client half on one worker of the plan, chosen at the first step."""
+
+    plan_key = PLAN_KEY
+
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
         self.progress = Progress(bus, job, s, self.faults)
-        self.epoch = 0  # claimed in `start`
+        self.epoch = 0  # claimed before `build`
         self.reply = ""
         self.first = 0
-        self.plan = PlanView(bus)
         self.client = ""
         self.waiting: dict[tuple[int, str], asyncio.Future] = {}
         self.bytes_down = self.bytes_up = 0
 
-    def build(self) -> None:
+    def _build(self) -> None:
         _, half = split.split_model(build_model(self.job.arch(), seed=self.job.seed), self.job.split_layers)
         self.server = split.SplitServer(half, make_adamw(split.server_params(half), self.job))
 
-    async def start(self) -> int:
-        """Claim an epoch, build the server half, restore the last committed step; returns the first step."""
-        self.epoch = await self.progress.open()
-        self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id="*")  # subscribed
-        await asyncio.to_thread(self.build)
+    async def join(self) -> None:
+        """Nothing to agree on before the epoch."""
+
+    async def build(self, epoch: int, plans: PlanWatch) -> None:
+        """The server half and its AdamW, for this epoch."""
+        self.epoch, self.plan = epoch, plans
+        self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=epoch, worker_id="*")  # subscribed
+        await asyncio.to_thread(self._build)
+
+    async def resume(self) -> int:
+        """Restore the last committed step; the first step to run."""
         self.first = await self.progress.resume(self.server.half, self.server.opt)
         return self.first
+
+    def listens(self, epoch: int) -> list[Listen]:
+        return [Listen(self.reply, SplitReply, self.on_reply, dict(max_bytes=self.s.max_result_bytes,
+                                                                   sender="worker_id"))]
+
+    async def on_plan(self, plan: Plan) -> None:
+        """The client may have left: `ask` sees it in the plan's workers."""
 
     async def on_reply(self, msg: SplitReply, nbytes: int) -> None:
         self.bytes_up += nbytes
@@ -83,6 +101,7 @@ class SplitJob:
         deadline = time.monotonic() + self.job.round_timeout_s
         try:
             while not fut.done():
+                self.plan.changed.clear()
                 if self.client not in self.plan.workers:
                     raise ClientLost(f"split-learning client {self.client} left at step {task.step}: the client "
                                      "half of the model lived only there; start the job again")
@@ -90,7 +109,7 @@ class SplitJob:
                     raise StepAborted("the parameter server is stopping")
                 if time.monotonic() > deadline:
                     raise ClientLost(f"client {self.client} did not answer step {task.step} ({task.phase})")
-                await wait_for_stop(self.stop, DEFAULT_POLL_S)
+                await first_of(fut, self.plan.changed, self.stop, timeout_s=max(0.0, deadline - time.monotonic()))
         finally:
             self.waiting.pop((task.step, task.phase), None)
         reply = fut.result()
@@ -108,7 +127,13 @@ class SplitJob:
         cut = split.CutForward(codec.data_to_tensor(ev.activations), tied)
         return await asyncio.to_thread(self.server.evaluate, cut, codec.data_to_tensor(ev.targets))
 
-    async def step(self, s: int) -> StepMetrics:
+    async def step(self, s: int) -> StepMetrics | None:
+        if not self.client:  # the first step: the client is a worker of the plan (the same one on every PS)
+            self.client = min(await self.plan.some_workers(self.stop), default="")
+            if not self.client:
+                return None  # stopped before any worker came
+            log.info("ps_started", job=self.job.job_id, method="split", client=self.client, steps=self.job.steps,
+                     first=self.first)
         t0 = time.perf_counter()
         base = dict(job=self.job.job_id, epoch=self.epoch, step=s, job_config=self.job.model_dump_json(),
                     split_layers=self.job.split_layers,
@@ -133,39 +158,17 @@ class SplitJob:
                         bytes_up=self.bytes_up, tokens=self.job.batch_size * self.job.seq, lr=lr,
                         resumed=self.first > 0, at=time.time())
         self.bytes_down = self.bytes_up = 0
+        log.info("step_done", step=s, loss=round(m.loss, 5), step_time_s=round(m.step_time_s, 3))
         return m
 
+    async def commit(self, m: StepMetrics) -> None:
+        await self.progress.done(m, self.server.half, self.server.opt)
 
-async def run_split(s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> int:
-    sj = SplitJob(s, job, bus, stop)
-    first = await sj.start()
-    sub = await bus.subscribe(sj.reply, SplitReply, sj.on_reply, max_bytes=s.max_result_bytes, sender="worker_id")
-    code = 0
-    async with asyncio.TaskGroup() as tg:
-        watcher = tg.create_task(sj.plan.follow(stop))
-        try:
-            while not sj.plan.workers and not stop.is_set():
-                await wait_for_stop(stop, DEFAULT_POLL_S)
-            sj.client = min(sj.plan.workers, default="")
-            log.info("ps_started", job=job.job_id, method="split", client=sj.client, steps=job.steps, first=first)
-            for step in range(first, job.steps):
-                if stop.is_set():
-                    break
-                m = await sj.step(step)
-                log.info("step_done", step=step, loss=round(m.loss, 5), step_time_s=round(m.step_time_s, 3))
-                await sj.progress.done(m, sj.server.half, sj.server.opt)
-            else:
-                await sj.progress.finish(first)
-        except ClientLost as e:
-            log.error("split_client_lost", reason=str(e))
-            code = EXIT_JOB_FAILED
-        except StepAborted as e:
-            log.warning("step_aborted", reason=str(e))
-        except Fenced as e:
-            log.warning("ps_fenced", reason=str(e))
-            code = EXIT_FENCED
-        finally:
-            stop.set()
-            watcher.cancel()
-    await sub.unsubscribe()
-    return code
+    async def finish(self, first: int) -> None:
+        await self.progress.finish(first)
+
+    def stopping(self) -> None:
+        """A step in flight sees the stop itself (`ask` waits on it) and applies nothing."""
+
+    def close(self) -> None:
+        """Nothing is held outside this process."""
