@@ -34,12 +34,12 @@ from pathlib import Path
 import floors
 
 from cleave import bus as busmod
+from cleave.gemm import tiles
 from cleave.runtime.logs import configure
 from cleave.schemas import SUBJECT_HEARTBEAT_ALL, SUBJECT_RESULTS, Heartbeat
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet, MetricsTail
-from cleave_ps.fleet.dispatcher import DEFAULT_BLOCK
 from cleave_ps.jobs import lifecycle
 from cleave_ps.jobs.pretrain import Pretrain
 from cleave_ps.settings import PsSettings
@@ -114,14 +114,14 @@ def weighted_median(sizes: Counter) -> int:
         acc += sizes[size]
         if acc * 2 >= total:
             return size
-    return DEFAULT_BLOCK
+    return tiles.UNPLANNED_TILE
 
 
 async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int) -> dict:
     # uniform tiles, as before this benchmark measured floors (comparable figures)
     fleet = LocalFleet(run_dir, workers, scheduler_env={
         "CLEAVE_SCHEDULER_PLANNER": "uniform",
-        "CLEAVE_SCHEDULER_TILE_ROWS": str(DEFAULT_BLOCK), "CLEAVE_SCHEDULER_TILE_COLS": str(DEFAULT_BLOCK),
+        "CLEAVE_SCHEDULER_TILE_ROWS": str(tiles.UNPLANNED_TILE), "CLEAVE_SCHEDULER_TILE_COLS": str(tiles.UNPLANNED_TILE),
     })
     fleet.start()
     try:

@@ -21,7 +21,7 @@ import torch
 import zstandard
 
 from cleave.errors import TooLarge, WireError
-from cleave.schemas import DTYPE_SIZES, MAX_MESSAGE_BYTES, TensorData, Wire
+from cleave.schemas import DTYPE_SIZES, DTYPES, MAX_MESSAGE_BYTES, TensorData, Wire
 
 MAGIC = b"CV"
 VERSION = 1
@@ -38,10 +38,7 @@ DEFAULT_MAX_STR = 64 * 1024  # no wire string is longer: ids, subjects, error te
 
 T = TypeVar("T", bound=Wire)
 
-_TORCH_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-}
+_TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # the wire names are torch's own
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 _compressor = zstandard.ZstdCompressor(level=1)
 
@@ -53,12 +50,22 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (KeyError for one the wire does not carry: `sendable` tells)."""
     return _DTYPE_NAMES[dtype]
+
+
+def sendable(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_NAMES
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """How numpy reads a wire dtype's bytes: its own type, or for bfloat16 (numpy has none) its bits as int16."""
+    return np.dtype(np.int16) if name == "bfloat16" else np.dtype(name)
 
 
 def tensor_to_data(t: torch.Tensor) -> TensorData:
     """A CPU tensor as wire data (one copy of its bytes; bf16 travels as its 16-bit pattern)."""
-    if t.dtype not in _DTYPE_NAMES:
+    if not sendable(t.dtype):
         raise WireError("bad_dtype", f"cannot send tensors of {t.dtype}")
     t = t.detach().to("cpu").contiguous()
     view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -68,7 +75,7 @@ def tensor_to_data(t: torch.Tensor) -> TensorData:
 def data_to_tensor(d: TensorData, pin: bool = False) -> torch.Tensor:
     """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size); `pin`:
     in page-locked memory, for a non-blocking copy to a GPU (needs CUDA), still one copy of the bytes."""
-    arr = np.frombuffer(d.data, dtype=np.int16 if d.dtype == "bfloat16" else np.dtype(d.dtype))
+    arr = np.frombuffer(d.data, dtype=numpy_dtype(d.dtype))
     if pin:
         t = torch.empty(arr.shape, dtype=torch.int16 if d.dtype == "bfloat16" else _TORCH_DTYPES[d.dtype],
                         pin_memory=True)

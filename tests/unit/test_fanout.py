@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from cleave.gemm import fanout, predict, tiles
+from cleave.gemm import fanout, tiles
 from cleave.gemm.dealer import Dealer, Policy, Work
 from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import BlockPart, BlockRef
@@ -63,7 +63,7 @@ def test_a_cost_plan_on_a_synthetic_fleet_sends_its_inputs_about_once():
     for g in plan.gemms:
         boxes, owners = [], []
         for i, o in enumerate(g.owners):
-            parts = predict.cut(tuple(int(x) for x in g.boxes[4 * i: 4 * i + 4]), g.k, 4, 1024, 1024, 4, 1 << 27)
+            parts = tiles.cut_planned(tuple(int(x) for x in g.boxes[4 * i: 4 * i + 4]), g.k, 4, 1024, 1024, 4, 1 << 27)
             boxes, owners = boxes + parts, owners + [o] * len(parts)
         grid = tiles.from_boxes(boxes)
         split, shared = fanout.layout(grid, owners, window=4)

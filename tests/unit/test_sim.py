@@ -23,7 +23,6 @@ from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
 from cleave.sim.workload import Workload
 from cleave.sim.world import World
 from cleave_cli import sim_cmd
-from cleave_ps.fleet.dispatcher import block_shape
 
 SMALL = ("opt-125m", 8, 128)  # model, batch, seq: GEMMs of 1024 rows, simulated in milliseconds
 
@@ -196,11 +195,6 @@ def test_the_step_runs_every_gemm_in_order():
     order = step_order(sh)
     assert len(order) == sum(s.count_per_step for s in sh)
     assert sh[order[0]].name.endswith(".fwd") and sh[order[-1]].name.endswith((".dx", ".dw"))
-
-
-def test_uniform_tiles_are_cut_as_the_dispatcher_cuts_them():
-    for m, n, workers in [(1024, 768, 4), (1024, 768, 100), (64, 50272, 9), (8, 8, 1000), (4096, 4096, 5000)]:
-        assert tiles.fit_block(m, n, 256, 256, workers) == block_shape(m, n, None, workers)
 
 
 def test_simulate_step_takes_declared_profiles():

@@ -39,3 +39,10 @@ def test_cuts_reject_nonsense():
         tiles.cuts(0, 4)
     with pytest.raises(ValueError):
         tiles.cuts(4, 0)
+
+
+def test_a_uniform_grid_takes_the_plans_tile_or_the_unplanned_one_halved_until_every_worker_has_one():
+    assert tiles.uniform_block(4096, 4096, None, 1) == (tiles.UNPLANNED_TILE, tiles.UNPLANNED_TILE)
+    assert tiles.uniform_block(4096, 4096, (1024, 512), 1) == (1024, 512)
+    rows, cols = tiles.uniform_block(1024, 768, None, 100)
+    assert -(-1024 // rows) * -(-768 // cols) >= 100

@@ -21,10 +21,10 @@ import numpy as np
 
 from cleave.gemm import tiles
 from cleave.gemm.ledger import DEFAULT_WINDOW
+from cleave.gemm.tiles import Box
 from cleave.plan.profile import dealt_time
 from cleave.schemas import DeviceProfile
 
-Box = tuple[int, int, int, int]  # rows r0:r1, columns c0:c1 of the output
 UNLIMITED = 1 << 62
 PREDICT_RUNS = 3  # one GEMM kind alone is dealt this often in a row and the last counts: the dealer's round
 # trips and its suspicion of a device that copies keep beating settle by then
@@ -34,18 +34,6 @@ PREDICT_STEPS = 2  # a step's GEMMs are dealt in this many steps and the last co
 PREDICT_BUDGET = 20_000
 
 
-def cut(box: Box, k: int, b: int, tile_rows: int, tile_cols: int, chunks: int, cache_bytes: int) -> list[Box]:
-    """A planned block as the PS sends it (`tiles.cut_block`), streamed in `chunks` pieces only where its
-    shared input (the rows of the shorter side, sent with the first piece) stays in the device's block
-    cache next to a piece; else whole tiles, since re-sending it with every piece costs more than
-    streaming saves (edge devices with k = 131,072 weight-gradient GEMMs)."""
-    r0, r1, c0, c1 = box
-    short, long = sorted((min(r1 - r0, tile_rows), min(c1 - c0, tile_cols)))
-    if (short + -(-long // max(chunks, 1))) * k * b > cache_bytes:
-        chunks = 1
-    return tiles.cut_block(box, tile_rows, tile_cols, chunks)
-
-
 def pieces(blocks: Sequence[Box], k: int, b: int, tile_rows: int, tile_cols: int,
            chunks: int, cache_bytes: int = UNLIMITED) -> list[tuple[float, float, float]]:
     """(bytes down, bytes up, FLOPs) of each piece one device is sent for its `blocks`, in dealing order;
@@ -53,7 +41,7 @@ def pieces(blocks: Sequence[Box], k: int, b: int, tile_rows: int, tile_cols: int
     seen: set[tuple[str, int, int]] = set()
     out = []
     for box in blocks:
-        for r0, r1, c0, c1 in cut(box, k, b, tile_rows, tile_cols, chunks, cache_bytes):
+        for r0, r1, c0, c1 in tiles.cut_planned(box, k, b, tile_rows, tile_cols, chunks, cache_bytes):
             down = 0
             for key, size in ((("a", r0, r1), r1 - r0), (("b", c0, c1), c1 - c0)):
                 if key not in seen:
@@ -85,7 +73,7 @@ def tileset(boxes: Sequence[Box], owners: Sequence[str], k: int, b: int, tile_ro
     cut_boxes: list[Box] = []
     cut_owners: list[str | None] = []
     for box, owner in zip(boxes, owners, strict=True):
-        parts = cut(box, k, b, tile_rows, tile_cols, chunks, cache_bytes.get(owner, UNLIMITED))
+        parts = tiles.cut_planned(box, k, b, tile_rows, tile_cols, chunks, cache_bytes.get(owner, UNLIMITED))
         cut_boxes += parts
         cut_owners += [owner] * len(parts)
     m = max((x[1] for x in cut_boxes), default=0)

@@ -38,6 +38,8 @@ def cuts(size: int, block: int) -> list[tuple[int, int]]:
 MIN_BLOCK = 16  # blocks are not cut thinner than this to feed more workers
 DEFAULT_TILE = 1024  # the largest block sent as one tile (the scheduler's tile_rows and tile_cols)
 DEFAULT_CHUNKS = 4  # a planned block goes out in at least this many pieces (the scheduler's chunks)
+UNPLANNED_TILE = 256  # a GEMM dealt before any plan arrived: tiles of at most this side
+Box = tuple[int, int, int, int]  # rows r0:r1, columns c0:c1 of the output
 
 
 def fit_block(m: int, n: int, rows: int, cols: int, workers: int) -> tuple[int, int]:
@@ -51,6 +53,13 @@ def fit_block(m: int, n: int, rows: int, cols: int, workers: int) -> tuple[int, 
         else:
             break
     return rows, cols
+
+
+def uniform_block(m: int, n: int, tile: tuple[int, int] | None, workers: int) -> tuple[int, int]:
+    """The tile of a GEMM dealt as a uniform grid (no planned layout for its shape): the plan's largest tile
+    (`None`: no plan yet, UNPLANNED_TILE), halved until every worker can get one."""
+    rows, cols = tile or (UNPLANNED_TILE, UNPLANNED_TILE)
+    return fit_block(m, n, rows, cols, workers)
 
 
 def grid(m: int, n: int, block_rows: int, block_cols: int) -> list[Tile]:
@@ -91,6 +100,18 @@ def cut_block(box: tuple[int, int, int, int], max_rows: int, max_cols: int, chun
         for a, b in zip(edges, edges[1:], strict=False):
             out.append((a, b, c0, c1) if along_rows else (r0, r1, a, b))
     return out
+
+
+def cut_planned(box: Box, k: int, b: int, tile_rows: int, tile_cols: int, chunks: int, cache_bytes: int) -> list[Box]:
+    """A planned block as the PS sends it (`tiles.cut_block`), streamed in `chunks` pieces only where its
+    shared input (the rows of the shorter side, sent with the first piece) stays in the device's block
+    cache next to a piece; else whole tiles, since re-sending it with every piece costs more than
+    streaming saves (edge devices with k = 131,072 weight-gradient GEMMs)."""
+    r0, r1, c0, c1 = box
+    short, long = sorted((min(r1 - r0, tile_rows), min(c1 - c0, tile_cols)))
+    if (short + -(-long // max(chunks, 1))) * k * b > cache_bytes:
+        chunks = 1
+    return cut_block(box, tile_rows, tile_cols, chunks)
 
 
 def from_boxes(boxes: list[tuple[int, int, int, int]]) -> list[Tile]:

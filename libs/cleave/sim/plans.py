@@ -110,7 +110,7 @@ class Cutter:
     def _cut(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         b, ids = self.dtype_bytes, plan.ids(self.world)
         if self.kind == "uniform":
-            rows, cols = tiles.fit_block(m, n, *(self.tile or (tiles.DEFAULT_TILE, tiles.DEFAULT_TILE)), len(ids))
+            rows, cols = tiles.uniform_block(m, n, self.tile or (tiles.DEFAULT_TILE, tiles.DEFAULT_TILE), len(ids))
             grid = tiles.grid(m, n, rows, cols)
             egress = egress_bytes(m, n, k, b) / self.ps_bandwidth if self.ps_bandwidth else 0.0
             return TileSet(m, n, k, b, grid, [None] * len(grid), egress), math.nan
@@ -124,7 +124,7 @@ class Cutter:
         owners: list[str | None] = []
         limit = self.tile or (m, n)
         for owner, box in zip(planned, blocks, strict=True):
-            parts = predict.cut(box, k, b, *limit, self.chunks, self.cache_bytes)
+            parts = tiles.cut_planned(box, k, b, *limit, self.chunks, self.cache_bytes)
             boxes += parts
             owners += [owner] * len(parts)
         cut = tiles.from_boxes(boxes)

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import torch
 
 from cleave import bus as busmod
+from cleave import codec
 from cleave.errors import CleaveError, ConfigError
 from cleave.models import ModelConfig, build_model
 from cleave.models.hf import export_hf
@@ -34,7 +35,7 @@ from cleave_ps.state.persist import read_checkpoint
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_PROBE_TIMEOUT_S = 1.0
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")  # wire names (`cleave.codec.torch_dtype`)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
     p.add_argument("--job-id", help="default: the job in <run-dir>/job.json")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the saved weights")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the saved weights")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     job_id = args.job_id or job_id_of(args.run_dir)
     with state_server(args.run_dir) as url:
         head, job, cfg, model = asyncio.run(read_state(url, job_id))
-    out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=DTYPES[args.dtype])
+    out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=codec.torch_dtype(args.dtype))
     print(
         f"exported job {job_id} at step {head.step} (epoch {head.epoch}, model {job.model_name}, "
         f"tokenizer {job.tokenizer}) to {out}"

@@ -22,7 +22,7 @@ import torch
 from cleave import codec
 from cleave.bus import Bus
 from cleave.errors import StepAborted, StepSpoiled
-from cleave.gemm import fanout, predict, tiles
+from cleave.gemm import fanout, tiles
 from cleave.gemm.dealer import Dealer, Policy, Recovery, Send, Work
 from cleave.schemas import (
     SUBJECT_CONTROL,
@@ -34,6 +34,7 @@ from cleave.schemas import (
     Plan,
     TileResult,
 )
+from cleave.train import precision
 from cleave_ps.fleet import frames, linkcheck
 from cleave_ps.fleet.runs import Counters, GemmRun
 from cleave_ps.fleet.verify import Check, Verifier
@@ -41,16 +42,9 @@ from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
-DEFAULT_BLOCK = 256
 DEFAULT_JOIN_TIMEOUT_S = 2.0  # a worker that does not confirm its fan-out groups by then gets blocks direct
 DEFAULT_JOIN_CONCURRENCY = 64
 OFF_LOOP_BYTES = 1 << 20  # byte work on more than this runs in a worker thread
-
-
-def block_shape(m: int, n: int, plan: Plan | None, workers: int) -> tuple[int, int]:
-    """The plan's block shape, halved (larger side first) until every worker can get a tile."""
-    rows, cols = (plan.tile_rows, plan.tile_cols) if plan else (DEFAULT_BLOCK, DEFAULT_BLOCK)
-    return tiles.fit_block(m, n, rows, cols, workers)
 
 
 def policy_of(s: PsSettings) -> Policy:
@@ -74,7 +68,7 @@ class Dispatcher:
         self.stopping = False
         self.verifier = Verifier(s.verify_fraction, seed=epoch)
         # the approximate mode: input blocks travel in half precision (results stay float32)
-        self.tile_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[s.tile_dtype]
+        self.tile_dtype = precision.DTYPES[s.tile_dtype]
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
         self._tasks: set[asyncio.Task] = set()
         bus.on_dropped.append(self._dropped)
@@ -217,12 +211,12 @@ class Dispatcher:
         return run.out.to(want)
 
     def _tiling(self, m: int, n: int, k: int, b: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
-        """The plan's blocks for this shape, cut as `predict.cut` says, and the planned makespan; else a
+        """The plan's blocks for this shape, cut as `tiles.cut_planned` says, and the planned makespan; else a
         uniform grid (and 0: nothing predicted)."""
         plan = self.plan
         layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
         if layout is None:
-            rows, cols = block_shape(m, n, plan, len(self._live()))
+            rows, cols = tiles.uniform_block(m, n, (plan.tile_rows, plan.tile_cols) if plan else None, len(self._live()))
             return tiles.grid(m, n, rows, cols), None, 0.0
         boxes, owners = [], []
         members = self.dealer.members
@@ -230,7 +224,7 @@ class Dispatcher:
         for i, owner in enumerate(layout.owners):
             box = tuple(flat[4 * i : 4 * i + 4])
             cache = members[owner].cache_bytes if owner in members else 0
-            parts = predict.cut(box, k, b, plan.tile_rows, plan.tile_cols, plan.chunks, cache)
+            parts = tiles.cut_planned(box, k, b, plan.tile_rows, plan.tile_cols, plan.chunks, cache)
             boxes += parts
             owners += [owner if owner in members else None] * len(parts)
         return tiles.from_boxes(boxes), owners, layout.makespan_s

@@ -18,7 +18,6 @@ from cleave.gemm.dealer import BlockSend, Send
 from cleave.schemas import SUBJECT_FANOUT, SUBJECT_TILES, BlockPart, BlockPush, BlockRef, TensorData, TileTask
 from cleave_ps.fleet.runs import GemmRun
 
-BLOCK_DTYPES = {"bfloat16": np.dtype(np.int16)}  # numpy has no bfloat16: its bits, as int16
 BF16_EXPONENT = 0x7F80  # all ones: an infinity or a NaN
 
 
@@ -56,7 +55,7 @@ def ref(run: GemmRun, blk: BlockSend, src: torch.Tensor, data: bool = False) -> 
 
 def block(out: TensorData, rows: int, cols: int) -> np.ndarray:
     """A result's block over its message's bytes (read-only; a bf16 block as int16)."""
-    return np.frombuffer(out.data, dtype=BLOCK_DTYPES.get(out.dtype) or np.dtype(out.dtype)).reshape(rows, cols)
+    return np.frombuffer(out.data, dtype=codec.numpy_dtype(out.dtype)).reshape(rows, cols)
 
 
 def finite(values: np.ndarray, dtype: str) -> bool:

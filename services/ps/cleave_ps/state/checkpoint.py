@@ -25,10 +25,6 @@ from cleave.errors import ConfigError, CorruptCheckpoint
 from cleave.schemas import DTYPE_SIZES, CheckpointManifest, TensorEntry
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # hashed unit of the stream: a bad chunk is named, not just "bad"
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-                "int8": torch.int8, "uint8": torch.uint8}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 
@@ -96,7 +92,7 @@ class Encoder(io.RawIOBase):
         super().__init__()
         self.snap, self.chunks = snap, _Chunks(chunk_bytes)
         self.on_read = on_read or (lambda: None)
-        self.entries = [TensorEntry(key=k, dtype=DTYPE_NAMES[v.dtype], shape=tuple(v.shape))
+        self.entries = [TensorEntry(key=k, dtype=codec.dtype_name(v.dtype), shape=tuple(v.shape))
                         for k, v in snap.tensors.items()]
         self.pending = iter(snap.tensors.values())
         self.current, self.size = memoryview(b""), 0
@@ -146,13 +142,13 @@ def targets(model: nn.Module, opt: torch.optim.Optimizer | None, m: CheckpointMa
     for e in m.tensors:
         if e.key.startswith("model."):
             t = own[e.key.removeprefix("model.")]
-            if tuple(t.shape) != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype:
+            if tuple(t.shape) != e.shape or not codec.sendable(t.dtype) or codec.dtype_name(t.dtype) != e.dtype:
                 raise ConfigError(f"checkpoint tensor {e.key} is {e.dtype}{list(e.shape)}, the model's "
                                   f"{t.dtype}{list(t.shape)}")
             staged = t.device.type != "cpu" or not t.is_contiguous()  # a CUDA PS: via host memory, one at a time
             out.append(torch.empty(e.shape, dtype=t.dtype) if staged else t)
         else:
-            out.append(None if skip_optimizer else torch.empty(e.shape, dtype=TORCH_DTYPES[e.dtype]))
+            out.append(None if skip_optimizer else torch.empty(e.shape, dtype=codec.torch_dtype(e.dtype)))
     return out
 
 
