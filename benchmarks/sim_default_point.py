@@ -31,7 +31,7 @@ def row(case: str, bandwidth: float | None, fan_out: bool, flags: str) -> dict:
         "case": case, "ps_bandwidth": bandwidth, "fan_out": fan_out,
         "step_s": me["step_s"], "gemm_step_s": me["gemm_step_s"], "predicted_step_s": me["predicted_step_s"],
         "ps_bytes_per_step": me["ps_bytes_per_step"], "distinct_input_bytes": me["distinct_input_bytes"],
-        "tiles_resent": me["tiles_resent"], "speculated": me["speculated"],
+        "tiles_resent": me["tiles_resent"], "copied": me["copied"],
         "recovery_s": me["recovery_s"], "recovery_worst_s": me["recovery"]["worst_s"],
         "per_device_down_bytes": me["per_device_down_bytes"],
         "ps_compute_s": ps["compute_s"], "ps_flops": ps["flops"]["total"], "ps_attention_flops": ps["flops"]["attention"],

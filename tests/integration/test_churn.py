@@ -216,6 +216,6 @@ async def test_a_straggler_is_overtaken_by_a_speculative_copy(tmp_path, nats_url
                 got.append(await asyncio.wait_for(ps.step(lambda s=s: dist.step(s), s), 30))
             os.kill(fleet.stack.procs["worker-3"].popen.pid, signal.SIGCONT)
             assert_same(got, reference(job))
-            assert ps.dispatcher.c.speculated > 0
+            assert ps.dispatcher.c.copied > 0
     finally:
         fleet.stop()

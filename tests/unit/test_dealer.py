@@ -101,7 +101,7 @@ def run_fleet(seed):
     assert all(led.covered(t.index) for t in led.tiles)
     for rec in dealer.recoveries:
         assert rec.done_at is not None and not rec.tiles
-    return len(gone), len(dealer.recoveries), led.speculated, led.duplicates
+    return len(gone), len(dealer.recoveries), led.copied, led.duplicates
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -277,7 +277,7 @@ def test_copies_of_late_tiles_stop_at_their_share_of_the_gemms_bytes(share, copi
         if s.worker == "f":  # (a worker whose tile a copy finished is free for copies too, and never answers)
             now += 0.01
             inbox += left(dealer, dealer.done("f", s.tile.index, s.attempt, now)[1], now)
-    assert len(made) == dealer.deal().ledger.speculated == copies
+    assert len(made) == dealer.deal().ledger.copied == copies
     assert dealer.deal().copy_bytes == 256 * copies and dealer.deal().sent_bytes == 6 * 512
 
 

@@ -74,10 +74,10 @@ def test_speculation_copies_the_oldest_straggler_once():
     led = ledger(2)
     a = led.take("slow", 0.0)
     b = led.take("slow", 5.0)
-    assert led.speculate("idle", 6.0, min_age_s=10.0) is None  # nobody is late yet
-    spec = led.speculate("idle", 12.0, min_age_s=10.0)
+    assert led.copy_late("idle", 6.0, min_age_s=10.0) is None  # nobody is late yet
+    spec = led.copy_late("idle", 12.0, min_age_s=10.0)
     assert spec.tile == a.tile and spec.attempt == 1
-    assert led.speculate("idle2", 12.0, min_age_s=10.0) is None  # b is young; a already has a twin
+    assert led.copy_late("idle2", 12.0, min_age_s=10.0) is None  # b is young; a already has a twin
     assert led.finish(spec.tile, spec.attempt) == "accepted"  # first result wins
     assert led.finish(a.tile, a.attempt) == "duplicate"
     assert led.finish(b.tile, b.attempt) == "accepted" and led.complete

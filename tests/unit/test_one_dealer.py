@@ -11,7 +11,7 @@ import torch
 
 from cleave import codec
 from cleave.gemm.dealer import Dealer, Policy
-from cleave.gemm.engine import GemmRun, fleet_of
+from cleave.gemm.engine import OneGemm, fleet_of
 from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import (
     SUBJECT_LINKCHECK,
@@ -100,7 +100,7 @@ class Wire:
 def simulate(policy):
     world = World.build(synthetic_fleet(6, seed=4))
     cutter = simplans.Cutter(world, B, "cost", (TILE, TILE), CHUNKS, window=policy.window, cache_bytes=CACHE)
-    first = simplans.Plan(0.0, np.arange(len(world)))
+    first = simplans.PublishedPlan(0.0, np.arange(len(world)))
     ts, predicted = cutter.tileset(0, first, M, N, K)
     gp = cutter.gemm_plan(0, first, M, N, K)
     r0, r1, c0, c1 = (gp.row0, gp.row1, gp.col0, gp.col1) if M <= N else (gp.col0, gp.col1, gp.row0, gp.row1)
@@ -116,14 +116,14 @@ def simulate(policy):
     victim, frozen = owners[0], next(o for o in owners if o != owners[0])  # one leaves, one just stops
     fresh = Dealer(policy)
     fresh.set_fleet(fleet(world.ids), 0.0)
-    clean = GemmRun(ts, 0.0, fresh, world.index, world.actual, leave_at.copy(), np.zeros((len(world), 3)),
+    clean = OneGemm(ts, 0.0, fresh, world.index, world.actual, leave_at.copy(), np.zeros((len(world), 3)),
                     fleet, 1).run()
     leave_at[world.index[victim]] = clean.last[world.index[victim]] / 2
     leave_at[world.index[frozen]] = clean.last[world.index[frozen]] / 3
     later = [(float(leave_at[world.index[victim]]) + 0.1, tuple(w for w in world.ids if w != victim))]
     dealer.set_fleet(fleet(world.ids), 0.0)
     dealer.events.clear()
-    out = GemmRun(ts, 0.0, dealer, world.index, world.actual, leave_at, np.zeros((len(world), 3)), fleet, 1,
+    out = OneGemm(ts, 0.0, dealer, world.index, world.actual, leave_at, np.zeros((len(world), 3)), fleet, 1,
                   later).run()
     layout = GemmLayout(m=M, n=N, k=K, boxes=tuple(boxes), owners=tuple(owners), makespan_s=predicted)
     profiles = {w: p for w, _, p in fleet(world.ids)}

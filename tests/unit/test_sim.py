@@ -11,7 +11,7 @@ import pytest
 from cleave.gemm import predict, tiles
 from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer
 from cleave.gemm.dealer import Policy as PsPolicy
-from cleave.gemm.engine import GemmRun, fleet_of
+from cleave.gemm.engine import OneGemm, fleet_of
 from cleave.models import PRESETS, backward_pairs, build_model, gemm_shapes, step_order
 from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import DeviceProfile
@@ -52,14 +52,14 @@ def test_presets_have_the_published_parameter_counts(name, billions):
 def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=(), chunks=4, fan_out=True):
     policy = policy or PsPolicy(window=1)
     cutter = simplans.Cutter(world, 2, plan_kind, tile, chunks, window=policy.window, cache_bytes=DEFAULT_CACHE_BYTES)
-    plan = simplans.Plan(0.0, np.arange(len(world)))
+    plan = simplans.PublishedPlan(0.0, np.arange(len(world)))
     ts, predicted = cutter.tileset(0, plan, shape.m, shape.n, shape.k)
     def fleet(ids):
         return fleet_of(ids, world.index, world.declared, DEFAULT_CACHE_BYTES)
 
     dealer = Dealer(policy)
     dealer.set_fleet(fleet(world.ids), 0.0)
-    run = GemmRun(ts, 0.0, dealer, world.index, world.actual, world.leave_at if leave_at is None else leave_at,
+    run = OneGemm(ts, 0.0, dealer, world.index, world.actual, world.leave_at if leave_at is None else leave_at,
                   np.zeros((len(world), 3)), fleet, 1, plans, fan_out=fan_out)
     return run, run.run(), predicted
 
@@ -87,7 +87,7 @@ def test_an_undisturbed_gemm_takes_what_the_planner_predicts():
         alone = predict.streamed_makespan(boxes, run.ts.owners, {d.id: d.profile for d in world.fleet(
             np.arange(len(world))).devices()}, shape.k, 2, shape.m, shape.n, 1, 4)
         assert out.span == pytest.approx(alone, rel=1e-9)
-        assert out.resent == out.duplicates == out.speculated == 0
+        assert out.resent == out.duplicates == out.copied == 0
         assert shared.ps_bytes < out.ps_bytes and shared.resent == 0
         assert shared.ps_bytes == pytest.approx((shape.m + shape.n) * shape.k * run.ts.b, rel=0.02)
 
@@ -108,7 +108,7 @@ def test_lost_devices_never_lose_a_tile(seed):
         world, shape, tile=tile, policy=PsPolicy(window=1 + seed % 2), leave_at=leave_at, plans=plans
     )
     assert_done_once(run, shape)
-    assert out.resent + out.speculated >= 1  # re-sent when noticed, or copied first because it ran late
+    assert out.resent + out.copied >= 1  # re-sent when noticed, or copied first because it ran late
     assert all(r.done_at is not None and not r.tiles for r in out.recoveries)
     assert all(out.last.get(i, 0.0) <= leave_at[i] for i in gone.tolist())  # nothing comes back from the gone
 

@@ -81,7 +81,7 @@ def test_fusing_the_layers_that_read_one_input_keeps_every_flop():
 
 def test_every_knob_of_a_lever_reaches_its_simulation():
     work = Workload.of(CFG.model, CFG.batch, CFG.seq, CFG.dtype)
-    lever = Lever("all", "", cache_bytes=2**20, chunks=2, tile=(64, 64), dtype_bytes=1, fan_out=False, speculate=False)
+    lever = Lever("all", "", cache_bytes=2**20, chunks=2, tile=(64, 64), dtype_bytes=1, fan_out=False, copies=False)
     sim = lever_simulation(CFG, work, build_world(CFG), lever)
     assert (sim.cache_bytes, sim.chunks, sim.tile, sim.dtype_bytes, sim.fan_out) == (2**20, 2, (64, 64), 1, False)
     assert sim.policy.speculate_factor == 0 and sim.cutter.cache_bytes == 2**20

@@ -93,7 +93,7 @@ def test_staging_copies_each_input_once(device):
 
 @pytest.mark.parametrize("busy", [False, True])
 async def test_a_flops_re_measurement_beside_the_workers_own_tiles_is_discarded(monkeypatch, busy):
-    """`Device.reprobe` keeps the last FLOPS when a tile (or round) computed during the measurement: sharing
+    """`DeviceState.reprobe` keeps the last FLOPS when a tile (or round) computed during the measurement: sharing
     the device, it would have measured less than the device has."""
     import asyncio
 
@@ -103,7 +103,7 @@ async def test_a_flops_re_measurement_beside_the_workers_own_tiles_is_discarded(
 
     profile = DeviceProfile(flops=8e10, memory_bytes=1 << 30, downlink_bytes_per_s=1e7, uplink_bytes_per_s=1e7,
                             latency_s=0.01)
-    device = wdevice.Device(WorkerSettings(worker_id="w1", probe_every_s=0.01), bus=None, profile=profile)
+    device = wdevice.DeviceState(WorkerSettings(worker_id="w1", probe_every_s=0.01), bus=None, profile=profile)
     stop = asyncio.Event()
 
     def measuring():

@@ -84,7 +84,7 @@ class Outcome:
     tiles: int
     resent: int
     duplicates: int
-    speculated: int
+    copied: int
     recoveries: list[Recovery]
     plans_applied: int
     events: int = 0
@@ -195,7 +195,7 @@ class Engine:
         out.end = self.now
         out.plans_applied = self.plans_applied
         out.ps_busy_s = max(0.0, self.link.free_at - out.start)
-        out.resent, out.duplicates, out.speculated = led.resent, led.duplicates, led.speculated
+        out.resent, out.duplicates, out.copied = led.resent, led.duplicates, led.copied
         out.recoveries = list(self.dealer.deal(seq).recoveries)
         self.dealer.end(seq)
         del self.sets[seq]
@@ -275,7 +275,7 @@ class Engine:
         self._deliver(self.dealer.set_fleet(self.fleet(ids), self.now))
 
 
-class GemmRun(Engine):
+class OneGemm(Engine):
     """One GEMM alone from `start` until every tile is done (an `Engine` with one GEMM; `run` returns its
     `Outcome`, `ledger` its ledger), as the PS deals a GEMM when nothing else is in flight."""
 
@@ -310,7 +310,7 @@ def play(sets: Sequence[TileSet], profiles: dict[str, DeviceProfile], caches: di
         spans = []
         for ts in sets:
             seq += 1
-            run = GemmRun(ts, now, dealer, index, actual, np.full(len(fleet), math.inf), busy,
+            run = OneGemm(ts, now, dealer, index, actual, np.full(len(fleet), math.inf), busy,
                           lambda ids: [x for x in members if x[0] in set(ids)], seq, fan_out=fan_out)
             out = run.run()
             spans.append(out.span)

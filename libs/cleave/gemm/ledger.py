@@ -54,7 +54,7 @@ class GemmLedger:
     kids: dict[int, list[int]] = field(default_factory=dict)  # a retired tile -> the tiles cut from it
     resent: int = 0
     duplicates: int = 0
-    speculated: int = 0
+    copied: int = 0
 
     def __post_init__(self) -> None:
         self.tiles = list(self.tiles)  # tiles cut from retired ones are appended: never the caller's list
@@ -123,12 +123,12 @@ class GemmLedger:
             del mine[(tile, attempt)]
             if not mine:
                 del self.by_worker[att.worker]
-            twins = self.by_tile[tile]
-            twins.discard(attempt)
-            if not twins:
+            others = self.by_tile[tile]
+            others.discard(attempt)
+            if not others:
                 del self.by_tile[tile]
-            elif len(twins) == 1:  # the survivor runs alone again: it may be copied
-                left = self.running[(tile, next(iter(twins)))]
+            elif len(others) == 1:  # the survivor runs alone again: it may be copied
+                left = self.running[(tile, next(iter(others)))]
                 heapq.heappush(self._lone, (left.sent_at, left.order, tile, left.attempt))
         return att
 
@@ -191,7 +191,7 @@ class GemmLedger:
         return tile
 
     def oldest_lone(self) -> Attempt | None:
-        """The oldest attempt that runs with no twin: what `speculate` would copy."""
+        """The oldest attempt that runs alone: what `copy_late` would copy."""
         heap = self._lone
         while heap:
             sent_at, _, tile, attempt = heap[0]
@@ -210,13 +210,13 @@ class GemmLedger:
         if att is not None and at > att.sent_at:
             att.sent_at = at
 
-    def speculate(self, worker: str, now: float, min_age_s: float) -> Attempt | None:
+    def copy_late(self, worker: str, now: float, min_age_s: float) -> Attempt | None:
         """A second copy, for an idle `worker`, of the oldest tile running alone elsewhere for over
         `min_age_s` (`worker` has nothing in flight, so none of them is its own)."""
         oldest = self.oldest_lone()
         if oldest is None or now - oldest.sent_at <= min_age_s or oldest.worker == worker:
             return None
-        self.speculated += 1
+        self.copied += 1
         return self._issue(oldest.tile, worker, now)
 
     def issue_extra(self, tile: int, worker: str, now: float) -> Attempt:
@@ -236,8 +236,8 @@ class GemmLedger:
             return "duplicate"
         self.done.add(tile)
         self.queued.discard(tile)
-        for twin in list(self.by_tile.get(tile, ())):  # a speculative twin is no longer needed
-            self.drop(tile, twin)
+        for other in list(self.by_tile.get(tile, ())):  # a copy is no longer needed
+            self.drop(tile, other)
         return "accepted"
 
     def retry(self, tile: int, attempt: int) -> None:

@@ -29,7 +29,7 @@ __all__ = [
     "DTYPE_BYTES",
     "Assignment",
     "GemmPlan",
-    "GemmShape",
+    "GemmKind",
     "ModelPlan",
     "PlanError",
     "even_split",
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-class GemmShape(Protocol):
+class GemmKind(Protocol):
     """What the planner reads of a GEMM kind (`cleave.models.GemmShape` has it)."""
 
     name: str
@@ -207,7 +207,7 @@ def _check(fleet: Fleet, m: int, n: int, k: int, b: int, ps_bandwidth: float | N
         )
 
 
-def _gemm_plan(fleet: Fleet, shape: GemmShape, b: int, blocks: Blocks, bound: GemmBound) -> GemmPlan:
+def _gemm_plan(fleet: Fleet, shape: GemmKind, b: int, blocks: Blocks, bound: GemmBound) -> GemmPlan:
     rows_a = shape.m <= shape.n  # the shorter side is the rows
     r0, r1, c0, c1 = (
         (blocks.a0, blocks.a1, blocks.b0, blocks.b1)
@@ -235,7 +235,7 @@ def _gemm_plan(fleet: Fleet, shape: GemmShape, b: int, blocks: Blocks, bound: Ge
 
 
 def _plan_shapes(
-    fleet: Fleet, shapes: Sequence[GemmShape], b: int, ps_bandwidth: float | None, mem_b: int | None = None
+    fleet: Fleet, shapes: Sequence[GemmKind], b: int, ps_bandwidth: float | None, mem_b: int | None = None
 ) -> list[GemmPlan]:
     cache: dict[tuple[int, int, int], tuple[Blocks, GemmBound]] = {}
     rates: dict[int, Rates] = {}
@@ -268,7 +268,7 @@ def plan_gemm(
 
 
 def plan_model(
-    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None,
+    devices: FleetLike, shapes: Sequence[GemmKind], dtype_bytes: int, ps_bandwidth: float | None = None,
     memory_dtype_bytes: int | None = None,
 ) -> ModelPlan:
     """Plan every GEMM kind of a step (`cleave.models.gemm_shapes`); kinds of one shape share a plan.
@@ -302,7 +302,7 @@ def _even_blocks(m: int, n: int, count: int) -> tuple[np.ndarray, ...]:
     return edges[grp], edges[grp + 1], c0, c1
 
 
-def _even(fleet: Fleet, shape: GemmShape, b: int, ps_bandwidth: float | None, mem_b: int | None = None) -> GemmPlan:
+def _even(fleet: Fleet, shape: GemmKind, b: int, ps_bandwidth: float | None, mem_b: int | None = None) -> GemmPlan:
     mem_b = mem_b or b
     _check(fleet, shape.m, shape.n, shape.k, b, ps_bandwidth, shape.name, mem_b)
     r = Rates.of(fleet, shape.k, b, mem_b)
@@ -359,7 +359,7 @@ def even_split(
 
 
 def even_split_model(
-    devices: FleetLike, shapes: Sequence[GemmShape], dtype_bytes: int, ps_bandwidth: float | None = None,
+    devices: FleetLike, shapes: Sequence[GemmKind], dtype_bytes: int, ps_bandwidth: float | None = None,
     memory_dtype_bytes: int | None = None,
 ) -> ModelPlan:
     """`even_split` for every GEMM kind of a step (`plan_model`'s bytes per element)."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cleave.sim.workload import STATE_FACTOR, WORK_FACTOR, Links, Workload, ring_bytes
+from cleave.sim.workload import STATE_FACTOR, WORK_FACTOR, Ring, Workload, ring_bytes
 
 REPLAY_FRACTION = 0.5  # of a step, lost on average by a failure at a random moment of a synchronous step
 MIN_TENSOR_WIDTH = 16
@@ -122,13 +122,13 @@ def unconstrained(c: Config) -> dict[str, Any]:
     }
 
 
-def by_uplink(declared: Links) -> np.ndarray:
+def by_uplink(declared: Ring) -> np.ndarray:
     """Devices ordered best-connected first (peer traffic leaves through uplinks, the scarce resource)."""
     return np.argsort(-np.minimum(declared.up, declared.down), kind="stable")
 
 
 # ---- Alpa-style intra-operator parallelism ------------------------------------------------------------------
-def _splits(w: Workload, k: int, n: int, g: int, mesh: Links) -> dict[str, tuple[float, float, float]]:
+def _splits(w: Workload, k: int, n: int, g: int, mesh: Ring) -> dict[str, tuple[float, float, float]]:
     """Per split of one forward GEMM: (seconds of a step's fwd + bwd, bytes each device sends in them,
     working-set bytes)."""
     M, b, p = w.tokens, w.dtype_bytes, g * g
@@ -152,7 +152,7 @@ def _splits(w: Workload, k: int, n: int, g: int, mesh: Links) -> dict[str, tuple
     return {"2d": two_d, "row": row, "col": col}
 
 
-def _alpa_mesh(w: Workload, mesh: Links, g: int, budget: float) -> tuple[Config, Config]:
+def _alpa_mesh(w: Workload, mesh: Ring, g: int, budget: float) -> tuple[Config, Config]:
     """(the fastest plan that fits, the fastest plan) on a g x g mesh; each GEMM picks its split."""
     p, b = g * g, w.dtype_bytes
     base = STATE_FACTOR * b * w.units[0].params / p + w.cfg.n_layer * w.layer_input_bytes / p
@@ -187,7 +187,7 @@ def _alpa_mesh(w: Workload, mesh: Links, g: int, budget: float) -> tuple[Config,
     return total(lean), fastest
 
 
-def alpa(w: Workload, declared: Links, actual: Links, budget: float) -> SystemResult:
+def alpa(w: Workload, declared: Ring, actual: Ring, budget: float) -> SystemResult:
     """Alpa-style intra-operator parallelism on the best square mesh of at most the fleet's devices."""
     order = by_uplink(declared)
     fits, every = [], []
@@ -213,7 +213,7 @@ def alpa(w: Workload, declared: Links, actual: Links, budget: float) -> SystemRe
 
 
 # ---- data parallel x tensor parallel --------------------------------------------------------------------------
-def _dp_tp(w: Workload, mesh: Links, t: int, d: int) -> Config:
+def _dp_tp(w: Workload, mesh: Ring, t: int, d: int) -> Config:
     b, h, L = w.dtype_bytes, w.cfg.n_embd, w.cfg.n_layer
     act = w.tokens / d * h * b  # one layer's activations in a replica
     compute = w.step_flops / (t * d) / float(mesh.flops.min())
@@ -228,7 +228,7 @@ def _dp_tp(w: Workload, mesh: Links, t: int, d: int) -> Config:
     return Config(step, sent, memory, recovery, t * d, f"tensor {t} x data {d}")
 
 
-def dp_tp(w: Workload, declared: Links, actual: Links, budget: float) -> SystemResult:
+def dp_tp(w: Workload, declared: Ring, actual: Ring, budget: float) -> SystemResult:
     """The best grid of tensor width t >= 16 (powers of two, or the whole fleet) and d = N // t replicas."""
     n = len(declared)
     widths = sorted(

@@ -41,7 +41,7 @@ class Kind:
     span_s: float = 0.0
     ps_bytes: float = 0.0
     ps_busy_s: float = 0.0
-    speculated: int = 0
+    copied: int = 0
     duplicates: int = 0
     tail_s: float = 0.0  # summed over the GEMMs simulated event by event (the others reuse a clean one's)
     tailed: int = 0
@@ -65,7 +65,7 @@ class Tally:
         kind.span_s += out.span
         kind.ps_bytes += out.ps_bytes
         kind.ps_busy_s += min(out.ps_busy_s, out.span)
-        kind.speculated += out.speculated
+        kind.copied += out.copied
         kind.duplicates += out.duplicates
         for d in set(out.down) | set(out.up):
             down, up = out.down.get(d, 0.0), out.up.get(d, 0.0)
@@ -117,7 +117,7 @@ def _kind_json(sim: Simulation, name: str, kind: Kind, step_s: float) -> dict[st
         "busy_devices_by_stage": stage,  # device-seconds per stage over the kind's seconds: devices busy on average
         "bound_by": STAGES[int(np.argmax(kind.stage_s))],
         "tail_s_per_gemm": kind.tail_s / kind.tailed if kind.tailed else None,
-        "speculated": kind.speculated, "duplicates": kind.duplicates,
+        "copied": kind.copied, "duplicates": kind.duplicates,
         **strips_over_cache(sim, shape),
         **planned(sim, shape),
     }
@@ -148,7 +148,7 @@ def breakdown(sim: Simulation, tally: Tally, stats: StepStats) -> dict[str, Any]
         "device_busy_share": dict(zip(STAGES, (per.mean(axis=0) / step_s).tolist(), strict=True)),
         "device_idle_share": float(1.0 - (per.max(axis=1) / step_s).mean()),
         "busiest_device_s": float(per.max()),  # its busiest stage's seconds: no order of these bytes beats it
-        "speculated": stats.speculated, "duplicates": stats.duplicates,
+        "copied": stats.copied, "duplicates": stats.duplicates,
         "kinds": kinds,
     }
 

@@ -40,7 +40,7 @@ class Lever:
     tile: tuple[int, int] | None = None  # largest tile (rows, cols) a block is cut to
     dtype_bytes: int | None = None  # bytes an element travels in (2: fp16 or bf16; 1: 8-bit strips)
     fan_out: bool | None = None  # shared strips published once to their group
-    speculate: bool = True  # False: no speculative copies of late tiles (the PS's speculate_factor 0)
+    copies: bool = True  # False: no speculative copies of late tiles (the PS's speculate_factor 0)
     deferred: int | None = None  # weight gradients dealt beside the input gradients (the PS's deferred_gemms)
     build: Build | None = None  # a simulation of its own (the other fields are then ignored)
 
@@ -57,9 +57,9 @@ LEVERS: tuple[Lever, ...] = (  # in the order the benchmark runs them: the likel
     Lever("chunks 8", "planned blocks in at least 8 pieces", chunks=8),
     Lever("tile 1024", "blocks cut to tiles of at most 1,024 x 1,024 (the runtime's default tile)", tile=(1024, 1024)),
     Lever("fp32 strips", "4 bytes an element (the exact fp32 job's strips), for scale", dtype_bytes=4),
-    Lever("no copies", "no speculative copies of late tiles", speculate=False),
+    Lever("no copies", "no speculative copies of late tiles", copies=False),
     Lever("8-bit + cache 384 MiB + no copies", "8-bit strips, a 384 MiB cache, no speculative copies",
-          cache_bytes=384 * MiB, dtype_bytes=1, speculate=False),
+          cache_bytes=384 * MiB, dtype_bytes=1, copies=False),
     Lever("deferred dW", "each layer's weight gradient dealt beside the input gradients, at most 8 waiting (the "
           "PS's default deferred_gemms)", deferred=8),
     Lever("8-bit + deferred dW", "8-bit strips and deferred weight gradients", dtype_bytes=1, deferred=8),
@@ -100,7 +100,7 @@ def fused(cfg: SimConfig, work: Workload, world: World) -> Simulation:
 
 def policy(cfg: SimConfig, lever: Lever) -> Policy:
     """The PS's dealing knobs under `lever` (no speculative copies: `speculate_factor` 0)."""
-    return Policy(window=cfg.window, speculate_factor=Policy.speculate_factor if lever.speculate else 0.0)
+    return Policy(window=cfg.window, speculate_factor=Policy.speculate_factor if lever.copies else 0.0)
 
 
 def lever_simulation(cfg: SimConfig, work: Workload, world: World, lever: Lever) -> Simulation:

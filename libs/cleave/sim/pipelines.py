@@ -29,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cleave.sim.baselines import REPLAY_FRACTION, Config, SystemResult, by_uplink, pick
-from cleave.sim.workload import MICRO_BATCH, STATE_FACTOR, Links, Workload, balanced_partitions, ring_bytes
+from cleave.sim.workload import MICRO_BATCH, STATE_FACTOR, Ring, Workload, balanced_partitions, ring_bytes
 
 ASTEROID_MAX_STAGES = 8
 
@@ -48,7 +48,7 @@ def _evaluate(
     w: Workload,
     cuts: list[int],
     groups: list[np.ndarray],
-    links: Links,
+    links: Ring,
     share: float,
     rounds: int,
     recovery: Callable[[float, float, int], float],
@@ -84,14 +84,14 @@ def _evaluate(
     )
 
 
-def _reload(links: Links, from_peer: bool) -> Callable[[float, float, int], float]:
+def _reload(links: Ring, from_peer: bool) -> Callable[[float, float, int], float]:
     """Recovery: reload the largest stage's state onto a replacement (from a replica over a peer link,
     or from the checkpoint over its downlink), then replay the lost part of the step."""
     rate = float(np.median(np.minimum(links.up, links.down) if from_peer else links.down))
     return lambda state, step, _group: state / rate + REPLAY_FRACTION * step
 
 
-def dtfm(w: Workload, declared: Links, actual: Links, budget: float) -> SystemResult:
+def dtfm(w: Workload, declared: Ring, actual: Ring, budget: float) -> SystemResult:
     n, n_mb = len(declared), max(1, w.batch // MICRO_BATCH)
     order = by_uplink(declared)
     configs = []
@@ -114,7 +114,7 @@ def dtfm(w: Workload, declared: Links, actual: Links, budget: float) -> SystemRe
     return pick("dtfm", configs, budget)
 
 
-def asteroid(w: Workload, declared: Links, actual: Links, budget: float) -> SystemResult:
+def asteroid(w: Workload, declared: Ring, actual: Ring, budget: float) -> SystemResult:
     n, n_mb = len(declared), max(1, w.batch // MICRO_BATCH)
     order = np.argsort(-declared.flops, kind="stable")
     configs = []
@@ -136,7 +136,7 @@ def asteroid(w: Workload, declared: Links, actual: Links, budget: float) -> Syst
     return pick("asteroid", configs, budget)
 
 
-def pipeline(w: Workload, declared: Links, actual: Links, budget: float) -> SystemResult:
+def pipeline(w: Workload, declared: Ring, actual: Ring, budget: float) -> SystemResult:
     n_mb = max(1, w.batch // MICRO_BATCH)
     order = by_uplink(declared)
     S = min(len(declared), len(w.units))

@@ -32,7 +32,7 @@ PlannerKind = Literal["cost", "even", "uniform"]
 
 
 @dataclass(frozen=True)
-class Plan:
+class PublishedPlan:
     """One published plan: its devices (numbers into the world, in plan order) and when the PS has it."""
 
     ready_at: float
@@ -44,19 +44,19 @@ class Plan:
 
 
 @dataclass
-class Scheduler:
+class PlanTimeline:
     """Plans over time, derived from the world's joins and leaves (see the module docstring)."""
 
     world: World
     liveness_s: float = 1.0
     replan_every_s: float = 0.0  # 0: a fresh layout with every plan
     plan_delay_s: float = 1.0
-    plans: list[Plan] = field(default_factory=list)
+    plans: list[PublishedPlan] = field(default_factory=list)
     made_at: float = 0.0  # when the latest plan was begun (the first one is there at the start)
     laid_at: float = 0.0  # ... and the latest layout
 
     def __post_init__(self) -> None:
-        self.plans = [Plan(0.0, self.world.alive(0.0))]
+        self.plans = [PublishedPlan(0.0, self.world.alive(0.0))]
 
     def extend(self, until: float) -> None:
         """Make every plan begun by `until` (the world must be churned up to `until`)."""
@@ -75,7 +75,7 @@ class Scheduler:
             layout = self.plans[-1].layout
             if begin >= self.laid_at + self.replan_every_s:
                 layout, self.laid_at = len(self.plans), begin
-            self.plans.append(Plan(begin + self.plan_delay_s, members, layout))
+            self.plans.append(PublishedPlan(begin + self.plan_delay_s, members, layout))
             self.made_at = begin
 
 
@@ -96,7 +96,7 @@ class Cutter:
     dealt: dict[tuple, float] = field(default_factory=dict)  # the fleet's part of each prediction (no egress)
     streamed: dict[tuple, float] = field(default_factory=dict)  # ... each device streaming its own blocks alone
 
-    def tileset(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
+    def tileset(self, version: int, plan: PublishedPlan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         """(the tiles, the predicted makespan) of C[m, n] = A[m, k] · B[k, n] under the layout `version`
         (`plan` is that layout's own plan); the prediction is `cleave.gemm.predict.dealt_makespan`: the planner's
         blocks as the PS's dealer deals them to devices that stream them, this GEMM kind alone (the scheduler's
@@ -107,7 +107,7 @@ class Cutter:
             self.cache[key] = self._cut(version, plan, m, n, k)
         return self.cache[key]
 
-    def _cut(self, version: int, plan: Plan, m: int, n: int, k: int) -> tuple[TileSet, float]:
+    def _cut(self, version: int, plan: PublishedPlan, m: int, n: int, k: int) -> tuple[TileSet, float]:
         b, ids = self.dtype_bytes, plan.ids(self.world)
         if self.kind == "uniform":
             rows, cols = tiles.uniform_block(m, n, self.tile or (tiles.DEFAULT_TILE, tiles.DEFAULT_TILE), len(ids))
@@ -137,7 +137,7 @@ class Cutter:
             blocks, planned, profiles, k, b, *limit, self.chunks, self.window, dict.fromkeys(profiles, self.cache_bytes))
         return TileSet(m, n, k, b, cut, owners, gp.egress_s, self.chunks), max(dealt, gp.egress_s)
 
-    def gemm_plan(self, version: int, plan: Plan, m: int, n: int, k: int) -> planner.GemmPlan:
+    def gemm_plan(self, version: int, plan: PublishedPlan, m: int, n: int, k: int) -> planner.GemmPlan:
         """The planner's plan of the GEMM in its canonical orientation (rows = the shorter side): a GEMM and
         its transpose share one, as in `plan_model`."""
         key = (version, min(m, n), max(m, n), k)

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
-from cleave.gemm.engine import Engine, GemmRun, Outcome, PsLink, TileSet, fleet_of
+from cleave.gemm.engine import Engine, OneGemm, Outcome, PsLink, TileSet, fleet_of
 from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 from cleave.models import GemmShape, backward_pairs, is_backward, step_order
 from cleave.plan.fleet import Fleet
 from cleave.schemas import DeviceProfile
-from cleave.sim.plans import Cutter, PlannerKind, Scheduler
+from cleave.sim.plans import Cutter, PlannerKind, PlanTimeline
 from cleave.sim.world import World
 
 HORIZON_FACTOR = 10.0  # churn is drawn this many predicted GEMM spans ahead ...
@@ -42,7 +42,7 @@ class StepStats:
     tiles: int = 0
     resent: int = 0
     duplicates: int = 0
-    speculated: int = 0
+    copied: int = 0
     gemms_simulated: int = 0  # event by event (the rest reused an undisturbed GEMM's cost)
     flops: float = 0.0  # of the accepted tiles
     ps_bytes: float = 0.0  # what the PS sent (tiles, and fan-out blocks once per group)
@@ -55,7 +55,7 @@ class StepStats:
         self.tiles += out.tiles
         self.resent += out.resent
         self.duplicates += out.duplicates
-        self.speculated += out.speculated
+        self.copied += out.copied
         self.flops += out.flops
         self.ps_bytes += out.ps_bytes
         self.recoveries += out.recoveries
@@ -85,7 +85,7 @@ class Simulation:
     now: float = 0.0
 
     def __post_init__(self) -> None:
-        self.scheduler = Scheduler(self.world, self.liveness_s, self.replan_every_s, self.plan_delay_s)
+        self.scheduler = PlanTimeline(self.world, self.liveness_s, self.replan_every_s, self.plan_delay_s)
         self.cutter = Cutter(self.world, self.dtype_bytes, self.planner, self.tile, self.chunks, self.ps_bandwidth,
                              self.policy.window, self.cache_bytes)
         self.version = 0
@@ -150,7 +150,7 @@ class Simulation:
                 known.tiles,
                 0,
                 0,
-                known.speculated,
+                known.copied,
                 [],
                 0,
                 flops=known.flops,
@@ -160,7 +160,7 @@ class Simulation:
         later = [(p.ready_at, p.ids(self.world)) for p in self.scheduler.plans[self.version + 1 :]]
         undisturbed = self._undisturbed(0.0, plan.members)
         self.seq += 1
-        run = GemmRun(ts, self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at,
+        run = OneGemm(ts, self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at,
                       self.busy, self.fleet, self.seq, later, self.link, self.fan_out)
         out = run.run()
         self.version += out.plans_applied
@@ -307,7 +307,7 @@ def recovery_after_loss(sim: Simulation, shape: GemmShape, at_fraction: float = 
         dealer = Dealer(sim.policy)
         dealer.set_fleet(sim.fleet(ids), 0.0)
         busy = np.zeros((len(world), 3))
-        return GemmRun(ts, 0.0, dealer, world.index, world.actual, leave_at, busy, sim.fleet, 1, plans,
+        return OneGemm(ts, 0.0, dealer, world.index, world.actual, leave_at, busy, sim.fleet, 1, plans,
                        PsLink(sim.ps_bandwidth), sim.fan_out).run()
 
     stay = np.full(len(world), math.inf)

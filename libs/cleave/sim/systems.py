@@ -19,10 +19,10 @@ from cleave.sim.baselines import SystemResult, alpa, dp_tp
 from cleave.sim.pipelines import asteroid, dtfm, pipeline
 from cleave.sim.ps import DEFAULT_PS_FLOPS, DEFAULT_PS_LINK, DEFAULT_PS_MEMORY, PsSpec, charge
 from cleave.sim.step import Simulation, StepStats, recovery_over_step
-from cleave.sim.workload import Links, Workload
+from cleave.sim.workload import Ring, Workload
 from cleave.sim.world import World
 
-Baseline = Callable[[Workload, Links, Links, float], SystemResult]
+Baseline = Callable[[Workload, Ring, Ring, float], SystemResult]
 BASELINES: dict[str, Baseline] = {
     "alpa": alpa,
     "dp_tp": dp_tp,
@@ -174,7 +174,7 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         "steps": [st.step_s + ps["compute_s"] for st in stats],
         "tiles": sum(st.tiles for st in stats),
         "tiles_resent": sum(st.resent for st in stats),
-        "speculated": sum(st.speculated for st in stats),
+        "copied": sum(st.copied for st in stats),
         "duplicates": sum(st.duplicates for st in stats),
         "gemms_simulated": sum(st.gemms_simulated for st in stats),
         "plans": len(sim.scheduler.plans),
@@ -200,8 +200,8 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
     )
 
 
-def links(p: Any) -> Links:
-    return Links(p.flops, p.up, p.down, p.lat, p.mem)
+def links(p: Any) -> Ring:
+    return Ring(p.flops, p.up, p.down, p.lat, p.mem)
 
 
 def expected_step(step: float, recovery: float, failures_per_s: float) -> float | None:

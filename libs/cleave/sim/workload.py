@@ -119,7 +119,7 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Links:
+class Ring:
     """The devices a system uses (their actual profiles), in ring order, and collectives over them."""
 
     flops: np.ndarray
@@ -128,8 +128,8 @@ class Links:
     lat: np.ndarray
     mem: np.ndarray
 
-    def take(self, idx: np.ndarray) -> Links:
-        return Links(self.flops[idx], self.up[idx], self.down[idx], self.lat[idx], self.mem[idx])
+    def take(self, idx: np.ndarray) -> Ring:
+        return Ring(self.flops[idx], self.up[idx], self.down[idx], self.lat[idx], self.mem[idx])
 
     def __len__(self) -> int:
         return len(self.flops)

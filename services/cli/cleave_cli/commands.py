@@ -14,7 +14,7 @@ from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
-from cleave_cli.progress import Progress
+from cleave_cli.progress import ProgressBar
 from cleave_ps.settings import PsSettings
 
 
@@ -73,7 +73,7 @@ def train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir("train")
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
-    progress = Progress(job.steps)
+    progress = ProgressBar(job.steps)
     if args.reference:
         lines = run_reference(job, metrics_out, progress)
     else:
@@ -127,7 +127,7 @@ def demo(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir("demo")
     metrics_out = run_dir / "metrics.jsonl"
     fleet = LocalFleet(run_dir, 0)
-    progress = Progress(job.steps)
+    progress = ProgressBar(job.steps)
     killed = {"at_step": job.steps // 2}
 
     def on_line(m: dict) -> None:

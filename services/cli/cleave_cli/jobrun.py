@@ -15,7 +15,7 @@ from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
 from cleave_cli.natsconf import free_port
-from cleave_cli.progress import Progress
+from cleave_cli.progress import ProgressBar
 from cleave_cli.stack import Stack
 
 JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join before it starts
@@ -28,7 +28,7 @@ def default_run_dir(kind: str) -> Path:
     return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run_reference(job: JobConfig, metrics_out: Path, progress: Progress | None = None) -> list[dict]:
+def run_reference(job: JobConfig, metrics_out: Path, progress: ProgressBar | None = None) -> list[dict]:
     """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer)."""
     trainer = Trainer(job)
     metrics_out.unlink(missing_ok=True)

@@ -8,7 +8,7 @@ from typing import TextIO
 BAR_WIDTH = 24
 
 
-class Progress:
+class ProgressBar:
     def __init__(self, total: int, stream: TextIO = sys.stdout, tty: bool | None = None) -> None:
         self.total, self.stream = total, stream
         self.tty = stream.isatty() if tty is None else tty

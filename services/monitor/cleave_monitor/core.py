@@ -95,7 +95,7 @@ class Totals:
 
 
 @dataclass
-class Device:
+class DeviceRow:
     """What the monitor knows of one device: its registry entry, its throughput, whether it is gone."""
 
     worker_id: str
@@ -133,7 +133,7 @@ class MonitorState:
         self.jobs: dict[str, deque[dict]] = {}
         self.current_job: str | None = None
         self.events: deque[dict] = deque(maxlen=max_events)
-        self.devices: dict[str, Device] = {}
+        self.devices: dict[str, DeviceRow] = {}
         self.plan: Plan | None = None
         self.totals = Totals()
         self.last: StepMetrics | None = None
@@ -153,7 +153,7 @@ class MonitorState:
     def on_event(self, e: Event) -> Update:
         self.totals.events[e.kind] += 1
         if e.worker_id:
-            dev = self.devices.setdefault(e.worker_id, Device(e.worker_id))
+            dev = self.devices.setdefault(e.worker_id, DeviceRow(e.worker_id))
             if e.kind == "worker_lost":
                 dev.lost_at = e.at
         view = e.model_dump()
@@ -166,11 +166,11 @@ class MonitorState:
         return "event", view
 
     def on_device(self, rec: DeviceRecord) -> Update:
-        self.devices.setdefault(rec.worker_id, Device(rec.worker_id)).update(rec)
+        self.devices.setdefault(rec.worker_id, DeviceRow(rec.worker_id)).update(rec)
         return "device", {"worker_id": rec.worker_id}
 
     def on_device_gone(self, worker_id: str, at: float) -> Update:
-        dev = self.devices.setdefault(worker_id, Device(worker_id))
+        dev = self.devices.setdefault(worker_id, DeviceRow(worker_id))
         if dev.lost_at is None:
             dev.lost_at = at
         return "device", {"worker_id": worker_id}
@@ -238,7 +238,7 @@ class MonitorState:
         rows = [self._device_row(d, now, total_tiles, planned) for d in devs[: self.fleet_rows]]
         return {"counts": dict(self.device_counts(now)), "total": len(self.devices), "devices": rows}
 
-    def _device_row(self, d: Device, now: float, total_tiles: int, planned: set[str]) -> dict:
+    def _device_row(self, d: DeviceRow, now: float, total_tiles: int, planned: set[str]) -> dict:
         prof = d.profile.model_dump() if d.profile else None
         return {
             "worker_id": d.worker_id,

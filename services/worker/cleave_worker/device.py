@@ -22,7 +22,7 @@ from cleave_worker.settings import WorkerSettings
 DEFAULT_PROBE_RETRY_S = 1.0  # until its links are measured a worker does not join (it is planned not at all)
 
 
-class Device:
+class DeviceState:
     """What the tiles, the rounds and the heartbeats of one worker share: its settings and profile, a pacer
     when the profile is declared, its fault injection, and its busy counters."""
 

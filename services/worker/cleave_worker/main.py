@@ -1,6 +1,6 @@
 """The worker service: dial out to NATS, register, heartbeat, take tiles, compute them, return blocks.
 
-A worker is three parts on one set of connections: its `Device` (profile, heartbeats, re-probing), its
+A worker is three parts on one set of connections: its `DeviceState` (profile, heartbeats, re-probing), its
 `Tiles` (fan-out groups, link checks, tiles and their uploads) and its `Methods` (rounds, split learning)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from cleave.schemas import (
     TileTask,
 )
 from cleave_worker.core import measure_flops
-from cleave_worker.device import Device, first_profile
+from cleave_worker.device import DeviceState, first_profile
 from cleave_worker.methods import Methods
 from cleave_worker.settings import WorkerSettings
 from cleave_worker.tiles import Tiles
@@ -42,7 +42,7 @@ class Worker:
 
     def __init__(self, settings: WorkerSettings, bus: busmod.Bus, profile: DeviceProfile,
                  hb_bus: busmod.Bus | None = None, probe_bus: busmod.Bus | None = None) -> None:
-        self.device = Device(settings, bus, profile, hb_bus, probe_bus)
+        self.device = DeviceState(settings, bus, profile, hb_bus, probe_bus)
         self.tiles = Tiles(self.device, bus)
         self.methods = Methods(self.device, bus)
 

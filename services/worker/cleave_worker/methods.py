@@ -9,13 +9,13 @@ import time
 from cleave import bus as busmod
 from cleave import codec
 from cleave.schemas import RoundTask, RoundUpdate, SplitReply, SplitTask
-from cleave_worker.device import Device
+from cleave_worker.device import DeviceState
 from cleave_worker.local_rounds import RoundRunner
 from cleave_worker.split_client import SplitRunner
 
 
 class Methods:
-    def __init__(self, device: Device, bus: busmod.Bus) -> None:
+    def __init__(self, device: DeviceState, bus: busmod.Bus) -> None:
         self.device, self.s, self.bus, self.log = device, device.s, bus, device.log
         self.rounds = RoundRunner(self.s.worker_id, self.s.data)
         self.split = SplitRunner(self.s.worker_id, str(self.s.data) if self.s.data else None)

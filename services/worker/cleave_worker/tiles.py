@@ -12,13 +12,13 @@ from cleave.errors import WireError
 from cleave.gemm.dealer import JOINS_KEPT
 from cleave.schemas import SUBJECT_FANOUT, BlockPush, FanoutAck, FanoutJoin, LinkCheck, LinkCheckAck, TileTask
 from cleave_worker.core import BlockCache, check_inputs, compute, leaves, reply_to
-from cleave_worker.device import Device
+from cleave_worker.device import DeviceState
 
 DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
 
 
 class Tiles:
-    def __init__(self, device: Device, bus: busmod.Bus) -> None:
+    def __init__(self, device: DeviceState, bus: busmod.Bus) -> None:
         self.device, self.s, self.bus = device, device.s, bus
         self.log = device.log
         self.cache = BlockCache(self.s.cache_bytes)

@@ -50,7 +50,7 @@ class Copies:
         if self.on and not self.blocked(deals, now):
             for deal in deals:
                 if not deal.ledger.complete and deal.may_copy(self.p.copy_share):
-                    att = deal.ledger.speculate(worker, now, self.threshold(deal))
+                    att = deal.ledger.copy_late(worker, now, self.threshold(deal))
                     if att is not None:
                         return deal, att
         return None, None

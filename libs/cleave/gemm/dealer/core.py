@@ -208,29 +208,29 @@ class Dealer:
         deal = self.deal(seq)
         led = deal.ledger
         m = self._progress(deal, worker, tile, attempt, now)
-        twins = [led.running[(tile, a)].worker for a in led.by_tile.get(tile, ()) if a != attempt]
+        others = [led.running[(tile, a)].worker for a in led.by_tile.get(tile, ()) if a != attempt]
         for a in list(led.by_tile.get(tile, ())):
             self._release(deal, tile, a)
         outcome = led.finish(tile, attempt)
         out: list[Send] = []
         if outcome == "accepted":
             self._close(deal, tile, now)
-            out = self._beaten(twins, now)
+            out = self._beaten(others, now)
             if m is not None:
                 m.beaten = 0
         if led.complete and len(self.deals) == 1:
             return outcome, []
         out += self._fill(m, now) if m is not None else []
-        for other in twins:  # a speculative twin was dropped: its worker has room again
+        for other in others:  # a copy was dropped: its worker has room again
             if other in self.members:
                 out += self._fill(self.members[other], now)
         return outcome, out
 
-    def _beaten(self, twins: list[str], now: float) -> list[Send]:
+    def _beaten(self, others: list[str], now: float) -> list[Send]:
         """Another attempt finished first: a worker beaten `beaten_limit` times in a row is suspect, as one
         that missed a deadline (its tiles given back, tried again later)."""
         out: list[Send] = []
-        for wid in twins:
+        for wid in others:
             m = self.members.get(wid)
             if m is None or m.suspect:
                 continue
@@ -333,7 +333,7 @@ class Dealer:
             self._suspect(m, now, "tile_deadline", since)
         if any(d.ledger.queued for d in self._ranked):
             out += self._offer(now, list(self._hungry))
-        return out + self._speculate_idle(now)
+        return out + self._copy_to_idle(now)
 
     def next_check_at(self, now: float) -> float:
         """When `tick` next may change something (deadlines exactly; copies at most once per `tick_s`)."""
@@ -416,21 +416,21 @@ class Dealer:
                 out += self._fill(m, now)
         return out
 
-    def _speculate_idle(self, now: float) -> list[Send]:
+    def _copy_to_idle(self, now: float) -> list[Send]:
         """Idle workers copy late tiles, while some are late enough and the PS's link allows copies."""
         out: list[Send] = []
         c = self.copies
         if not c.on or not self._idle or c.blocked(self._ranked, now) or not c.stale(self._ranked, now):
             return out
         for wid in list(self._idle):
-            before = self._speculated()
+            before = self._copies_made()
             out += self._fill(self.members[wid], now)
-            if self._speculated() == before:
+            if self._copies_made() == before:
                 break  # nothing is old enough for anyone
         return out
 
-    def _speculated(self) -> int:
-        return sum(d.ledger.speculated for d in self._ranked)
+    def _copies_made(self) -> int:
+        return sum(d.ledger.copied for d in self._ranked)
 
     def _over_budget(self, m: Member) -> bool:
         """Whether one more tile would put more bytes in flight to `m` than it may hold: the policy's limit,

@@ -199,14 +199,14 @@ class Dispatcher:
                 self.c.gemm_s += self.clock() - self._busy_from
         wall = self.clock() - started
         log.debug("gemm_done", step=step, gemm=name, m=m, n=n, k=k, tiles=len(grid), wall_s=round(wall, 4),
-                  planned_s=round(expected_s, 4), resent=led.resent, speculated=led.speculated,
+                  planned_s=round(expected_s, 4), resent=led.resent, copied=led.copied,
                   bytes_down=run.bytes_down, distinct=(m + n) * k * sent.itemsize)
         c = self.c
         c.planned_gemm_s += expected_s
         c.unplanned += owners is None
         c.tiles += len(grid)
         c.resent += led.resent
-        c.speculated += led.speculated
+        c.copied += led.copied
         c.dropped += led.duplicates
         return run.out.to(want)
 

@@ -19,7 +19,7 @@ class Counters:
     dropped: int = 0
     rejected: int = 0
     cache_misses: int = 0
-    speculated: int = 0
+    copied: int = 0
     fenced: int = 0  # results for another GEMM run (of this step or an earlier one)
     bytes_down: int = 0
     bytes_up: int = 0

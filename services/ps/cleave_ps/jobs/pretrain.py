@@ -56,7 +56,7 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
     planned = c.planned_gemm_s - before["planned_gemm_s"] if c.unplanned == before["unplanned"] else None
     return StepMetrics(
         job=job.job_id, step=step, loss=loss, step_time_s=dt, workers=len(d.workers), tiles=c.tiles - before["tiles"],
-        tiles_resent=c.resent - before["resent"], tiles_copied=c.speculated - before["speculated"],
+        tiles_resent=c.resent - before["resent"], tiles_copied=c.copied - before["copied"],
         tiles_dropped=c.dropped - before["dropped"],
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
         bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val,
@@ -68,7 +68,7 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
 
 def snapshot_counters(d: Dispatcher) -> dict:
     c = d.c
-    return dict(tiles=c.tiles, resent=c.resent, speculated=c.speculated, dropped=c.dropped, rejected=c.rejected, bytes_down=c.bytes_down,
+    return dict(tiles=c.tiles, resent=c.resent, copied=c.copied, dropped=c.dropped, rejected=c.rejected, bytes_down=c.bytes_down,
                 bytes_up=c.bytes_up, recoveries=len(c.recoveries), gemm_s=c.gemm_s,
                 planned_gemm_s=c.planned_gemm_s, unplanned=c.unplanned)
 
