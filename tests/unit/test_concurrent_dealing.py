@@ -8,7 +8,8 @@ import random
 import pytest
 
 from cleave.gemm import tiles
-from cleave.gemm.dealer import Dealer, Policy, Work
+from cleave.gemm.dealer import Policy, TilesLost, Work
+from tests.unit.dealing import Dealing
 
 
 def work(seq, m=32, n=32, rows=8, cols=8, owners=None):
@@ -63,7 +64,7 @@ def fleet(dealer, ids):
 
 
 def test_the_critical_gemm_is_dealt_first_and_the_other_fills_its_tail():
-    dealer = Dealer(Policy(window=2, speculate_factor=0))
+    dealer = Dealing(Policy(window=2, speculate_factor=0))
     fleet(dealer, ["fast", "slow"])
     first = dealer.begin(work(1), 0.0, priority=0)
     assert {s.seq for s in first} == {1} and len(first) == 4  # both workers' rooms are full of GEMM 1
@@ -95,11 +96,11 @@ def test_a_gemm_that_needs_the_whole_fleet_meanwhile_finishes_sooner():
     would be alone by more than a tile."""
     speed = {"a": 1.0, "b": 1.0, "c": 3.0}
     policy = Policy(window=1, speculate_factor=0, tile_timeout_s=10.0)  # (no profiles: no predicted tile time)
-    alone = Dealer(policy)
+    alone = Dealing(policy)
     fleet(alone, speed)
     t1, _ = play(alone, [(1, 0, 0.0)], speed)
     t2, _ = play(alone, [(2, 0, t1[1])], speed)
-    together = Dealer(policy)
+    together = Dealing(policy)
     fleet(together, speed)
     both, _ = play(together, [(1, 0, 0.0), (2, 1, 0.0)], speed)
     assert max(both.values()) < t2[2] - 1.0
@@ -110,17 +111,17 @@ def test_a_gemm_that_needs_the_whole_fleet_meanwhile_finishes_sooner():
 def test_every_tile_of_every_gemm_is_done_once_when_a_worker_vanishes(seed):
     rng = random.Random(seed)
     speed = {w: rng.uniform(0.5, 2.0) for w in "abcd"}
-    dealer = Dealer(Policy(window=rng.choice([1, 2, 3]), tile_timeout_s=1.0, speculate_min_s=0.5))
+    dealer = Dealing(Policy(window=rng.choice([1, 2, 3]), tile_timeout_s=1.0, speculate_min_s=0.5))
     fleet(dealer, speed)
     gemms = [(1, 0, 0.0), (2, 1, 0.5), (3, 0, 3.0), (4, 1, 3.2)]
     done_at, _ = play(dealer, gemms, speed, vanish=(rng.choice("abcd"), rng.uniform(0.5, 4.0)), seed=seed)
     assert set(done_at) == {1, 2, 3, 4}  # (play checks each ledger covers all its tiles)
-    lost = dealer.take_lost()
+    lost = [n.recovery for n in dealer.told(TilesLost)]
     assert all(r.seq in (1, 2, 3, 4) for r in lost)
 
 
 def test_a_lost_worker_gives_back_the_tiles_of_every_gemm_and_an_ended_one_frees_its_bytes():
-    dealer = Dealer(Policy(window=2, tile_timeout_s=1.0, speculate_factor=0))
+    dealer = Dealing(Policy(window=2, tile_timeout_s=1.0, speculate_factor=0))
     fleet(dealer, ["a", "b"])
     sends = dealer.begin(work(1, m=8, n=16), 0.0, 0) + dealer.begin(work(2), 0.0, 1)
     a1 = [s for s in sends if s.worker == "a" and s.seq == 1]
@@ -131,7 +132,7 @@ def test_a_lost_worker_gives_back_the_tiles_of_every_gemm_and_an_ended_one_frees
     b_bytes = dealer.members["b"].inflight_bytes
     assert b_bytes > 0
     dealer.set_fleet([("b", 1 << 20, None)], 0.2)  # a is gone: its GEMM 2 tiles are given back
-    lost = dealer.take_lost()
+    lost = [n.recovery for n in dealer.told(TilesLost)]
     assert {r.seq for r in lost} == {2} and all(r.worker == "a" for r in lost)
     assert dealer.deals[2].ledger.queued
     dealer.end(1)  # abandoned with b's tiles in flight: they no longer count against b

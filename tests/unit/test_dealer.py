@@ -6,8 +6,9 @@ import random
 import pytest
 
 from cleave.gemm import tiles
-from cleave.gemm.dealer import Dealer, Policy, Work
+from cleave.gemm.dealer import Policy, ProveLink, Work, WorkerLost
 from cleave.schemas import DeviceProfile
+from tests.unit.dealing import Dealing
 
 
 def profile(flops=1e9, down=1e7, up=5e6):
@@ -20,14 +21,14 @@ def work(m=64, n=48, rows=8, cols=8, owners=None, seq=1, chunks=1):
     return Work(seq, m, n, 16, 4, grid, owners(grid) if owners else None, chunks)
 
 
-def left(dealer: Dealer, sends, at: float):
+def left(dealer: Dealing, sends, at: float):
     """The sends left the PS at `at` (as the PS tells its dealer once each is published): copies may follow."""
     for s in sends:
         dealer.departed(s.tile.index, s.attempt, at, s.seq)
     return sends
 
 
-def drive(dealer: Dealer, w: Work, rng: random.Random, workers: list[str], *, joins=(), vanish=0.2,
+def drive(dealer: Dealing, w: Work, rng: random.Random, workers: list[str], *, joins=(), vanish=0.2,
           freeze=0.1, late=0.3, max_events=200_000):
     """Play a fleet against the dealer until the GEMM is complete: each send is answered after a random
     delay, except by workers that vanish (never answer), freeze (answer very late) or are dropped by a
@@ -84,7 +85,7 @@ def run_fleet(seed):
     """One randomized GEMM (see `drive`); checks that every tile was done exactly once."""
     rng = random.Random(seed)
     workers = [f"w{i}" for i in range(rng.randint(3, 12))]
-    dealer = Dealer(Policy(window=rng.choice([1, 2, 3]), tile_timeout_s=0.5, speculate_min_s=0.05,
+    dealer = Dealing(Policy(window=rng.choice([1, 2, 3]), tile_timeout_s=0.5, speculate_min_s=0.05,
                            max_inflight_bytes=rng.choice([None, 4096])))
     dealer.set_fleet([(x, 1 << 20, profile()) for x in workers], 0.0)
     planned = seed % 2 == 0
@@ -94,14 +95,14 @@ def run_fleet(seed):
 
     w = work(m=128, n=96, owners=owners if planned else None, chunks=1 + seed % 3)
     accepted, gone = drive(dealer, w, rng, workers, joins=[f"late{i}" for i in range(3)])
-    led = dealer.ledger
+    led = dealer.deal().ledger
     live = [t for t in led.tiles if t.index not in led.retired]
     tiles.check_cover(live, w.m, w.n)  # the live tiles (lost blocks cut into pieces) cover the output once
     assert all(accepted.get(t.index) == 1 for t in live)  # each exactly once
     assert all(led.covered(t.index) for t in led.tiles)
-    for rec in dealer.recoveries:
+    for rec in dealer.deal().recoveries:
         assert rec.done_at is not None and not rec.tiles
-    return len(gone), len(dealer.recoveries), led.copied, led.duplicates
+    return len(gone), len(dealer.deal().recoveries), led.copied, led.duplicates
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -116,7 +117,7 @@ def test_the_randomized_fleets_do_lose_workers_and_copy_tiles():
 
 
 def test_deadline_suspects_a_silent_worker_and_tries_it_again_later():
-    dealer = Dealer(Policy(window=1, tile_timeout_s=1.0, speculate_factor=0))
+    dealer = Dealing(Policy(window=1, tile_timeout_s=1.0, speculate_factor=0))
     dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
     sends = dealer.begin(work(m=8, n=8, rows=4, cols=4), 0.0)
     first_b = next(s for s in sends if s.worker == "b")
@@ -126,8 +127,8 @@ def test_deadline_suspects_a_silent_worker_and_tries_it_again_later():
         if s.worker == "a":
             _, more = dealer.done("a", s.tile.index, s.attempt, 0.1)
     again = dealer.tick(1.01)
-    assert dealer.members["b"].suspect and dealer.suspected == ["b"]
-    assert dealer.recoveries[0].worker == "b" and dealer.recoveries[0].cause == "tile_deadline"
+    assert dealer.members["b"].suspect and [(n.worker, n.cause) for n in dealer.told(WorkerLost)] == [("b", "tile_deadline")]
+    assert dealer.deal().recoveries[0].worker == "b" and dealer.deal().recoveries[0].cause == "tile_deadline"
     assert not any(s.worker == "b" for s in again)
     # b's late answer still counts if it comes first, and clears its suspicion
     outcome, _ = dealer.done("b", first_b.tile.index, first_b.attempt, 1.2)
@@ -136,24 +137,24 @@ def test_deadline_suspects_a_silent_worker_and_tries_it_again_later():
 
 def test_a_suspect_retried_gets_tiles_only_once_its_link_is_proven():
     """After `suspect_retry` tile timeouts a suspect is checked again, not dealt to: the shell proves its
-    downlink (`take_checks`, a round trip) and only `proved` deals it tiles."""
-    dealer = Dealer(Policy(window=1, tile_timeout_s=1.0, speculate_factor=0, suspect_retry=2.0))
+    downlink (`ProveLink`, a round trip) and only `proved` deals it tiles."""
+    dealer = Dealing(Policy(window=1, tile_timeout_s=1.0, speculate_factor=0, suspect_retry=2.0))
     dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
     dealer.begin(work(m=64, n=64, rows=4, cols=4), 0.0)
     dealer.tick(1.01)  # b (like a) has said nothing for a tile timeout
-    assert dealer.members["b"].suspect and dealer.take_checks() == []
+    assert dealer.members["b"].suspect and dealer.told(ProveLink) == []
     assert dealer.next_check_at(1.01) == pytest.approx(3.01)
     retried = dealer.tick(3.02)
     assert not any(s.worker == "b" for s in retried) and not dealer._count("b")
-    assert dealer.take_checks() == ["a", "b"] and not dealer.members["b"].proven
-    assert dealer.take_checks() == []  # each asked for once
+    assert dealer.told(ProveLink) == [ProveLink("a"), ProveLink("b")] and not dealer.members["b"].proven
+    assert dealer.told(ProveLink) == []  # each asked for once
     sends = dealer.proved("b", 3.1)
     assert sends and {s.worker for s in sends} == {"b"} and dealer.members["b"].proven
     assert dealer.proved("b", 3.2) == []  # proven already: nothing more
 
 
 def test_cached_blocks_do_not_travel_again_and_misses_resend_them():
-    dealer = Dealer(Policy(window=1))
+    dealer = Dealing(Policy(window=1))
     dealer.set_fleet([("a", 1 << 20, None)], 0.0)
     w = work(m=4, n=8, rows=4, cols=4)  # two tiles sharing rows 0:4 of A
     (s1,) = dealer.begin(w, 0.0)
@@ -165,7 +166,7 @@ def test_cached_blocks_do_not_travel_again_and_misses_resend_them():
 
 
 def test_a_byte_budget_keeps_one_tile_in_flight_past_it():
-    dealer = Dealer(Policy(window=4, max_inflight_bytes=600))
+    dealer = Dealing(Policy(window=4, max_inflight_bytes=600))
     dealer.set_fleet([("a", 1 << 20, None)], 0.0)
     sends = dealer.begin(work(m=4, n=32, rows=4, cols=4), 0.0)  # each tile carries >= 256 bytes
     assert 1 <= len(sends) < 4
@@ -174,7 +175,7 @@ def test_a_byte_budget_keeps_one_tile_in_flight_past_it():
 
 def test_stealing_takes_from_the_device_with_the_most_left():
     owners = lambda grid: ["fast"] + ["slow"] * (len(grid) - 1)  # noqa: E731
-    dealer = Dealer(Policy(window=1))
+    dealer = Dealing(Policy(window=1))
     dealer.set_fleet([("fast", 1 << 20, None), ("slow", 1 << 20, None)], 0.0)
     w = work(m=4, n=16, rows=4, cols=4, owners=owners)
     sends = dealer.begin(w, 0.0)
@@ -184,7 +185,7 @@ def test_stealing_takes_from_the_device_with_the_most_left():
 
 
 def test_an_idle_worker_copies_a_straggling_tile():
-    dealer = Dealer(Policy(window=1, speculate_factor=3.0, speculate_min_s=0.2, tick_s=0.05))
+    dealer = Dealing(Policy(window=1, speculate_factor=3.0, speculate_min_s=0.2, tick_s=0.05))
     dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
     sends = left(dealer, dealer.begin(work(m=4, n=8, rows=4, cols=4), 0.0), 0.0)
     a = next(s for s in sends if s.worker == "a")
@@ -201,7 +202,7 @@ def test_an_idle_worker_copies_a_straggling_tile():
 
 
 def test_a_refused_tile_goes_to_another_worker_unless_nobody_else_is_there():
-    dealer = Dealer(Policy(window=1))
+    dealer = Dealing(Policy(window=1))
     dealer.set_fleet([("small", 1 << 20, None), ("big", 1 << 20, None)], 0.0)
     sends = dealer.begin(work(m=4, n=12, rows=4, cols=4), 0.0)  # three tiles, one each, one queued
     small = next(s for s in sends if s.worker == "small")
@@ -210,7 +211,7 @@ def test_a_refused_tile_goes_to_another_worker_unless_nobody_else_is_there():
     assert all(s.tile != small.tile for s in again if s.worker == "small")
     _, more = dealer.done("big", big.tile.index, big.attempt, 0.2)
     assert [s.tile.index for s in more] == [small.tile.index]  # big, once free, takes the refused tile
-    alone = Dealer(Policy(window=1))
+    alone = Dealing(Policy(window=1))
     alone.set_fleet([("only", 1 << 20, None)], 0.0)
     (s,) = alone.begin(work(m=4, n=4, rows=4, cols=4), 0.0)
     retry = alone.failed("only", s.tile.index, s.attempt, 0.1)
@@ -218,13 +219,13 @@ def test_a_refused_tile_goes_to_another_worker_unless_nobody_else_is_there():
 
 
 def test_a_returning_worker_gets_tiles_only_once_its_link_is_proven():
-    dealer = Dealer(Policy(window=1, speculate_factor=0))
+    dealer = Dealing(Policy(window=1, speculate_factor=0))
     dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 0.0)
-    assert dealer.take_checks() == []  # first-timers are dealt at once
+    assert dealer.told(ProveLink) == []  # first-timers are dealt at once
     sends = dealer.begin(work(m=4, n=32, rows=4, cols=4), 0.0)
     dealer.set_fleet([("a", 1 << 20, None)], 0.5)  # b's heartbeats stopped: it left the plan
     back = dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None)], 1.0)  # ... and came back
-    assert dealer.take_checks() == ["b"] and not dealer.members["b"].proven
+    assert dealer.told(ProveLink) == [ProveLink("b")] and not dealer.members["b"].proven
     assert not [s for s in back if s.worker == "b"]
     now, dealt_b = 1.0, []
     for _ in range(3):  # a answers; whatever it frees goes to a, never to the unproven b
@@ -239,7 +240,7 @@ def test_a_returning_worker_gets_tiles_only_once_its_link_is_proven():
 
 
 def test_a_worker_whose_tiles_copies_keep_finishing_first_is_suspect():
-    dealer = Dealer(Policy(window=1, tile_timeout_s=100.0, speculate_factor=1.0, speculate_min_s=0.01, tick_s=0.01))
+    dealer = Dealing(Policy(window=1, tile_timeout_s=100.0, speculate_factor=1.0, speculate_min_s=0.01, tick_s=0.01))
     dealer.set_fleet([("slow", 1 << 20, None), ("fast", 1 << 20, None)], 0.0)
     now, beaten = 0.0, []
     for seq in range(1, 5):  # GEMM after GEMM, fast finishes and then copies slow's last tile, which wins
@@ -252,14 +253,15 @@ def test_a_worker_whose_tiles_copies_keep_finishing_first_is_suspect():
             inbox.update({x.worker: x for x in left(dealer, more, now)})
         dealer.end()
         beaten.append(dealer.members["slow"].beaten)
-    assert beaten == [1, 2, 0, 0] and dealer.suspected == ["slow"] and dealer.members["slow"].suspect
+    assert beaten == [1, 2, 0, 0] and dealer.members["slow"].suspect
+    assert [(n.worker, n.cause) for n in dealer.told(WorkerLost)] == [("slow", "duplicates")]
 
 
 @pytest.mark.parametrize("share, copies", [(0.1, 2), (10.0, 5)])
 def test_copies_of_late_tiles_stop_at_their_share_of_the_gemms_bytes(share, copies):
     """Copies must not load the PS link without bound: a GEMM's copies may carry at most `copy_share` of the bytes its other tiles did (here each copy sends one
     B block of 256 bytes, the GEMM sent 3,072), and then the dealer stops asking to be called for copies."""
-    dealer = Dealer(Policy(window=1, tile_timeout_s=100.0, speculate_factor=1.0, speculate_min_s=0.01, tick_s=0.01,
+    dealer = Dealing(Policy(window=1, tile_timeout_s=100.0, speculate_factor=1.0, speculate_min_s=0.01, tick_s=0.01,
                            copy_share=share))
     dealer.set_fleet([(w, 1 << 20, None) for w in ("f", "s1", "s2", "s3", "s4", "s5")], 0.0)
     sends = left(dealer, dealer.begin(work(m=4, n=24, rows=4, cols=4), 0.0), 0.0)  # one each; only f answers
@@ -285,7 +287,7 @@ def test_no_copy_is_dealt_while_sends_are_still_to_leave_the_ps():
     """A tile waiting behind the PS's own link looks late to an idle worker; a copy would queue behind the
     same sends and slow them: copies wait until what was dealt has left (the PS says so as it publishes each,
     the simulator says when each will)."""
-    dealer = Dealer(Policy(window=1, tile_timeout_s=100.0, speculate_factor=3.0, speculate_min_s=0.2, tick_s=0.05))
+    dealer = Dealing(Policy(window=1, tile_timeout_s=100.0, speculate_factor=3.0, speculate_min_s=0.2, tick_s=0.05))
     dealer.set_fleet([("a", 1 << 20, None), ("b", 1 << 20, None), ("c", 1 << 20, None)], 0.0)
     sends = dealer.begin(work(m=4, n=12, rows=4, cols=4), 0.0)
     a, b, c = (next(s for s in sends if s.worker == w) for w in "abc")

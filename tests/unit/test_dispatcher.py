@@ -69,9 +69,9 @@ async def test_a_late_result_of_a_spoiled_run_never_reaches_the_redone_gemm():
     stale = result(t_b, "b", torch.full((4, 4), 666.0))
     assert (t_b.tile, t_b.attempt) in {(task.tile, task.attempt) for _, task in redo.values()}
     await d.on_result(stale, 0)
-    assert d.c.fenced == 1 and not d.dealer.ledger.done
+    assert d.c.fenced == 1 and not d.dealer.deal().ledger.done
     for tile, (w, task) in redo.items():
-        t = d.dealer.ledger.tiles[tile]
+        t = d.dealer.deal().ledger.tiles[tile]
         await d.on_result(result(task, w, truth[t.r0 : t.r1, t.c0 : t.c1]), 0)
     out = await asyncio.wait_for(second, 10)
     assert torch.equal(out, truth)
@@ -92,6 +92,6 @@ async def test_results_dropped_by_the_bus_are_dealt_again_at_once():
     again = wire.tasks[2:]
     assert [task.attempt for _, task in again] == [1]  # a's tile again, before any deadline
     for w, task in wire.tasks:
-        t = d.dealer.ledger.tiles[task.tile]
+        t = d.dealer.deal().ledger.tiles[task.tile]
         await d.on_result(result(task, w, (a @ bt.T)[t.r0 : t.r1, t.c0 : t.c1]), 0)
     assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)

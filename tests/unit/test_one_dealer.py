@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from cleave import codec
-from cleave.gemm.dealer import Dealer, Policy
+from cleave.gemm.dealer import Dealer, Policy, Send
 from cleave.gemm.engine import OneGemm, fleet_of
 from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import (
@@ -42,7 +42,7 @@ class Recording(Dealer):
 
     def _log(self, event, sends):
         self.events.append((event, [(s.worker, s.tile.index, s.attempt, s.a.data, s.a.publish, s.b.data, s.b.publish)
-                                    for s in sends]))
+                                    for s in sends if isinstance(s, Send)]))
         return sends
 
     def set_fleet(self, fleet, now, cause="heartbeat_timeout"):
@@ -139,11 +139,11 @@ def plan_of(ids, layout, profiles, version):
 async def replay(events, layout, profiles, policy):
     wire, clock = Wire(), [0.0]
     d = Dispatcher(wire, "job", 1, PsSettings(tick_s=1e6))  # it ticks only when the replay says so
-    d.dealer.p = policy
+    d.dealer = Dealer(policy)  # the simulated run's policy, every part of it
     d.clock = lambda: clock[0]
     await d.set_plan(plan_of(profiles, layout, profiles, 1))
     await d._joining
-    assert any(d.dealer.joined.values())  # the fan-out groups are joined
+    assert any(d.dealer.groups.joined.values())  # the fan-out groups are joined
     decided = []
     a, bt = torch.randn(M, K), torch.randn(N, K)
     gemm = asyncio.create_task(d.gemm(a, bt, step=1, op=1, name="x"))
@@ -156,7 +156,7 @@ async def replay(events, layout, profiles, policy):
                 wire.published.clear()
         elif kind == "done":
             worker, tile, attempt = args
-            t = d.dealer.ledger.tiles[tile]
+            t = d.dealer.deal().ledger.tiles[tile]
             out = codec.tensor_to_data(torch.zeros(t.rows, t.cols))
             await d.on_result(TileResult(job="job", epoch=1, step=1, op=1, gemm=d.run.seq, tile=tile,
                                          attempt=attempt, worker_id=worker, out=out), 0)
@@ -200,7 +200,7 @@ async def test_the_ps_checks_a_suspects_link_before_dealing_it_again():
 
     wire, clock = Checked(), [0.0]
     d = Dispatcher(wire, "job", 1, PsSettings(tick_s=1e6, fanout=False))  # it ticks only when the test says so
-    d.dealer.p = Policy(window=1, tile_timeout_s=1.0, speculate_factor=0, suspect_retry=2.0)
+    d.dealer = Dealer(Policy(window=1, tile_timeout_s=1.0, speculate_factor=0, suspect_retry=2.0))
     d.clock = lambda: clock[0]
     profiles = {w: DeviceProfile(flops=1e9, memory_bytes=1 << 30, downlink_bytes_per_s=1e7, uplink_bytes_per_s=1e7,
                                  latency_s=0.01) for w in ("a", "b")}

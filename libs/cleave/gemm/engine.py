@@ -28,7 +28,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cleave.gemm import fanout
-from cleave.gemm.dealer import CHECK_BYTES, BlockSend, Dealer, Policy, Recovery, Send, Work
+from cleave.gemm.dealer import (
+    CHECK_BYTES,
+    BlockSend,
+    Dealer,
+    Instruction,
+    Policy,
+    ProveLink,
+    Recovery,
+    Send,
+    Work,
+)
 from cleave.gemm.ledger import GemmLedger
 from cleave.gemm.tiles import Tile
 from cleave.plan.fleet import Fleet, Profiles
@@ -130,8 +140,9 @@ class Engine:
     def __init__(self, start: float, dealer: Dealer, index: dict[str, int], actual: Profiles,
                  leave_at: np.ndarray, busy_until: np.ndarray, fleet,  # noqa: ANN001
                  plans: Sequence[tuple[float, tuple[str, ...]]] = (), link: PsLink | None = None,
-                 fan_out: bool = True) -> None:
+                 fan_out: bool = True, pending: Sequence[Instruction] = ()) -> None:
         self.now, self.dealer, self.index = start, dealer, index
+        self.pending = list(pending)  # instructions the dealer gave between engines: carried out when play starts
         self.act, self.leave_at, self.busy, self.fleet = actual, leave_at, busy_until, fleet
         self.link = link or PsLink()
         self.fan_out = fan_out
@@ -165,14 +176,15 @@ class Engine:
         out = self.outcomes[seq] = Outcome(self.now, self.now, {}, {}, len(ts.tiles), 0, 0, 0, [], 0)
         out.ps_bytes, out.end = 0.0, math.nan
         work = Work(seq, ts.m, ts.n, ts.k, ts.b, ts.tiles, ts.owners, ts.chunks, a_key, b_key, shared, split)
-        self._deliver(d.begin(work, self.now, priority))
+        self.deliver(d.begin(work, self.now, priority))
         self.ledgers[seq] = d.deal(seq).ledger
 
     def run_until(self, seqs: Sequence[int]) -> None:
         """Play events until every GEMM of `seqs` is done (the others go on meanwhile)."""
         d = self.dealer
+        self.deliver(self.pending)
+        self.pending = []
         while any(s in self.sets for s in seqs):
-            self._check_links()
             self._schedule_check()
             if not self.heap:
                 left = ", ".join(f"{ts.m}x{ts.n}" for ts in self.sets.values())
@@ -184,11 +196,11 @@ class Engine:
             elif kind == CHECK:
                 if self.now >= self.check_at - 1e-12:
                     self.check_at = math.inf
-                    self._deliver(d.tick(self.now))
+                    self.deliver(d.tick(self.now))
             elif kind == PLAN:
                 self._on_plan(*args)
             else:
-                self._deliver(d.proved(args[0], self.now))
+                self.deliver(d.proved(args[0], self.now))
 
     def _done(self, seq: int) -> None:
         led, out = self.ledgers[seq], self.outcomes[seq]
@@ -209,18 +221,22 @@ class Engine:
             self.check_at = at
             self._push(at, CHECK, ())
 
-    def _check_links(self) -> None:
-        """The link checks the dealer asks for: each answer comes back after its bytes and a round trip."""
-        for w in self.dealer.take_checks():
-            d = self.index[w]
-            at = max(self.now + self.act.lat[d], self.busy[d][0]) + CHECK_BYTES / self.act.down[d] + self.act.lat[d]
-            if at < self.leave_at[d]:
-                self._push(at, PROVED, (w,))
+    def _prove(self, w: str) -> None:
+        """A link check the dealer asks for: its answer comes back after its bytes and a round trip."""
+        d = self.index[w]
+        at = max(self.now + self.act.lat[d], self.busy[d][0]) + CHECK_BYTES / self.act.down[d] + self.act.lat[d]
+        if at < self.leave_at[d]:
+            self._push(at, PROVED, (w,))
 
     # ---- the devices -------------------------------------------------------------------------------
-    def _deliver(self, sends: list[Send]) -> None:
-        for s in sends:
-            self._device(s)
+    def deliver(self, instructions: Sequence[Instruction]) -> None:
+        """Carry out what the dealer decided: tiles to the devices, link checks; losses and recoveries are
+        read from the dealer's deals when a GEMM is done."""
+        for i in instructions:
+            if isinstance(i, Send):
+                self._device(i)
+            elif isinstance(i, ProveLink):
+                self._prove(i.worker)
 
     def _device(self, s: Send) -> None:
         """Tile `s` leaves the PS (after what it sent before), its shared blocks reach their whole group, and
@@ -247,7 +263,7 @@ class Engine:
         name, members = self.shared[block.id]
         for w in members:
             d = self.index[w]
-            if at < self.leave_at[d] and name in self.dealer.joined.get(w, ()):
+            if at < self.leave_at[d] and name in self.dealer.groups.joined.get(w, ()):
                 self.busy[d][0] = max(at + self.act.lat[d], self.busy[d][0]) + nbytes / self.act.down[d]
                 out.down[d] = out.down.get(d, 0.0) + nbytes
 
@@ -266,13 +282,13 @@ class Engine:
             while up is not None and led.covered(up):  # the last piece of a block cut when it was lost
                 out.accepted_at[up] = self.now
                 up = led.parent.get(up)
-        self._deliver(sends)
+        self.deliver(sends)
         if outcome == "accepted" and self.dealer.is_complete(seq):
             self._done(seq)
 
     def _on_plan(self, i: int, ids: tuple[str, ...]) -> None:
         self.plans_applied = i + 1
-        self._deliver(self.dealer.set_fleet(self.fleet(ids), self.now))
+        self.deliver(self.dealer.set_fleet(self.fleet(ids), self.now))
 
 
 class OneGemm(Engine):
@@ -282,8 +298,8 @@ class OneGemm(Engine):
     def __init__(self, ts: TileSet, start: float, dealer: Dealer, index: dict[str, int], actual: Profiles,
                  leave_at: np.ndarray, busy_until: np.ndarray, fleet, seq: int = 0,  # noqa: ANN001
                  plans: Sequence[tuple[float, tuple[str, ...]]] = (), link: PsLink | None = None,
-                 fan_out: bool = True) -> None:
-        super().__init__(start, dealer, index, actual, leave_at, busy_until, fleet, plans, link, fan_out)
+                 fan_out: bool = True, pending: Sequence[Instruction] = ()) -> None:
+        super().__init__(start, dealer, index, actual, leave_at, busy_until, fleet, plans, link, fan_out, pending)
         self.ts, self.seq = ts, seq
 
     def run(self) -> Outcome:

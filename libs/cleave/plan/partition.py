@@ -13,17 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from cleave.plan.profile import tile_seconds
 from cleave.schemas import DeviceProfile, GemmSpec, Plan
 
 DEFAULT_IMBALANCE = 1.5  # a sticky split is redone once its heaviest replica has this many times the lightest's rate
-
-
-def tile_seconds(p: DeviceProfile, rows: int, cols: int, k: int, b: int) -> float:
-    """One rows x cols tile of a GEMM with inner dimension k (b bytes an element) on device `p`."""
-    down = (rows + cols) * k * b / p.downlink_bytes_per_s
-    up = rows * cols * b / p.uplink_bytes_per_s
-    compute = 2.0 * rows * cols * k / p.flops
-    return p.latency_s + max(down, up, compute)
 
 
 def device_rate(p: DeviceProfile, gemms: Iterable[GemmSpec], b: int, tile_rows: int, tile_cols: int) -> float:

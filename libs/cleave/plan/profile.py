@@ -52,6 +52,17 @@ def parse_profile(spec: str) -> DeviceProfile:
 Clock = tuple[float, float, float]  # when a device's downlink, compute and uplink are next free
 
 
+def block_seconds(p: DeviceProfile, bytes_down: float, bytes_up: float, flops: float) -> float:
+    """The cost model's time of one block alone on device `p`: its latency, then the longest of its
+    download, its upload and its compute (they overlap)."""
+    return p.latency_s + max(bytes_down / p.downlink_bytes_per_s, bytes_up / p.uplink_bytes_per_s, flops / p.flops)
+
+
+def tile_seconds(p: DeviceProfile, rows: int, cols: int, k: int, b: int) -> float:
+    """One rows x cols tile of a GEMM with inner dimension k (b bytes an element) on device `p`."""
+    return block_seconds(p, (rows + cols) * k * b, rows * cols * b, 2.0 * rows * cols * k)
+
+
 def streamed(free: Clock, arrived: float, latency_s: float, down_s: float, compute_s: float, up_s: float) -> Clock:
     """A device's clock after one more tile that reaches it at `arrived` (+ latency): it downloads once its
     downlink is free, computes once downloaded and the compute is free, uploads once computed and the uplink
@@ -88,8 +99,7 @@ class Pacer:
 
     def tile_time(self, bytes_down: int, bytes_up: int, flops: float) -> float:
         """The cost model of one block on its own."""
-        p = self.p
-        return p.latency_s + max(bytes_down / p.downlink_bytes_per_s, bytes_up / p.uplink_bytes_per_s, flops / p.flops)
+        return block_seconds(self.p, bytes_down, bytes_up, flops)
 
     def finish_at(self, arrived: float, bytes_down: int, bytes_up: int, flops: float) -> float:
         p = self.p

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer, Policy, Recovery
+from cleave.gemm.dealer import DEFAULT_CACHE_BYTES, Dealer, Instruction, Policy, Recovery, Send
 from cleave.gemm.engine import Engine, OneGemm, Outcome, PsLink, TileSet, fleet_of
 from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 from cleave.models import GemmShape, backward_pairs, is_backward, step_order
@@ -91,7 +91,7 @@ class Simulation:
         self.version = 0
         self.dealer = Dealer(self.policy)  # the PS's dealing core, members and all, from GEMM to GEMM
         self._profiles: dict[int, DeviceProfile] = {}
-        self.dealer.set_fleet(self.fleet(self.scheduler.plans[0].ids(self.world)), 0.0)
+        self.carry = self._notes(self.dealer.set_fleet(self.fleet(self.scheduler.plans[0].ids(self.world)), 0.0))
         self.seq = 0
         self.link = PsLink(self.ps_bandwidth)  # the PS's egress, busy from GEMM to GEMM
         self.busy = np.zeros((len(self.world), 3))  # per device: downlink, compute, uplink next free
@@ -114,7 +114,17 @@ class Simulation:
         plans = self.scheduler.plans
         while self.version + 1 < len(plans) and plans[self.version + 1].ready_at <= self.now:
             self.version += 1
-            self.dealer.set_fleet(self.fleet(plans[self.version].ids(self.world)), self.now)
+            self.carry += self._notes(self.dealer.set_fleet(self.fleet(plans[self.version].ids(self.world)), self.now))
+
+    @staticmethod
+    def _notes(instructions: list[Instruction]) -> list[Instruction]:
+        """What the dealer decided between GEMMs besides sends (none: nothing is in flight), for the next
+        engine to carry out (link checks of returning devices)."""
+        return [i for i in instructions if not isinstance(i, Send)]
+
+    def _carried(self) -> list[Instruction]:
+        carry, self.carry = self.carry, []
+        return carry
 
     def _undisturbed(self, span: float, members: np.ndarray) -> bool:
         end = self.now + span
@@ -161,7 +171,7 @@ class Simulation:
         undisturbed = self._undisturbed(0.0, plan.members)
         self.seq += 1
         run = OneGemm(ts, self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at,
-                      self.busy, self.fleet, self.seq, later, self.link, self.fan_out)
+                      self.busy, self.fleet, self.seq, later, self.link, self.fan_out, self._carried())
         out = run.run()
         self.version += out.plans_applied
         if (
@@ -205,7 +215,7 @@ class Simulation:
         base, plans = self.version, self.scheduler.plans
         eng = Engine(self.now, self.dealer, self.world.index, self.world.actual, self.world.leave_at, self.busy,
                      self.fleet, [(p.ready_at, p.ids(self.world)) for p in plans[base + 1 :]], self.link,
-                     self.fan_out)
+                     self.fan_out, self._carried())
         begun: list[tuple[int, GemmShape]] = []
         waiting: deque[int] = deque()
         for dx, dw in self.pairs:

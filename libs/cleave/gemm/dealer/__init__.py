@@ -1,4 +1,5 @@
-"""The dealing of GEMM tiles to a fleet (pure): `Dealer` decides, `model` holds what it reads and returns."""
+"""The dealing of GEMM tiles to a fleet (pure): `Dealer` decides, `model` holds what it reads and the
+instructions it returns (`Send`, `ProveLink`, `WorkerLost`, `TilesLost`, `RecoveryDone`)."""
 
 from cleave.gemm.dealer.core import Dealer
 from cleave.gemm.dealer.model import (
@@ -6,11 +7,17 @@ from cleave.gemm.dealer.model import (
     DEFAULT_CACHE_BYTES,
     JOINS_KEPT,
     BlockSend,
+    Instruction,
     Member,
     Policy,
+    ProveLink,
     Recovery,
+    RecoveryDone,
     Send,
+    TilesLost,
     Work,
+    WorkerLost,
 )
 
-__all__ = ["CHECK_BYTES", "DEFAULT_CACHE_BYTES", "JOINS_KEPT", "BlockSend", "Dealer", "Member", "Policy", "Recovery", "Send", "Work"]
+__all__ = ["CHECK_BYTES", "DEFAULT_CACHE_BYTES", "JOINS_KEPT", "BlockSend", "Dealer", "Instruction", "Member", "Policy",
+           "ProveLink", "Recovery", "RecoveryDone", "Send", "TilesLost", "Work", "WorkerLost"]

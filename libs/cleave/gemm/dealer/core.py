@@ -5,35 +5,39 @@ the input gradients on the critical path, so that its tiles fill their tails); a
 of the first GEMM, in priority order, that has one for it, and its room is counted over all of them.
 It decides everything about a GEMM's dealing: which tile goes to which worker next (its planned pieces
 first, then shared tiles with cached inputs first, then, once idle, a tile stolen from the device with the
-most left), which input blocks travel with a tile and which the worker already caches (a mirror of its
-LRU), how much a worker may have in flight (tiles and bytes), when a worker that makes no progress is
-presumed lost and its tiles given back (cut for several devices), when a straggling tile is copied to an
-idle worker (`cleave.gemm.dealer.copies`), and when a suspect worker is tried again. It does no I/O and keeps no
-clock: every call takes `now`, and returns the tiles to send (`Send`) for the caller to put on its wire or
-its simulated links. Every event costs O(log n) in the number of workers and tiles: deadlines, suspicions and lone
+most left), which input blocks travel with a tile and which the worker caches (`inputs`), how much a worker
+may have in flight (tiles and bytes), when a worker that makes no progress is presumed lost and its tiles
+given back, cut for several devices (`deadlines`), when a straggling tile is copied to an idle worker
+(`copies`), and when a suspect worker is tried again.
+
+It does no I/O and keeps no clock: every call takes `now` and returns what the caller is to do, in one
+channel (as dask's worker state machine: events in, instructions out): tiles to send (`Send`), links to
+prove (`ProveLink`), workers presumed lost (`WorkerLost`), tiles lost with them (`TilesLost`) and losses
+made good (`RecoveryDone`). Every event costs O(log n) in workers and tiles: deadlines, suspicions and lone
 attempts are kept in heaps, the round trips of a GEMM shape in a sorted list (their median), and only
 workers that asked for work and found none are offered new work when some appears.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from cleave.gemm.dealer import copies, inputs, trips
+from cleave.gemm.dealer import copies, deadlines, inputs, trips
 from cleave.gemm.dealer.model import (
-    DEFAULT_INFLIGHT_S,
-    JOINS_KEPT,
     LEFT_KEPT,
     Deal,
+    Instruction,
     Member,
     Policy,
+    ProveLink,
     Recovery,
+    RecoveryDone,
     Send,
+    TilesLost,
     Work,
+    WorkerLost,
 )
 from cleave.gemm.fanout import a_id, b_id
 from cleave.gemm.ledger import Attempt, GemmLedger
@@ -43,8 +47,8 @@ from cleave.schemas import DeviceProfile
 class Dealer:
     """Deals GEMMs, one or several at once, to a changing set of members (see the module docstring).
 
-    The caller tells it what happens (`set_fleet`, `begin`, `done`, `failed`, `discard`, `heard`, `tick`,
-    `end`) and sends what each call returns; `next_check_at` says when `tick` next has something to do. Calls
+    The caller tells it what happens (`set_fleet`, `remove`, `proved`, `begin`, `done`, `failed`, `discard`,
+    `redo`, `heard`, `departed`, `tick`, `end`) and carries out the instructions each call returns, in order; `next_check_at` says when `tick` next has something to do. Calls
     about a GEMM name it by `seq` (`Work.seq`, also on every `Send`); with one GEMM in flight it may be left out."""
 
     def __init__(self, policy: Policy | None = None) -> None:
@@ -52,19 +56,13 @@ class Dealer:
         self.members: dict[str, Member] = {}
         self.deals: dict[int, Deal] = {}  # the GEMMs in flight, by seq
         self._ranked: list[Deal] = []  # ... in dealing order (priority, then seq)
-        self.lost: list[Recovery] = []  # losses since the caller last took them (`take_lost`)
-        self.closed: list[Recovery] = []  # recoveries closed since the caller last took them (`take_closed`)
-        self.suspected: list[str] = []  # presumed lost by a deadline since the caller last looked
+        self._notes: list[Instruction] = []  # what the current call tells beside its sends (returned with them)
         self._hungry: dict[str, None] = {}  # live members that asked for work and found none (in order)
         self._idle: dict[str, None] = {}  # ... of which those with nothing in flight
-        self._deadlines: list[tuple[float, int, str, int]] = []  # (due, order, member, token)
-        self._suspects: list[tuple[float, int, str, float]] = []  # (retry at, order, member, suspect since)
+        self._clock = deadlines.Deadlines(self.p)  # when members owe results, when suspects are tried again
         self._rts = trips.RoundTrips()  # each member's round trip per GEMM shape, and their median
-        self._order = itertools.count()
-        self.joined: dict[str, set[str]] = {}  # worker -> the fan-out groups it has subscribed to
-        self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
+        self.groups = inputs.Groups()  # the fan-out groups each worker is in
         self._left: OrderedDict[str, None] = OrderedDict()  # workers that left (the latest LEFT_KEPT)
-        self.checks: list[str] = []  # returning members whose link must be proven (`take_checks`, `proved`)
         self.copies = copies.Copies(self.p, self._rts)  # when a late tile is copied to an idle worker
 
     # ---- the GEMMs in flight -----------------------------------------------------------------------
@@ -80,23 +78,6 @@ class Dealer:
         return self._ranked[0] if len(self._ranked) == 1 else None
 
     @property
-    def work(self) -> Work | None:
-        """The GEMM in flight when there is one (None otherwise, or with several)."""
-        only = self._only()
-        return only.work if only else None
-
-    @property
-    def ledger(self) -> GemmLedger | None:
-        only = self._only()
-        return only.ledger if only else None
-
-    @property
-    def recoveries(self) -> list[Recovery]:
-        """The losses of the GEMM in flight (when there is one), open and closed."""
-        only = self._only()
-        return only.recoveries if only else []
-
-    @property
     def complete(self) -> bool:
         only = self._only()
         return only is not None and only.ledger.complete
@@ -105,11 +86,16 @@ class Dealer:
         deal = self.deals.get(seq)
         return deal is not None and deal.ledger.complete
 
+    def _out(self, sends: list[Send]) -> list[Instruction]:
+        """A call's instructions: its sends, then what else it decided (losses, links to prove, recoveries)."""
+        notes, self._notes = self._notes, []
+        return [*sends, *notes]
+
     # ---- the fleet ---------------------------------------------------------------------------------
     def set_fleet(self, fleet: Iterable[tuple[str, int, DeviceProfile | None]], now: float,
-                  cause: str = "heartbeat_timeout") -> list[Send]:
-        """The members are now exactly `fleet` (id, cache bytes, profile): newcomers join, the others are
-        lost (their tiles given back). Returns what to send."""
+                  cause: str = "heartbeat_timeout") -> list[Instruction]:
+        """The members are now exactly `fleet` (id, cache bytes, profile): newcomers join (one that was here
+        before proves its link first), the others are lost (their tiles given back)."""
         fleet = list(fleet)
         for wid, cache, profile in fleet:
             m = self.members.get(wid)
@@ -117,51 +103,46 @@ class Dealer:
                 back = self._left.pop(wid, 0) is None  # it was here before, and left
                 self.members[wid] = Member(wid, cache, profile, last_progress=now, proven=not back)
                 if back:
-                    self.checks.append(wid)
+                    self._notes.append(ProveLink(wid))
             else:
                 m.cache_bytes, m.profile = cache, profile
         keep = {wid for wid, _, _ in fleet}
         for gone in [w for w in self.members if w not in keep]:
-            self.remove(gone, now, cause)
-        return self._offer(now, self.members)
+            self._remove(gone, now, cause)
+        return self._out(self._offer(now, self.members))
 
     def join(self, worker: str, groups: Iterable[str]) -> None:
         """`worker` has subscribed to `groups`, and keeps those of its previous join (`JOINS_KEPT`: a GEMM in
         flight when a plan changes goes on with the groups it began with); it left any older ones."""
-        joins = self._joins.setdefault(worker, deque(maxlen=JOINS_KEPT))
-        joins.append(set(groups))
-        self.joined[worker] = set().union(*joins)
+        self.groups.join(worker, groups)
 
-    def remove(self, worker: str, now: float, cause: str) -> None:
+    def remove(self, worker: str, now: float, cause: str) -> list[Instruction]:
         """`worker` is gone for good (left the plan, or caught lying): its tiles are given back."""
+        self._remove(worker, now, cause)
+        return self._out([])
+
+    def _remove(self, worker: str, now: float, cause: str) -> None:
         m = self.members.get(worker)
         if m is None:
             return
         self._lose(m, now, cause, m.last_progress)
         self._rts.forget(m)
-        self.joined.pop(worker, None)
-        self._joins.pop(worker, None)
+        self.groups.forget(worker)
         del self.members[worker]
         self._left[worker] = None
         while len(self._left) > LEFT_KEPT:
             self._left.popitem(last=False)
 
-    def take_checks(self) -> list[str]:
-        """Members that came back (to the plan, or from suspicion) since the caller last asked: each gets
-        tiles only once `proved`."""
-        checks, self.checks = self.checks, []
-        return checks
-
-    def proved(self, worker: str, now: float) -> list[Send]:
-        """A round trip over `worker`'s downlink succeeded: it is dealt tiles again. Returns what to send."""
+    def proved(self, worker: str, now: float) -> list[Instruction]:
+        """A round trip over `worker`'s downlink succeeded (`ProveLink`): it is dealt tiles again."""
         m = self.members.get(worker)
         if m is None or m.proven:
-            return []
+            return self._out([])
         m.proven, m.last_progress = True, now
-        return self._offer(now, [worker])
+        return self._out(self._offer(now, [worker]))
 
     # ---- one GEMM ----------------------------------------------------------------------------------
-    def begin(self, work: Work, now: float, priority: int = 0) -> list[Send]:
+    def begin(self, work: Work, now: float, priority: int = 0) -> list[Instruction]:
         """Start dealing `work` beside the GEMMs already in flight: a worker takes its tiles when no GEMM of
         a lower `priority` (or begun earlier at the same one) has a tile for it. Every live member with room
         gets a tile of it before any gets a second."""
@@ -169,7 +150,8 @@ class Dealer:
         live = {w for w, m in self.members.items() if not m.suspect}
         owners = [o if o in live else None for o in work.owners] if work.owners else None
         if not self.deals:  # nothing in flight: no byte, deadline or hunger of an earlier GEMM is left
-            self._deadlines, self._hungry, self._idle = [], {}, {}
+            self._hungry, self._idle = {}, {}
+            self._clock.clear()
             for m in self.members.values():
                 m.inflight_bytes = 0
         deal = Deal(work, GemmLedger(work.tiles, owners), priority, trips.median_predicted(self.members, work, owners))
@@ -179,7 +161,7 @@ class Dealer:
         for depth in range(1, max(self.p.window, work.chunks) + 1):
             for m in list(self.members.values()):
                 out += self._fill(m, now, depth)
-        return out
+        return self._out(out)
 
     def end(self, seq: int | None = None) -> None:
         """The GEMM is over (done, or abandoned): nothing of it is dealt any more, and what it still had in
@@ -194,7 +176,8 @@ class Dealer:
         del self.deals[deal.work.seq]
         self._ranked.remove(deal)
         if not self.deals:
-            self._hungry, self._idle, self._deadlines = {}, {}, []
+            self._hungry, self._idle = {}, {}
+            self._clock.clear()
 
     def extra(self, tile: int, worker: str, now: float, seq: int | None = None) -> Send:
         """One more attempt of `tile` on `worker` whose result is not assembled (a verification copy)."""
@@ -202,9 +185,10 @@ class Dealer:
         return self._send(deal, self.members[worker], deal.ledger.issue_extra(tile, worker, now), now)
 
     # ---- results -----------------------------------------------------------------------------------
-    def done(self, worker: str, tile: int, attempt: int, now: float, seq: int | None = None) -> tuple[str, list[Send]]:
+    def done(self, worker: str, tile: int, attempt: int, now: float,
+             seq: int | None = None) -> tuple[str, list[Instruction]]:
         """A valid block for (tile, attempt) from `worker`: "accepted" (the first), "duplicate" or
-        "unknown"; returns the outcome and what to send next."""
+        "unknown"; returns the outcome and the instructions."""
         deal = self.deal(seq)
         led = deal.ledger
         m = self._progress(deal, worker, tile, attempt, now)
@@ -214,17 +198,17 @@ class Dealer:
         outcome = led.finish(tile, attempt)
         out: list[Send] = []
         if outcome == "accepted":
-            self._close(deal, tile, now)
+            self._notes += [RecoveryDone(rec) for rec in deal.closed(tile, now)]
             out = self._beaten(others, now)
             if m is not None:
                 m.beaten = 0
         if led.complete and len(self.deals) == 1:
-            return outcome, []
+            return outcome, self._out([])
         out += self._fill(m, now) if m is not None else []
         for other in others:  # a copy was dropped: its worker has room again
             if other in self.members:
                 out += self._fill(self.members[other], now)
-        return outcome, out
+        return outcome, self._out(out)
 
     def _beaten(self, others: list[str], now: float) -> list[Send]:
         """Another attempt finished first: a worker beaten `beaten_limit` times in a row is suspect, as one
@@ -242,7 +226,7 @@ class Dealer:
         return out
 
     def failed(self, worker: str, tile: int, attempt: int, now: float, missing: Sequence[str] = (),
-               seq: int | None = None) -> list[Send]:
+               seq: int | None = None) -> list[Instruction]:
         """(tile, attempt) will not produce a block: the worker lacked cached `missing` blocks (it gets the
         tile again, with them), or it refused the tile (it goes to another worker, unless every live member
         has refused it: then they all try again). The tile goes to the front of the queue."""
@@ -255,20 +239,20 @@ class Dealer:
         self._release(deal, tile, attempt)
         deal.ledger.retry(tile, attempt)
         if missing:
-            return self._offer(now, [worker])
+            return self._out(self._offer(now, [worker]))
         refused = deal.refused.setdefault(tile, set())
         refused.add(worker)
         if all(w in refused for w, m in self.members.items() if not m.suspect):
             refused.clear()  # nobody else can: do not leave the tile undealt
-        return self._offer(now, [*self._hungry, worker])
+        return self._out(self._offer(now, [*self._hungry, worker]))
 
-    def discard(self, worker: str, tile: int, attempt: int, now: float, seq: int | None = None) -> list[Send]:
+    def discard(self, worker: str, tile: int, attempt: int, now: float, seq: int | None = None) -> list[Instruction]:
         """(tile, attempt) answered, but its block is not assembled here (a verification copy)."""
         deal = self.deal(seq)
         m = self._progress(deal, worker, tile, attempt, now)
         self._release(deal, tile, attempt)
         deal.ledger.drop(tile, attempt)
-        return self._fill(m, now) if m is not None else []
+        return self._out(self._fill(m, now) if m is not None else [])
 
     def departed(self, tile: int, attempt: int, at: float, seq: int | None = None) -> None:
         """A send left the PS at `at` (later than dealt: behind others on the PS's link; the simulator says
@@ -279,15 +263,15 @@ class Dealer:
         if deal is not None:
             deal.ledger.departed(tile, attempt, at)
 
-    def redo(self, worker: str, now: float) -> list[Send]:
+    def redo(self, worker: str, now: float) -> list[Instruction]:
         """What `worker` has in flight will not be heard of (its results were dropped unread): deal it again."""
         if not self.deals:
-            return []
+            return self._out([])
         for deal in self._ranked:
             for att in deal.ledger.inflight(worker):
                 self._release(deal, att.tile, att.attempt)
                 deal.ledger.retry(att.tile, att.attempt)
-        return self._offer(now, [*self._hungry, worker])
+        return self._out(self._offer(now, [*self._hungry, worker]))
 
     def heard(self, worker: str) -> None:
         """`worker` answered for a GEMM that is over: it is alive."""
@@ -298,49 +282,23 @@ class Dealer:
         deal = self.deals.get(seq) if seq is not None else self._only()
         return deal.ledger.running.get((tile, attempt)) if deal is not None else None
 
-    def take_lost(self) -> list[Recovery]:
-        """Losses recorded since the caller last asked (each also in its GEMM's `Deal.recoveries`)."""
-        lost, self.lost = self.lost, []
-        return lost
-
-    def take_closed(self) -> list[Recovery]:
-        closed, self.closed = self.closed, []
-        return closed
-
     # ---- time --------------------------------------------------------------------------------------
-    def tick(self, now: float) -> list[Send]:
-        """Suspects whose retry time came are checked again (`take_checks`), workers past their deadline are presumed lost,
-        their tiles dealt to whoever has room, and idle workers copy tiles that run far too long."""
+    def tick(self, now: float) -> list[Instruction]:
+        """Suspects whose retry time came prove their link again (`ProveLink`), workers past their deadline are
+        presumed lost, their tiles dealt to whoever has room, and idle workers copy tiles that run far too long."""
         if not self.deals:
-            return []
+            return self._out([])
         out: list[Send] = []
-        while self._suspects and self._suspects[0][0] <= now:
-            _, _, wid, since = heapq.heappop(self._suspects)
-            m = self.members.get(wid)
-            if m is not None and m.suspect and m.suspect_since == since:
-                m.suspect, m.proven = False, False  # tiles again once a round trip over its downlink succeeds
-                self.checks.append(wid)
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, wid, token = heapq.heappop(self._deadlines)
-            m = self.members.get(wid)
-            if m is None or m.token != token or m.suspect or not self._count(wid):
-                continue
-            deal, oldest = self._oldest(m)
-            since = max(m.last_progress, oldest.sent_at)  # since when it owes a result
-            if since + self._deadline_s(m, deal, oldest) > now + 1e-9:
-                self._arm(m)
-                continue
+        self._notes += [ProveLink(wid) for wid in self._clock.retried(now, self.members)]
+        for m, since in self._clock.late(now, self.members, self._ranked, self._count):
             self._suspect(m, now, "tile_deadline", since)
         if any(d.ledger.queued for d in self._ranked):
             out += self._offer(now, list(self._hungry))
-        return out + self._copy_to_idle(now)
+        return self._out(out + self._copy_to_idle(now))
 
     def next_check_at(self, now: float) -> float:
         """When `tick` next may change something (deadlines exactly; copies at most once per `tick_s`)."""
-        at = math.inf
-        for heap in (self._deadlines, self._suspects):
-            if heap:
-                at = min(at, heap[0][0])
+        at = self._clock.next_at()
         return min(at, self.copies.due(self._ranked, now)) if self._idle else at
 
     # ---- dealing -----------------------------------------------------------------------------------
@@ -352,7 +310,7 @@ class Dealer:
             return out
         hungry, count = False, self._count(w)
         while True:
-            if count and self._over_budget(m):
+            if count and m.over_budget(self.p.max_inflight_bytes):
                 break
             deal, att = self._take(m, now, count, depth)
             copy = att is None and not count
@@ -367,7 +325,7 @@ class Dealer:
             out.append(self._send(deal, m, att, now, copy))
         self._mark(m, hungry, count)
         if out or count:
-            self._arm(m)
+            self._clock.arm(m, self._ranked)
         return out
 
     def _take(self, m: Member, now: float, count: int, depth: int | None) -> tuple[Deal | None, Attempt | None]:
@@ -432,32 +390,15 @@ class Dealer:
     def _copies_made(self) -> int:
         return sum(d.ledger.copied for d in self._ranked)
 
-    def _over_budget(self, m: Member) -> bool:
-        """Whether one more tile would put more bytes in flight to `m` than it may hold: the policy's limit,
-        or two seconds of its downlink when that is less."""
-        cap = self.p.max_inflight_bytes
-        if cap is None:
-            return False
-        if m.profile is not None:
-            cap = min(cap, int(DEFAULT_INFLIGHT_S * m.profile.downlink_bytes_per_s))
-        return m.inflight_bytes >= cap
-
     def _send(self, deal: Deal, m: Member, att: Attempt, now: float, copy: bool = False) -> Send:
         work, t = deal.work, deal.ledger.tiles[att.tile]
-        a = inputs.block_input(deal, m, a_id(work.a_key, t), t.r0, t.r1, self.joined, self.members)
-        b = inputs.block_input(deal, m, b_id(work.b_key, t), t.c0, t.c1, self.joined, self.members)
+        joined = self.groups.joined
+        a = inputs.block_input(deal, m, a_id(work.a_key, t), t.r0, t.r1, joined, self.members)
+        b = inputs.block_input(deal, m, b_id(work.b_key, t), t.c0, t.c1, joined, self.members)
         nbytes = (a.rows("data") + b.rows("data")) * work.k * work.b
         pushed = (a.rows("publish") + b.rows("publish")) * work.k * work.b
         m.inflight_bytes += nbytes + pushed
-        deal.bytes[(att.tile, att.attempt)] = nbytes + pushed
-        deal.leaving.add((att.tile, att.attempt))
-        if copy:
-            deal.copy_bytes += nbytes + pushed
-        else:
-            deal.sent_bytes += nbytes + pushed
-        for rec in deal.recoveries:
-            if att.tile in rec.tiles:
-                rec.redispatched_at = now
+        deal.sent(att.tile, att.attempt, nbytes + pushed, copy, now)
         return Send(m.id, t, att.attempt, a, b, nbytes, pushed, work.seq)
 
     # ---- bookkeeping -------------------------------------------------------------------------------
@@ -479,23 +420,14 @@ class Dealer:
         if att is not None and att.worker in self.members:
             self.members[att.worker].inflight_bytes -= nbytes
 
-    def _close(self, deal: Deal, tile: int, now: float) -> None:
-        for rec in deal.recoveries:
-            if rec.done_at is None and tile in rec.tiles:
-                rec.tiles.discard(tile)
-                if not rec.tiles:
-                    rec.done_at = now
-                    self.closed.append(rec)
-
     def _suspect(self, m: Member, now: float, cause: str, since: float) -> None:
         """`m` is presumed lost: its tiles are given back, and it is tried again after `suspect_retry`."""
         m.suspect, m.suspect_since = True, now
-        self.suspected.append(m.id)
-        heapq.heappush(self._suspects, (now + self.p.suspect_retry * self.p.tile_timeout_s,
-                                        next(self._order), m.id, now))
+        self._clock.suspect(m, now)
         self._lose(m, now, cause, since)
 
     def _lose(self, m: Member, now: float, cause: str, silent_since: float) -> None:
+        self._notes.append(WorkerLost(m.id, cause))
         self._hungry.pop(m.id, None)
         self._idle.pop(m.id, None)
         for deal in self._ranked:
@@ -505,24 +437,4 @@ class Dealer:
             if lost:
                 rec = Recovery(m.id, cause, silent_since, now, set(lost), len(lost), seq=deal.work.seq)
                 deal.recoveries.append(rec)
-                self.lost.append(rec)
-
-    def _oldest(self, m: Member) -> tuple[Deal, Attempt]:
-        """The oldest tile `m` has in flight, and its GEMM (each ledger issues in time order)."""
-        firsts = [(next(iter(d.ledger.by_worker[m.id].values())), d) for d in self._ranked if d.ledger.count(m.id)]
-        att, deal = min(firsts, key=lambda x: x[0].sent_at)
-        return deal, att
-
-    def _deadline_s(self, m: Member, deal: Deal, oldest: Attempt) -> float:
-        """How long `m` may owe a result: `timeout_factor` x its usual time for its oldest tile (its round
-        trips on this shape, or the cost model's time on its profile, whichever is longer), at least
-        `tile_timeout_s`."""
-        work = deal.work
-        usual = max(m.round_trips.get(work.shape, 0.0), m.predicted_s(deal.ledger.tiles[oldest.tile], work.k, work.b))
-        return max(self.p.tile_timeout_s, self.p.timeout_factor * usual)
-
-    def _arm(self, m: Member) -> None:
-        m.token += 1
-        deal, oldest = self._oldest(m)
-        due = max(m.last_progress, oldest.sent_at) + self._deadline_s(m, deal, oldest)
-        heapq.heappush(self._deadlines, (due, next(self._order), m.id, m.token))
+                self._notes.append(TilesLost(rec))

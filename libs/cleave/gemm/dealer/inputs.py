@@ -9,11 +9,30 @@ rows of their inputs a worker already caches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 
-from cleave.gemm.dealer.model import BlockSend, Deal, Member
+from cleave.gemm.dealer.model import JOINS_KEPT, BlockSend, Deal, Member
 from cleave.gemm.fanout import a_id, b_id
 from cleave.gemm.tiles import Tile
+
+
+class Groups:
+    """The fan-out groups each worker has subscribed to: those of its latest JOINS_KEPT joins (a GEMM in
+    flight when a plan changes goes on with the groups it began with); it left any older ones."""
+
+    def __init__(self) -> None:
+        self.joined: dict[str, set[str]] = {}  # worker -> the groups it is in
+        self._joins: dict[str, deque[set[str]]] = {}  # worker -> the groups of its latest joins
+
+    def join(self, worker: str, groups: Iterable[str]) -> None:
+        joins = self._joins.setdefault(worker, deque(maxlen=JOINS_KEPT))
+        joins.append(set(groups))
+        self.joined[worker] = set().union(*joins)
+
+    def forget(self, worker: str) -> None:
+        self.joined.pop(worker, None)
+        self._joins.pop(worker, None)
 
 
 def score(deal: Deal, m: Member) -> Callable[[Tile], int] | None:

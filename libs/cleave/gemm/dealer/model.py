@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from cleave.gemm.ledger import DEFAULT_WINDOW, GemmLedger
 from cleave.gemm.tiles import Tile
+from cleave.plan.profile import tile_seconds
 from cleave.schemas import DeviceProfile
 
 Shape = tuple[int, int, int]  # (m, n, k) of a GEMM
@@ -71,13 +72,18 @@ class Member:
     def forget(self, block_id: str) -> None:
         self.known_bytes -= self.known.pop(block_id, 0)
 
+    def over_budget(self, cap: int | None) -> bool:
+        """Whether one more tile would put more bytes in flight to it than it may hold: `cap`, or two seconds
+        of its downlink when that is less (None: no limit)."""
+        if cap is None:
+            return False
+        if self.profile is not None:
+            cap = min(cap, int(DEFAULT_INFLIGHT_S * self.profile.downlink_bytes_per_s))
+        return self.inflight_bytes >= cap
+
     def predicted_s(self, t: Tile, k: int, b: int) -> float:
         """The cost model's time for tile `t` alone on this device (0 when its profile is unknown)."""
-        p = self.profile
-        if p is None:
-            return 0.0
-        return p.latency_s + max((t.rows + t.cols) * k * b / p.downlink_bytes_per_s,
-                                 t.rows * t.cols * b / p.uplink_bytes_per_s, 2.0 * t.rows * t.cols * k / p.flops)
+        return 0.0 if self.profile is None else tile_seconds(self.profile, t.rows, t.cols, k, b)
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,36 @@ class Recovery:
     seq: int = 0  # the GEMM run whose tiles these were
 
 
+class ProveLink(NamedTuple):
+    """Prove `worker`'s downlink (a small round trip over its tile connection) before it is dealt tiles: it
+    came back to the plan, or from suspicion. Its tiles follow once the caller reports `Dealer.proved`."""
+
+    worker: str
+
+
+class WorkerLost(NamedTuple):
+    """`worker` is presumed lost (`cause`: a missed deadline, copies beat it, it left the plan, it lied):
+    what it was asked to do will not come, and its tiles were given back."""
+
+    worker: str
+    cause: str
+
+
+class TilesLost(NamedTuple):
+    """A loss of tiles in one GEMM (its `Recovery`, open until they are all done again)."""
+
+    recovery: Recovery
+
+
+class RecoveryDone(NamedTuple):
+    """Every tile of a loss is done again (`recovery.done_at` says when)."""
+
+    recovery: Recovery
+
+
+Instruction = Send | ProveLink | WorkerLost | TilesLost | RecoveryDone  # what the dealer tells its caller to do
+
+
 @dataclass
 class Deal:
     """One GEMM being dealt (several may be at once, see `Dealer.begin`) and what the dealer tracks of it."""
@@ -180,6 +216,30 @@ class Deal:
     @property
     def rank(self) -> tuple[int, int]:
         return (self.priority, self.work.seq)
+
+    def sent(self, tile: int, attempt: int, nbytes: int, copy: bool, now: float) -> None:
+        """An attempt dealt with `nbytes` of inputs (with it or published): owed until answered, to leave the PS,
+        counted against the copies' share if it is one; a lost tile dealt again is re-dispatched now."""
+        self.bytes[(tile, attempt)] = nbytes
+        self.leaving.add((tile, attempt))
+        if copy:
+            self.copy_bytes += nbytes
+        else:
+            self.sent_bytes += nbytes
+        for rec in self.recoveries:
+            if tile in rec.tiles:
+                rec.redispatched_at = now
+
+    def closed(self, tile: int, now: float) -> list[Recovery]:
+        """`tile` is done: the losses that were waiting for it alone, now made good."""
+        out = []
+        for rec in self.recoveries:
+            if rec.done_at is None and tile in rec.tiles:
+                rec.tiles.discard(tile)
+                if not rec.tiles:
+                    rec.done_at = now
+                    out.append(rec)
+        return out
 
     def may_copy(self, share: float) -> bool:
         """Whether its copies so far leave room for another: tiles that look late because they wait behind a

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
+from collections.abc import Sequence
 
 import structlog
 import torch
@@ -23,7 +24,18 @@ from cleave import codec
 from cleave.bus import Bus
 from cleave.errors import StepAborted, StepSpoiled
 from cleave.gemm import fanout, tiles
-from cleave.gemm.dealer import Dealer, Policy, Recovery, Send, Work
+from cleave.gemm.dealer import (
+    Dealer,
+    Instruction,
+    Policy,
+    ProveLink,
+    Recovery,
+    RecoveryDone,
+    Send,
+    TilesLost,
+    Work,
+    WorkerLost,
+)
 from cleave.schemas import (
     SUBJECT_CONTROL,
     SUBJECT_FANOUT,
@@ -89,14 +101,9 @@ class Dispatcher:
     async def set_plan(self, plan: Plan) -> None:
         self.plan = plan
         fleet = [(w.worker_id, w.cache_bytes, w.profile) for w in plan.workers if w.worker_id not in self.faulty]
-        before = set(self.dealer.members)
-        sends = self.dealer.set_fleet(fleet, self.clock())
-        for gone in before - set(self.dealer.members):
-            self._forget_checks(gone)
-        self._prove_returning()
-        self._log_losses()
+        dealt = self.dealer.set_fleet(fleet, self.clock())
         log.info("plan_applied", version=plan.version, workers=len(fleet), reason=plan.reason)
-        await self._post(sends)
+        await self.post(dealt)
         if self.s.fanout:
             if self._joining is not None:
                 self._joining.cancel()
@@ -176,7 +183,7 @@ class Dispatcher:
         work = Work(seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared, split)
         started = waited = self.clock()
         try:
-            await self._post(self.dealer.begin(work, started, priority))
+            await self.post(self.dealer.begin(work, started, priority))
             while not self.dealer.is_complete(seq) or run.checks:
                 if self.stopping:
                     raise StepAborted("the parameter server is stopping")
@@ -238,28 +245,34 @@ class Dispatcher:
         return [w for w, m in self.dealer.members.items() if not m.suspect and m.proven]
 
     async def _tick(self) -> None:
-        now = self.clock()
-        sends = self.dealer.tick(now)
-        for worker in self.dealer.suspected:
-            self._forget_checks(worker)
-        self.dealer.suspected.clear()
-        self._prove_returning()
-        self._log_losses()
-        await self._post(sends)
+        await self.post(self.dealer.tick(self.clock()))
 
-    def _prove_returning(self) -> None:
-        """Workers back in the plan, or back from suspicion: tiles only once their downlink is proven."""
-        for worker in self.dealer.take_checks():
-            self._track(linkcheck.prove(self, worker))
+    # ---- what the dealer decided ---------------------------------------------------------------------
+    def _note(self, i: Instruction) -> None:
+        """An instruction that is not a send: a link to prove (tiles only once its downlink answers), a
+        worker lost (a verification it owed will not come), tiles lost (logged once), a loss made good
+        (a recovery event in the step's metrics)."""
+        if isinstance(i, ProveLink):
+            self._track(linkcheck.prove(self, i.worker))
+        elif isinstance(i, WorkerLost):
+            self._forget_checks(i.worker)
+        elif isinstance(i, TilesLost):
+            run, rec = self.runs.get(i.recovery.seq), i.recovery
+            log.warning("tiles_resent", worker_id=rec.worker, cause=rec.cause, step=run.step if run else None,
+                        gemm=run.name if run else None, tiles=rec.count)
+        elif isinstance(i, RecoveryDone):
+            self.c.recoveries.append(self._event(i.recovery, self.runs.get(i.recovery.seq)))
 
     # ---- sending -------------------------------------------------------------------------------------
-    async def post(self, sends: list[Send]) -> None:
-        """What the dealer returned outside this shell's own calls (a proven link): send it."""
-        await self._post(sends)
-
-    async def _post(self, sends: list[Send]) -> None:
-        """Encode a batch of tiles in a worker thread, then publish them in order (those of a GEMM that is
-        over are not sent)."""
+    async def post(self, instructions: Sequence[Instruction]) -> None:
+        """Carry out what the dealer decided, in its order: what is not a send at once (`_note`), then the
+        tiles, encoded in a worker thread and published in order (those of a GEMM that is over are not sent)."""
+        sends = []
+        for i in instructions:
+            if isinstance(i, Send):
+                sends.append(i)
+            else:
+                self._note(i)
         dealt = [(s, self.runs[s.seq]) for s in sends if s.seq in self.runs]  # (looked up here: a GEMM may end
         if not dealt:  # on the loop while the thread encodes)
             return
@@ -308,10 +321,10 @@ class Dispatcher:
             sends = self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, now, seq=seq)
         else:
             sends = await self._accept(run, msg)
-        await self._post(sends)
+        await self.post(sends)
         return None
 
-    async def _accept(self, run: GemmRun, msg: TileResult) -> list[Send]:
+    async def _accept(self, run: GemmRun, msg: TileResult) -> list[Instruction]:
         seq = run.seq
         t = self.dealer.deal(seq).ledger.tiles[msg.tile]
         out = msg.out
@@ -335,7 +348,6 @@ class Dispatcher:
             return sends
         target = run.out.view(torch.int16) if run.out.dtype == torch.bfloat16 else run.out  # numpy has no bfloat16
         await self._off_loop(block.nbytes, lambda: target.numpy().__setitem__((slice(t.r0, t.r1), slice(t.c0, t.c1)), block))
-        self._log_losses()
         if self.verifier.sample():
             sends += self._verify(run, msg.tile, msg.worker_id)
         self._maybe_done(run)
@@ -376,7 +388,8 @@ class Dispatcher:
         liar = self.verifier.judge(check, second, truth)
         if liar is not None:
             self.faulty.add(liar)
-            self.dealer.remove(liar, self.clock(), "verification_mismatch")
+            for i in self.dealer.remove(liar, self.clock(), "verification_mismatch"):  # no sends: losses
+                self._note(i)
             for other in self.runs.values():  # its blocks may be in any GEMM in flight: the step is redone
                 other.spoiled = liar
                 other.done.set()
@@ -406,8 +419,7 @@ class Dispatcher:
         tokens = subject[len(prefix):].split(".")  # job, epoch, worker
         workers = tokens[2:3] if len(tokens) > 2 else list(self.dealer.members)
         log.warning("results_dropped", subject=subject, workers=len(workers))
-        sends = [s for w in workers for s in self.dealer.redo(w, self.clock())]
-        self._track(self._post(sends))
+        self._track(self.post([i for w in workers for i in self.dealer.redo(w, self.clock())]))
 
     def _track(self, coro) -> None:  # noqa: ANN001
         task = asyncio.get_running_loop().create_task(coro)
@@ -421,15 +433,6 @@ class Dispatcher:
                 if check.verifier == worker:
                     del run.checks[tile]
             self._maybe_done(run)
-
-    def _log_losses(self) -> None:
-        """Log each loss once, and report each recovery once its tiles are all done again."""
-        for rec in self.dealer.take_lost():
-            run = self.runs.get(rec.seq)
-            log.warning("tiles_resent", worker_id=rec.worker, cause=rec.cause, step=run.step if run else None,
-                        gemm=run.name if run else None, tiles=rec.count)
-        for rec in self.dealer.take_closed():
-            self.c.recoveries.append(self._event(rec, self.runs.get(rec.seq)))
 
     @staticmethod
     def _event(rec: Recovery, run: GemmRun | None) -> Event:

@@ -1,5 +1,5 @@
 """Proving a returning worker's downlink before it is dealt tiles: the shell of the dealer's rule
-(`Dealer.take_checks` / `Dealer.proved`).
+(`ProveLink` / `Dealer.proved`).
 
 A worker that left the plan and came back, or a suspect whose retry time came, (its link was cut, its process restarted) has heartbeats on a
 connection of their own, which may recover long before the connection its tiles travel on: after a cut,
@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import structlog
 
 from cleave.bus import Bus
-from cleave.gemm.dealer import CHECK_BYTES, Dealer, Send
+from cleave.gemm.dealer import CHECK_BYTES, Dealer, Instruction
 from cleave.schemas import SUBJECT_LINKCHECK, DeviceProfile, LinkCheck, LinkCheckAck
 
 log = structlog.get_logger("ps")
@@ -39,7 +40,7 @@ class Shell(Protocol):
 
     def clock(self) -> float: ...
 
-    async def post(self, sends: list[Send]) -> None: ...
+    async def post(self, instructions: Sequence[Instruction]) -> None: ...
 
 
 def check_timeout(profile: DeviceProfile | None) -> float:
