@@ -15,6 +15,9 @@ from cleave_cli.natsconf import free_port
 from tests.integration.fleet import assert_same
 
 TRAIN = [sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "10", "--seed", "0"]
+# every worker declares the same profile: the replicas' split follows the cost model of the profiles, and
+# measured ones differ with whatever else the machine runs (a loaded machine split 4 workers 1 + 3)
+SAME = {"CLEAVE_WORKER_PROFILE": "flops=2e10,down=1e8,up=5e7,latency=0.001,memory=536870912"}
 
 
 def lines_of(path) -> list[dict]:
@@ -33,7 +36,7 @@ def train_replicas(tmp_path, env: dict[str, str] | None = None) -> tuple[list[di
     out = tmp_path / "dist.jsonl"
     proc = subprocess.run([*TRAIN, "--ps-replicas", "2", "--workers", "4", "--metrics-out", str(out),
                            "--run-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=280, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=280, env={**os.environ, **SAME, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stack = json.loads((tmp_path / "run" / "stack.json").read_text())
     return lines_of(out), {p["name"]: p for p in stack["processes"]}
@@ -120,7 +123,7 @@ def test_a_worker_lost_is_re_partitioned_and_the_job_stays_exact(tmp_path, refer
     from cleave_cli.jobrun import LocalFleet  # noqa: PLC0415
 
     job = JobConfig(job_id="churn2", preset="tiny", steps=10)
-    fleet = LocalFleet(tmp_path, 3)
+    fleet = LocalFleet(tmp_path, 3, worker_env=SAME)
     try:
         fleet.start()
         fleet.add_worker(env={"CLEAVE_WORKER_FAIL_AT": "tile:3", "CLEAVE_WORKER_FAULT_DIR": str(tmp_path / "f")},
