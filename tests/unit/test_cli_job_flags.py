@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cleave.methods import diloco, fedavg
 from cleave.train.job import JobConfig
 from cleave_cli.commands import job_from_args
@@ -26,3 +28,14 @@ def test_defaults_agree_and_named_settings_expand() -> None:
     assert (paper.local_steps, paper.outer_lr, paper.outer_momentum) == (500, 0.7, 0.9)
     mixed = job("--method", "diloco", "--diloco-setting", "paper", "--local-steps", "20")  # a flag wins
     assert (mixed.local_steps, mixed.outer_lr, mixed.outer_momentum) == (20, 0.7, 0.9)
+
+
+def test_cleave_version_names_the_installed_distribution(capsys):
+    from importlib import metadata  # noqa: PLC0415
+
+    from cleave_cli.main import main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"cleave {metadata.version('cleave-train')} (Python 3.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
@@ -12,6 +13,7 @@ from cleave.errors import EXIT_INTERRUPTED, CleaveError, Stopped
 
 TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "plan": "plan_cmd",
          "export": "export_cmd", "prepare-data": "data_cmd", "sim": "sim_cmd", "swarm": "swarm_cmd"}  # module: register(sub), run(args)
+DISTRIBUTION = "cleave-train"  # the name on the package index (the import names are cleave, cleave_cli, ...)
 LIGHT = ("chaos",)  # parsed alone, so that `cleave chaos kill` signals before torch is ever imported
 
 
@@ -23,9 +25,18 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", help="NATS URL (default: the service's setting, nats://127.0.0.1:4222)")
 
 
+def version() -> str:
+    """The installed distribution's version (`cleave-train`), or "unknown" when run from a bare checkout."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line, or (`only`, one of LIGHT) that subcommand alone, importing nothing else."""
     parser = argparse.ArgumentParser(prog="cleave", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cleave {version()} (Python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="command", required=True)
     if only in LIGHT:
         tool(only).register(sub)
