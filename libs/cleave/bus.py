@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -41,6 +42,7 @@ from cleave.schemas import (
     STATE_BUCKET,
     SUBJECT_EVENTS,
     SUBJECT_EVENTS_ALL,
+    WORKER_REPLY_TOKEN,
     Event,
     StepMetrics,
     Wire,
@@ -59,6 +61,7 @@ DEFAULT_WATCH_POLL_S = 0.5
 ELECTION_S = 30.0  # a JetStream stream that lost its leader (a cluster node died) elects one within seconds:
 # idempotent requests are retried this long (`Bus.patiently`)
 TRANSIENT = (TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)  # what an election looks like
+NO_RESPONDERS = "503"  # the status nats-server answers a request with when nobody subscribes
 HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
 # Slow consumers, in every nats-server config we ship (docs/operations.md): the server cuts off a client with
 # more than max_pending bytes waiting for it, or whose socket takes longer than write_deadline for one write.
@@ -291,8 +294,19 @@ class Bus:
 
     async def request(self, subject: str, msg: Wire, schema: type[T], timeout_s: float = DEFAULT_TIMEOUT_S,
                       max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-        """Request/reply with one-message frames (both sides must fit `max_payload`)."""
-        reply = await self.nc.request(subject, codec.encode(msg, compress=False), timeout=timeout_s)
+        """Request/reply with one-message frames (both sides must fit `max_payload`). The answer comes on an
+        inbox of its own, `<inbox prefix>.w.<128 random bits>`: a site's leaf node may publish below `.w.` and
+        nowhere else among this client's replies (`cleave.auth`, role "site"), and cannot guess another's."""
+        inbox = f"{self.nc.new_inbox().rpartition('.')[0]}.{WORKER_REPLY_TOKEN}.{secrets.token_hex(16)}"
+        sub = await self.nc.subscribe(inbox, max_msgs=1)
+        try:
+            await self.nc.publish(subject, codec.encode(msg, compress=False), reply=inbox)
+            reply = await sub.next_msg(timeout=timeout_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if reply.headers and reply.headers.get("Status") == NO_RESPONDERS:  # the server: nobody subscribes
+            raise nats.errors.NoRespondersError
         return codec.decode(reply.data, schema, max_bytes)
 
     async def serve(self, subject: str, schema: type[T], handler: Callable[[T], Awaitable[Wire]],

@@ -13,7 +13,7 @@ import pytest
 from cleave import auth
 from cleave.errors import ConfigError
 from cleave.schemas import PLAN_BUCKET, STATE_BUCKET
-from cleave_cli import auth_cmd
+from cleave_cli import auth_cmd, serverconf
 from cleave_cli.natsconf import nats_server_binary
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
@@ -66,8 +66,8 @@ def test_unknown_roles_and_duplicate_ids_are_refused() -> None:
 
 def test_credentials_are_real_nkeys_and_the_config_holds_no_seed() -> None:
     creds = auth.credentials(("w1", "w2"))
-    assert [c.name for c in creds] == ["ps", "scheduler", "monitor", "worker-w1", "worker-w2"]
-    text = auth.server_config(creds, auth.ServerOptions())
+    assert [c.name for c in creds] == ["ps", "scheduler", "monitor", "submitter", "worker-w1", "worker-w2"]
+    text = serverconf.server_config(creds, serverconf.ServerOptions())
     for c in creds:
         assert nkeys.from_seed(bytearray(c.seed.encode())).public_key.decode() == c.public
         assert c.public in text and c.seed not in text
@@ -97,7 +97,7 @@ def test_secrets_are_written_private_and_never_overwritten_by_accident(tmp_path:
 
 
 def test_a_provided_certificate_is_used(tmp_path: Path) -> None:
-    material = auth.generate_tls(["cleave.example.org"])
+    material = serverconf.generate_tls(["cleave.example.org"])
     for name, data in (("c.pem", material.cert_pem), ("k.pem", material.key_pem), ("ca.pem", material.ca_pem)):
         (tmp_path / name).write_bytes(data)
     out = tmp_path / "auth"
@@ -123,5 +123,5 @@ def test_connect_options_from_settings(tmp_path: Path) -> None:
         auth.connect_options(PsSettings(nats_nkey_seed="UABC"), "ps")  # a public key pasted as the seed
     with pytest.raises(ConfigError, match="NATS_TLS_CA"):
         auth.connect_options(PsSettings(nats_tls_ca=tmp_path / "missing.pem"), "ps")
-    (tmp_path / "ca.pem").write_bytes(auth.generate_tls(["localhost"]).ca_pem)
+    (tmp_path / "ca.pem").write_bytes(serverconf.generate_tls(["localhost"]).ca_pem)
     assert isinstance(auth.connect_options(PsSettings(nats_tls_ca=tmp_path / "ca.pem"), "ps")["tls"], ssl.SSLContext)

@@ -4,10 +4,9 @@ keeps less than both in flight to one worker (docs/operations.md, "Real links").
 import re
 from pathlib import Path
 
-from cleave import auth
 from cleave.bus import SERVER_LIMITS, SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S
 from cleave.gemm.dealer.model import DEFAULT_INFLIGHT_S
-from cleave_cli import topology
+from cleave_cli import serverconf, topology
 from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS
 from cleave_ps.settings import PsSettings
 
@@ -22,7 +21,7 @@ def limits(conf: str) -> tuple[int, int]:
 
 def test_every_shipped_config_sets_the_limits():
     local = NATS_CONFIG.format(port=4222, monitor_port=8222, max_payload=1 << 20, limits=NATS_LIMITS, store="/x")
-    generated = auth.server_config([], auth.ServerOptions())
+    generated = serverconf.server_config([], serverconf.ServerOptions())
     nodes = [topology.Node(f"nats-{i}") for i in (1, 2, 3)]
     cluster = [topology.node_config(n, nodes, "/x", 1 << 20) for n in nodes]
     leaf = topology.leaf_config(topology.Site("lab"), nodes, 1 << 20)
