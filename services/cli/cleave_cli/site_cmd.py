@@ -12,6 +12,7 @@ for, up to `--connect-timeout`, and after the first link any cut is waited out (
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hub", required=True, action="append", help="the hub's leaf-node URL, tls://HOST:7422 "
                    "(repeatable: the nodes of a hub cluster)")
     p.add_argument("--name", required=True, help="the site's name, as in `cleave auth init --sites`")
-    p.add_argument("--auth", type=Path, required=True, help="the site's folder from `cleave auth init` "
-                   "(sites/NAME, or the whole directory)")
+    p.add_argument("--auth", type=Path, help="the site's folder from `cleave auth init` (sites/NAME, or the whole "
+                   "directory); without it, CLEAVE_SITE_NATS_NKEY_SEED, CLEAVE_WORKER_NATS_NKEY_SEED and "
+                   "CLEAVE_SITE_NATS_TLS_CA (its site.env, worker.env and ca.pem, as compose hands them over)")
     p.add_argument("--workers", type=int, default=2, help="workers on this machine (default 2)")
     p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_SITE_PORT}",
                    help="where the site's workers connect, HOST[:PORT] (0.0.0.0 for the site's other machines)")
@@ -57,6 +59,7 @@ class SiteRun:
     host: str
     port: int
     stack: Stack
+    ca: Path | None = None  # the CA the hub's certificate is verified with (None: the system's)
 
     @property
     def url(self) -> str:
@@ -79,24 +82,18 @@ def run(args: argparse.Namespace) -> int:
     from cleave_cli.supervisor import stop_signals
 
     name = auth.check_site_name(args.name)
-    folder = site_folder(args.auth, name)
-    if not (folder / auth_cmd.SITE_ENV).is_file():
-        raise ConfigError(f"site {name} has no credential in {args.auth} ({auth_cmd.SITE_ENV} is missing): on the hub, "
-                          f"`cleave auth init --sites {name}` writes sites/{name}/; copy that folder here")
-    site_cred = auth_cmd.credential(folder, "site", auth.SITE)
-    worker = auth_cmd.credential(folder, "worker", "worker")
+    site_cred, worker, ca = credentials(args.auth, name)
     if args.workers < 0:
         raise ConfigError(f"--workers must be at least 0, got {args.workers}")
     host, port = split_listen(args.listen, DEFAULT_SITE_PORT)
     run_dir = args.run_dir or default_run_dir(f"site-{name}")
-    site = SiteRun(name, folder, tuple(args.hub), host, port, Stack(run_dir))
+    site = SiteRun(name, args.auth or Path("."), tuple(args.hub), host, port, Stack(run_dir), ca)
     try:
         with stop_signals():
             start_leaf(site, site_cred, worker)
             wait_linked(site, args.connect_timeout)
             print(f"site {name}: leaf node {site.url} linked to {', '.join(site.hubs)}; run dir {run_dir}", flush=True)
-            env = auth_cmd.role_env(folder, "worker")
-            env.pop("CLEAVE_WORKER_NATS_TLS_CA", None)  # the leaf node's client port is local and plain
+            env = {"CLEAVE_WORKER_NATS_NKEY_SEED": worker.seed}  # (the leaf node's client port is local and plain)
             for i in range(args.workers):
                 site.stack.service(f"worker-{i + 1}", "worker", ["--worker-id", f"{name}-w{i + 1}"], env=env)
             print(f"{args.workers} workers on it; other machines of the site: cleave worker --nats "
@@ -114,8 +111,27 @@ def run(args: argparse.Namespace) -> int:
         site.stack.stop_all()
 
 
+def credentials(folder: Path | None, name: str) -> tuple[auth.Credential, auth.Credential, Path | None]:
+    """The site's credential, the worker credential and the CA: from the site's folder, else the environment."""
+    if folder is None:
+        seeds = {r: os.environ.get(f"CLEAVE_{r.upper()}_NATS_NKEY_SEED", "").strip() for r in (auth.SITE, "worker")}
+        missing = [f"CLEAVE_{r.upper()}_NATS_NKEY_SEED" for r, v in seeds.items() if not v]
+        if missing:
+            raise ConfigError(f"site {name} has no credential: pass --auth with its folder (sites/{name}/ of the "
+                              f"hub's `cleave auth init --sites {name}`), or set {' and '.join(missing)}")
+        ca = os.environ.get("CLEAVE_SITE_NATS_TLS_CA")
+        return (auth.credential_from_seed(f"{auth.SITE}-{name}", auth.SITE, seeds[auth.SITE]),
+                auth.credential_from_seed("worker", "worker", seeds["worker"]), Path(ca) if ca else None)
+    inner = site_folder(folder, name)
+    if not (inner / auth_cmd.SITE_ENV).is_file():
+        raise ConfigError(f"site {name} has no credential in {folder} ({auth_cmd.SITE_ENV} is missing): on the hub, "
+                          f"`cleave auth init --sites {name}` writes sites/{name}/; copy that folder here")
+    return (auth_cmd.credential(inner, "site", auth.SITE), auth_cmd.credential(inner, "worker", "worker"),
+            auth_cmd.ca_file(inner))
+
+
 def start_leaf(site: SiteRun, site_cred: auth.Credential, worker: auth.Credential) -> None:
-    ca = auth_cmd.ca_file(site.folder)
+    ca = site.ca
     monitor_port = free_port()
     opts = serverconf.LeafOptions(name=site.name, listen=f"{site.host}:{site.port}", http=f"127.0.0.1:{monitor_port}",
                                   hubs=site.hubs, ca_file=str(ca.resolve()) if ca else None)
@@ -165,6 +181,7 @@ def check_refused(site: SiteRun, offset: int) -> int:
                               f"from the hub's `cleave auth init --sites {site.name}`")
         if any(k in low for k in UNVERIFIED):
             raise ConfigError(f"site {site.name} could not verify the hub's certificate ({raw.split(' - ')[-1].strip()}): "
-                              f"the CA in {site.folder} must be the hub's, and the certificate must name the host "
+                              f"the CA ({site.ca or 'the system trust store'}) must be the hub's, and the certificate "
+                              f"must name the host "
                               f"in --hub")
     return offset + end
