@@ -112,6 +112,7 @@ def test_a_hub_and_two_sites_behind_shaped_links_train_a_job_submitted_from_a_la
     shutil.copy(auth / "tls" / "ca.pem", laptop / "tls" / "ca.pem")
     job_id = f"sites-{time.time_ns()}"
     running: list[Running] = []
+    t0 = time.monotonic()
     with lab:
         try:
             hub = Running(lab, lab.hub, [*CLEAVE, "up", "--listen", "0.0.0.0", "--auth", str(auth), "--workers", "0",
@@ -127,8 +128,10 @@ def test_a_hub_and_two_sites_behind_shaped_links_train_a_job_submitted_from_a_la
             for site in running[1:]:
                 site.wait_for("stops everything")
             nats = f"tls://{lab.hub_ip('laptop')}:4222"
+            t_submit = time.monotonic()
             sub = run_in(lab, lab.ns("laptop"), [*CLEAVE, "submit", "--nats", nats, "--auth", str(laptop), "--preset",
                                                  "tiny", "--steps", str(STEPS), "--job-id", job_id, "--workers", "4"])
+            t_submit = time.monotonic() - t_submit
             assert sub.returncode == 0 and f"{job_id}: queued" in sub.stdout, sub.stdout + sub.stderr
             cut = cut_mid_run(lab, run / "runner" / "jobs" / job_id / "metrics.jsonl")
             wait_file_line(run / "logs" / "runner.log", "job_done", JOB_TIMEOUT_S)
@@ -156,6 +159,12 @@ def test_a_hub_and_two_sites_behind_shaped_links_train_a_job_submitted_from_a_la
         assert sum(n for w, n in tiles.items() if w.startswith(f"{s}-w")) > 0, tiles
     assert any(m["workers"] < 4 for m in lines) and lines[-1]["workers"] == 4, [m["workers"] for m in lines]
     loads_in_transformers(tmp_path / "model")
+    diff = max(abs(m["loss"] - r["loss"]) / abs(r["loss"]) for m, r in zip(lines, ref, strict=True))
+    print("RESULT", json.dumps({  # the figures docs/deploy.md quotes (pytest -s)
+        "seconds": round(time.monotonic() - t0), "submit_s": round(t_submit, 1), "steps": STEPS,
+        "workers_per_step": [m["workers"] for m in lines], "max_rel_loss_diff": diff,
+        "recoveries": sum(m["recoveries"] for m in lines), "tiles_by_worker": tiles,
+        "median_step_s": sorted(m["step_time_s"] for m in lines)[STEPS // 2]}))
 
 
 def refused(lab: Netlab, tmp_path: Path, auth: Path) -> None:

@@ -100,6 +100,7 @@ class Runner:
         self.bus, self.stack, self.run_dir, self.max_running = bus, stack, run_dir, max_running
         self.records: dict[str, JobRecord] = {}  # this runner writes them: its copy is the bucket's
         self.waiting: dict[str, float] = {}  # job -> since when it waits for its workers
+        self.restarts: dict[str, int] = {}  # job -> restarts of its PS already counted in its record's runs
 
     async def open(self) -> None:
         await jobs_stream(self.bus)
@@ -178,8 +179,10 @@ class Runner:
             await self.ended(proc)
         for rec in [r for r in self.records.values() if r.state == "running"]:
             proc = self.stack.procs.get(_ps_name(rec.job_id))
-            if proc is not None and rec.runs < proc.restarts + 1:  # restarted since: say so in its record
-                await self.put(rec.model_copy(update={"runs": rec.runs + 1}))
+            seen = self.restarts.get(rec.job_id, 0)
+            if proc is not None and proc.restarts > seen:  # restarted since: say so in its record
+                self.restarts[rec.job_id] = proc.restarts
+                await self.put(rec.model_copy(update={"runs": rec.runs + proc.restarts - seen}))
         running = sum(r.state == "running" for r in self.records.values())
         queued = sorted((r for r in self.records.values() if r.state == "queued"), key=lambda r: r.submitted_at)
         for rec in queued[: max(0, self.max_running - running)]:
@@ -201,6 +204,7 @@ class Runner:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "job.json").write_text(json.dumps(json.loads(rec.job), indent=2))
         self.waiting.pop(rec.job_id, None)
+        self.restarts[rec.job_id] = 0  # a new process: its restarts count from 0
         self.stack.service(_ps_name(rec.job_id), "ps", ["--job", str(folder / "job.json"),
                                                         "--metrics-out", str(folder / "metrics.jsonl")])
         log.info("job_started", job=rec.job_id, run=rec.runs + 1)
