@@ -42,6 +42,7 @@ from cleave_cli import auth_cmd, joboptions
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
 DEFAULT_POLL_S = 0.25
+DEFAULT_RETRY_S = 1.0  # between tries to store a job on a hub whose runner has not made its stream yet
 DEFAULT_FETCH = 512  # metrics lines read per batch
 DEFAULT_CONSUMER_IDLE_S = 30.0  # the server deletes `status`'s reading consumer this long after its last use
 
@@ -52,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _remote(p)
     p.add_argument("--workers", type=int, default=0, help="start once this many workers are registered on the hub "
                                                           "(at most a minute; default 0: at once)")
-    p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, help="seconds to wait for the runner's verdict")
+    p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, help="seconds to wait for the hub to store the "
+                   "job (its runner starting) and then for the runner's verdict")
 
     p = sub.add_parser("status", help="a hub's jobs, or one job's step, loss, workers and metrics")
     _remote(p)
@@ -98,12 +100,7 @@ async def submit(args: argparse.Namespace) -> int:
                         min_workers=args.workers)
     bus = await connect(args.nats, args.auth)
     try:
-        try:
-            ack = await bus.js.publish(SUBJECT_JOB_SUBMIT.format(job=job.job_id), codec.encode(sub),
-                                       timeout=busmod.DEFAULT_TIMEOUT_S, headers={"Nats-Msg-Id": sub.nonce})
-        except Exception as e:  # no stream: no runner has ever started on that hub
-            raise CleaveError(f"the hub at {args.nats} did not take the job ({type(e).__name__}): is its runner "
-                              "up (`cleave up`, or compose's `runner`)?") from None
+        ack = await store(bus, job.job_id, sub, args.wait, args.nats)
         print(f"{job.job_id}: stored on the hub (stream {ack.stream}, seq {ack.seq})", flush=True)
         rec = await verdict(bus, job.job_id, sub.nonce, args.wait)
     finally:
@@ -118,6 +115,21 @@ async def submit(args: argparse.Namespace) -> int:
     print(f"{job.job_id}: {rec.state}; follow it with: cleave status --nats {args.nats}"
           f"{f' --auth {args.auth}' if args.auth else ''} --job-id {job.job_id}")
     return 0
+
+
+async def store(bus: busmod.Bus, job_id: str, sub: JobSubmission, wait_s: float, url: str):  # noqa: ANN201 - a PubAck
+    """Publish the submission into the hub's JetStream; until `wait_s` while its stream is not there yet (a hub
+    whose runner is starting). The message id is the nonce: a try whose answer was lost is stored once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await bus.js.publish(SUBJECT_JOB_SUBMIT.format(job=job_id), codec.encode(sub),
+                                        timeout=busmod.DEFAULT_TIMEOUT_S, headers={"Nats-Msg-Id": sub.nonce})
+        except Exception as e:  # no stream (yet): no runner has started on that hub
+            if time.monotonic() > deadline:
+                raise CleaveError(f"the hub at {url} did not take the job within {wait_s:.0f}s ({type(e).__name__}): "
+                                  "is its runner up (`cleave up`, or compose's `runner`)?") from None
+        await asyncio.sleep(DEFAULT_RETRY_S)
 
 
 async def verdict(bus: busmod.Bus, job_id: str, nonce: str, wait_s: float) -> JobRecord | None:
