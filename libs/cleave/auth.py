@@ -241,10 +241,11 @@ def check_site_name(name: str) -> str:
     return name
 
 
-def admin_credential() -> Credential:
-    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
-    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-    return Credential(ADMIN, ADMIN, seed.decode(), public, Permissions(publish=(">",), subscribe=(">",)))
+def admin_credential(seed: str | None = None) -> Credential:
+    """The operators' unrestricted credential: a new one, or the one `seed` (admin.nk) stands for."""
+    seed = seed or nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+    public = nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+    return Credential(ADMIN, ADMIN, seed, public, Permissions(publish=(">",), subscribe=(">",)))
 
 
 def credentials(worker_ids: tuple[str, ...] = ()) -> list[Credential]:

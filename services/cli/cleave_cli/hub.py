@@ -142,9 +142,7 @@ def users(folder: Path) -> list[auth.Credential]:
         creds.append(_site(path))
     admin = folder / auth_cmd.ADMIN_NAME
     if admin.is_file():
-        seed = admin.read_text().strip()
-        public = auth.credential_from_seed(auth.ADMIN, "submitter", seed).public
-        creds.append(auth.Credential(auth.ADMIN, auth.ADMIN, seed, public, auth.Permissions((">",), (">",))))
+        creds.append(auth.admin_credential(admin.read_text().strip()))
     if not any(c.role == "ps" for c in creds):
         raise ConfigError(f"{folder} holds no credentials of `cleave auth init` (ps.env is missing)")
     return creds

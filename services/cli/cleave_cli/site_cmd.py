@@ -54,7 +54,6 @@ class SiteRun:
     """What a site runs: its credentials, its leaf node's addresses, its stack."""
 
     name: str
-    folder: Path
     hubs: tuple[str, ...]
     host: str
     port: int
@@ -87,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workers must be at least 0, got {args.workers}")
     host, port = split_listen(args.listen, DEFAULT_SITE_PORT)
     run_dir = args.run_dir or default_run_dir(f"site-{name}")
-    site = SiteRun(name, args.auth or Path("."), tuple(args.hub), host, port, Stack(run_dir), ca)
+    site = SiteRun(name, tuple(args.hub), host, port, Stack(run_dir), ca)
     try:
         with stop_signals():
             start_leaf(site, site_cred, worker)
