@@ -24,6 +24,7 @@ import json
 import time
 from pathlib import Path
 
+import nats
 import structlog
 from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
@@ -32,6 +33,7 @@ from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, WireError
 from cleave.runtime.lifecycle import run as run_until_stopped
+from cleave.runtime.lifecycle import wait_for_stop
 from cleave.runtime.logs import configure
 from cleave.schemas import (
     JOBS_BUCKET,
@@ -87,8 +89,12 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
         log.info("runner_started", nats=s.nats_url, run_dir=str(run_dir), max_running=max_running,
                  queued=sum(r.state == "queued" for r in runner.records.values()))
         while not stop.is_set():
-            await runner.take()
-            await runner.tick()
+            try:
+                await runner.take()
+                await runner.tick()
+            except (nats.errors.Error, TimeoutError, ConnectionError) as e:  # the bus is away: its PSs go on
+                log.warning("runner_retrying", error=repr(e)[:200])
+                await wait_for_stop(stop, DEFAULT_TICK_S)
     finally:
         await asyncio.to_thread(stack.stop_all)  # each PS drains; its job stays `running` and resumes next time
         await bus.close()
@@ -142,6 +148,8 @@ class Runner:
 
     async def accept(self, job_id: str, sub: JobSubmission) -> JobRecord:
         old = self.records.get(job_id)
+        if old is not None and old.nonce == sub.nonce:  # handed over again (its acknowledgement was lost): judged
+            return old
         job, why = await self.judge(job_id, sub, old)
         if why:
             log.warning("job_refused", job=job_id, reason=why)
