@@ -124,7 +124,7 @@ reference "$RUN/job.json" "$RUN/reference" &
 ref_pid=$!
 dc up -d --no-build --scale worker=3 >/dev/null 2>&1 || fail "compose up (the hub)"
 ds up -d --no-build >/dev/null 2>&1 || fail "compose up (the site)"
-"$CLEAVE" submit --nats "$NATS" --auth "$RUN/auth" --config "$RUN/job.json" --workers 5 >"$RUN/submit.log" 2>&1 \
+"$CLEAVE" submit --nats "$NATS" --auth "$RUN/auth" --config "$RUN/job.json" --workers 5 --wait 300 >"$RUN/submit.log" 2>&1 \
   || fail "cleave submit: $(cat "$RUN/submit.log")"
 wait_step 20;  "$HERE/chaos/kill.sh" "${FILES[@]}" worker; kills=$((kills + 1))
 wait_step 50;  "$HERE/chaos/freeze.sh" "${FILES[@]}" worker 3
