@@ -89,9 +89,10 @@ PY
 
 site_tiles() {  # tiles the site's workers report done (the hub's registry, read with the operators' credential)
   "$REPO/.venv/bin/python" - "$NATS" "$RUN/auth/admin.nk" "$RUN/auth/tls/ca.pem" "$SITE-w" <<'PY'
-import asyncio, ssl, sys
+import asyncio, logging, ssl, sys
 import nats
 from cleave import codec
+logging.getLogger("asyncio").setLevel(logging.ERROR)  # its note on a TLS connection's end
 from cleave.schemas import REGISTRY_BUCKET, DeviceRecord
 
 async def main():
