@@ -133,6 +133,8 @@ def test_a_hub_and_two_sites_behind_shaped_links_train_a_job_submitted_from_a_la
                                                  "tiny", "--steps", str(STEPS), "--job-id", job_id, "--workers", "4"])
             t_submit = time.monotonic() - t_submit
             assert sub.returncode == 0 and f"{job_id}: queued" in sub.stdout, sub.stdout + sub.stderr
+            left = subprocess.run(["ip", "netns", "pids", lab.ns("laptop")], capture_output=True, text=True)
+            assert not left.stdout.split(), "the laptop keeps nothing running: the job is the hub's"
             cut = cut_mid_run(lab, run / "runner" / "jobs" / job_id / "metrics.jsonl")
             wait_file_line(run / "logs" / "runner.log", "job_done", JOB_TIMEOUT_S)
             assert cut.get("restored"), "the job ended before site A's link came back"
