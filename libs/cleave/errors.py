@@ -71,6 +71,13 @@ class Fenced(CleaveError):
     exit_code = EXIT_FENCED
 
 
+class JobChanged(ConfigError):
+    """A job id that already has state was started as another model or on another data order: refused once,
+    not restarted (a new job id, or the job's own settings, resume it)."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
 class StepSpoiled(CleaveError):
     """A step's result cannot be trusted (a worker was caught lying): it is redone, never applied."""
 

@@ -184,6 +184,7 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
     train.proc.send_signal(signal.SIGTERM)
     code, out = train.end()
     assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in out, out
+    assert "dashboard: http://127.0.0.1:" in out and "monitor" in pids  # a local train serves its dashboard
     assert_all_gone(pids)
 
     async def last_checkpoint() -> int:

@@ -105,6 +105,12 @@ INSTANCES: dict[str, Wire] = {
         optimizer_groups=[{"lr": 3e-4, "betas": [0.9, 0.95]}], rng=codec.tensor_to_data(torch.arange(4, dtype=torch.uint8))),
     "StateHead": schemas.StateHead(job="j", step=3, epoch=1, object="j.3.manifest", sha256="cd" * 32, size=24,
                                    job_config="{}", metrics=(_metrics(),)),
+    "JobSubmission": schemas.JobSubmission(job='{"job_id": "j", "preset": "tiny"}', nonce="0123456789abcdef",
+                                           submitted_at=1700000004.0, min_workers=4),
+    "JobRecord": schemas.JobRecord(job_id="j", job='{"job_id": "j"}', state="failed", submitted_at=1700000004.0,
+                                   min_workers=4, started_at=1700000005.0, ended_at=1700000006.0, exit_code=4,
+                                   reason="changed", runs=2, nonce="0123456789abcdef", verdict="refused",
+                                   verdict_reason="running"),
 }
 
 

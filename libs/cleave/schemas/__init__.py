@@ -2,7 +2,7 @@
 
 Messages travel as msgpack through `cleave.codec`; tensors inside them as `TensorData` (dtype, shape, bytes).
 Each part lives in its own module (`subjects`, `limits`, `dtypes`, `base`, `fleet`, `plan`, `tiles`,
-`methods`, `state`, and `planwire`, the packed form of a plan); everything is re-exported here, so
+`methods`, `state`, `jobs`, and `planwire`, the packed form of a plan); everything is re-exported here, so
 `from cleave.schemas import TileTask` is how code names them.
 """
 
@@ -26,10 +26,16 @@ from cleave.schemas.fleet import (
     Heartbeat,
     Probe,
 )
+from cleave.schemas.jobs import (
+    JOB_STATES,
+    JobRecord,
+    JobSubmission,
+)
 from cleave.schemas.limits import (
     MAX_BLOCK_PARTS,
     MAX_CONTROL_BYTES,
     MAX_GEMM_DIM,
+    MAX_JOB_BYTES,
     MAX_LINKCHECK_BYTES,
     MAX_MANIFEST_BYTES,
     MAX_MESSAGE_BYTES,
@@ -61,6 +67,8 @@ from cleave.schemas.state import (
 )
 from cleave.schemas.subjects import (
     EVENTS_STREAM,
+    JOBS_BUCKET,
+    JOBS_STREAM,
     PLAN_BUCKET,
     PLAN_KEY,
     PREFIX,
@@ -75,6 +83,8 @@ from cleave.schemas.subjects import (
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
     SUBJECT_HEARTBEAT_ALL,
+    SUBJECT_JOB_SUBMIT,
+    SUBJECT_JOB_SUBMIT_ALL,
     SUBJECT_LINKCHECK,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
@@ -84,6 +94,7 @@ from cleave.schemas.subjects import (
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
+    WORKER_REPLY_TOKEN,
 )
 from cleave.schemas.tiles import (
     BlockPart,
@@ -115,12 +126,18 @@ __all__ = [
     "GemmLayout",
     "GemmSpec",
     "Heartbeat",
+    "JOBS_BUCKET",
+    "JOBS_STREAM",
+    "JOB_STATES",
+    "JobRecord",
     "JobShapes",
+    "JobSubmission",
     "LinkCheck",
     "LinkCheckAck",
     "MAX_BLOCK_PARTS",
     "MAX_CONTROL_BYTES",
     "MAX_GEMM_DIM",
+    "MAX_JOB_BYTES",
     "MAX_LINKCHECK_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_MESSAGE_BYTES",
@@ -150,6 +167,8 @@ __all__ = [
     "SUBJECT_FANOUT",
     "SUBJECT_HEARTBEAT",
     "SUBJECT_HEARTBEAT_ALL",
+    "SUBJECT_JOB_SUBMIT",
+    "SUBJECT_JOB_SUBMIT_ALL",
     "SUBJECT_LINKCHECK",
     "SUBJECT_PROBE",
     "SUBJECT_RESULTS",
@@ -167,5 +186,6 @@ __all__ = [
     "TensorEntry",
     "TileResult",
     "TileTask",
+    "WORKER_REPLY_TOKEN",
     "Wire",
 ]

@@ -31,8 +31,8 @@ def default_run_dir(kind: str) -> Path:
 def run_reference(job: JobConfig, metrics_out: Path, progress: ProgressBar | None = None) -> list[dict]:
     """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer)."""
     trainer = Trainer(job)
-    metrics_out.unlink(missing_ok=True)
     out, lines = MetricsFile(metrics_out), []
+    out.set_aside(job.job_id)  # a fresh run of its own: earlier lines there are kept under another name
     for step in range(job.steps):
         t0 = time.perf_counter()
         loss = trainer.step(step)
@@ -116,9 +116,7 @@ class LocalFleet:
         self.wait_joined()
         job_file = self.run_dir / "job.json"
         job_file.write_text(job.model_dump_json(indent=2))
-        if metrics_out.exists():
-            metrics_out.unlink()
-        args = ["--job", str(job_file)]
+        args = ["--job", str(job_file)]  # the PS appends to metrics_out (a resumed job's lines follow its own)
         if replicas == 1:
             self.ps_names = ["ps"]
             self.stack.service("ps", "ps", [*args, "--metrics-out", str(metrics_out)], env=ps_env)

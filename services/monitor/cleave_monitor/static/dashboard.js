@@ -181,6 +181,21 @@ function renderEvents() {
   }
 }
 
+function renderQueue() {
+  const q = S.status && S.status.queue ? S.status.queue : [], body = $("queue").tBodies[0];
+  $("queue-panel").hidden = q.length === 0;
+  $("queue-count").textContent = `${q.length}`;
+  body.replaceChildren();
+  for (const j of q.slice().reverse()) {
+    const tr = node("tr", { class: "job", "data-job": j.job_id }, body);
+    node("td", {}, tr, j.job_id);
+    node("span", { class: "state " + j.state }, node("td", {}, tr), j.state);
+    for (const k of ["submitted_at", "started_at", "ended_at"]) node("td", {}, tr, j[k] ? clock(j[k]) : "–");
+    node("td", {}, tr, String(j.runs));
+    node("td", {}, tr, j.reason || "");
+  }
+}
+
 function renderJobs() {
   const sel = $("job");
   sel.replaceChildren();
@@ -190,7 +205,7 @@ function renderJobs() {
 
 function render() {
   S.timer = null;
-  renderJobs(); renderCards(); renderCharts(); renderPlan(); renderFleet(); renderEvents();
+  renderJobs(); renderCards(); renderCharts(); renderPlan(); renderFleet(); renderQueue(); renderEvents();
 }
 
 function schedule() {
@@ -200,7 +215,7 @@ function schedule() {
 // ---- live updates -------------------------------------------------------------------------------------
 function onSnapshot(snap) {
   S.jobs = snap.jobs; S.events = snap.events;
-  S.status = { now: snap.now, fleet: snap.fleet, plan: snap.plan, totals: snap.totals };
+  S.status = { now: snap.now, fleet: snap.fleet, plan: snap.plan, totals: snap.totals, queue: snap.queue };
   if (S.follow || S.job === null || !S.jobs.some((j) => j.job === S.job)) { S.job = snap.job; S.series = snap.series; }
   else refetchSeries();
   schedule();
