@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from cleave.errors import ConfigError, Stopped
+from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave_cli.auth_cmd import write_private
@@ -17,7 +18,7 @@ from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args, new_job_id
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
-from cleave_cli.progress import ProgressBar
+from cleave_cli.progress import ProgressBar, unit_of
 from cleave_ps.settings import PsSettings
 
 
@@ -51,9 +52,26 @@ def train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path("runs") / job.job_id  # the job's own: the same --job-id finds its state again
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
-    progress = ProgressBar(job.steps)
+    progress = ProgressBar(job.steps, unit=unit_of(job.method))
+    trackers = Trackers(args.log_to, run_name=job.job_id, config=job.model_dump())
+    try:
+        lines = run_job(args, job, run_dir, metrics_out, progress, trackers)
+    finally:
+        trackers.close()
+    summarize(lines, metrics_out, unit_of(job.method))
+    return 0
+
+
+def run_job(args: argparse.Namespace, job: JobConfig, run_dir: Path, metrics_out: Path, progress: ProgressBar,
+            trackers: Trackers) -> list[dict]:
+    """The job here (`--reference`) or on the fleet; each metrics line shown and given to the trackers."""
+
+    def on_line(m: dict) -> None:
+        progress.update(m)
+        trackers.log(m)
+
     if args.reference:
-        lines = run_reference(job, metrics_out, progress)
+        return run_reference(job, metrics_out, on_line)
     else:
         fleet = LocalFleet(run_dir, args.workers, nats_url=args.nats)
         try:
@@ -62,19 +80,17 @@ def train(args: argparse.Namespace) -> int:
             if args.nats is None:  # the local stack's own dashboard, live while the job runs
                 print(f"dashboard: {start_monitor(fleet.stack, wait=False)}", flush=True)
             fleet.start_ps(job, metrics_out, replicas=args.ps_replicas)
-            lines = fleet.wait_ps(metrics_out, progress.update)
+            return fleet.wait_ps(metrics_out, on_line)
         finally:
             fleet.stop()
-    summarize(lines, metrics_out)
-    return 0
 
 
-def summarize(lines: list[dict], metrics_out: Path) -> None:
+def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:
     if not lines:
         return
     times = [m["step_time_s"] for m in lines]
-    print(f"loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over {len(lines)} steps; "
-          f"median step {statistics.median(times):.3f}s; metrics in {metrics_out}")
+    print(f"loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over {unit}s {lines[0]['step']}-{lines[-1]['step']} "
+          f"({len(lines)} {unit}s); median {unit} {statistics.median(times):.3f}s; metrics in {metrics_out}")
 
 
 def up(args: argparse.Namespace) -> int:
@@ -163,6 +179,14 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+CAUSES = {  # how a recovery's cause reads in the demo's report
+    "tile_deadline": "went silent (its oldest tile passed its deadline)",
+    "duplicates": "went silent (copies of its tiles on other workers kept finishing first)",
+    "heartbeat_timeout": "left the plan (its heartbeats stopped)",
+    "verification_mismatch": "returned a wrong block",
+}
+
+
 def report_recovery(lines: list[dict], killed: dict) -> None:
     if not killed:
         return
@@ -172,7 +196,7 @@ def report_recovery(lines: list[dict], killed: dict) -> None:
           f"{killed.get('replacement', 'no replacement')} took its place")
     events = [(m, ev) for m in lines for ev in m.get("recovery", [])]
     for m, ev in events:
-        print(f"recovery in step {m['step']}: {ev['worker_id']} lost ({ev['cause']}) with tiles out for "
+        print(f"recovery in step {m['step']}: {ev['worker_id']} {CAUSES.get(ev['cause'], ev['cause'])} with tiles out for "
               f"{ev['detect_s']:.2f}s; they were re-sent within {ev['redispatch_s'] * 1e3:.0f} ms and done "
               f"{ev['complete_s']:.2f}s after detection; the step took {m['step_time_s']:.2f}s "
               f"({m['step_time_s'] - median:+.2f}s against the median step)")

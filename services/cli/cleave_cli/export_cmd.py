@@ -32,6 +32,7 @@ from cleave.models.hf import export_hf
 from cleave.runtime.logs import configure
 from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
 from cleave.train.job import JobConfig
+from cleave_cli.progress import unit_of
 from cleave_cli.stack import Stack
 from cleave_ps.state.persist import read_checkpoint
 
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
             head, job, cfg, model = asyncio.run(read_state(url, job_id))
     out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=codec.torch_dtype(args.dtype))
     print(
-        f"exported job {job_id} at step {head.step} (epoch {head.epoch}, model {job.model_name}, "
+        f"exported job {job_id} after {unit_of(job.method)} {head.step} ({head.step + 1} of {job.steps} done; epoch "
+        f"{head.epoch}, model {job.model_name}, "
         f"tokenizer {job.tokenizer}) to {out}"
     )
     return 0

@@ -38,6 +38,7 @@ from cleave.schemas import (
     StepMetrics,
 )
 from cleave_cli import auth_cmd, joboptions
+from cleave_cli.progress import unit_of
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
@@ -218,9 +219,11 @@ async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
 
 
 def summary(rec: JobRecord, lines: list[StepMetrics]) -> dict:
-    steps = json.loads(rec.job).get("steps")
+    job = json.loads(rec.job)
+    steps = job.get("steps")
     last = lines[-1] if lines else None
     return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
+            "method": job.get("method", "cleave"),
             "step": last.step if last else None, "steps_reported": len(lines),
             "loss": last.loss if last else None, "workers": last.workers if last else None,
             "submitted_at": rec.submitted_at, "started_at": rec.started_at, "ended_at": rec.ended_at,
@@ -229,7 +232,9 @@ def summary(rec: JobRecord, lines: list[StepMetrics]) -> dict:
 
 
 def line(v: dict) -> str:
-    where = f"step {v['step'] + 1}/{v['steps']}" if v["step"] is not None else f"no step yet of {v['steps']}"
+    unit = unit_of(v.get("method", "cleave"))
+    where = (f"{unit} {v['step']} ({v['step'] + 1}/{v['steps']} done)" if v["step"] is not None
+             else f"no {unit} yet of {v['steps']}")
     loss = f", loss {v['loss']:.4f}" if v["loss"] is not None else ""
     workers = f", {v['workers']} workers" if v["workers"] is not None else ""
     why = f"; {v['reason']}" if v["reason"] else ""

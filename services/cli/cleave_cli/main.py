@@ -78,6 +78,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--ps-replicas", type=int, default=1, help="PS replicas, each training an equal share of every "
                    "batch with its own part of the fleet, gradients all-reduced (torch.distributed)")
     p.add_argument("--dry-run", action="store_true", help="print the preflight's memory estimate and exit")
+    p.add_argument("--log-to", action="append", default=[], metavar="tensorboard:DIR|wandb:PROJECT",
+                   help="also log every step's metrics to TensorBoard or Weights & Biases (repeatable; needs "
+                        "the tensorboard or wandb extra)")
 
     for name in dict.fromkeys(TOOLS.values()):
         importlib.import_module(f"cleave_cli.{name}").register(sub)

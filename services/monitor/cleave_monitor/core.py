@@ -30,6 +30,7 @@ def point(m: StepMetrics) -> dict:
     """One step as the dashboard draws it."""
     return {
         "step": m.step,
+        "method": m.method,  # a round method's steps are rounds
         "loss": finite(m.loss),
         "val_loss": finite(m.val_loss),
         "step_time_s": finite(m.step_time_s),

@@ -113,7 +113,10 @@ function renderCharts() {
 // ---- panels -------------------------------------------------------------------------------------------
 function renderCards() {
   const pts = S.series, last = pts[pts.length - 1], t = S.status ? S.status.totals : null;
-  $("c-step").textContent = last ? `${last.step + 1} (${pts.length} seen)` : "–";
+  // the metrics' own number (the progress line's, the logs' and the exports'); a round method's steps are rounds
+  const unit = last && ["diloco", "fedavg"].includes(last.method) ? "round" : "step";
+  $("c-step-k").textContent = unit;
+  $("c-step").textContent = last ? `${last.step} (${pts.length} seen)` : "–";
   $("c-loss").textContent = last && last.loss !== null ? last.loss.toFixed(4) : "–";
   $("c-steptime").textContent = secs(median(pts.slice(-10).map((p) => p.step_time_s)));
   $("c-tps").textContent = last ? si(last.tokens_per_s) : "–";
