@@ -4,18 +4,18 @@ Pure: everything here builds text, keys and option dicts; `cleave auth init` wri
 subject comes from `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store); subscribe to
-  results.
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), and the
+  base weights and tokenizers of its jobs (Object Store `cleave-models`); subscribe to results.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and probe
   requests, and answer each probe once (`allow_responses`).
 - monitor: reads the events stream, the registry and plan buckets, live heartbeats and events; writes
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
   carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
-  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes; no
-  JetStream. With `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that
-  id (results and updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in
-  place of the id.
+  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes;
+  of JetStream only reading the Object Store `cleave-models` (a job's base weights and tokenizer). With
+  `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that id (results and
+  updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -36,6 +36,7 @@ from cleave.bus import SERVER_LIMITS
 from cleave.errors import ConfigError
 from cleave.schemas import (
     EVENTS_STREAM,
+    MODELS_OBJECTS,
     PLAN_BUCKET,
     REGISTRY_BUCKET,
     STATE_BUCKET,
@@ -114,6 +115,15 @@ def _js_read(stream: str) -> list[str]:
     ]
 
 
+def _js_fetch(stream: str) -> list[str]:
+    """Read an Object Store's objects and nothing more: its info, messages and ephemeral consumers (and the
+    stream names, by which nats-py finds the stream of an object's chunks)."""
+    api = "$JS.API"
+    return [f"{api}.STREAM.NAMES", f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}.>", f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"$JS.FC.{stream}.>"]
+
+
 def _kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.>", f"$JS.API.STREAM.PURGE.{_kv(bucket)}"]
 
@@ -134,10 +144,10 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
                _wild(SUBJECT_ROUNDS),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
-               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
-        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
+               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS), *_obj_write(MODELS_OBJECTS)]
+        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
             pub += _js_create(s)
-        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
+        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
             pub += _js_read(s)
         return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES)])
     if role == "scheduler":
@@ -160,7 +170,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
-                     SUBJECT_PROBE),
+                     SUBJECT_PROBE, *_js_fetch(_obj(MODELS_OBJECTS))),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),

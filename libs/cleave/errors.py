@@ -47,6 +47,10 @@ class CorruptCheckpoint(CleaveError):
     """A checkpoint's bytes do not match its manifest (a chunk's hash, or its length)."""
 
 
+class CorruptBundle(CleaveError):
+    """A published model or tokenizer bundle does not match its id or its manifest (a chunk's hash, a length)."""
+
+
 # ---- planning and the fleet --------------------------------------------------------------------------
 class PlanError(CleaveError):
     """No plan exists for this input (empty fleet, a GEMM no device can hold, ...); the message says why."""
@@ -79,6 +83,12 @@ class StepAborted(CleaveError):
     """A training step could not finish (the job was stopped, or a GEMM ran past its timeout)."""
 
     exit_code = EXIT_JOB_FAILED  # when not stopping: the job cannot go on
+
+
+class RoundsFailed(StepAborted):
+    """`max_empty_rounds` rounds in a row ended with no accepted update: the job fails with what the PS saw."""
+
+    exit_code = EXIT_JOB_FAILED
 
 
 class ClientLost(CleaveError):

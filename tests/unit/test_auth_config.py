@@ -12,7 +12,7 @@ import pytest
 
 from cleave import auth
 from cleave.errors import ConfigError
-from cleave.schemas import PLAN_BUCKET, STATE_BUCKET
+from cleave.schemas import MODELS_OBJECTS, PLAN_BUCKET, STATE_BUCKET
 from cleave_cli import auth_cmd
 from cleave_cli.natsconf import nats_server_binary
 from cleave_ps.settings import PsSettings
@@ -34,9 +34,13 @@ def test_only_the_owner_publishes_tiles_plans_and_state() -> None:
 
 
 def test_a_worker_gets_no_jetstream_and_only_its_own_replies() -> None:
+    """Of JetStream a worker may only read the models Object Store (a job's base weights and tokenizer)."""
+    models = f"OBJ_{MODELS_OBJECTS}"
     for perms in (auth.permissions("worker"), auth.permissions("worker", "w-1")):
         for subject in perms.publish + perms.subscribe:
-            assert subject.startswith(("cleave.", "_INBOX.worker.")), subject
+            assert subject.startswith(("cleave.", "_INBOX.worker.")) or subject == "$JS.API.STREAM.NAMES" or (
+                models in subject and ".DELETE." not in subject and ".PURGE." not in subject
+                and not subject.startswith("$O.")), subject
         assert perms.allow_responses  # it answers the PS's fan-out joins, once per request it received
     pinned = auth.permissions("worker", "w-1")
     assert set(pinned.subscribe) == {"cleave.tile.w-1", "cleave.ctl.w-1", "cleave.check.w-1", "cleave.fan.*.*.*", "cleave.round.w-1",

@@ -64,6 +64,7 @@ def client_update(
     batches: Iterable[Batch],
     local_steps: int,
     grad_clip: float = 0.0,
+    precision: str = "fp32",
 ) -> ClientUpdate:
     """A client's round: load θ into the trainable parameters, E local steps, return δ and the sample count."""
     params = trainable(model)
@@ -72,7 +73,7 @@ def client_update(
     for batch in batches:
         if len(losses) == local_steps:
             break
-        losses.append(train_step(model, opt, batch, grad_clip))
+        losses.append(train_step(model, opt, batch, grad_clip, precision))
         samples += int(batch[0].shape[0])
     if len(losses) < local_steps:
         raise ValueError(f"client_update needs {local_steps} batches, got {len(losses)}")

@@ -2,7 +2,7 @@
 
 Messages travel as msgpack through `cleave.codec`; tensors inside them as `TensorData` (dtype, shape, bytes).
 Each part lives in its own module (`subjects`, `limits`, `dtypes`, `base`, `fleet`, `plan`, `tiles`,
-`methods`, `state`, and `planwire`, the packed form of a plan); everything is re-exported here, so
+`methods`, `state`, `bundles`, and `planwire`, the packed form of a plan); everything is re-exported here, so
 `from cleave.schemas import TileTask` is how code names them.
 """
 
@@ -14,6 +14,10 @@ from cleave.schemas.base import (
     PackedTensors,
     TensorData,
     Wire,
+)
+from cleave.schemas.bundles import (
+    Bundle,
+    BundleFile,
 )
 from cleave.schemas.dtypes import (
     COMPUTE_DTYPE_BYTES,
@@ -61,6 +65,7 @@ from cleave.schemas.state import (
 )
 from cleave.schemas.subjects import (
     EVENTS_STREAM,
+    MODELS_OBJECTS,
     PLAN_BUCKET,
     PLAN_KEY,
     PREFIX,
@@ -101,6 +106,8 @@ __all__ = [
     "BlockPart",
     "BlockPush",
     "BlockRef",
+    "Bundle",
+    "BundleFile",
     "COMPRESSION_KINDS",
     "COMPUTE_DTYPE_BYTES",
     "CheckpointManifest",
@@ -129,6 +136,7 @@ __all__ = [
     "MAX_PS_REPLICAS",
     "MAX_ROUND_WORKERS",
     "MAX_TENSOR_ELEMENTS",
+    "MODELS_OBJECTS",
     "PLAN_BUCKET",
     "PLAN_KEY",
     "PREFIX",

@@ -23,6 +23,9 @@ class RoundTask(Wire):
     reply: str  # where the update goes; "{worker_id}" in it stands for the answering worker's id
     # broadcast (SUBJECT_ROUNDCAST): the round's workers and each one's shard; a worker not named ignores it
     shards: dict[str, int] = Field(default_factory=dict, max_length=MAX_ROUND_WORKERS)
+    # the job's base weights (init_from) and tokenizer as published by the PS (cleave.models.bundles); "": none
+    base_bundle: str = Field("", max_length=64)
+    tokenizer_bundle: str = Field("", max_length=64)
 
 
 class RoundUpdate(Wire):
@@ -35,6 +38,8 @@ class RoundUpdate(Wire):
     losses: tuple[float, ...] = ()
     raw_bytes: int = 0  # the delta's size before compression
     error: str = ""
+    data_tokens: int = 0  # the size of the sender's own training data (--data), in tokens; 0: it has none
+    refused: bool = False  # with `error`: this worker cannot take part in this job at all (no own data, no memory)
 
 
 class SplitTask(Wire):
@@ -53,6 +58,7 @@ class SplitTask(Wire):
     tied_grad: TensorData | None = None
     grad_sq_norm: float = 0.0
     loss: float = 0.0
+    tokenizer_bundle: str = Field("", max_length=64)  # the job's tokenizer as published by the PS; "": none
 
 
 class SplitReply(Wire):

@@ -29,3 +29,4 @@ SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
 REPLICA_PLAN_KEY = PLAN_KEY + ".r{replica}"  # key in PLAN_BUCKET: PS replica r's part of the fleet (--ps-replicas)
 STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
+MODELS_OBJECTS = "cleave-models"  # base weights and tokenizers the PS publishes to its workers (Object Store)

@@ -30,6 +30,7 @@ from cleave.schemas import (
     SplitTask,
     TileTask,
 )
+from cleave.train.sources import source_bytes
 from cleave_worker.core import measure_flops
 from cleave_worker.device import DeviceState, first_profile
 from cleave_worker.methods import Methods
@@ -57,6 +58,8 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     """One worker on its own NATS connection until `stop`: what `serve` runs, and what `cleave swarm` runs
     many of in one event loop. `shared`: a profile measured once for the whole process (not re-probed)."""
     log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
+    if settings.data:  # its own data: checked now, and only its size is ever told (never its path or content)
+        log.info("data_declared", bytes=await asyncio.to_thread(source_bytes, settings.data))
     declared = parse_profile(settings.profile) if settings.profile else None
     bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
                                **auth.connect_options(settings, "worker"))
