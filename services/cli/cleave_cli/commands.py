@@ -30,7 +30,12 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
                   aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank,
                   tokenizer=args.tokenizer, init_from=args.init_from, split_layers=args.split_layers,
                   round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                  min_updates=args.min_updates, val_every=args.val_every, precision=args.precision)
+                  min_updates=args.min_updates, val_every=args.val_every, precision=args.precision,
+                  lora_alpha=args.lora_alpha, sampling=args.sampling, own_data=args.own_data,
+                  update_clip=args.update_clip, max_empty_rounds=args.max_empty_rounds, secagg=args.secagg,
+                  dp_noise=args.dp_noise, dp_delta=args.dp_delta,
+                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+                  if args.lora_targets else None)
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.diloco_setting:  # a named (H, outer lr, momentum); explicit flags win
         from cleave.methods.diloco import SETTINGS
