@@ -30,6 +30,11 @@ class ConfigError(CleaveError):
     """A setting or job description is invalid; the message names the knob to change."""
 
 
+class JobRefused(ConfigError):
+    """A worker cannot take part in a job at all (it declared no own data, or a round would not fit its memory):
+    it tells the PS so, with the reason, and is not dealt the job again."""
+
+
 class WireError(CleaveError):
     """A message could not be decoded or failed validation; it is rejected, never used."""
 

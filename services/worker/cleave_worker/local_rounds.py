@@ -9,7 +9,7 @@ The job's base weights and tokenizer are the PS's files: the worker reads them f
 (`cleave.models.bundles`, `job_for_worker`), never from the paths in the job, which name the PS's disk.
 Before it builds anything for a job the worker checks that the model, its optimizer state and the activations
 fit its memory (`check_memory`); a job that does not is refused with the numbers, as is a job that wants its
-members' own data when this worker declared none (`Refused`: the PS stops dealing this job to it).
+members' own data when this worker declared none (`JobRefused`: the PS stops dealing this job to it).
 
 Its state is kept per job (not per PS incarnation), and a round asked for again with the same global
 weights and shard (a PS that restarted mid-round resumes at that round) is answered with the update already
@@ -28,7 +28,7 @@ from torch import nn
 
 from cleave import codec
 from cleave.compression import ErrorFeedback, get_compressor, raw_bytes, unpack
-from cleave.errors import ConfigError
+from cleave.errors import ConfigError, JobRefused
 from cleave.methods import diloco, fedavg
 from cleave.methods.common import make_adamw, shard_batch, trainable, use_precision
 from cleave.methods.lora import attach_for_job, lora_targets
@@ -42,10 +42,6 @@ from cleave.train.trainer import load_init
 
 MAX_JOBS = 2  # models kept for different jobs at once
 GB = 1e9
-
-
-class Refused(ConfigError):  # noqa: N818 - a refusal, named as the PS logs it
-    """This worker cannot take part in this job at all (no own data, not enough memory): the PS stops asking."""
 
 
 @dataclass
@@ -93,7 +89,7 @@ def check_memory(job: JobConfig, budget: int) -> None:
     have = budget or preflight.available_memory()
     if sum(need.values()) > have:
         parts = ", ".join(f"{k} {v / GB:.2f}" for k, v in need.items())
-        raise Refused(f"a round of job {job.job_id!r} needs about {sum(need.values()) / GB:.2f} GB here ({parts}) "
+        raise JobRefused(f"a round of job {job.job_id!r} needs about {sum(need.values()) / GB:.2f} GB here ({parts}) "
                       f"but {have / GB:.2f} GB are available; use lora_rank, a smaller batch_size or seq_len, or "
                       "give this worker more memory (CLEAVE_WORKER_ROUND_MEMORY_BYTES if the detected amount is wrong)")
 
@@ -108,7 +104,7 @@ class RoundRunner:
         if key not in self.jobs:
             job = job_for_worker(task.job_config, base, tokenizer)
             if job.own_data and not self.data:
-                raise Refused(f"job {job.job_id!r} trains only on its members' own data and this worker declared "
+                raise JobRefused(f"job {job.job_id!r} trains only on its members' own data and this worker declared "
                               "none (cleave worker --data SOURCE)")
             check_memory(job, self.memory_bytes)
             cfg = job.arch()

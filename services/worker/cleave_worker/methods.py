@@ -10,10 +10,11 @@ from pathlib import Path
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.errors import JobRefused
 from cleave.models.bundles import BundleCache
 from cleave.schemas import RoundTask, RoundUpdate, SplitReply, SplitTask
 from cleave_worker.device import DeviceState
-from cleave_worker.local_rounds import Refused, RoundRunner
+from cleave_worker.local_rounds import RoundRunner
 from cleave_worker.split_client import SplitRunner
 
 
@@ -37,7 +38,7 @@ class Methods:
             with self.device.busy():
                 update = await asyncio.to_thread(self.rounds.run, task, base, tok)
         except Exception as e:  # a bad task spoils this round's update, not the worker
-            refused = isinstance(e, Refused)
+            refused = isinstance(e, JobRefused)
             self.log.warning("round_refused" if refused else "round_failed", job=task.job, round=task.round,
                              error=str(e) if refused else repr(e))
             update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,

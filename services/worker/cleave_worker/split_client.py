@@ -25,6 +25,7 @@ import structlog
 import torch
 
 from cleave import codec
+from cleave.errors import JobRefused
 from cleave.methods import split
 from cleave.methods.common import make_adamw, shard_batch, val_batches
 from cleave.models import build_model
@@ -32,7 +33,7 @@ from cleave.schemas import SplitReply, SplitTask
 from cleave.train.data import Corpus
 from cleave.train.job import JobConfig
 from cleave.train.schedule import set_lr
-from cleave_worker.local_rounds import Refused, job_for_worker
+from cleave_worker.local_rounds import job_for_worker
 
 
 @dataclass
@@ -83,7 +84,7 @@ class SplitRunner:
                 raise RuntimeError(f"this client holds no state for job {task.job}: it cannot join at step {task.step}")
             job: JobConfig = job_for_worker(task.job_config, None, tokenizer)
             if job.own_data and not self.data:
-                raise Refused(f"job {job.job_id!r} trains only on its client's own data and this worker declared "
+                raise JobRefused(f"job {job.job_id!r} trains only on its client's own data and this worker declared "
                               "none (cleave worker --data SOURCE)")
             half, _ = split.split_model(build_model(job.arch(), seed=job.seed), task.split_layers)
             client = split.SplitClient(half, make_adamw(half.parameters(), job), job.grad_clip)
