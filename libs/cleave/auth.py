@@ -50,6 +50,7 @@ from cleave.schemas import (
     SUBJECT_RESULTS,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
+    SUBJECT_SECAGG,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
@@ -142,7 +143,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
-               _wild(SUBJECT_ROUNDS),
+               _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SECAGG),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS), *_obj_write(MODELS_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
@@ -174,6 +175,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
+                       SUBJECT_SECAGG.format(worker_id=wid),
                        inbox),
             allow_responses=True,  # its answers to the PS's fan-out joins and link checks
         )

@@ -44,7 +44,7 @@ def test_a_worker_gets_no_jetstream_and_only_its_own_replies() -> None:
         assert perms.allow_responses  # it answers the PS's fan-out joins, once per request it received
     pinned = auth.permissions("worker", "w-1")
     assert set(pinned.subscribe) == {"cleave.tile.w-1", "cleave.ctl.w-1", "cleave.check.w-1", "cleave.fan.*.*.*", "cleave.round.w-1",
-                                      "cleave.roundcast.*", "cleave.split.w-1", "_INBOX.worker.w-1.>"}
+                                      "cleave.roundcast.*", "cleave.split.w-1", "cleave.secagg.w-1", "_INBOX.worker.w-1.>"}
     assert "cleave.hb.w-1" in pinned.publish and "cleave.hb.*" not in pinned.publish
 
 

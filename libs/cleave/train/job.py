@@ -144,10 +144,10 @@ class JobConfig(BaseModel):
             if wrong:
                 raise ValueError(f"secagg needs aggregate='mean', compress='none' and max_staleness=0 (the PS sees "
                                  f"only the sum of one round's updates); it has {', '.join(wrong)}")
-        if self.dp_noise > 0 and (self.update_clip <= 0 or self.aggregate != "mean"):
-            raise ValueError("dp_noise > 0 needs update_clip > 0 (the noise is calibrated to the clipped update) "
-                             f"and aggregate='mean'; it has update_clip={self.update_clip}, "
-                             f"aggregate={self.aggregate!r}")
+        if self.dp_noise > 0 and (self.update_clip <= 0 or self.aggregate != "mean" or self.max_staleness):
+            raise ValueError("dp_noise > 0 needs update_clip > 0 (the noise is calibrated to the clipped update), "
+                             f"aggregate='mean' and max_staleness=0; it has update_clip={self.update_clip}, "
+                             f"aggregate={self.aggregate!r}, max_staleness={self.max_staleness}")
 
     def _check_settings_apply(self) -> None:
         """Refuse a setting (not at its default) that the job's method, or another setting, would ignore."""

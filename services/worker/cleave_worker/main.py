@@ -21,12 +21,14 @@ from cleave.schemas import (
     SUBJECT_LINKCHECK,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
+    SUBJECT_SECAGG,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     DeviceProfile,
     FanoutJoin,
     LinkCheck,
     RoundTask,
+    SecAggTask,
     SplitTask,
     TileTask,
 )
@@ -83,6 +85,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, methods.on_round)
     cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, methods.on_roundcast)
     splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, methods.on_split)
+    secure = await bus.subscribe(SUBJECT_SECAGG.format(worker_id=settings.worker_id), SecAggTask, methods.on_secagg)
     control = await bus.serve(SUBJECT_CONTROL.format(worker_id=settings.worker_id), FanoutJoin, tiles.on_join)
     check = await bus.serve(SUBJECT_LINKCHECK.format(worker_id=settings.worker_id), LinkCheck, tiles.on_check,
                             max_bytes=MAX_LINKCHECK_BYTES + 1024)  # on the tiles' connection: it proves that one
@@ -99,6 +102,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     await rounds.unsubscribe()
     await cast.unsubscribe()
     await splits.unsubscribe()
+    await secure.unsubscribe()
     await control.unsubscribe()
     await check.unsubscribe()
     await bus.close()

@@ -17,7 +17,9 @@ a round: its number, the data and the learning rate stay, it runs again, and aft
 row the job fails (`RoundsFailed`, exit status 4) with what the PS saw.
 
 The job's base weights and tokenizer are published to the workers once (`cleave.models.bundles`); the
-round tasks name them.
+round tasks name them. With `secagg` a round's updates arrive masked and only their sum is recovered
+(`cleave_ps.jobs.secure`); with `dp_noise` the FedAvg server adds calibrated Gaussian noise to each round's sum
+and every metrics line carries the epsilon spent so far (`cleave.methods.privacy`).
 
 The global weights, the round and DiLoCo's outer momentum are committed to JetStream after every
 `persist_every` rounds (`cleave_ps.state.persist`): a PS killed mid-round comes back at the first round not
@@ -28,6 +30,7 @@ had never died.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import statistics
 import time
 
@@ -42,6 +45,7 @@ from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
 from cleave.methods.lora import attach_for_job
+from cleave.methods.privacy import epsilon
 from cleave.models import bundles
 from cleave.runtime.faults import Faults
 from cleave.schemas import (
@@ -60,6 +64,7 @@ from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
 from cleave_ps.fleet.plans import PlanWatch, first_of
 from cleave_ps.jobs.lifecycle import Listen
+from cleave_ps.jobs.secure import SecureRound
 from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import Progress
 
@@ -83,6 +88,7 @@ class Rounds:
         self.members: dict[int, frozenset[str]] = {}  # round -> the workers it was dealt to
         self.rejected: dict[str, int] = {}  # this round's refused updates, by reason
         self.bundles = {"model": "", "tokenizer": ""}  # the job's published base weights and tokenizer
+        self.secure: SecureRound | None = None  # the round in flight's secure aggregation (secagg)
         # every member's weight: the tokens the PS deals it per round (what it claims is ignored)
         self.weight = float(job.local_steps * job.batch_size * job.seq)
         self.raw_bytes = self.bytes_up = self.dropped = 0
@@ -97,7 +103,8 @@ class Rounds:
             self.server = DilocoServer(params, DilocoConfig(
                 inner_steps=j.local_steps, outer_lr=j.outer_lr, outer_momentum=j.outer_momentum, **common))
         else:
-            self.server = FedAvgServer(params, FedAvgConfig(local_steps=j.local_steps, **common))
+            self.server = FedAvgServer(params, FedAvgConfig(local_steps=j.local_steps, dp_noise=j.dp_noise,
+                                                            clip=j.update_clip, **common))
 
     @property
     def outer_opt(self) -> torch.optim.Optimizer | None:
@@ -141,18 +148,22 @@ class Rounds:
             return
         if msg.worker_id not in self.members.get(msg.round, ()):
             return self.refuse("not_member", msg, "it was not dealt that round")
-        if msg.error or msg.delta is None:
+        if msg.error:
             self.dropped += 1
             if msg.refused and msg.worker_id not in self.refused:
                 self.refused[msg.worker_id] = msg.error
                 log.warning("round_member_refused", worker_id=msg.worker_id, reason=msg.error[:300])
             if msg.round == self.server.round:  # it answered: the round does not wait for it
-                self.failed[msg.worker_id] = msg.error or "no update"
+                self.failed[msg.worker_id] = msg.error
                 self.news.set()
                 log.warning("round_update_failed", worker_id=msg.worker_id, round=msg.round, error=msg.error[:200])
             return
-        if self.job.own_data and msg.data_tokens <= 0:
+        if self.job.own_data and msg.data_tokens <= 0 and (msg.secagg is None or msg.secagg.phase == "masked"):
             return self.refuse("no_own_data", msg, "the job trains on its members' own data")
+        if self.job.secagg:
+            return self.on_secure(msg)
+        if msg.delta is None:
+            return self.refuse("no_delta", msg)
         try:
             delta = await asyncio.to_thread(unpack, msg.delta)
         except WireError as e:
@@ -169,6 +180,16 @@ class Rounds:
             self.losses[msg.worker_id] = msg.losses[0]
         self.news.set()
 
+    def on_secure(self, msg: RoundUpdate) -> None:
+        """A phase message of secure aggregation, for the round in flight only."""
+        why = self.secure.on_update(msg) if self.secure is not None and msg.round == self.secure.r else "secagg_round"
+        if why is not None:
+            return self.refuse(why, msg)
+        if msg.secagg is not None and msg.secagg.phase == "masked":
+            self.raw_bytes += msg.raw_bytes
+            if msg.losses:
+                self.losses[msg.worker_id] = msg.losses[0]
+
     async def deal(self, r: int, expected: set[str]) -> int:
         """Publish round `r`'s global weights once for every expected worker (each named with its data shard;
         NATS fans the message out); the bytes sent, which are also what each worker receives."""
@@ -179,6 +200,9 @@ class Rounds:
                          reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id="{worker_id}"),
                          shards={w: shard for shard, w in enumerate(sorted(expected))},
                          base_bundle=self.bundles["model"], tokenizer_bundle=self.bundles["tokenizer"])
+        if self.job.secagg:  # a fresh session (and fresh keys) for every attempt at the round
+            self.secure = SecureRound(self, r, secrets.token_hex(8))
+            task = task.model_copy(update={"session": self.secure.session})
         self.members[r] = frozenset(expected)
         for old in [k for k in self.members if k < r - self.job.max_staleness]:
             del self.members[old]
@@ -232,8 +256,8 @@ class Rounds:
                 raise RoundsFailed(f"{len(seen)} rounds in a row (round {r}) ended with no accepted update "
                                    f"(max_empty_rounds={self.job.max_empty_rounds}): " + "; ".join(seen))
 
-    def why_empty(self, expected: set[str]) -> str:
-        """What the PS saw in a round that accepted nothing."""
+    def why_empty(self, expected: set[str], silent: bool = True) -> str:
+        """What the PS saw in a round that accepted nothing (`silent`: name the members that sent nothing)."""
         parts = []
         if not expected:
             parts.append("no worker to deal it to" + (f" ({len(self.refused)} refused the job: " + "; ".join(
@@ -241,9 +265,9 @@ class Rounds:
         parts += [f"{w} failed: {e[:200]}" for w, e in sorted(self.failed.items())]
         if self.rejected:
             parts.append("updates refused: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.rejected.items())))
-        silent = expected - set(self.failed)
-        if silent and not self.rejected:
-            parts.append(f"no update from {', '.join(sorted(silent))} within round_timeout_s="
+        quiet = expected - set(self.failed)
+        if silent and quiet and not self.rejected:
+            parts.append(f"no update from {', '.join(sorted(quiet))} within round_timeout_s="
                          f"{self.job.round_timeout_s}")
         return "; ".join(parts) or "nothing arrived"
 
@@ -253,11 +277,19 @@ class Rounds:
         expected = set(await self.plan.some_workers(self.stop)) - set(self.refused)
         bytes_down = await self.deal(r, expected)
         self.faults.hit("in_round", r)
-        lost = await self.collect(r, expected, t0)
+        if self.secure is not None:
+            total, survivors, lost, why = await self.secure.run(expected, t0)
+            bytes_down += self.secure.bytes_down
+        else:
+            lost, why = await self.collect(r, expected, t0), None
         if self.stop.is_set():
             return None
-        report = self.server.close_round()
-        why = None if report.senders else self.why_empty(expected)
+        if self.secure is not None:
+            report = self.server.close_with_sum(total, survivors)
+        else:
+            report = self.server.close_round()
+        if not report.senders:
+            why = "; ".join(x for x in (why, self.why_empty(expected, silent=why is None)) if x)
         losses = [self.losses[w] for w in report.senders if w in self.losses]
         self.losses.clear()
         self.failed.clear()
@@ -278,6 +310,7 @@ class Rounds:
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
                         * self.job.batch_size * self.job.seq, lr=lr_at(self.job, r * self.job.local_steps), recoveries=len(lost),
                         recovery=tuple(lost), applied=report.applied, updates_late=report.late_folded,
+                        dp_epsilon=epsilon(self.job.dp_noise, r + 1, self.job.dp_delta) if self.job.dp_noise else None,
                         at=time.time())
         self.raw_bytes = self.bytes_up = self.dropped = 0
         log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers, val_loss=m.val_loss,
