@@ -4,7 +4,7 @@
 `merges.txt`), a `tokenizer.json` file, or a Hugging Face repo id already in the local cache. Nothing is
 ever downloaded. BPE tokenizers need the `tokenizers` package (installed with `transformers`).
 
-A tokenizer whose `tokenizer_config.json` carries a `chat_template` renders chat messages with it
+A tokenizer whose `tokenizer_config.json` (or `chat_template.jinja`) carries a chat template renders messages with it
 (`render_chat`, Jinja2 in a sandbox, as transformers does); one without uses `PLAIN_CHAT`, one line per turn.
 """
 
@@ -29,10 +29,12 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",
+    "chat_template.jinja",
 )
 # end-of-text tokens of the families we know, in the order they are tried
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>")
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a tokenizer's chat template
 # the chat format of a tokenizer without a template: "role: content" lines
 PLAIN_CHAT = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -87,6 +89,9 @@ class HFTokenizer:
         self._eos_id = next((i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None), None)
         config = _config_of(self.files)
         template = config.get("chat_template")
+        in_file = next((f for f in self.files if f.name == TEMPLATE_FILE), None)
+        if in_file is not None:
+            template = in_file.read_text()
         self.chat_template: str | None = template if isinstance(template, str) else None
         # bos_token, eos_token, ...: the names a chat template refers to
         self.special_tokens = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
