@@ -15,7 +15,10 @@ from cleave import bus as busmod
 from cleave.compression import get_compressor, unpack
 from cleave.schemas import SUBJECT_ROUNDCAST_ALL, SUBJECT_UPDATES, PackedTensors, RoundTask, RoundUpdate
 from cleave.train.job import JobConfig
+from cleave.train.schedule import lr_at
+from cleave.train.trainer import Trainer
 from cleave_cli.jobrun import LocalFleet
+from tests.integration.fleet import assert_same
 
 TEXT = "".join(f"line {i}: the site's own notes, which never leave it.\n" for i in range(200))
 
@@ -123,3 +126,25 @@ def test_a_job_whose_rounds_accept_nothing_fails_with_what_it_saw(tmp_path):
     assert "2 rounds in a row (round 0) ended with no accepted update" in ps
     assert "declared none" in ps
     assert not (tmp_path / "run" / "m.jsonl").exists() or not (tmp_path / "run" / "m.jsonl").read_text().strip()
+
+
+@pytest.mark.slow  # ~30 s: a worker dies and is restarted
+def test_a_round_that_accepted_nothing_runs_again_without_moving_the_schedule(tmp_path):
+    """The only worker dies as round 0 reaches it: the round accepts nothing, is not a step, and runs again
+    under the same number once the worker is back; the run is plain training's (same batches, same lr)."""
+    job = JobConfig(job_id="redo", preset="tiny", steps=3, method="fedavg", local_steps=1, round_timeout_s=60)
+    fleet = LocalFleet(tmp_path / "run", 0)
+    try:
+        fleet.start()
+        fleet.stack.service("solo", "worker", ["--worker-id", "solo"], restart=True,
+                            env={"CLEAVE_WORKER_FAIL_AT": "round:0", "CLEAVE_WORKER_FAULT_DIR": str(tmp_path / "f")})
+        fleet.start_ps(job, tmp_path / "m.jsonl")
+        lines = fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=240)
+    finally:
+        fleet.stop()
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    trainer = Trainer(JobConfig(preset="tiny", steps=3))  # one client, E = 1: plain training
+    assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(3)])
+    assert [m["lr"] for m in lines] == [lr_at(job, s) for s in range(3)]
+    log = (tmp_path / "run" / "logs" / "ps.log").read_text()
+    assert log.count("round_empty") == 1 and "solo" in log
