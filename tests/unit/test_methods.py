@@ -253,3 +253,18 @@ def test_a_round_with_no_accepted_update_runs_again_and_clipping_bounds_the_norm
     assert before == pytest.approx(6.0) and norm(clipped) == pytest.approx(2.0)
     same, _ = clip_update({"w": torch.ones(4)}, 5.0)
     assert torch.equal(same["w"], torch.ones(4))
+
+
+def test_lora_adapts_the_layers_of_a_half_precision_model() -> None:
+    """The PS's model of a bf16 LoRA job has tiled linear layers (the reference's GEMMs): they get adapters too,
+    and start out computing the base model."""
+    from cleave.methods.lora import attach_for_job
+
+    job = JobConfig(preset="tiny", method="fedavg", lora_rank=4, precision="bf16", batch_size=2, seq_len=16)
+    trainer = Trainer(job)
+    x, _ = trainer.corpus.batch(0, 0, 2, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as the Trainer and workers run it
+        before = trainer.model(x)
+        attach_for_job(trainer.model, job)
+        assert torch.equal(trainer.model(x), before)
+    assert all(k.endswith((".lora_A", ".lora_B")) for k in common.trainable(trainer.model))

@@ -51,7 +51,8 @@ class LoRALinear(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_A.t()) @ self.lora_B.t() * self.scale  # (..., in) -> (..., out)
+        y = self.base(x)  # (..., in) -> (..., out); in a low precision's dtype under a half-precision job
+        return y + ((x @ self.lora_A.t()) @ self.lora_B.t() * self.scale).to(y.dtype)
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
@@ -64,7 +65,7 @@ def _targets(model: nn.Module, names: tuple[str, ...]) -> list[tuple[nn.Module, 
     found = []
     for parent in model.modules():
         for child_name, child in parent.named_children():
-            if type(child) is nn.Linear and child_name in names:
+            if isinstance(child, nn.Linear) and child_name in names:  # (a TiledLinear too: a bf16 job's layers)
                 found.append((parent, child_name, child))
     return found
 
