@@ -21,11 +21,13 @@ from cleave_cli.jobrun import LocalFleet
 from tests.integration.fleet import assert_same
 
 TEXT = "".join(f"line {i}: the site's own notes, which never leave it.\n" for i in range(200))
+CALM = {"CLEAVE_SCHEDULER_LIVENESS_S": "5"}  # runs compared member for member: a loaded machine's late
+# heartbeats must not drop a worker from a round (the default 1 s does, with several test stacks on 2 cores)
 
 
 def run(run_dir, job: JobConfig, workers: dict[str, dict[str, str]], timeout_s: float = 240) -> list[dict]:
     """The job on a stack with the named workers (name -> extra environment)."""
-    fleet = LocalFleet(run_dir, 0)
+    fleet = LocalFleet(run_dir, 0, scheduler_env=CALM)
     try:
         fleet.start()
         for name, env in workers.items():
@@ -75,7 +77,7 @@ def test_a_non_member_and_a_lying_member_do_not_move_the_global_weights(tmp_path
     workers = {"honest": {}, "liar": {}}
     calm = run(tmp_path / "calm", job, workers)
     fleet_dir = tmp_path / "attacked"
-    fleet = LocalFleet(fleet_dir, 0)
+    fleet = LocalFleet(fleet_dir, 0, scheduler_env=CALM)
     try:
         fleet.start()
         intruder = Intruder(fleet.stack.nats_url)

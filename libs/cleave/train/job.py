@@ -56,7 +56,8 @@ SETTING_NEEDS = {
 DEFAULT_LOCAL_STEPS = 10
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.0
-DEFAULT_MAX_EMPTY_ROUNDS = 3  # rounds in a row with no accepted update before the job fails (each is redone)
+DEFAULT_MAX_EMPTY_ROUNDS = 4  # rounds in a row with no accepted update before the job fails (each is redone, after
+# 2, 4, 8 s: a fleet whose heartbeats were late on a loaded machine gets about 14 s to come back)
 DEFAULT_DP_DELTA = 1e-5  # the delta of the (epsilon, delta) the privacy accountant reports
 
 

@@ -92,7 +92,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    "data each worker declared (cleave worker --data); a worker without is refused")
     p.add_argument("--update-clip", type=float, help="diloco/fedavg: clip every update's L2 norm to this")
     p.add_argument("--max-empty-rounds", type=int, help="diloco/fedavg: rounds in a row with no accepted update "
-                                                        "before the job fails (default 3)")
+                                                        "before the job fails (default 4)")
     p.add_argument("--secagg", action="store_true", default=None, help="fedavg: pairwise-masked aggregation, the "
                    "PS learns only the sum of each round's updates")
     p.add_argument("--dp-noise", type=float, help="fedavg: client-level differential privacy, Gaussian noise of "

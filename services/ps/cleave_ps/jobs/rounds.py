@@ -13,8 +13,9 @@ Every worker is untrusted: an update counts only from a member of the round it n
 dealt to), weighted by the tokens the PS dealt it (never by what it claims), its L2 norm clipped to
 `update_clip`; with `own_data` only from a member that trains on data of its own. A member that refuses the
 job (no own data, not enough memory) is not dealt it again. A round in which no update was accepted is not
-a round: its number, the data and the learning rate stay, it runs again, and after `max_empty_rounds` in a
-row the job fails (`RoundsFailed`, exit status 4) with what the PS saw.
+a round: its number, the data and the learning rate stay, it runs again (after 2 s, then 4, 8, ...: time for
+a fleet that flapped to come back), and after `max_empty_rounds` in a row the job fails (`RoundsFailed`,
+exit status 4) with what the PS saw.
 
 The job's base weights and tokenizer are published to the workers once (`cleave.models.bundles`); the
 round tasks name them. With `secagg` a round's updates arrive masked and only their sum is recovered
@@ -69,6 +70,7 @@ from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
+DEFAULT_EMPTY_BACKOFF_S = 2.0  # before the first rerun of a round that accepted nothing; doubled each time after
 
 
 class Rounds:
@@ -216,6 +218,7 @@ class Rounds:
     async def collect(self, r: int, expected: set[str], t0: float) -> list[Event]:
         """Wait until the round closes (`closes`, or the timeout); a recovery event per worker lost in it."""
         lost: list[Event] = []
+        expected = set(expected)  # (the caller's stays whole: it reports who was dealt the round)
         deadline = time.monotonic() + self.job.round_timeout_s
         while not self.stop.is_set() and time.monotonic() < deadline:
             self.news.clear()
@@ -255,17 +258,20 @@ class Rounds:
             if len(seen) >= self.job.max_empty_rounds:
                 raise RoundsFailed(f"{len(seen)} rounds in a row (round {r}) ended with no accepted update "
                                    f"(max_empty_rounds={self.job.max_empty_rounds}): " + "; ".join(seen))
+            # a fleet that flapped (heartbeats late on a loaded machine) gets time to come back before the rerun
+            backoff = min(self.job.round_timeout_s, DEFAULT_EMPTY_BACKOFF_S * 2 ** (len(seen) - 1))
+            await first_of(self.stop, timeout_s=backoff)
 
-    def why_empty(self, expected: set[str], silent: bool = True) -> str:
+    def why_empty(self, expected: set[str], lost: list[Event], silent: bool = True) -> str:
         """What the PS saw in a round that accepted nothing (`silent`: name the members that sent nothing)."""
-        parts = []
+        parts = [f"{ev.worker_id} {ev.cause.replace('_', ' ')}" for ev in lost if ev.cause != "update_failed"]
         if not expected:
             parts.append("no worker to deal it to" + (f" ({len(self.refused)} refused the job: " + "; ".join(
                 f"{w}: {e[:200]}" for w, e in sorted(self.refused.items())) + ")" if self.refused else ""))
         parts += [f"{w} failed: {e[:200]}" for w, e in sorted(self.failed.items())]
         if self.rejected:
             parts.append("updates refused: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.rejected.items())))
-        quiet = expected - set(self.failed)
+        quiet = expected - set(self.failed) - {ev.worker_id for ev in lost}
         if silent and quiet and not self.rejected:
             parts.append(f"no update from {', '.join(sorted(quiet))} within round_timeout_s="
                          f"{self.job.round_timeout_s}")
@@ -289,7 +295,7 @@ class Rounds:
         else:
             report = self.server.close_round()
         if not report.senders:
-            why = "; ".join(x for x in (why, self.why_empty(expected, silent=why is None)) if x)
+            why = "; ".join(x for x in (why, self.why_empty(expected, lost, silent=why is None)) if x)
         losses = [self.losses[w] for w in report.senders if w in self.losses]
         self.losses.clear()
         self.failed.clear()
