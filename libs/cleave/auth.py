@@ -5,8 +5,9 @@ Pure: everything here builds keys, permissions and option dicts; `cleave auth in
 `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store); subscribe to
-  results. The hub's job runner logs in as the PS: it also takes submissions and writes the job records.
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), and the
+  base weights and tokenizers of its jobs (Object Store `cleave-models`); subscribe to results. The hub's job
+  runner logs in as the PS: it also takes submissions and writes the job records.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and probe
   requests, and answer each probe once (`allow_responses`).
 - monitor: reads the events stream, the registry, plan and job buckets, live heartbeats and events; writes
@@ -20,10 +21,10 @@ Roles and what they may do (anything not listed is refused by nats-server):
   `allow_responses`).
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
   carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
-  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes; no
-  JetStream. With `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that
-  id (results and updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in
-  place of the id.
+  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes;
+  of JetStream only reading the Object Store `cleave-models` (a job's base weights and tokenizer). With
+  `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that id (results and
+  updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -42,6 +43,7 @@ from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
     JOBS_STREAM,
+    MODELS_OBJECTS,
     PLAN_BUCKET,
     REGISTRY_BUCKET,
     SHAPES_KEY,
@@ -57,6 +59,7 @@ from cleave.schemas import (
     SUBJECT_RESULTS,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
+    SUBJECT_SECAGG,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
@@ -120,6 +123,15 @@ def _js_read(stream: str) -> list[str]:
     ]
 
 
+def _js_fetch(stream: str) -> list[str]:
+    """Read an Object Store's objects and nothing more: its info, messages and ephemeral consumers (and the
+    stream names, by which nats-py finds the stream of an object's chunks)."""
+    api = "$JS.API"
+    return [f"{api}.STREAM.NAMES", f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}.>", f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"$JS.FC.{stream}.>"]
+
+
 def _kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.>", f"$JS.API.STREAM.PURGE.{_kv(bucket)}"]
 
@@ -138,12 +150,12 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
-               _wild(SUBJECT_ROUNDS),
+               _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SECAGG),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
-               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
-        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
+               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS), *_obj_write(MODELS_OBJECTS)]
+        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
             pub += _js_create(s)
-        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
+        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
             pub += _js_read(s)
         # the hub's job runner runs as the PS: it takes submitted jobs and keeps their records
         for s in (JOBS_STREAM, _kv(JOBS_BUCKET)):
@@ -176,10 +188,11 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
-                     SUBJECT_PROBE),
+                     SUBJECT_PROBE, *_js_fetch(_obj(MODELS_OBJECTS))),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
+                       SUBJECT_SECAGG.format(worker_id=wid),
                        inbox),
             allow_responses=True,  # its answers to the PS's fan-out joins and link checks
         )

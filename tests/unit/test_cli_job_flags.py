@@ -39,3 +39,14 @@ def test_cleave_version_names_the_installed_distribution(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith(f"cleave {metadata.version('cleave-train')} (Python 3.")
+
+
+def test_fine_tuning_flags_are_job_fields() -> None:
+    j = job("--method", "fedavg", "--lora", "8", "--lora-alpha", "32", "--lora-targets", "c_attn, c_fc",
+            "--sampling", "epochs", "--own-data", "--update-clip", "0.5", "--max-empty-rounds", "2", "--secagg",
+            "--dp-noise", "0.8", "--dp-delta", "1e-6")
+    assert (j.lora_rank, j.lora_alpha, j.lora_targets, j.sampling) == (8, 32.0, ("c_attn", "c_fc"), "epochs")
+    assert (j.own_data, j.update_clip, j.max_empty_rounds, j.secagg, j.dp_noise, j.dp_delta) == (
+        True, 0.5, 2, True, 0.8, 1e-6)
+    plain = job("--method", "fedavg")
+    assert (plain.own_data, plain.secagg, plain.lora_targets) == (False, False, ())

@@ -2,8 +2,8 @@
 
 Messages travel as msgpack through `cleave.codec`; tensors inside them as `TensorData` (dtype, shape, bytes).
 Each part lives in its own module (`subjects`, `limits`, `dtypes`, `base`, `fleet`, `plan`, `tiles`,
-`methods`, `state`, `jobs`, and `planwire`, the packed form of a plan); everything is re-exported here, so
-`from cleave.schemas import TileTask` is how code names them.
+`methods`, `state`, `jobs`, `bundles`, and `planwire`, the packed form of a plan); everything is re-exported
+here, so `from cleave.schemas import TileTask` is how code names them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from cleave.schemas.base import (
     PackedTensors,
     TensorData,
     Wire,
+)
+from cleave.schemas.bundles import (
+    Bundle,
+    BundleFile,
 )
 from cleave.schemas.dtypes import (
     COMPUTE_DTYPE_BYTES,
@@ -48,6 +52,9 @@ from cleave.schemas.limits import (
 from cleave.schemas.methods import (
     RoundTask,
     RoundUpdate,
+    SecAggKeys,
+    SecAggReply,
+    SecAggTask,
     SplitReply,
     SplitTask,
 )
@@ -69,6 +76,7 @@ from cleave.schemas.subjects import (
     EVENTS_STREAM,
     JOBS_BUCKET,
     JOBS_STREAM,
+    MODELS_OBJECTS,
     PLAN_BUCKET,
     PLAN_KEY,
     PREFIX,
@@ -91,6 +99,7 @@ from cleave.schemas.subjects import (
     SUBJECT_ROUNDCAST,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
+    SUBJECT_SECAGG,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
@@ -112,6 +121,8 @@ __all__ = [
     "BlockPart",
     "BlockPush",
     "BlockRef",
+    "Bundle",
+    "BundleFile",
     "COMPRESSION_KINDS",
     "COMPUTE_DTYPE_BYTES",
     "CheckpointManifest",
@@ -146,6 +157,7 @@ __all__ = [
     "MAX_PS_REPLICAS",
     "MAX_ROUND_WORKERS",
     "MAX_TENSOR_ELEMENTS",
+    "MODELS_OBJECTS",
     "PLAN_BUCKET",
     "PLAN_KEY",
     "PREFIX",
@@ -175,9 +187,13 @@ __all__ = [
     "SUBJECT_ROUNDCAST",
     "SUBJECT_ROUNDCAST_ALL",
     "SUBJECT_ROUNDS",
+    "SUBJECT_SECAGG",
     "SUBJECT_SPLIT",
     "SUBJECT_TILES",
     "SUBJECT_UPDATES",
+    "SecAggKeys",
+    "SecAggReply",
+    "SecAggTask",
     "SplitReply",
     "SplitTask",
     "StateHead",

@@ -17,6 +17,8 @@ SUBJECT_ROUNDCAST = PREFIX + ".roundcast.{job}"  # PS -> every worker of a round
 SUBJECT_ROUNDCAST_ALL = PREFIX + ".roundcast.*"  # what workers subscribe to
 SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}.{worker_id}"  # worker -> PS: a round's update, a split reply
 SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
+SUBJECT_SECAGG = PREFIX + ".secagg.{worker_id}"  # PS -> one member: a phase of secure aggregation (its replies
+# travel in its round updates)
 SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
 # a request to a worker (the PS's fan-out joins and link checks) is answered on <inbox prefix>.w.<random>: a
 # site's leaf node may publish there, and only there, among the PS's replies (cleave.auth, role "site")
@@ -37,3 +39,4 @@ SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
 REPLICA_PLAN_KEY = PLAN_KEY + ".r{replica}"  # key in PLAN_BUCKET: PS replica r's part of the fleet (--ps-replicas)
 STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
+MODELS_OBJECTS = "cleave-models"  # base weights and tokenizers the PS publishes to its workers (Object Store)

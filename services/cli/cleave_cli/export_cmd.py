@@ -27,8 +27,8 @@ import torch
 from cleave import bus as busmod
 from cleave import codec
 from cleave.errors import CleaveError, ConfigError
-from cleave.models import ModelConfig, build_model
-from cleave.models.hf import export_hf
+from cleave.methods.export import export, job_model
+from cleave.models import ModelConfig
 from cleave.runtime.logs import configure
 from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
 from cleave.train.job import JobConfig
@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
     p.add_argument("--job-id", help="default: the job in <run-dir>/job.json (with --nats: required)")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the saved weights")
+    p.add_argument("--adapter-out", type=Path, help="a LoRA job's PEFT adapter directory (default: <out>/adapter); "
+                                                   "--out gets the model with the adapters merged")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,11 +68,11 @@ def run(args: argparse.Namespace) -> int:
         job_id = args.job_id or job_id_of(args.run_dir)
         with state_server(args.run_dir) as url:
             head, job, cfg, model = asyncio.run(read_state(url, job_id))
-    out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=codec.torch_dtype(args.dtype))
+    out, *adapter = export(model, job, cfg, args.out, codec.torch_dtype(args.dtype), args.adapter_out)
     print(
         f"exported job {job_id} after {unit_of(job.method)} {head.step} ({head.step + 1} of {job.steps} done; epoch "
-        f"{head.epoch}, model {job.model_name}, "
-        f"tokenizer {job.tokenizer}) to {out}"
+        f"{head.epoch}, model {job.model_name}, tokenizer {job.tokenizer}) to {out}"
+        + (f"; its LoRA adapter (PEFT) to {adapter[0]}" if adapter else "")
     )
     return 0
 
@@ -166,7 +168,7 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
         head, _ = got
         job = JobConfig.build(**json.loads(head.job_config))
         cfg = job.arch()
-        model = build_model(cfg, seed=0)  # every weight is overwritten by the checkpoint
+        model = job_model(job)  # every weight is overwritten by the checkpoint
         store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
         await read_checkpoint(store, head, model, None, skip_optimizer=True)
         return head, job, cfg, model

@@ -42,6 +42,21 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine")
     p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
     p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")
+    p.add_argument("--lora-alpha", type=float, help="LoRA's scale is alpha / rank (default 16)")
+    p.add_argument("--lora-targets", help="comma-separated module names to adapt (default: attention and MLP "
+                                          "projections, e.g. c_attn,c_proj,c_fc or q_proj,k_proj,v_proj,o_proj,...)")
+    p.add_argument("--sampling", choices=("random", "epochs"), help="batches: random windows (default) or every "
+                   "window or example once per epoch, shuffled (instruction data always reads in epochs)")
+    p.add_argument("--own-data", action="store_true", default=None, help="diloco/fedavg/split: train only on the "
+                   "data each worker declared (cleave worker --data); a worker without is refused")
+    p.add_argument("--update-clip", type=float, help="diloco/fedavg: clip every update's L2 norm to this")
+    p.add_argument("--max-empty-rounds", type=int, help="diloco/fedavg: rounds in a row with no accepted update "
+                                                        "before the job fails (default 4)")
+    p.add_argument("--secagg", action="store_true", default=None, help="fedavg: pairwise-masked aggregation, the "
+                   "PS learns only the sum of each round's updates")
+    p.add_argument("--dp-noise", type=float, help="fedavg: client-level differential privacy, Gaussian noise of "
+                   "this multiple of --update-clip on each round's sum; epsilon is reported per round")
+    p.add_argument("--dp-delta", type=float, help="fedavg with --dp-noise: the delta epsilon is reported at (1e-5)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="the GEMMs' precision (autocast "
                    "semantics; fp16 with loss scaling); --reference runs the same precision")
 
@@ -61,7 +76,12 @@ def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN20
                   aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank,
                   tokenizer=args.tokenizer, init_from=args.init_from, split_layers=args.split_layers,
                   round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                  min_updates=args.min_updates, val_every=args.val_every, precision=args.precision)
+                  min_updates=args.min_updates, val_every=args.val_every, precision=args.precision,
+                  lora_alpha=args.lora_alpha, sampling=args.sampling, own_data=args.own_data,
+                  update_clip=args.update_clip, max_empty_rounds=args.max_empty_rounds, secagg=args.secagg,
+                  dp_noise=args.dp_noise, dp_delta=args.dp_delta,
+                  lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+                  if args.lora_targets else None)
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.diloco_setting:  # a named (H, outer lr, momentum); explicit flags win
         from cleave.methods.diloco import SETTINGS

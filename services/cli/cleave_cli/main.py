@@ -95,6 +95,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--worker-id")
     p.add_argument("--memory-bytes", type=int)
     p.add_argument("--profile", help="declared device to emulate: flops=..,down=..,up=..,latency=..,memory=..")
+    p.add_argument("--data", help="this worker's own data (a data spec, as --data of train): the round methods and "
+                                  "split learning train on it here; only its size is reported, never path or content")
 
     p = sub.add_parser("scheduler", help="run the scheduler")
     _service_args(p)
@@ -127,7 +129,7 @@ def run_service(args: argparse.Namespace) -> int:
         from cleave_worker.settings import WorkerSettings
 
         return worker_main(_settings(WorkerSettings, args, worker_id=args.worker_id, memory_bytes=args.memory_bytes,
-                                     profile=args.profile))
+                                     profile=args.profile, data=args.data))
     from cleave_scheduler.main import main as scheduler_main
     from cleave_scheduler.settings import SchedulerSettings
 
