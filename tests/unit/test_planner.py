@@ -311,11 +311,11 @@ def test_register_adds_the_plan_subcommand(capsys):
             "tiny",
             "--fleet",
             "synthetic:20",
-            "--batch",
+            "--batch-size",
             "2",
-            "--seq",
+            "--seq-len",
             "32",
-            "--dtype",
+            "--precision",
             "bf16",
             "--ps-bandwidth",
             "1e9",
@@ -327,3 +327,9 @@ def test_register_adds_the_plan_subcommand(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["dtype"] == "bf16" and doc["ps_bandwidth"] == 1e9
     assert all("assignments" not in g and g["ps_egress_s"] > 0 for g in doc["gemms"])
+    old = parser.parse_args(["plan", "--model", "tiny", "--fleet", "synthetic:20", "--batch", "2", "--seq", "32",
+                             "--dtype", "bf16"])  # the earlier spellings still work
+    assert (old.batch, old.seq, old.dtype) == (args.batch, args.seq, args.dtype)
+    default = parser.parse_args(["plan", "--model", "tiny", "--fleet", "synthetic:20", "--batch-size", "2",
+                                 "--seq-len", "32"])
+    assert default.dtype == "fp32"  # as a job's default precision: a plan matches the job it plans

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
-import json
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cleave.errors import ConfigError
 from cleave.models import PRESETS, ModelConfig, get_preset
 from cleave.models.hf import read_hf_config
+from cleave.runtime import config_file
 
 DEFAULT_PRESET = "tiny"
 
@@ -180,12 +181,14 @@ class JobConfig(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path, **overrides: object) -> JobConfig:
-        """Read a JSON job file; `overrides` (e.g. from command-line flags) win over the file."""
+        """Read a job from a settings file (TOML, or JSON; cleave.runtime.config_file): its top-level keys, with
+        `overrides` (e.g. from command-line flags) over them. An error names the file and the key."""
+        raw = config_file.job_settings(path)
         try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot read job config {path}: {e}") from None
-        return cls.build(**{**raw, **overrides})
+            return cls.build(**{**raw, **overrides})
+        except ConfigError as e:
+            given = " (or a flag given with it)" if overrides else ""
+            raise ConfigError(f"{path}{given}: {e}") from None
 
     @classmethod
     def build(cls, **fields: object) -> JobConfig:
@@ -195,4 +198,8 @@ class JobConfig(BaseModel):
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             msg = first["msg"].removeprefix("Value error, ")
+            if first["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(where, cls.model_fields, n=1)
+                raise ConfigError(f"unknown job setting {where}" + (f" (did you mean {close[0]}?)" if close else
+                                  "; the settings are listed in docs/user-guide.md")) from None
             raise ConfigError(f"invalid job setting {where}: {msg}" if where else f"invalid job: {msg}") from None

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import statistics
 import time
 from pathlib import Path
 
 from cleave.errors import ConfigError, Stopped
+from cleave.runtime import config_file
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
 from cleave.train.job import JobConfig
@@ -43,6 +45,8 @@ def check_fits(job: JobConfig, workers: int, dry_run: bool) -> None:
 
 def train(args: argparse.Namespace) -> int:
     job = job_from_args(args)
+    if args.config:  # the local stack's services read their tables of the same file ([ps], [worker], ...)
+        os.environ[config_file.CONFIG_ENV] = str(args.config.resolve())
     if args.ps_replicas < 1 or job.batch_size % args.ps_replicas or (args.ps_replicas > 1 and job.method != "cleave"):
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
                           f"it (the job has method {job.method}, batch size {job.batch_size})")

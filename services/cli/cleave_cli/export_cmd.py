@@ -38,7 +38,9 @@ from cleave_ps.state.persist import read_checkpoint
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_PROBE_TIMEOUT_S = 1.0
-EXPORT_DTYPES = ("bfloat16", "float16", "float32")  # wire names (`cleave.codec.torch_dtype`)
+# the saved weights' precision, named as a job's (fp32, bf16, fp16), or by the wire's names, as they once were
+EXPORT_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32",
+                     "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth", type=Path, help="with --nats: the directory holding submitter.env (and the CA)")
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
     p.add_argument("--job-id", help="default: the job in <run-dir>/job.json (with --nats: required)")
-    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the saved weights")
+    p.add_argument("--precision", "--dtype", dest="dtype", choices=EXPORT_PRECISIONS, default="fp32",
+                   metavar="fp32|bf16|fp16", help="the saved weights' precision (default fp32)")
     p.add_argument("--adapter-out", type=Path, help="a LoRA job's PEFT adapter directory (default: <out>/adapter); "
                                                    "--out gets the model with the adapters merged")
 
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         job_id = args.job_id or job_id_of(args.run_dir)
         with state_server(args.run_dir) as url:
             head, job, cfg, model = asyncio.run(read_state(url, job_id))
-    out, *adapter = export(model, job, cfg, args.out, codec.torch_dtype(args.dtype), args.adapter_out)
+    out, *adapter = export(model, job, cfg, args.out, codec.torch_dtype(EXPORT_PRECISIONS[args.dtype]), args.adapter_out)
     print(
         f"exported job {job_id} after {unit_of(job.method)} {head.step} ({head.step + 1} of {job.steps} done; epoch "
         f"{head.epoch}, model {job.model_name}, tokenizer {job.tokenizer}) to {out}"

@@ -13,7 +13,8 @@ def register(p: argparse.ArgumentParser) -> None:
     """Add the options that describe a job (not where or how it runs) to `p`."""
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", help="a model preset: tiny, tiny-llama, small, gpt2-medium, llama3-1b")
-    src.add_argument("--config", type=Path, help="a JSON job file (see docs/user-guide.md)")
+    src.add_argument("--config", type=Path, help="a settings file: the job (TOML top-level keys, or JSON) and the "
+                     "services' tables ([ps], [worker], ...); flags win (docs/user-guide.md, 'Settings file')")
     p.add_argument("--steps", type=int)
     p.add_argument("--job-id", help="names the job and its persisted state; the same id resumes it "
                                     "(default: a new id)")

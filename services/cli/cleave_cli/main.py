@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
 from cleave.errors import EXIT_INTERRUPTED, CleaveError, Stopped
+from cleave.runtime import config_file
 from cleave_cli import joboptions
 
 TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "plan": "plan_cmd",
@@ -28,6 +30,8 @@ def _service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", help="NATS URL (default: the service's setting, nats://127.0.0.1:4222)")
     p.add_argument("--auth", type=Path, help="log in with this role's credential and the CA from this directory "
                                             "(`cleave auth init`'s, or a site's folder)")
+    p.add_argument("--config", type=Path, help="a settings file (TOML): this service's table of it, e.g. [worker] "
+                   "(environment variables and flags win over it; docs/user-guide.md, 'Settings file')")
 
 
 def version() -> str:
@@ -87,7 +91,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
-    p.add_argument("--job", type=Path, help="JSON job file")
+    p.add_argument("--job", type=Path, help="the job's file (TOML or JSON; default: --config's top-level keys)")
     p.add_argument("--metrics-out", type=Path)
 
     p = sub.add_parser("worker", help="run a worker")
@@ -119,6 +123,9 @@ def _settings(cls, args: argparse.Namespace, **fields):
 
 
 def run_service(args: argparse.Namespace) -> int:
+    if args.config:  # the service's settings class reads its table of it (cleave.runtime.config_file)
+        config_file.read(args.config)  # an unreadable file is the error to report, not a missing table
+        os.environ[config_file.CONFIG_ENV] = str(args.config.resolve())
     if args.command == "ps":
         from cleave_ps.main import main as ps_main
         from cleave_ps.settings import PsSettings

@@ -1,6 +1,6 @@
 """`cleave plan`: plan every GEMM of a model's training step on a fleet and print the plan.
 
-    cleave plan --model NAME --fleet FILE|synthetic:N --batch B --seq S [--dtype fp16|bf16|fp32]
+    cleave plan --model NAME --fleet FILE|synthetic:N --batch-size B --seq-len S [--precision fp32|bf16|fp16]
                 [--ps-bandwidth BYTES_PER_S] [--seed S] [--json] [--no-assignments]
 
 Without --json it prints one line per GEMM kind and the totals; with --json the document described in
@@ -30,9 +30,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, choices=sorted(PRESETS), help="a model preset")
     p.add_argument("--fleet", required=True, help="a fleet JSON file, or synthetic:N (the edge profile)")
-    p.add_argument("--batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="element type on the wire")
+    p.add_argument("--batch-size", "--batch", dest="batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", "--seq", dest="seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--precision", "--dtype", dest="dtype", choices=sorted(DTYPE_BYTES), default="fp32",
+                   help="the job's precision: its tiles' element type on the wire (default fp32, as a job's)")
     p.add_argument(
         "--ps-bandwidth", type=float, default=None, help="the PS's egress in bytes/s (default: unlimited)"
     )
@@ -65,7 +66,7 @@ def plan_command(
     fleet: str,
     batch: int,
     seq: int,
-    dtype: str = "fp16",
+    dtype: str = "fp32",
     ps_bandwidth: float | None = None,
     seed: int = 0,
     as_json: bool = False,
@@ -104,11 +105,11 @@ def _check_job(model: str, batch: int, seq: int, dtype: str, ps_bandwidth: float
     except ValueError as e:
         raise ConfigError(f"--model: {e}") from None
     if batch <= 0:
-        raise ConfigError(f"--batch must be a positive integer, got {batch}")
+        raise ConfigError(f"--batch-size must be a positive integer, got {batch}")
     if not 0 < seq <= cfg.block_size:
-        raise ConfigError(f"--seq must be between 1 and the model's block_size {cfg.block_size}, got {seq}")
+        raise ConfigError(f"--seq-len must be between 1 and the model's block_size {cfg.block_size}, got {seq}")
     if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--dtype must be one of {', '.join(sorted(DTYPE_BYTES))}, got {dtype!r}")
+        raise ConfigError(f"--precision must be one of {', '.join(sorted(DTYPE_BYTES))}, got {dtype!r}")
     if ps_bandwidth is not None and not ps_bandwidth > 0:
         raise ConfigError(f"--ps-bandwidth must be positive bytes/s, got {ps_bandwidth}")
     return cfg

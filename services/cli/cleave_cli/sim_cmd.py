@@ -41,9 +41,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default="opt-13b", choices=sorted(PRESETS), help="a model preset")
     p.add_argument("--devices", type=int, default=256, help="devices in the fleet")
     p.add_argument("--fleet", default="synthetic", help="'synthetic' (the edge profile) or a fleet JSON file")
-    p.add_argument("--batch", type=int, default=128, help="sequences per step")
-    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16")
+    p.add_argument("--batch-size", "--batch", dest="batch", type=int, default=128, help="sequences per step")
+    p.add_argument("--seq-len", "--seq", dest="seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--precision", "--dtype", dest="dtype", choices=sorted(DTYPE_BYTES), default="fp16",
+                   help="the tiles' element type on the wire (default fp16: mixed precision, as the published "
+                        "systems compared train at this scale)")
     p.add_argument("--churn", type=float, default=0.0, help="leaves per device-hour (joins keep the size)")
     p.add_argument("--stragglers", type=float, default=0.0, help="fraction of devices running at 0.1x")
     p.add_argument("--hidden-stragglers", action="store_true", help="stragglers register their full profile")
@@ -108,8 +110,8 @@ def config(args: argparse.Namespace) -> Any:
 
     for flag, value, low in (
         ("--devices", args.devices, 1),
-        ("--batch", args.batch, 1),
-        ("--seq", args.seq, 1),
+        ("--batch-size", args.batch, 1),
+        ("--seq-len", args.seq, 1),
         ("--steps", args.steps, 1),
         ("--window", args.window, 1),
         ("--chunks", args.chunks, 1),

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from cleave.runtime.config_file import FileSettings
 
 DEFAULT_PORT = 8787  # fixed, so compose and bookmarks know where to look; 0 = any free port
 
 
-class MonitorSettings(BaseSettings):
+class MonitorSettings(FileSettings):
+    config_table: ClassVar[str] = "monitor"  # its table of the settings file (cleave.runtime.config_file)
     model_config = SettingsConfigDict(env_prefix="CLEAVE_MONITOR_", extra="ignore")
 
     nats_url: str = "nats://127.0.0.1:4222"

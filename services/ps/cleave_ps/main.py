@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import torch
 
 from cleave import auth
 from cleave import bus as busmod
 from cleave.errors import ConfigError
+from cleave.runtime import config_file
 from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
 from cleave.train.job import JobConfig
@@ -20,7 +22,8 @@ from cleave_ps.settings import PsSettings
 
 
 async def serve(s: PsSettings, stop: asyncio.Event) -> int:
-    job = JobConfig.load(s.job_file) if s.job_file else JobConfig()
+    config = os.environ.get(config_file.CONFIG_ENV)  # the settings file: its top-level keys are the job's
+    job = JobConfig.load(s.job_file or config) if s.job_file or config else JobConfig()
     if s.threads:
         torch.set_num_threads(s.threads)
     if s.replicas > 1 and job.method != "cleave":

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from cleave.gemm.dealer.model import DEFAULT_COPY_SHARE
 from cleave.gemm.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
+from cleave.runtime.config_file import FileSettings
 
 
-class PsSettings(BaseSettings):
+class PsSettings(FileSettings):
+    config_table: ClassVar[str] = "ps"  # its table of the settings file (cleave.runtime.config_file)
     model_config = SettingsConfigDict(env_prefix="CLEAVE_PS_", extra="ignore")
 
     nats_url: str = "nats://127.0.0.1:4222"

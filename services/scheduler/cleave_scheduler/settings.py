@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
+from cleave.runtime.config_file import FileSettings
 
 
-class SchedulerSettings(BaseSettings):
+class SchedulerSettings(FileSettings):
+    config_table: ClassVar[str] = "scheduler"  # its table of the settings file (cleave.runtime.config_file)
     model_config = SettingsConfigDict(env_prefix="CLEAVE_SCHEDULER_", extra="ignore")
 
     nats_url: str = "nats://127.0.0.1:4222"

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import ClassVar
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from cleave.runtime.config_file import FileSettings
 
 
 def default_worker_id() -> str:
@@ -15,11 +18,14 @@ def default_worker_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
-class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CLEAVE_WORKER_", extra="ignore")
+class WorkerSettings(FileSettings):
+    config_table: ClassVar[str] = "worker"  # its table of the settings file (cleave.runtime.config_file)
+    model_config = SettingsConfigDict(env_prefix="CLEAVE_WORKER_", extra="ignore", populate_by_name=True)
 
     nats_url: str = "nats://127.0.0.1:4222"
-    worker_id: str = Field(default_factory=default_worker_id, pattern=r"^[A-Za-z0-9_-]{1,128}$")
+    worker_id: str = Field(default_factory=default_worker_id, pattern=r"^[A-Za-z0-9_-]{1,128}$",
+                           validation_alias=AliasChoices("CLEAVE_WORKER_ID", "CLEAVE_WORKER_WORKER_ID"))
+    # (the environment's CLEAVE_WORKER_ID; CLEAVE_WORKER_WORKER_ID, its first spelling, is read too)
     memory_bytes: int = Field(512 * 1024 * 1024, gt=0)  # budget for a tile's inputs and output
     cache_bytes: int = Field(128 * 1024 * 1024, ge=0)  # input blocks kept for reuse (within the budget)
     heartbeat_s: float = Field(0.25, gt=0)

@@ -1,0 +1,108 @@
+"""One settings file for a job and the services that run it.
+
+A TOML file (`cleave.toml`): its top-level keys are the job's settings (`cleave.train.job.JobConfig`), and its
+tables `[ps]`, `[worker]`, `[scheduler]` and `[monitor]` the services' (the fields of their settings classes,
+without the `CLEAVE_<SERVICE>_` prefix):
+
+    preset = "small"
+    steps = 200
+    batch_size = 8
+
+    [ps]
+    persist_every = 10
+
+    [worker]
+    threads = 2
+
+The job reads it with `cleave train --config FILE` (or `cleave submit`, `cleave ps --config`); a service reads
+its table from the file named by `CLEAVE_CONFIG` (or its `--config` flag). Precedence, highest first: command-line
+flags, environment variables (`CLEAVE_PS_PERSIST_EVERY=...`), the file, the defaults. A JSON job file (the job's
+keys only) is read too. Errors name the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
+
+from cleave.errors import ConfigError
+
+CONFIG_ENV = "CLEAVE_CONFIG"  # the settings file a service reads its table from
+SERVICE_TABLES = ("ps", "worker", "scheduler", "monitor")
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """The file's settings as a dict: TOML (by default) or JSON (a `.json` file)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read settings file {path}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of settings, got {type(data).__name__}")
+    return data
+
+
+def job_settings(path: str | Path) -> dict[str, Any]:
+    """The job's part of a settings file: everything but the services' tables."""
+    return {k: v for k, v in read(path).items() if k not in SERVICE_TABLES}
+
+
+def service_table(path: str | Path, table: str, known: set[str]) -> dict[str, Any]:
+    """A service's table of the file; an unknown key is an error naming it (a typo would silently do nothing)."""
+    values = read(path).get(table, {})
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: [{table}] must be a table of settings")
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown setting{'s' if len(unknown) > 1 else ''} in [{table}]: "
+                          f"{', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return values
+
+
+def validation_message(e: ValidationError, where: str) -> str:
+    """The first error of a pydantic validation, naming its key and where the value came from."""
+    first = e.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    return f"{where}: invalid setting {key}: {msg}" if key else f"{where}: {msg}"
+
+
+class FileSettings(BaseSettings):
+    """Settings of a service: flags (init values) over environment variables over its table of the settings file
+    named by CLEAVE_CONFIG over the defaults."""
+
+    config_table: ClassVar[str] = ""  # the service's table in the file: ps, worker, scheduler, monitor
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            prefix = self.model_config.get("env_prefix", "")
+            where = f"{type(self).__name__} (flags, {prefix}* variables"
+            path = os.environ.get(CONFIG_ENV)
+            where += f" or [{self.config_table}] of {path})" if path else ")"
+            raise ConfigError(validation_message(e, where)) from None
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = os.environ.get(CONFIG_ENV)
+        if not path or not cls.config_table:
+            return init_settings, env_settings, dotenv_settings, file_secret_settings
+        table = service_table(path, cls.config_table, set(cls.model_fields))
+        return (init_settings, env_settings, dotenv_settings, InitSettingsSource(settings_cls, init_kwargs=table),
+                file_secret_settings)

@@ -1,0 +1,139 @@
+"""One settings file: a job's keys at its top level and the services' tables ([ps], [worker], ...), flags over
+environment variables over the file over the defaults, and errors that name the file and the key. A worker
+process started with `--config` takes its table of the file, against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cleave import bus as busmod
+from cleave.errors import ConfigError
+from cleave.runtime.config_file import CONFIG_ENV
+from cleave.schemas import SUBJECT_HEARTBEAT_ALL
+from cleave.train.job import JobConfig
+from cleave_cli.main import main as cli
+from cleave_ps.settings import PsSettings
+from cleave_worker.settings import WorkerSettings
+
+EVERY_KNOB = """\
+# a job with every kind of value a job file holds
+preset = "tiny"
+method = "fedavg"
+steps = 3
+batch_size = 4
+seq_len = 32
+lr = 1e-3
+precision = "bf16"
+local_steps = 2
+lora_rank = 4
+lora_targets = ["c_attn", "c_fc"]
+update_clip = 1.0
+own_data = false
+data = "builtin"
+
+[ps]
+persist_every = 7
+tile_timeout_s = 2.5
+
+[worker]
+threads = 2
+worker_id = "from-the-file"
+profile = "flops=1e10,down=1e8,up=1e8,latency=0.001,memory=1e9"  # declared: it joins without a scheduler's probe
+
+[scheduler]
+liveness_s = 3.0
+"""
+
+
+@pytest.fixture
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "cleave.toml"
+    path.write_text(EVERY_KNOB)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    for name in ("CLEAVE_WORKER_THREADS", "CLEAVE_WORKER_ID", "CLEAVE_WORKER_WORKER_ID", "CLEAVE_PS_PERSIST_EVERY"):
+        monkeypatch.delenv(name, raising=False)
+    return path
+
+
+def test_the_job_is_the_files_top_level_and_flags_win(settings: Path) -> None:
+    job = JobConfig.load(settings)
+    assert (job.method, job.steps, job.batch_size, job.seq, job.precision) == ("fedavg", 3, 4, 32, "bf16")
+    assert job.lora_targets == ("c_attn", "c_fc")
+    assert JobConfig.load(settings, steps=9, batch_size=2).steps == 9
+    assert JobConfig.load(settings, steps=9, batch_size=2).batch_size == 2
+
+
+def test_services_read_their_table_under_the_environment_and_flags(settings: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    assert WorkerSettings().threads == 1  # no file named: the default
+    monkeypatch.setenv(CONFIG_ENV, str(settings))
+    assert WorkerSettings().threads == 2 and WorkerSettings().worker_id == "from-the-file"
+    assert (PsSettings().persist_every, PsSettings().tile_timeout_s) == (7, 2.5)
+    monkeypatch.setenv("CLEAVE_WORKER_THREADS", "3")  # the environment over the file
+    monkeypatch.setenv("CLEAVE_WORKER_ID", "from-the-environment")
+    assert WorkerSettings().threads == 3 and WorkerSettings().worker_id == "from-the-environment"
+    assert WorkerSettings(threads=4, worker_id="from-a-flag").threads == 4  # a flag over both
+    assert WorkerSettings(threads=4, worker_id="from-a-flag").worker_id == "from-a-flag"
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ('preset = "tiny"\nbatch_sise = 4\n', "unknown job setting batch_sise (did you mean batch_size?)"),
+    ('batch_size = "four"\n', "invalid job setting batch_size: Input should be a valid integer"),
+    ("steps = \n", "not valid TOML"),
+    ('method = "split"\ncompress = "fp16"\n', "compress='fp16' does not apply to method='split'"),
+])
+def test_a_bad_job_file_names_the_file_and_the_key(tmp_path: Path, body: str, says: str) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(body)
+    with pytest.raises(ConfigError) as e:
+        JobConfig.load(path)
+    assert str(e.value).startswith(f"{path}") and says in str(e.value), e.value
+
+
+def test_a_bad_service_table_names_the_file_and_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "cleave.toml"
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    path.write_text("[worker]\nthreds = 2\n")
+    with pytest.raises(ConfigError, match=r"unknown setting in \[worker\]: threds; known: .*threads"):
+        WorkerSettings()
+    path.write_text("[ps]\npersist_every = -1\n")
+    with pytest.raises(ConfigError, match=rf"\[ps\] of {path}\): invalid setting persist_every: .*greater than"):
+        PsSettings()
+    JobConfig.load(path)  # the job's part is fine: only the PS's table is wrong
+
+
+def test_cleave_train_reads_the_ps_table_of_its_config(settings: Path, capsys: pytest.CaptureFixture) -> None:
+    """`cleave train --config` hands the file to the stack's services: the PS's memory from [ps] refuses the job."""
+    settings.write_text('preset = "tiny"\nbatch_size = 2\n[ps]\nmemory_bytes = 1000000\n')
+    assert cli(["train", "--config", str(settings), "--dry-run", "--workers", "2"]) == 2
+    assert "but 0.00 GB are available" in capsys.readouterr().err
+
+
+def test_a_worker_process_takes_its_table(settings: Path, nats_url: str) -> None:
+    """A real worker started with --config announces the id its table gives, to a real nats-server."""
+
+    async def first_heartbeat() -> str:
+        bus = await busmod.connect(nats_url, "test")
+        got: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def on(msg) -> None:  # noqa: ANN001 - a nats-py Msg
+            if not got.done():
+                got.set_result(msg.subject.rsplit(".", 1)[-1])
+
+        await bus.nc.subscribe(SUBJECT_HEARTBEAT_ALL, cb=on)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "cleave_cli", "worker", "--nats", nats_url,
+                                                    "--config", str(settings), stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL)
+        try:
+            return await asyncio.wait_for(got, 60)
+        finally:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)
+            await bus.close()
+
+    assert asyncio.run(first_heartbeat()) == "from-the-file"
