@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet, run_reference
 from cleave.models.tokenizer import ByteTokenizer
 from cleave.train.job import JobConfig
 from cleave.train.sources import prepare_data
-from cleave_cli.jobrun import LocalFleet, run_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "convergence.json"

@@ -20,11 +20,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
 from cleave.models import gemm_shapes, get_preset
 from cleave.plan.profile import parse_profile
 from cleave.sim import simulate_step
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "emulated_fleet.json"
 WARMUP_STEPS = 2

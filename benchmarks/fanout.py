@@ -22,11 +22,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
+from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.models import gemm_shapes, get_preset
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_cli.jobrun import LocalFleet
-from cleave_cli.natsconf import free_port, nats_server_binary
 
 RESULTS = Path(__file__).parent / "results" / "fanout.json"
 WARMUP_STEPS = 1  # the first step runs while plans and fan-out groups settle

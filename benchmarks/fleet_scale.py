@@ -37,10 +37,10 @@ from pathlib import Path
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api.fleet import LocalFleet, MetricsTail, run_reference
 from cleave.errors import WireError
 from cleave.schemas import MAX_PLAN_BYTES, PLAN_BUCKET, PLAN_KEY, Plan, TileResult
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import LocalFleet, MetricsTail, run_reference
 
 RESULTS = Path(__file__).parent / "results" / "fleet_scale.json"
 PROCESSES = 10  # swarm processes per size: killing one is 10% of the swarm leaving

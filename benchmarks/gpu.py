@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
 from cleave.errors import CleaveError
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "gpu.json"
 HOOK = Path(__file__).parent / "memhook"

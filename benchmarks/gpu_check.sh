@@ -53,7 +53,7 @@ if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .; the
   echo "pip install -e . failed: using the sources through PYTHONPATH"
   export PYTHONPATH="$PWD/libs:$PWD/services/ps:$PWD/services/worker:$PWD/services/scheduler:$PWD/services/monitor:$PWD/services/cli:$PYTHONPATH"
 fi
-"$PY" -c 'import cleave, cleave_ps, cleave_worker, cleave_cli; from cleave_cli.stack import nats_server_binary; print("cleave ok; nats-server at", nats_server_binary())'
+"$PY" -c 'import cleave, cleave_ps, cleave_worker, cleave_cli; from cleave.api.stack import nats_server_binary; print("cleave ok; nats-server at", nats_server_binary())'
 rc=0  # a failed check is reported and the next one still runs: one run there should tell as much as it can
 "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_worker_device.py || { rc=1; echo "FAILED: device unit tests"; }
 "$PY" benchmarks/gpu.py --models tiny-llama --steps 2 --out "$OUT/gpu_tiny.json" || { rc=1; echo "FAILED: tiny run"; }

@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
 from cleave.train.job import DEFAULT_LOCAL_STEPS, JobConfig
-from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "methods.json"
 CONFIGS = {  # name -> job fields besides preset, rounds and H

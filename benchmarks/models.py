@@ -26,10 +26,10 @@ import threading
 import time
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
 from cleave.errors import CleaveError
 from cleave.train import preflight
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "models.json"
 WORKERS = 2

@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_cli.jobrun import LocalFleet
 
 WARMUP_STEPS = 2
 RESULTS = Path(__file__).parent / "results" / "multi_ps.json"

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import LocalFleet
 
 RESULTS = Path(__file__).parent / "results" / "privacy.json"
 JOB_TIMEOUT_S = 3600

@@ -36,10 +36,10 @@ from pathlib import Path
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api.fleet import LocalFleet
 from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_cli.jobrun import LocalFleet
 from cleave_ps.state.persist import Persister
 
 RESULTS = Path(__file__).parent / "results" / "recovery.json"

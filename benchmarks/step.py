@@ -34,12 +34,12 @@ from pathlib import Path
 import floors
 
 from cleave import bus as busmod
+from cleave.api.fleet import LocalFleet, MetricsTail
 from cleave.gemm import tiles
 from cleave.runtime.logs import configure
 from cleave.schemas import SUBJECT_HEARTBEAT_ALL, SUBJECT_RESULTS, Heartbeat
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_cli.jobrun import LocalFleet, MetricsTail
 from cleave_ps.jobs import lifecycle
 from cleave_ps.jobs.pretrain import Pretrain
 from cleave_ps.settings import PsSettings

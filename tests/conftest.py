@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cleave_cli.natsconf import free_port, nats_server_binary
+from cleave.api.natsconf import free_port, nats_server_binary
 
 READY_TIMEOUT_S = 20.0
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from cleave import bus as busmod
+from cleave.api.fleet import LocalFleet
 from cleave.schemas import SUBJECT_RESULTS, TileResult
-from cleave_cli.jobrun import LocalFleet
 from cleave_ps.fleet.bridge import FleetGemm
 from cleave_ps.fleet.dispatcher import Dispatcher
 from cleave_ps.fleet.plans import PlanWatch

@@ -21,6 +21,7 @@ import pytest
 from nats.js.api import DeliverPolicy
 
 from cleave import auth, codec
+from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.bus import Bus
 from cleave.schemas import (
     EVENTS_STREAM,
@@ -42,7 +43,6 @@ from cleave.schemas import (
     TileResult,
 )
 from cleave_cli import auth_cmd
-from cleave_cli.natsconf import free_port, nats_server_binary
 from cleave_monitor.settings import MonitorSettings
 from cleave_ps.settings import PsSettings
 from cleave_scheduler.settings import SchedulerSettings

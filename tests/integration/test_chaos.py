@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from cleave_cli.jobrun import LocalFleet
+from cleave.api.fleet import LocalFleet
 
 
 def chaos(run_dir, *args: str) -> subprocess.CompletedProcess:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cleave.api.stack import Stack
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli import export_cmd
-from cleave_cli.stack import Stack
 from tests.integration.fleet import assert_same
 
 JOB_ID = "export-test"

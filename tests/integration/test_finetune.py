@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cleave.api.fleet import LocalFleet
 from cleave.train.job import JobConfig
 from cleave_cli import export_cmd
-from cleave_cli.jobrun import LocalFleet
 from tests.integration.test_export import export
 
 transformers = pytest.importorskip("transformers")

@@ -12,9 +12,9 @@ import torch
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api.fleet import LocalFleet
 from cleave.gemm import tiles
 from cleave.schemas import SUBJECT_TILES, BlockRef, TileResult, TileTask
-from cleave_cli.jobrun import LocalFleet
 from cleave_worker.core import tile_bytes
 from tests.integration.fleet import InProcessPS
 

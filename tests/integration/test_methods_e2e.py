@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from cleave.api.fleet import LocalFleet
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_cli.jobrun import LocalFleet
 from tests.integration.fleet import assert_same
 
 

@@ -26,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cleave import bus as busmod
+from cleave.api.natsconf import free_port
 from cleave.schemas import (
     JOBS_BUCKET,
     PLAN_BUCKET,
@@ -40,7 +41,6 @@ from cleave.schemas import (
     StepMetrics,
 )
 from cleave_cli.monitor_cmd import start_monitor
-from cleave_cli.natsconf import free_port
 from cleave_monitor.main import serve
 from cleave_monitor.settings import MonitorSettings
 from tests.integration.fleet import start_fleet

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from cleave.api.natsconf import free_port
 from cleave.train.job import JobConfig
-from cleave_cli.natsconf import free_port
 from tests.integration.fleet import assert_same
 
 TRAIN = [sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "10", "--seed", "0"]
@@ -120,7 +120,7 @@ def test_a_replica_that_cannot_reach_the_others_says_so(tmp_path, nats_url):
 
 @pytest.mark.slow
 def test_a_worker_lost_is_re_partitioned_and_the_job_stays_exact(tmp_path, reference):
-    from cleave_cli.jobrun import LocalFleet  # noqa: PLC0415
+    from cleave.api.fleet import LocalFleet  # noqa: PLC0415
 
     job = JobConfig(job_id="churn2", preset="tiny", steps=10)
     fleet = LocalFleet(tmp_path, 3, worker_env=SAME)

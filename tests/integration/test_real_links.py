@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from cleave.api.fleet import run_reference
 from cleave.runtime import netlab
 from cleave.runtime.netlab import Link
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import run_reference
 from cleave_cli.netstack import ShapedFleet
 from tests.integration.fleet import assert_same
 

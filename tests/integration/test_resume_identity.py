@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from cleave.api.fleet import LocalFleet, run_reference
 from cleave.errors import EXIT_JOB_FAILED, CleaveError
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import LocalFleet, run_reference
 from tests.integration.fleet import assert_same
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

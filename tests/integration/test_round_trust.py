@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from cleave import bus as busmod
+from cleave.api.fleet import LocalFleet
 from cleave.compression import get_compressor, unpack
 from cleave.schemas import SUBJECT_ROUNDCAST_ALL, SUBJECT_UPDATES, PackedTensors, RoundTask, RoundUpdate
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
-from cleave_cli.jobrun import LocalFleet
 from tests.integration.fleet import assert_same
 
 TEXT = "".join(f"line {i}: the site's own notes, which never leave it.\n" for i in range(200))

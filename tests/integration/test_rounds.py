@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from cleave.api.fleet import LocalFleet
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_cli.jobrun import LocalFleet
 from tests.integration.fleet import assert_same
 
 SLOW = "flops=5e8,down=1e9,up=1e9,latency=0,memory=4Gi"  # a round of tiny at H=2 takes ~1.5 s there

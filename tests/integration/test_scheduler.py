@@ -6,10 +6,10 @@ import asyncio
 import time
 
 from cleave import bus as busmod
+from cleave.api.fleet import LocalFleet
 from cleave.gemm import tiles
 from cleave.models import gemm_shapes, get_preset
 from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SHAPES_KEY, GemmSpec, JobShapes, Plan
-from cleave_cli.jobrun import LocalFleet
 
 PROFILES = ["flops=2G,down=20M,up=5M,latency=0.01,memory=512Mi", "flops=0.5G,down=5M,up=2M,latency=0.02,memory=512Mi"]
 

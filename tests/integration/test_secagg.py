@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from cleave import bus as busmod
+from cleave.api.fleet import LocalFleet
 from cleave.compression import unpack
 from cleave.methods import secagg
 from cleave.schemas import RoundUpdate
 from cleave.train.job import JobConfig
 from cleave_cli import export_cmd
-from cleave_cli.jobrun import LocalFleet
 from tests.integration.fleet import assert_same
 
 pytestmark = pytest.mark.slow  # each test runs the same job twice (~40-60 s)

@@ -26,6 +26,9 @@ import pytest
 
 from cleave import auth, codec
 from cleave import bus as busmod
+from cleave.api.natsconf import free_port, nats_server_binary
+from cleave.api.stack import Stack
+from cleave.api.topology import wait_leaf_connected
 from cleave.schemas import (
     JOBS_BUCKET,
     STATE_BUCKET,
@@ -40,10 +43,7 @@ from cleave.schemas import (
 from cleave.train.job import JobConfig
 from cleave_cli import auth_cmd, serverconf
 from cleave_cli.hub import HubConfig
-from cleave_cli.natsconf import free_port, nats_server_binary
 from cleave_cli.runner import Runner
-from cleave_cli.stack import Stack
-from cleave_cli.topology import wait_leaf_connected
 
 pytestmark = pytest.mark.timeout(120)
 READY_TIMEOUT_S = 20.0

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from cleave.api.fleet import run_reference
 from cleave.runtime import netlab
 from cleave.runtime.netlab import Link, Netlab
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import run_reference
 from tests.integration.fleet import assert_same
 
 WHY = netlab.unavailable()

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from cleave.api.stack import Stack
 from cleave_cli.export_cmd import read_state, state_server
-from cleave_cli.stack import Stack
 
 READY_TIMEOUT_S = 120.0  # the monitor and the workers import torch first; the machine may be loaded
 GONE_TIMEOUT_S = 30.0

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from cleave import bus as busmod
+from cleave.api.fleet import LocalFleet, run_reference
+from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.train.job import JobConfig
-from cleave_cli.jobrun import LocalFleet, run_reference
-from cleave_cli.natsconf import free_port, nats_server_binary
 from tests.integration.fleet import assert_same
 from tests.integration.test_scheduler import next_plan
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from cleave import bus as busmod
-from cleave_cli.jobrun import LocalFleet, MetricsTail, run_reference
+from cleave.api.fleet import LocalFleet, MetricsTail, run_reference
 from tests.integration.fleet import assert_same
 from tests.integration.test_nats_cluster import job_of, node_of
 

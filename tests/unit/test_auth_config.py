@@ -11,10 +11,10 @@ import nkeys
 import pytest
 
 from cleave import auth
+from cleave.api.natsconf import nats_server_binary
 from cleave.errors import ConfigError
 from cleave.schemas import MODELS_OBJECTS, PLAN_BUCKET, STATE_BUCKET
 from cleave_cli import auth_cmd, serverconf
-from cleave_cli.natsconf import nats_server_binary
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
 

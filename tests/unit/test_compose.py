@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cleave.api.natsconf import nats_server_binary
+from cleave.api.stack import DEFAULT_STOP_GRACE_S
 from cleave.runtime import config_file, logs
 from cleave_cli import auth_cmd
 from cleave_cli.main import build_parser
-from cleave_cli.natsconf import nats_server_binary
-from cleave_cli.stack import DEFAULT_STOP_GRACE_S
 from cleave_monitor.settings import MonitorSettings
 from cleave_ps.settings import PsSettings
 from cleave_scheduler.settings import SchedulerSettings

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from cleave.api.natsconf import nats_server_binary
 from cleave_cli.main import build_parser
-from cleave_cli.natsconf import nats_server_binary
 from tests.unit.test_compose import BASE, COMPOSE, SERVICES, build_auth_parser, load, resolve
 
 CLUSTER = resolve(load("docker-compose.cluster.yml"))

@@ -25,7 +25,7 @@ PACKAGES = {  # import name -> folder
 }
 # libs/cleave from the bottom up: a module may import its own layer and those before it, never a later one
 LAYERS = ("errors", "schemas", "codec", "compression", "bus", "auth", "runtime", "models", "plan", "gemm", "train",
-          "methods", "sim")
+          "methods", "api", "sim")
 SERVICES = ("cleave_ps", "cleave_scheduler", "cleave_worker", "cleave_monitor")
 COMMAND = "cleave_cli"  # runs every service: the only package that may import them
 MAX_TOP_LEVEL = 15  # entries of libs/cleave

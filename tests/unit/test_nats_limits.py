@@ -5,10 +5,11 @@ import re
 from pathlib import Path
 
 from cleave import auth
+from cleave.api import topology
+from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS
 from cleave.bus import SERVER_LIMITS, SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S
 from cleave.gemm.dealer.model import DEFAULT_INFLIGHT_S
-from cleave_cli import serverconf, topology
-from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS
+from cleave_cli import serverconf
 from cleave_ps.settings import PsSettings
 
 COMPOSE = Path(__file__).parents[2] / "compose" / "nats"

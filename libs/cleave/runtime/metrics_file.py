@@ -30,6 +30,19 @@ class MetricsFile:
                 continue
         return found
 
+    def lines(self) -> list[dict]:
+        """The step lines, in step order, each step once (a torn last line is ignored)."""
+        if self.path is None or not self.path.exists():
+            return []
+        found = {}
+        for line in self.path.read_text().splitlines():
+            try:
+                m = json.loads(line)
+                found[int(m["step"])] = m
+            except (ValueError, KeyError, TypeError):
+                continue
+        return [found[s] for s in sorted(found)]
+
     def set_aside(self, job_id: str) -> Path | None:
         """A new job is about to write here: if the file already holds step lines (another job's), rename it
         (`<stem>.before-<job>-<time><suffix>`, never deleted); the new name, or None when nothing was there."""

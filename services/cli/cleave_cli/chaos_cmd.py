@@ -17,15 +17,11 @@ import signal
 import time
 from pathlib import Path
 
+from cleave.api.supervisor import HELD_DOWN_DIR
 from cleave.errors import CleaveError
 
 ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "thaw": signal.SIGCONT, "restart": signal.SIGTERM}
 ROLES = ("worker", "ps", "scheduler", "monitor", "nats")
-HELD_DOWN_DIR = "held-down"  # <run_dir>/held-down/<name>: the supervisor does not restart <name>
-
-
-def held_down(run_dir: Path, name: str) -> bool:
-    return (run_dir / HELD_DOWN_DIR / name).exists()
 
 
 def stamp() -> str:

@@ -10,6 +10,8 @@ import statistics
 import time
 from pathlib import Path
 
+from cleave.api import jobs
+from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.errors import ConfigError, Stopped
 from cleave.runtime import config_file
 from cleave.runtime.trackers import Trackers
@@ -18,7 +20,6 @@ from cleave.train.job import JobConfig
 from cleave_cli.auth_cmd import write_private
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args, new_job_id
-from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import ProgressBar, unit_of
 from cleave_ps.settings import PsSettings
@@ -53,7 +54,7 @@ def train(args: argparse.Namespace) -> int:
     check_fits(job, args.workers, args.dry_run)
     if args.dry_run:
         return 0
-    run_dir = args.run_dir or Path("runs") / job.job_id  # the job's own: the same --job-id finds its state again
+    run_dir = args.run_dir or jobs.run_dir_of(job)  # the job's own: the same --job-id finds its state again
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
     progress = ProgressBar(job.steps, unit=unit_of(job.method))
@@ -68,25 +69,21 @@ def train(args: argparse.Namespace) -> int:
 
 def run_job(args: argparse.Namespace, job: JobConfig, run_dir: Path, metrics_out: Path, progress: ProgressBar,
             trackers: Trackers) -> list[dict]:
-    """The job here (`--reference`) or on the fleet; each metrics line shown and given to the trackers."""
+    """The job here (`--reference`) or on the fleet, through the Python API (cleave.api.jobs.run); each metrics
+    line shown and given to the trackers."""
 
-    def on_line(m: dict) -> None:
+    def on_stack(fleet: LocalFleet) -> None:
+        print(f"stack: {fleet.stack.nats_url}  run dir: {run_dir}")
+        if args.nats is None:  # the local stack's own dashboard, live while the job runs
+            print(f"dashboard: {start_monitor(fleet.stack, wait=False)}", flush=True)
+
+    lines = []
+    for m in jobs.run(job, workers=args.workers, run_dir=run_dir, nats=args.nats, metrics_out=metrics_out,
+                        ps_replicas=args.ps_replicas, reference=args.reference, on_stack=on_stack):
+        lines.append(m)
         progress.update(m)
         trackers.log(m)
-
-    if args.reference:
-        return run_reference(job, metrics_out, on_line)
-    else:
-        fleet = LocalFleet(run_dir, args.workers, nats_url=args.nats)
-        try:
-            fleet.start(with_fleet=args.nats is None)
-            print(f"stack: {fleet.stack.nats_url}  run dir: {run_dir}")
-            if args.nats is None:  # the local stack's own dashboard, live while the job runs
-                print(f"dashboard: {start_monitor(fleet.stack, wait=False)}", flush=True)
-            fleet.start_ps(job, metrics_out, replicas=args.ps_replicas)
-            return fleet.wait_ps(metrics_out, on_line)
-        finally:
-            fleet.stop()
+    return lines
 
 
 def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:

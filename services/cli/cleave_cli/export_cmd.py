@@ -26,6 +26,7 @@ import torch
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api.stack import Stack
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods.export import export, job_model
 from cleave.models import ModelConfig
@@ -33,7 +34,6 @@ from cleave.runtime.logs import configure
 from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
 from cleave.train.job import JobConfig
 from cleave_cli.progress import unit_of
-from cleave_cli.stack import Stack
 from cleave_ps.state.persist import read_checkpoint
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0

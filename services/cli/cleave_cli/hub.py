@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave import auth
+from cleave.api.natsconf import free_port
 from cleave.bus import SERVER_LIMITS
 from cleave.errors import ConfigError
 from cleave_cli import auth_cmd, serverconf
-from cleave_cli.natsconf import free_port
 
 DEFAULT_CLIENT_PORT = 4222
 DEFAULT_LEAF_PORT = 7422

@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_service(args)
         if args.command in TOOLS:
             return tool(args.command).run(args)
+        from cleave.api.supervisor import stop_signals
         from cleave_cli import commands
-        from cleave_cli.supervisor import stop_signals
 
         try:
             with stop_signals():

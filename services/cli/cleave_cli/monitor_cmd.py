@@ -6,9 +6,9 @@ import argparse
 import time
 from pathlib import Path
 
+from cleave.api.natsconf import free_port
+from cleave.api.stack import Stack
 from cleave.errors import CleaveError
-from cleave_cli.natsconf import free_port
-from cleave_cli.stack import Stack
 
 DEFAULT_URL_TIMEOUT_S = 60.0  # the monitor imports torch (through the codec) before it binds its port
 URL_FILE = "monitor.url"

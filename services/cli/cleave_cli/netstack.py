@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cleave.api.fleet import LocalFleet
+from cleave.api.natsconf import NATS_LIMITS, nats_server_binary
+from cleave.api.stack import DEFAULT_READY_TIMEOUT_S, Proc, Stack
 from cleave.errors import CleaveError
 from cleave.runtime.netlab import HUB_PORT, Link, Netlab
-from cleave_cli.jobrun import LocalFleet
-from cleave_cli.natsconf import NATS_LIMITS, nats_server_binary
-from cleave_cli.stack import DEFAULT_READY_TIMEOUT_S, Proc, Stack
 
 HUB_NATS_CONFIG = """\
 listen: 0.0.0.0:{port}

@@ -31,6 +31,7 @@ from nats.js.errors import NotFoundError
 
 from cleave import auth, codec
 from cleave import bus as busmod
+from cleave.api.stack import Proc, Stack
 from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, WireError
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
@@ -48,7 +49,6 @@ from cleave.schemas import (
     StateHead,
 )
 from cleave.train.job import JobConfig
-from cleave_cli.stack import Proc, Stack
 from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import identity_changes
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleave import auth
+from cleave.api.fleet import default_run_dir
+from cleave.api.natsconf import free_port, nats_server_binary
+from cleave.api.stack import Stack
+from cleave.api.topology import get_json
 from cleave.errors import ConfigError, Stopped
 from cleave_cli import auth_cmd, serverconf
 from cleave_cli.hub import WILDCARD, split_listen
-from cleave_cli.jobrun import default_run_dir
-from cleave_cli.natsconf import free_port, nats_server_binary
-from cleave_cli.stack import Stack
-from cleave_cli.topology import get_json
 
 DEFAULT_SITE_PORT = 4222
 DEFAULT_CONNECT_TIMEOUT_S = 60.0  # the first link to the hub; later cuts are waited out
@@ -78,7 +78,7 @@ def site_folder(folder: Path, name: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cleave_cli.supervisor import stop_signals
+    from cleave.api.supervisor import stop_signals
 
     name = auth.check_site_name(args.name)
     site_cred, worker, ca = credentials(args.auth, name)

@@ -2,7 +2,7 @@
 
 Restarts a service that dies (as compose would), records every process in `<run_dir>/stack.json`, and
 stops everything on exit. Each process logs to `<run_dir>/logs/<name>.log`. Children die with the
-supervisor even when it is killed (see cleave_cli.supervisor). nats-server's HTTP monitoring port
+supervisor even when it is killed (see cleave.api.supervisor). nats-server's HTTP monitoring port
 (`/varz`, `/connz`, `/jsz`) listens on 127.0.0.1 at a free port, recorded as `nats_monitor`. With a `hub`
 (`cleave up --listen/--auth`, cleave_cli.hub) the server listens where the hub says, with its credentials and
 TLS, and each service logs in with its role's credential.
@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
+from cleave.api.supervisor import held_down, parent_death_signal
 from cleave.errors import NOT_RESTARTED, CleaveError
-from cleave_cli.chaos_cmd import held_down
-from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
-from cleave_cli.supervisor import parent_death_signal
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
@@ -50,8 +49,8 @@ class Stack:
         self.max_payload = max_payload
         self._nats_port = 0
         self._monitor_port = 0
-        self.nodes: list = []  # cleave_cli.topology.Node of a cluster (start_nats_cluster), else empty
-        self.sites: dict = {}  # site name -> cleave_cli.topology.Site (start_site)
+        self.nodes: list = []  # cleave.api.topology.Node of a cluster (start_nats_cluster), else empty
+        self.sites: dict = {}  # site name -> cleave.api.topology.Site (start_site)
         self.hub = None  # cleave_cli.hub.HubConfig: listeners, credentials and TLS of `cleave up --listen/--auth`
         self.leaf_url = ""  # where sites' leaf nodes dial this stack (a hub's), if anywhere
         self.stays_down: dict[str, tuple[int, ...]] = {"ps": NOT_RESTARTED}  # role -> exit codes not restarted
@@ -89,11 +88,11 @@ class Stack:
             time.sleep(0.05)
         raise CleaveError(f"nats-server not ready after {DEFAULT_READY_TIMEOUT_S}s; see {log}")
 
-    # ---- a nats cluster and site leaf nodes (cleave_cli.topology) -------------------------------------
+    # ---- a nats cluster and site leaf nodes (cleave.api.topology) -------------------------------------
     def start_nats_cluster(self, size: int) -> str:
         """Start `size` routed nats-servers with JetStream (R3 where size >= 3) and leaf-node listeners;
         `nats_url` becomes their comma-separated list, which every service's connection accepts."""
-        from cleave_cli import topology
+        from cleave.api import topology
 
         self.nodes = self.nodes or [topology.Node(f"nats-{i + 1}") for i in range(size)]
         for node in self.nodes:
@@ -112,7 +111,7 @@ class Stack:
     def start_site(self, name: str) -> str:
         """Start a leaf node for site `name`, dialling the cluster's leaf-node ports; returns the URL the
         site's workers connect to."""
-        from cleave_cli import topology
+        from cleave.api import topology
 
         if not self.nodes:
             self.start_nats_cluster(1)

@@ -18,12 +18,20 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from cleave.errors import Stopped
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
+
+
+HELD_DOWN_DIR = "held-down"  # <run_dir>/held-down/<name>: the supervisor does not restart <name> (cleave chaos)
+
+
+def held_down(run_dir: Path, name: str) -> bool:
+    return (run_dir / HELD_DOWN_DIR / name).exists()
 
 
 def parent_death_signal(sig: int) -> Callable[[], None] | None:

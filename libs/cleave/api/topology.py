@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port
 from cleave.errors import ConfigError
-from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS, free_port
 
 CLUSTER_NAME = "cleave"
 CLUSTER_BLOCK = """\

@@ -5,18 +5,18 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cleave.api.natsconf import free_port
+from cleave.api.stack import Stack
 from cleave.errors import CleaveError
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
 from cleave.schemas import StepMetrics
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
-from cleave_cli.natsconf import free_port
-from cleave_cli.stack import Stack
 
 JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join before it starts
 JOINED = re.compile(r"worker_joined .*?worker_id=(\S+)")  # the scheduler's log line for a join
@@ -28,10 +28,11 @@ def default_run_dir(kind: str) -> Path:
     return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run_reference(job: JobConfig, metrics_out: Path, on_line: Callable[[dict], None] | None = None) -> list[dict]:
-    """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer)."""
+def reference_steps(job: JobConfig, metrics_out: Path) -> Iterator[dict]:
+    """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer): each step's
+    metrics line as it is written to `metrics_out`."""
     trainer = Trainer(job)
-    out, lines = MetricsFile(metrics_out), []
+    out = MetricsFile(metrics_out)
     out.set_aside(job.job_id)  # a fresh run of its own: earlier lines there are kept under another name
     for step in range(job.steps):
         t0 = time.perf_counter()
@@ -40,9 +41,16 @@ def run_reference(job: JobConfig, metrics_out: Path, on_line: Callable[[dict], N
         m = StepMetrics(job=job.job_id, step=step, loss=loss, step_time_s=time.perf_counter() - t0, workers=0,
                         tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val)
         out.write(m)
-        lines.append(m.model_dump(exclude=EXCLUDED))
+        yield m.model_dump(exclude=EXCLUDED)
+
+
+def run_reference(job: JobConfig, metrics_out: Path, on_line: Callable[[dict], None] | None = None) -> list[dict]:
+    """`reference_steps`, run to the end; each line also given to `on_line`."""
+    lines = []
+    for m in reference_steps(job, metrics_out):
+        lines.append(m)
         if on_line:
-            on_line(lines[-1])
+            on_line(m)
     return lines
 
 
@@ -141,27 +149,34 @@ class LocalFleet:
                 return
             time.sleep(0.1)
 
-    def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
-        """Supervise until the PS finishes the job; returns the metrics lines."""
-        tail, lines, ended = MetricsTail(metrics_out), [], {}  # ended: the PS processes down for good, their status
+    def follow_ps(self, metrics_out: Path, timeout_s: float | None = None) -> Iterator[dict]:
+        """Supervise until the PS finishes the job, yielding each metrics line as the PS commits its step; a PS
+        that ends with an error raises CleaveError naming its log."""
+        tail, ended = MetricsTail(metrics_out), {}  # ended: the PS processes down for good, their status
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
-            for m in tail.read():
-                lines.append(m)
-                if on_line:
-                    on_line(m)
+            yield from tail.read()
             for p in self.stack.supervise():
                 ended[p.name] = p.popen.returncode
             if all(name in ended for name in self.ps_names):
-                lines += tail.read()
+                yield from tail.read()
                 for name in self.ps_names:
                     if ended[name] != 0:
                         raise CleaveError(f"the parameter server {name} exited with {ended[name]}; "
                                           f"see {self.run_dir}/logs/{name}.log")
-                return lines
+                return
             if deadline and time.monotonic() > deadline:
                 raise CleaveError(f"the job did not finish within {timeout_s}s; see {self.run_dir}/logs")
             time.sleep(DEFAULT_POLL_S)
+
+    def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
+        """`follow_ps` to the end: the metrics lines; each also given to `on_line`."""
+        lines = []
+        for m in self.follow_ps(metrics_out, timeout_s):
+            lines.append(m)
+            if on_line:
+                on_line(m)
+        return lines
 
     def stop(self) -> None:
         self.stack.stop_all()
