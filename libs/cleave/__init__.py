@@ -1,6 +1,6 @@
 """Cleave: train foundation models on the idle compute of many small, unreliable edge devices.
 
-The Python API (`cleave.api.jobs`), imported when first used so that `import cleave.errors` and the
+The Python API (`cleave.api.jobs` for a job on a stack, `cleave.api.hub` for a hub's jobs), imported when first used so that `import cleave.errors` and the
 services stay light:
 
     from cleave import Job, run
@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-API = ("Job", "load_job", "run", "metrics", "run_dir_of")  # names of cleave.api.jobs offered here
+API = {  # the names offered here -> their module in cleave.api
+    "Job": "jobs", "load_job": "jobs", "run": "jobs", "metrics": "jobs", "run_dir_of": "jobs",
+    "submit": "hub", "status": "hub", "follow": "hub",
+}
 
 __all__ = list(API)
 
 
 def __getattr__(name: str) -> Any:
     if name in API:
-        from cleave.api import jobs
+        import importlib
 
-        return getattr(jobs, name)
+        return getattr(importlib.import_module(f"cleave.api.{API[name]}"), name)
     raise AttributeError(f"module 'cleave' has no attribute {name!r}")

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from cleave import Job, run
+from cleave import Job, follow, run, status, submit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,3 +42,30 @@ def test_a_loop_that_breaks_stops_the_stack(tmp_path: Path) -> None:
     assert pids and all(alive(p) for p in pids)
     steps.close()  # what leaving a for loop early does once the generator is dropped
     assert not [p for p in pids if alive(p)]
+
+
+@pytest.mark.slow  # ~60 s
+def test_a_job_submitted_to_a_hub_is_followed_to_its_end(tmp_path: Path) -> None:
+    """`cleave up` (a hub without auth: its runner, scheduler and two workers); from Python: submit, follow each
+    step to the end (the losses of plain PyTorch), and the hub's status says done."""
+    run_dir = tmp_path / "hub"
+    up = subprocess.Popen([sys.executable, "-m", "cleave_cli", "up", "--workers", "2", "--run-dir", str(run_dir)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        stack = run_dir / "stack.json"
+        for _ in range(600):
+            if stack.is_file() and json.loads(stack.read_text()).get("nats_url"):
+                break
+            time.sleep(0.1)
+        url = json.loads(stack.read_text())["nats_url"]
+        job = Job(job_id="api-hub", preset="tiny", steps=3, batch_size=2)
+        rec = submit(job, url, min_workers=2, wait_s=120)
+        assert rec is not None and rec.state in ("queued", "running", "done")
+        got = [m["loss"] for m in follow(job.job_id, url, poll_s=0.5, timeout_s=300)]
+        want = [m["loss"] for m in run(job, reference=True, run_dir=tmp_path / "reference")]
+        assert got == pytest.approx(want, abs=1e-4)
+        (view,) = status(url, job_id=job.job_id)
+        assert view["state"] == "done" and view["steps_reported"] == 3
+    finally:
+        up.terminate()
+        up.wait(60)

@@ -329,7 +329,7 @@ async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthSe
     sched_c = await connect(server.settings("scheduler"), "scheduler")
     mon_c = await connect(server.settings("monitor"), "monitor")
     ps, sched = Bus(ps_c.nc, "ps"), Bus(sched_c.nc, "scheduler")
-    async with asyncio.timeout(4 * OP_TIMEOUT_S):
+    async with asyncio.timeout(12 * OP_TIMEOUT_S):  # a guard against a hang: ~20 JetStream calls, on a loaded machine
         await sched.setup()  # the first one creates every stream and bucket ...
         await ps.setup()  # ... the second finds them
         plans = await ps.kv(PLAN_BUCKET)

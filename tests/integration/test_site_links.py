@@ -26,6 +26,7 @@ import pytest
 
 from cleave import auth, codec
 from cleave import bus as busmod
+from cleave.api import credentials
 from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.api.stack import Stack
 from cleave.api.topology import wait_leaf_connected
@@ -77,11 +78,11 @@ class Deployment:
     def leaf(self, name: str, local_login: bool = True) -> str:
         """A leaf node logged in as site s1 (a hostile one: `local_login=False`, anyone may connect to it)."""
         folder = self.auth / "sites" / "s1"
-        site, worker = auth_cmd.credential(folder, "site", auth.SITE), auth_cmd.credential(folder, "worker", "worker")
+        site, worker = credentials.credential(folder, "site", auth.SITE), credentials.credential(folder, "worker", "worker")
         port, monitor = free_port(), free_port()
         opts = serverconf.LeafOptions(name=name, listen=f"127.0.0.1:{port}", http=f"127.0.0.1:{monitor}",
                                       hubs=(f"tls://127.0.0.1:{self.hub.leaf_port}",),
-                                      ca_file=str(auth_cmd.ca_file(folder)))
+                                      ca_file=str(credentials.ca_file(folder)))
         text = serverconf.leaf_config(site, worker, opts)
         if not local_login:
             head, _, rest = text.partition("authorization {")
@@ -93,7 +94,7 @@ class Deployment:
 
     async def connect(self, role: str, url: str | None = None, worker_id: str | None = None) -> busmod.Bus:
         folder = self.auth / "sites" / "s1" if (url and role == "worker") or role == auth.SITE else self.auth
-        opts = auth_cmd.client_options(folder, role)
+        opts = credentials.client_options(folder, role)
         if worker_id:
             opts["inbox_prefix"] = auth.inbox_prefix(role, worker_id)
         return await busmod.connect(url or self.hub.url, f"test-{role}", **opts)
@@ -216,7 +217,7 @@ async def test_a_site_credential_is_no_client_login(deployment) -> None:
     async def on_error(e: Exception) -> None:
         errors.append(str(e))
 
-    opts = auth_cmd.client_options(deployment.auth / "sites" / "s1", auth.SITE)
+    opts = credentials.client_options(deployment.auth / "sites" / "s1", auth.SITE)
     with pytest.raises(Exception):  # noqa: B017 - nats-py's own error once the server closed the connection
         await nats.connect(deployment.hub.url, allow_reconnect=False, max_reconnect_attempts=0, error_cb=on_error,
                            connect_timeout=OP_TIMEOUT_S, **opts)

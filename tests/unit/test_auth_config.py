@@ -11,6 +11,7 @@ import nkeys
 import pytest
 
 from cleave import auth
+from cleave.api import credentials
 from cleave.api.natsconf import nats_server_binary
 from cleave.errors import ConfigError
 from cleave.schemas import MODELS_OBJECTS, PLAN_BUCKET, STATE_BUCKET
@@ -168,7 +169,7 @@ def test_sites_and_a_cluster_in_the_written_config(tmp_path: Path) -> None:
         folder = out / "sites" / site
         assert sorted(p.name for p in folder.iterdir()) == ["ca.pem", "site.env", "worker.env"]
         assert (folder / "site.env").stat().st_mode & 0o777 == 0o600 and folder / "site.env" in written
-        cred = auth_cmd.credential(folder, "site", auth.SITE)
+        cred = credentials.credential(folder, "site", auth.SITE)
         assert cred.public in text and cred.seed not in text
     assert (out / "sites" / "lab-a" / "site.env").read_text() != (out / "sites" / "lab-b" / "site.env").read_text()
     with pytest.raises(ConfigError, match="--tls"):

@@ -82,6 +82,7 @@ def test_the_site_runs_cleave_site_on_the_files_auth_init_writes_for_it(tmp_path
     assert site["environment"] == {"CLEAVE_SITE_NATS_TLS_CA": "/etc/cleave/ca.pem"}
     assert worker["environment"]["CLEAVE_WORKER_NATS_URL"] == "nats://site:4222"
     assert build_parser().parse_args(worker["command"]).command == "worker"
+    from cleave.api import credentials
     from cleave_cli import auth_cmd
 
     auth_cmd.init(build_auth_parser().parse_args(["auth", "init", "--out", str(tmp_path / "auth"), "--tls",
@@ -94,5 +95,5 @@ def test_the_site_runs_cleave_site_on_the_files_auth_init_writes_for_it(tmp_path
         assert (folder / f.replace("./site/", "")).is_file(), f
     env = {}
     for f in ("site.env", "worker.env"):
-        env.update(auth_cmd.read_env(folder / f))
+        env.update(credentials.read_env(folder / f))
     assert set(env) == {"CLEAVE_SITE_NATS_NKEY_SEED", "CLEAVE_WORKER_NATS_NKEY_SEED"}  # what `cleave site` reads

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave import auth
+from cleave.api import credentials
 from cleave.api.natsconf import free_port
 from cleave.bus import SERVER_LIMITS
 from cleave.errors import ConfigError
@@ -104,7 +105,7 @@ class HubConfig:
         """The CLEAVE_<ROLE>_* variables a process of `role` logs in with (none without credentials)."""
         if self.auth_dir is None:
             return {}
-        return auth_cmd.role_env(self.auth_dir, LOGIN_ROLES.get(role, role))
+        return credentials.role_env(self.auth_dir, LOGIN_ROLES.get(role, role))
 
     def check_login(self) -> None:
         """Log in once as the PS: a certificate that does not name the address, or a credential the server does
@@ -119,7 +120,7 @@ class HubConfig:
 
         async def attempt() -> None:
             nc = await nats.connect(self.url, connect_timeout=DEFAULT_LOGIN_TIMEOUT_S, max_reconnect_attempts=0,
-                                    allow_reconnect=False, **auth_cmd.client_options(self.auth_dir, "ps"))
+                                    allow_reconnect=False, **credentials.client_options(self.auth_dir, "ps"))
             await nc.close()
 
         try:
@@ -137,7 +138,7 @@ def users(folder: Path) -> list[auth.Credential]:
         role = "worker" if name.startswith("worker") else name
         if role not in auth.ROLES:
             continue
-        creds.append(auth_cmd.credential(folder, name, role))
+        creds.append(credentials.credential(folder, name, role))
     for path in sorted((folder / auth_cmd.SITES_DIR).glob(f"*/{auth_cmd.SITE_ENV}")):
         creds.append(_site(path))
     admin = folder / auth_cmd.ADMIN_NAME
@@ -149,7 +150,7 @@ def users(folder: Path) -> list[auth.Credential]:
 
 
 def _site(path: Path) -> auth.Credential:
-    cred = auth_cmd.credential(path.parent, path.stem, auth.SITE)
+    cred = credentials.credential(path.parent, path.stem, auth.SITE)
     return auth.Credential(f"{auth.SITE}-{path.parent.name}", auth.SITE, cred.seed, cred.public, cred.permissions)
 
 

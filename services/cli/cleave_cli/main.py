@@ -112,13 +112,13 @@ def _settings(cls, args: argparse.Namespace, **fields):
     if getattr(args, "nats", None):
         values["nats_url"] = args.nats
     if getattr(args, "auth", None):  # <role>.env (a worker's own worker-<id>.env where there is one) and the CA
-        from cleave_cli import auth_cmd
+        from cleave.api import credentials
 
         role = args.command
         own = f"worker-{args.worker_id}" if role == "worker" and args.worker_id else role
         name = own if (args.auth / f"{own}.env").is_file() else role
-        values["nats_nkey_seed"] = auth_cmd.credential(args.auth, name, role).seed
-        values["nats_tls_ca"] = auth_cmd.ca_file(args.auth)
+        values["nats_nkey_seed"] = credentials.credential(args.auth, name, role).seed
+        values["nats_tls_ca"] = credentials.ca_file(args.auth)
     return cls(**values)
 
 

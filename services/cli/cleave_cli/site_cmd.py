@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleave import auth
+from cleave.api import credentials as creds
 from cleave.api.fleet import default_run_dir
 from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.api.stack import Stack
@@ -125,8 +126,8 @@ def credentials(folder: Path | None, name: str) -> tuple[auth.Credential, auth.C
     if not (inner / auth_cmd.SITE_ENV).is_file():
         raise ConfigError(f"site {name} has no credential in {folder} ({auth_cmd.SITE_ENV} is missing): on the hub, "
                           f"`cleave auth init --sites {name}` writes sites/{name}/; copy that folder here")
-    return (auth_cmd.credential(inner, "site", auth.SITE), auth_cmd.credential(inner, "worker", "worker"),
-            auth_cmd.ca_file(inner))
+    return (creds.credential(inner, "site", auth.SITE), creds.credential(inner, "worker", "worker"),
+            creds.ca_file(inner))
 
 
 def start_leaf(site: SiteRun, site_cred: auth.Credential, worker: auth.Credential) -> None:

@@ -1,0 +1,216 @@
+"""A hub's jobs from anywhere that reaches its NATS: submit a job to its runner, read the jobs' records and a
+job's step metrics (the events stream keeps them), follow a job to its end. `cleave submit` and `cleave status`
+are these with their printing; `from cleave import submit, status, follow` the same from Python.
+
+Every call logs in with the submitter's credential found in an auth directory (`cleave auth init`'s, or the
+submitter's copy of it: `submitter.env` and `tls/ca.pem`), or with none on a hub without auth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from cleave import bus as busmod
+from cleave import codec
+from cleave.api.credentials import client_options
+from cleave.errors import CleaveError, WireError
+from cleave.schemas import (
+    EVENTS_STREAM,
+    JOBS_BUCKET,
+    MAX_CONTROL_BYTES,
+    SUBJECT_EVENTS,
+    SUBJECT_JOB_SUBMIT,
+    JobRecord,
+    JobSubmission,
+    StepMetrics,
+)
+from cleave.train.job import JobConfig
+
+DEFAULT_CONNECT_TIMEOUT_S = 15.0
+DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
+DEFAULT_POLL_S = 0.25
+DEFAULT_FOLLOW_S = 2.0  # how often `follow` reads a job's new steps
+DEFAULT_RETRY_S = 1.0  # between tries to store a job on a hub whose runner has not made its stream yet
+DEFAULT_FETCH = 512  # metrics lines read per batch
+DEFAULT_CONSUMER_IDLE_S = 30.0  # the server deletes a reading consumer this long after its last use
+ENDED = ("done", "failed")  # a job's states after which nothing more happens until it is submitted again
+
+
+# ---- the hub's client -------------------------------------------------------------------------------
+async def connect(url: str, folder: Path | None, role: str = "submitter") -> busmod.Bus:
+    """Log in at `url` as `role` with the credential in `folder`; a clear error when that cannot be done."""
+    options = client_options(folder, role)
+    try:
+        return await asyncio.wait_for(busmod.connect(url, f"cleave-{role}", **options), DEFAULT_CONNECT_TIMEOUT_S)
+    except TimeoutError:
+        raise CleaveError(f"could not reach NATS at {url} within {DEFAULT_CONNECT_TIMEOUT_S:.0f}s: check the URL, "
+                          "that the port is open to you, and (tls://) the CA in --auth") from None
+
+
+
+async def store(bus: busmod.Bus, job_id: str, sub: JobSubmission, wait_s: float, url: str):  # noqa: ANN201 - a PubAck
+    """Publish the submission into the hub's JetStream; until `wait_s` while its stream is not there yet (a hub
+    whose runner is starting). The message id is the nonce: a try whose answer was lost is stored once."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return await bus.js.publish(SUBJECT_JOB_SUBMIT.format(job=job_id), codec.encode(sub),
+                                        timeout=busmod.DEFAULT_TIMEOUT_S, headers={"Nats-Msg-Id": sub.nonce})
+        except Exception as e:  # no stream (yet): no runner has started on that hub
+            if time.monotonic() > deadline:
+                raise CleaveError(f"the hub at {url} did not take the job within {wait_s:.0f}s ({type(e).__name__}): "
+                                  "is its runner up (`cleave up`, or compose's `runner`)?") from None
+        await asyncio.sleep(DEFAULT_RETRY_S)
+
+
+async def verdict(bus: busmod.Bus, job_id: str, nonce: str, wait_s: float) -> JobRecord | None:
+    """The job's record once it answers this submission (its nonce), or None after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    kv = None
+    while time.monotonic() < deadline:
+        try:
+            kv = kv or await asyncio.wait_for(bus.js.key_value(JOBS_BUCKET), busmod.DEFAULT_TIMEOUT_S)
+            got = await bus.kv_get(kv, job_id, JobRecord)
+        except Exception:  # the bucket is not there yet (no runner so far)
+            got = None
+        if got is not None and got[0].nonce == nonce:
+            return got[0]
+        await asyncio.sleep(DEFAULT_POLL_S)
+    return None
+
+
+
+async def read_records(bus: busmod.Bus, job_id: str | None) -> list[JobRecord]:
+    try:
+        kv = await asyncio.wait_for(bus.js.key_value(JOBS_BUCKET), busmod.DEFAULT_TIMEOUT_S)
+    except Exception:
+        return []  # no runner has ever run there
+    if job_id is not None:
+        got = await bus.kv_get(kv, job_id, JobRecord)
+        return [got[0]] if got else []
+    try:
+        keys = await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
+    except Exception:  # nats-py raises NoKeysError for an empty bucket
+        keys = []
+    found = [await bus.kv_get(kv, k, JobRecord) for k in keys]
+    return sorted((g[0] for g in found if g), key=lambda r: r.submitted_at)
+
+
+async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
+    """The job's step lines from the events stream, in step order, each step once (its last line: a PS that
+    resumed reports the lines of its last commit again)."""
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
+                            inactive_threshold=DEFAULT_CONSUMER_IDLE_S)  # gone soon after this command
+    sub = await asyncio.wait_for(bus.js.pull_subscribe(SUBJECT_EVENTS.format(kind="metrics"), stream=EVENTS_STREAM,
+                                                       config=config), busmod.DEFAULT_TIMEOUT_S)
+    steps: dict[int, StepMetrics] = {}
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(DEFAULT_FETCH, timeout=2.0)
+            except TimeoutError:
+                break  # nothing (more) there
+            for m in msgs:
+                try:
+                    sm = codec.decode(m.data, StepMetrics, MAX_CONTROL_BYTES)
+                except WireError:
+                    continue
+                if sm.job == job_id:
+                    steps[sm.step] = sm
+            if msgs[-1].metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return [steps[s] for s in sorted(steps)]
+
+
+def summary(rec: JobRecord, lines: list[StepMetrics]) -> dict:
+    job = json.loads(rec.job)
+    steps = job.get("steps")
+    last = lines[-1] if lines else None
+    return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
+            "method": job.get("method", "cleave"),
+            "step": last.step if last else None, "steps_reported": len(lines),
+            "loss": last.loss if last else None, "workers": last.workers if last else None,
+            "submitted_at": rec.submitted_at, "started_at": rec.started_at, "ended_at": rec.ended_at,
+            "runs": rec.runs, "exit_code": rec.exit_code, "reason": rec.reason,
+            "last_submission": {"verdict": rec.verdict, "reason": rec.verdict_reason}}
+
+
+# ---- the Python API ------------------------------------------------------------------------------------
+def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_workers: int = 0,
+           wait_s: float = DEFAULT_WAIT_S) -> JobRecord | None:
+    """Submit `job` to the hub at `nats`; returns the runner's record of it once it answers this submission
+    (its state: queued, running, ...), None when no runner answered within `wait_s` (the job waits on the hub).
+    A job the runner refuses raises CleaveError with its reason."""
+
+    async def go() -> JobRecord | None:
+        sub = JobSubmission(job=job.model_dump_json(), nonce=secrets.token_hex(8), submitted_at=time.time(),
+                            min_workers=min_workers)
+        bus = await connect(nats, _path(auth))
+        try:
+            await store(bus, job.job_id, sub, wait_s, nats)
+            rec = await verdict(bus, job.job_id, sub.nonce, wait_s)
+        finally:
+            await bus.close()
+        if rec is not None and rec.verdict == "refused":
+            raise CleaveError(f"the hub refused job {job.job_id}: {rec.verdict_reason}")
+        return rec
+
+    return asyncio.run(go())
+
+
+def status(nats: str, auth: str | Path | None = None, job_id: str | None = None) -> list[dict]:
+    """The hub's jobs (or the one named), each as `cleave status --json` shows it: state, step, loss, workers."""
+
+    async def go() -> list[dict]:
+        bus = await connect(nats, _path(auth))
+        try:
+            return [summary(rec, await read_metrics(bus, rec.job_id)) for rec in await read_records(bus, job_id)]
+        finally:
+            await bus.close()
+
+    return asyncio.run(go())
+
+
+def follow(job_id: str, nats: str, auth: str | Path | None = None, poll_s: float = DEFAULT_FOLLOW_S,
+           timeout_s: float | None = None) -> Iterator[dict]:
+    """Each step's metrics of a job on the hub as they are committed, until the job is done (or failed: then
+    CleaveError with its reason, after the steps it committed)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+
+    async def read() -> tuple[JobRecord | None, list[StepMetrics]]:
+        bus = await connect(nats, _path(auth))
+        try:
+            records = await read_records(bus, job_id)
+            return (records[0] if records else None), await read_metrics(bus, job_id)
+        finally:
+            await bus.close()
+
+    while True:
+        rec, lines = asyncio.run(read())
+        for m in lines:
+            if m.step not in seen:
+                seen.add(m.step)
+                yield m.model_dump(exclude={"job"})
+        if rec is None:
+            raise CleaveError(f"the hub at {nats} knows no job {job_id!r}")
+        if rec.state in ENDED:
+            if rec.state == "failed":
+                raise CleaveError(f"job {job_id} failed: {rec.reason or 'see the runner log on the hub'}")
+            return
+        if deadline and time.monotonic() > deadline:
+            raise CleaveError(f"job {job_id} did not end within {timeout_s}s (it is {rec.state})")
+        time.sleep(poll_s)
+
+
+def _path(auth: str | Path | None) -> Path | None:
+    return Path(auth) if auth is not None else None
