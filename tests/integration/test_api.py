@@ -69,3 +69,31 @@ def test_a_job_submitted_to_a_hub_is_followed_to_its_end(tmp_path: Path) -> None
     finally:
         up.terminate()
         up.wait(60)
+
+
+@pytest.mark.slow  # ~60 s
+def test_cleave_train_logs_its_ps_in_to_a_hub_with_auth(tmp_path: Path) -> None:
+    """`cleave train --nats URL --auth DIR` against `cleave up --auth DIR` (credentials and TLS): the PS logs in
+    with the PS credential and trains on the hub's workers."""
+    auth = tmp_path / "auth"
+    subprocess.run([sys.executable, "-m", "cleave_cli", "auth", "init", "--out", str(auth), "--tls"], check=True,
+                   capture_output=True, timeout=120)
+    run_dir = tmp_path / "hub"
+    up = subprocess.Popen([sys.executable, "-m", "cleave_cli", "up", "--auth", str(auth), "--workers", "2",
+                           "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        stack = run_dir / "stack.json"
+        for _ in range(600):
+            if stack.is_file() and json.loads(stack.read_text()).get("nats_url"):
+                break
+            time.sleep(0.1)
+        url = json.loads(stack.read_text())["nats_url"]
+        train = [sys.executable, "-m", "cleave_cli", "train", "--nats", url, "--preset", "tiny", "--steps", "2",
+                 "--workers", "2"]
+        out = subprocess.run([*train, "--auth", str(auth), "--job-id", "with-auth", "--run-dir",
+                              str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    finally:
+        up.terminate()
+        up.wait(60)

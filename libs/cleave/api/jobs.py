@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from cleave.api import credentials
 from cleave.api.fleet import LocalFleet, reference_steps
+from cleave.errors import ConfigError
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.train.job import JobConfig
 
@@ -36,13 +38,15 @@ def run_dir_of(job: JobConfig) -> Path:
 
 
 def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path | None = None,
-          nats: str | None = None, metrics_out: str | Path | None = None, ps_replicas: int = 1,
+          nats: str | None = None, auth: str | Path | None = None, metrics_out: str | Path | None = None,
+          ps_replicas: int = 1,
           reference: bool = False, on_stack: Callable[[LocalFleet], None] | None = None) -> Iterator[dict]:
     """Train `job`, yielding each step's metrics (a dict: step, loss, step_time_s, workers, tokens, lr, ...; for
     diloco and fedavg one per round) as the PS commits it.
 
     - `nats=None`: a local stack in `run_dir` (nats-server from the wheel, a scheduler and `workers` workers);
-      `nats=URL`: a running stack's NATS, its scheduler and workers (`cleave up` prints the URL).
+      `nats=URL`: a running stack's NATS, its scheduler and workers (`cleave up` prints the URL); the PS runs
+      here and logs in with the PS credential of `auth` (the directory of `cleave auth init`) when given.
     - `reference=True`: the same job in this process in plain PyTorch, the yardstick of exactness.
     - `ps_replicas`: PS replicas, each training an equal share of every batch (method cleave).
     - `on_stack(fleet)`: called once the stack is up, before the PS starts (its URL: `fleet.stack.nats_url`).
@@ -54,12 +58,15 @@ def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path |
     if reference:
         yield from reference_steps(job, metrics_out)
         return
+    if auth is not None and nats is None:
+        raise ConfigError("auth= logs the PS in to a running stack's NATS: it needs nats= (a local stack has none)")
+    ps_env = credentials.role_env(Path(auth), "ps") if auth is not None else None
     fleet = LocalFleet(run_dir, workers, nats_url=nats)
     try:
         fleet.start(with_fleet=nats is None)
         if on_stack:
             on_stack(fleet)
-        fleet.start_ps(job, metrics_out, replicas=ps_replicas)
+        fleet.start_ps(job, metrics_out, ps_env=ps_env, replicas=ps_replicas)
         yield from fleet.follow_ps(metrics_out)
     finally:
         fleet.stop()

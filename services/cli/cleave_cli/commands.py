@@ -78,7 +78,7 @@ def run_job(args: argparse.Namespace, job: JobConfig, run_dir: Path, metrics_out
             print(f"dashboard: {start_monitor(fleet.stack, wait=False)}", flush=True)
 
     lines = []
-    for m in jobs.run(job, workers=args.workers, run_dir=run_dir, nats=args.nats, metrics_out=metrics_out,
+    for m in jobs.run(job, workers=args.workers, run_dir=run_dir, nats=args.nats, auth=args.auth, metrics_out=metrics_out,
                         ps_replicas=args.ps_replicas, reference=args.reference, on_stack=on_stack):
         lines.append(m)
         progress.update(m)

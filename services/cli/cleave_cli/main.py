@@ -76,6 +76,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     joboptions.register(p)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--nats", help="use this NATS (with its scheduler and workers) instead of a local stack")
+    p.add_argument("--auth", type=Path, help="with --nats: log the PS in with the PS credential and the CA of this "
+                   "directory (`cleave auth init`'s)")
     p.add_argument("--run-dir", type=Path, help="default: runs/<job id>, so that the same --job-id resumes")
     p.add_argument("--metrics-out", type=Path)
     p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
