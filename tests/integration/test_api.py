@@ -44,20 +44,24 @@ def test_a_loop_that_breaks_stops_the_stack(tmp_path: Path) -> None:
     assert not [p for p in pids if alive(p)]
 
 
+def start_up(run_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`cleave up` with `flags` in `run_dir`, and its NATS URL once its stack.json names it."""
+    up = subprocess.Popen([sys.executable, "-m", "cleave_cli", "up", *flags, "--run-dir", str(run_dir)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack = run_dir / "stack.json"
+    for _ in range(600):
+        if stack.is_file() and json.loads(stack.read_text()).get("nats_url"):
+            break
+        time.sleep(0.1)
+    return up, json.loads(stack.read_text())["nats_url"]
+
+
 @pytest.mark.slow  # ~60 s
 def test_a_job_submitted_to_a_hub_is_followed_to_its_end(tmp_path: Path) -> None:
     """`cleave up` (a hub without auth: its runner, scheduler and two workers); from Python: submit, follow each
     step to the end (the losses of plain PyTorch), and the hub's status says done."""
-    run_dir = tmp_path / "hub"
-    up = subprocess.Popen([sys.executable, "-m", "cleave_cli", "up", "--workers", "2", "--run-dir", str(run_dir)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up, url = start_up(tmp_path / "hub", "--workers", "2")
     try:
-        stack = run_dir / "stack.json"
-        for _ in range(600):
-            if stack.is_file() and json.loads(stack.read_text()).get("nats_url"):
-                break
-            time.sleep(0.1)
-        url = json.loads(stack.read_text())["nats_url"]
         job = Job(job_id="api-hub", preset="tiny", steps=3, batch_size=2)
         rec = submit(job, url, min_workers=2, wait_s=120)
         assert rec is not None and rec.state in ("queued", "running", "done")
@@ -78,16 +82,8 @@ def test_cleave_train_logs_its_ps_in_to_a_hub_with_auth(tmp_path: Path) -> None:
     auth = tmp_path / "auth"
     subprocess.run([sys.executable, "-m", "cleave_cli", "auth", "init", "--out", str(auth), "--tls"], check=True,
                    capture_output=True, timeout=120)
-    run_dir = tmp_path / "hub"
-    up = subprocess.Popen([sys.executable, "-m", "cleave_cli", "up", "--auth", str(auth), "--workers", "2",
-                           "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up, url = start_up(tmp_path / "hub", "--auth", str(auth), "--workers", "2")
     try:
-        stack = run_dir / "stack.json"
-        for _ in range(600):
-            if stack.is_file() and json.loads(stack.read_text()).get("nats_url"):
-                break
-            time.sleep(0.1)
-        url = json.loads(stack.read_text())["nats_url"]
         train = [sys.executable, "-m", "cleave_cli", "train", "--nats", url, "--preset", "tiny", "--steps", "2",
                  "--workers", "2"]
         out = subprocess.run([*train, "--auth", str(auth), "--job-id", "with-auth", "--run-dir",

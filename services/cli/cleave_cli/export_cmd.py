@@ -153,7 +153,7 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
     """The job's last committed head record, its job and model config, and the model with the checkpoint's
     weights (every key, shape and chunk hash checked; the optimizer's state is skipped). `auth_dir`: log in
     with the submitter's credential found there."""
-    from cleave_cli.jobs_cmd import connect
+    from cleave.api.hub import connect
 
     bus = await connect(url, auth_dir) if auth_dir is not None else await asyncio.wait_for(
         busmod.connect(url, "export"), DEFAULT_CONNECT_TIMEOUT_S)
