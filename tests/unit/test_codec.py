@@ -110,6 +110,6 @@ def test_oversized_frame_is_refused():
 
 def test_unknown_fields_are_ignored():
     hb = {"worker_id": "w1", "sent_at": 1.0, "started_at": 0.0, "from_the_future": 7,
-          "profile": {"flops": 1e9, "memory_bytes": 10, "downlink_bytes_per_s": 1, "uplink_bytes_per_s": 1,
+          "profile": {"flops": 1e9, "memory_bytes": 10, "downlink_bytes_per_s": 1e6, "uplink_bytes_per_s": 1e6,
                       "latency_s": 0}}
     assert codec.decode(b"CV\x01\x00" + msgpack.packb(hb), Heartbeat).worker_id == "w1"

@@ -17,7 +17,13 @@ SUBJECT_ROUNDCAST = PREFIX + ".roundcast.{job}"  # PS -> every worker of a round
 SUBJECT_ROUNDCAST_ALL = PREFIX + ".roundcast.*"  # what workers subscribe to
 SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}.{worker_id}"  # worker -> PS: a round's update, a split reply
 SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
-SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
+SUBJECT_PROBE = PREFIX + ".probe"  # an older worker's probes: not answered (they do not name their sender)
+# worker -> scheduler (request/reply): latency and bandwidth probes, on the worker's own subject (per-worker
+# credentials may publish only there); answered only on that worker's own inbox `_INBOX.worker.<id>.`
+SUBJECT_PROBE_FROM = PREFIX + ".probe.{worker_id}"
+SUBJECT_PROBE_ALL = PREFIX + ".probe.*"
+SUBJECT_OBSERVED = PREFIX + ".observed.{job}"  # PS -> scheduler: what the workers delivered (`Observed`)
+SUBJECT_OBSERVED_ALL = PREFIX + ".observed.*"
 SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
 SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
 
