@@ -42,7 +42,8 @@ class InProcessPS:
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher)
         self.sub = await self.bus.subscribe(SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch, worker_id="*"),
                                             TileResult, self.dispatcher.on_result,
-                                            max_bytes=self.settings.max_result_bytes, sender="worker_id")
+                                            max_bytes=self.settings.max_result_bytes, sender="worker_id",
+                                            compressed=False, cap=self.dispatcher.result_limit)
         self.watcher = asyncio.create_task(PlanWatch(self.bus, on_plan=self.dispatcher.set_plan).follow(self.stop))
         return self
 

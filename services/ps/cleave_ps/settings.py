@@ -26,6 +26,7 @@ class PsSettings(BaseSettings):
     copy_share: float = Field(DEFAULT_COPY_SHARE, ge=0)  # ... while a GEMM's copies sent at most this share of its other bytes
     tile_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: an approximate mode, half the downlink
     verify_fraction: float = Field(0.0, ge=0, le=1)  # tiles also computed by a second worker, to catch liars
+    freivalds: bool = True  # check every result block as the product of its inputs (Freivalds' check) before use
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
     fanout: bool = True  # publish an input block several planned workers need once, to their group subject
     deferred_gemms: int = Field(DEFAULT_DEFERRED, ge=0)  # weight gradients dealt beside the backward's later GEMMs; 0: one GEMM at a time
