@@ -6,16 +6,18 @@ subject comes from `cleave.schemas`, so a renamed subject or bucket changes the 
 Roles and what they may do (anything not listed is refused by nats-server):
 - ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store); subscribe to
   results.
-- scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and probe
-  requests, and answer each probe once (`allow_responses`).
+- scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and to what the PS
+  observed of the workers. Probes are answered by a credential of its own (`scheduler-probe`, its seed in
+  scheduler.env beside the scheduler's), which may subscribe to probe requests and publish to the workers'
+  inboxes (`_INBOX.worker.>`) and nowhere else: an answer aimed at a bucket or the JetStream API is refused
+  by the server whatever a request names as its reply.
 - monitor: reads the events stream, the registry and plan buckets, live heartbeats and events; writes
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
   carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
   probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes; no
-  JetStream. With `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that
-  id (results and updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in
-  place of the id.
+  JetStream. With `worker_id`, tiles, results, round updates, heartbeats, probes and probe replies are pinned
+  to that id (each on a per-worker subject); the shared worker credential gets a `*` (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -45,7 +47,10 @@ from cleave.schemas import (
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
     SUBJECT_LINKCHECK,
-    SUBJECT_PROBE,
+    SUBJECT_OBSERVED,
+    SUBJECT_OBSERVED_ALL,
+    SUBJECT_PROBE_ALL,
+    SUBJECT_PROBE_FROM,
     SUBJECT_RESULTS,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
@@ -55,6 +60,7 @@ from cleave.schemas import (
 )
 
 ROLES = ("ps", "scheduler", "monitor", "worker")
+PROBE_ECHO = "scheduler-probe"  # the scheduler's second credential: it answers probes and may do nothing else
 ADMIN = "admin"  # operators' credential for the `nats` CLI: unrestricted, never given to a service
 SERVICE_ROLES = ("ps", "scheduler", "monitor")  # the trusted side; workers may be strangers' machines
 INBOX_ROOT = "_INBOX"
@@ -132,7 +138,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
-               _wild(SUBJECT_ROUNDS),
+               _wild(SUBJECT_ROUNDS), _wild(SUBJECT_OBSERVED),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
@@ -146,7 +152,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
             pub += _js_create(s)
         for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET)):
             pub += _js_read(s)
-        return _service(role, pub, [_wild(SUBJECT_HEARTBEAT), SUBJECT_PROBE], allow_responses=True)
+        return _service(role, pub, [_wild(SUBJECT_HEARTBEAT), SUBJECT_OBSERVED_ALL])
     if role == "monitor":  # writes nothing; may create the streams because it runs Bus.setup() too
         pub = []
         for s in SETUP_STREAMS:
@@ -160,7 +166,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
-                     SUBJECT_PROBE),
+                     SUBJECT_PROBE_FROM.format(worker_id=wid)),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
@@ -168,6 +174,11 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
             allow_responses=True,  # its answers to the PS's fan-out joins and link checks
         )
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
+
+
+def probe_permissions() -> Permissions:
+    """The probe echo's credential (`PROBE_ECHO`): probe requests in, answers to the workers' inboxes only."""
+    return Permissions(publish=(f"{inbox_prefix('worker')}.>",), subscribe=(SUBJECT_PROBE_ALL,))
 
 
 def check_worker_id(worker_id: str) -> str:
@@ -186,17 +197,29 @@ class Credential:
     seed: str
     public: str
     permissions: Permissions
+    companions: tuple[Credential, ...] = ()  # more users the same service holds (the scheduler's probe echo)
 
     @property
     def env_var(self) -> str:
+        if self.name == PROBE_ECHO:
+            return "CLEAVE_SCHEDULER_PROBE_NKEY_SEED"
         return f"CLEAVE_{self.role.upper()}_NATS_NKEY_SEED"
 
 
 def new_credential(role: str, worker_id: str | None = None) -> Credential:
-    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
-    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    seed, public = _nkey()
     name = role if worker_id is None else f"{role}-{worker_id}"
-    return Credential(name, role, seed.decode(), public, permissions(role, worker_id))
+    companions = ()
+    if role == "scheduler":
+        echo_seed, echo_public = _nkey()
+        companions = (Credential(PROBE_ECHO, role, echo_seed, echo_public, probe_permissions()),)
+    return Credential(name, role, seed, public, permissions(role, worker_id), companions)
+
+
+def _nkey() -> tuple[str, str]:
+    """A new user nkey: (seed, public key)."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode(), nkeys.from_seed(bytearray(seed)).public_key.decode()
 
 
 def admin_credential() -> Credential:
@@ -221,6 +244,7 @@ def env_text(cred: Credential, tls_ca: str | None = None, nats_url: str | None =
     """The role's settings as an env file (compose `env_file`, or `set -a; . worker.env`)."""
     prefix = f"CLEAVE_{cred.role.upper()}_"
     lines = [f"# {cred.name}: NATS credential written by `cleave auth init`; keep it secret", f"{cred.env_var}={cred.seed}"]
+    lines += [f"{c.env_var}={c.seed}" for c in cred.companions]
     if tls_ca:
         lines.append(f"{prefix}NATS_TLS_CA={tls_ca}")
     if nats_url:
@@ -265,7 +289,7 @@ def server_config(creds: list[Credential], opts: ServerOptions) -> str:
     if opts.tls_cert:
         tls = (f"tls {{\n  cert_file: {_q(opts.tls_cert)}\n  key_file: {_q(opts.tls_key)}\n"
                f"  timeout: {DEFAULT_TLS_TIMEOUT_S}\n}}\n")
-    users = ",\n".join(_user_block(c) for c in creds)
+    users = ",\n".join(_user_block(c) for cred in creds for c in (cred, *cred.companions))
     return (
         "# nats-server config written by `cleave auth init`: per-role nkey users and subject permissions\n"
         "# derived from cleave.schemas. It holds public keys only; the seeds are in the <role>.env files.\n"

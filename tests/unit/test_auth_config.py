@@ -48,7 +48,22 @@ def test_each_service_reads_replies_under_its_own_prefix_only() -> None:
     for role in auth.SERVICE_ROLES:
         inboxes = [s for s in auth.permissions(role).subscribe if s.startswith("_INBOX")]
         assert inboxes == [f"_INBOX.{role}.>"]
-        assert auth.permissions(role).allow_responses == (role in ("scheduler", "worker"))  # probes, joins
+        assert not auth.permissions(role).allow_responses  # only workers answer (the PS's joins and checks)
+
+
+def test_probes_are_answered_by_a_credential_that_may_publish_nowhere_else(tmp_path: Path) -> None:
+    """A request names its own reply subject: the scheduler's probe echo has a credential of its own that may
+    publish only into the workers' inboxes, so no reply can reach a bucket or the JetStream API."""
+    sched = auth.new_credential("scheduler")
+    (echo,) = sched.companions
+    assert echo.name == auth.PROBE_ECHO and echo.env_var == "CLEAVE_SCHEDULER_PROBE_NKEY_SEED"
+    assert echo.permissions.publish == ("_INBOX.worker.>",) and not echo.permissions.allow_responses
+    assert echo.permissions.subscribe == ("cleave.probe.*",)
+    assert "cleave.probe.*" not in sched.permissions.subscribe  # the scheduler's own credential reads no probe
+    assert f"{echo.env_var}={echo.seed}" in auth.env_text(sched) and sched.seed in auth.env_text(sched)
+    assert echo.public in auth.server_config([sched], auth.ServerOptions())
+    pinned = auth.permissions("worker", "w-1")
+    assert "cleave.probe.w-1" in pinned.publish and not any(p.startswith("cleave.probe.*") for p in pinned.publish)
 
 
 @pytest.mark.parametrize("bad", ["", "a.b", "a*", "x" * 129, "w 1"])
