@@ -4,8 +4,8 @@ Pure: everything here builds text, keys and option dicts; `cleave auth init` wri
 subject comes from `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store); subscribe to
-  results.
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), its job's
+  GEMM shapes (the plans bucket's `shapes` key only) and what it observed of the workers; subscribe to results.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and to what the PS
   observed of the workers. Probes are answered by a credential of its own (`scheduler-probe`, its seed in
   scheduler.env beside the scheduler's), which may subscribe to probe requests and publish to the workers'
@@ -40,6 +40,7 @@ from cleave.schemas import (
     EVENTS_STREAM,
     PLAN_BUCKET,
     REGISTRY_BUCKET,
+    SHAPES_KEY,
     STATE_BUCKET,
     STATE_OBJECTS,
     SUBJECT_CONTROL,
@@ -140,7 +141,8 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
                _wild(SUBJECT_ROUNDS), _wild(SUBJECT_OBSERVED),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
-               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
+               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS),
+               f"$KV.{PLAN_BUCKET}.{SHAPES_KEY}"]  # its job's GEMMs, for the scheduler (the key, not the plans)
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
             pub += _js_create(s)
         for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):

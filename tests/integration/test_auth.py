@@ -27,6 +27,7 @@ from cleave.schemas import (
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
+    SHAPES_KEY,
     STATE_BUCKET,
     STATE_OBJECTS,
     SUBJECT_EVENTS_ALL,
@@ -378,7 +379,9 @@ async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthSe
         await ps_c.nc.flush(timeout=OP_TIMEOUT_S)
         await watch_as_the_monitor(mon_c)
     assert ps_c.errors == [] and sched_c.errors == [] and mon_c.errors == []
-    # only the scheduler publishes plans; only the PS writes state
+    # only the scheduler publishes plans (the PS describes its job's GEMMs); only the PS writes state
+    await ps.kv_put(await ps.kv(PLAN_BUCKET), SHAPES_KEY, plan)  # (any message will do)
+    assert ps_c.errors == []
     await ps_c.nc.publish(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", codec.encode(plan))
     assert "publish" in await ps_c.violation(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}")
     await sched_c.nc.publish(f"$KV.{STATE_BUCKET}.head", codec.encode(plan))

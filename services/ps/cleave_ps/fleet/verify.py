@@ -112,8 +112,8 @@ class CrossChecks:
         if t is None:
             del run.checks[check.tile]
             return
-        truth = await asyncio.to_thread(lambda: tiles.compute(run.a[t.r0 : t.r1].float(), run.bt[t.c0 : t.c1].float())
-                                        .to(run.out.dtype))
+        truth = await asyncio.to_thread(lambda: tiles.compute(run.a[t.r0 : t.r1].detach().float(),
+                                                              run.bt[t.c0 : t.c1].detach().float()).to(run.out.dtype))
         run.checks.pop(check.tile, None)
         liar = self.verifier.judge(check, second, truth)
         if liar is not None and run.seq in self.d.runs:
