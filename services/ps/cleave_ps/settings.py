@@ -36,6 +36,7 @@ class PsSettings(BaseSettings):
     max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
     max_pending_bytes: int = Field(256 * 1024 * 1024, gt=0)  # results queued unread; a flood past it is dropped
     memory_bytes: int = Field(0, ge=0)  # what the PS may use (preflight); 0: the machine's available memory
+    state_max_bytes: int = Field(0, ge=0)  # the checkpoint store's size limit where the PS creates it; 0: JetStream's
     persist_every: int = Field(0, ge=0)  # commit the state every k steps; 0: when it costs <= 5% of training time
     checkpoint_staging: Literal["off", "auto"] = "off"  # auto: stream a host copy while training goes on, when
     # it takes at most half the free memory (a copy of the weights and optimizer: not the memory-light default)

@@ -112,10 +112,11 @@ class Persister:
         self.rejected: list[tuple[int, str]] = []  # (step, reason) of each checkpoint load refused
         self.orphan_age_s = sweep.DEFAULT_ORPHAN_AGE_S  # nameless chunks older than this are purged
         self.collected = sweep.Collected()  # what the last commit's clean-up removed
+        self.store_max_bytes: int | None = None  # the checkpoint store's size limit where this PS creates it
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
-        self.store = await self.bus.object_store(STATE_OBJECTS)
+        self.store = await self.bus.object_store(STATE_OBJECTS, self.store_max_bytes)
 
     async def claim_epoch(self) -> int:
         """A new, higher epoch for this PS incarnation (compare-and-set, so two PSs never share one); a PS that
@@ -293,6 +294,7 @@ class Progress:
         # 0 = budgeted for pretraining; the other methods resume exactly only from their last step or round
         self.out, self.every = MetricsFile(s.metrics_out), s.persist_every or (0 if job.method == "cleave" else 1)
         self.persister = Persister(bus, job.job_id, job.model_dump_json(), fence_id, writes_head)
+        self.persister.store_max_bytes = s.state_max_bytes or None
         self.pending: list[StepMetrics] = []
         self.last_commit_s = 0.0  # seconds the last commit's stream took (persist_every = 0 budgets it)
         self.staging, self.memory_bytes = s.checkpoint_staging, s.memory_bytes
