@@ -1,9 +1,11 @@
 """The device registry's pure core: who is alive, with what profile, and when membership changed.
 
 A profile is what its worker claims; the PS reports what each worker delivers (`Observed`). A worker that
-delivered `OVERCLAIM` times slower than its claimed profile predicts is planned, from then on, with its
-claimed rates divided by that factor (its latency and memory as claimed), until it delivers within a factor 2
-of its claim again (`corrections`). A device whose profile broke the planner is dropped (`refuse`): its
+delivered `OVERCLAIM` times slower than its claimed profile predicts (allowing `TILE_OVERHEAD_S` a tile for
+what the cost model leaves out: the PS's dealing, the bus) is planned, from then on, with its claimed rates
+divided by that factor (its latency and memory as claimed); the factor moves again only when what it delivers
+moves by more than `HYSTERESIS` (so plans do not follow every report), and goes once it delivers within
+`RECOVERED` of its claim (`corrections`). A device whose profile broke the planner is dropped (`refuse`): its
 heartbeats are ignored until its profile changes.
 """
 
@@ -15,7 +17,10 @@ from cleave.plan.profile import liveness_limit
 from cleave.schemas import DeviceProfile, DeviceRecord, Heartbeat, Observed, Plan, PlanWorker
 
 OVERCLAIM = 8.0  # a worker delivering this many times slower than its profile predicts is corrected ...
+HYSTERESIS = 2.0  # ... then again only when that changes by more than this factor ...
 RECOVERED = 2.0  # ... until it delivers within this factor of its claim again
+TILE_OVERHEAD_S = 0.02  # a tile's cost beyond the cost model, allowed before comparing (measured: ~0.01-0.07 s a
+# tile of the tiny model on a loaded 2-core machine, where the cost model predicts a few ms)
 DEFAULT_LINK_GRACE_S = 5.0  # at most this much liveness a worker's claimed link adds (`liveness_limit`)
 
 
@@ -60,9 +65,17 @@ class Registry:
             if claim is None or rec is None:
                 continue
             # how many times slower than its claim it delivered (the PS predicted on the profile it was planned with)
-            slower = (o.observed_s / o.predicted_s) * (claim.flops / o.flops)
+            allowed = o.predicted_s + o.tiles * TILE_OVERHEAD_S
+            slower = (o.observed_s / allowed) * (claim.flops / o.flops)
             old = self.corrections.get(o.worker_id, 1.0)
-            new = slower if slower >= OVERCLAIM else (max(1.0, slower) if old > 1.0 and slower <= old / RECOVERED else old)
+            if old == 1.0:
+                new = slower if slower >= OVERCLAIM else 1.0
+            elif slower < RECOVERED:
+                new = 1.0
+            elif not old / HYSTERESIS <= slower <= old * HYSTERESIS:
+                new = slower
+            else:
+                new = old
             if new == old:
                 continue
             if new == 1.0:
