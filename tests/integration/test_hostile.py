@@ -8,7 +8,8 @@ The attacks (docs/security.md lists each defence with its test):
 - probes whose reply names a plan key, a new plan key with 4 MiB echoes, the JetStream API, another's inbox;
 - heartbeats as another worker or a ghost, profiles that are infinite, NaN, negative or absurd;
 - results for another worker's attempt (given back or not), tiles never issued, wrong shapes, NaN, blocks that
-  are not the product (+1000), zstd bombs (2 KB inflating to 63 MiB), floods of chunk frames;
+  are not the product (+1000), zstd bombs (2 KB inflating to 63 MiB), blocks larger than any tile's, floods of
+  chunk frames;
 - as a verifier: silence, errors, cache misses, NaN;
 - a profile claiming 100x the FLOPS it delivers.
 """
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ import nats
 import pytest
 import torch
 import zstandard
+from pydantic import model_validator
 
 from cleave import auth, codec
 from cleave import bus as busmod
@@ -54,6 +57,7 @@ from cleave.schemas import (
     Probe,
     TileResult,
     TileTask,
+    Wire,
 )
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
@@ -255,7 +259,7 @@ async def test_the_scheduler_shrugs_off_a_hostile_worker(hub: Hub) -> None:
 
 
 # ---- a hostile member of the fleet during training ---------------------------------------------------
-MODES = ("silent", "error", "missing", "nan", "shape", "bomb", "chunks", "late", "spray")
+MODES = ("silent", "error", "missing", "nan", "shape", "bomb", "chunks", "huge", "late", "spray")
 
 
 class HostileWorker:
@@ -321,6 +325,9 @@ class HostileWorker:
                                                             tile=0, attempt=0, worker_id="attacker", error="x" * 600),
                                                  compress=False), 256)[0]
                 await self.a.publish(task.reply, frame)
+            return await self.send(task, out=block)
+        if mode == "huge":  # a block 16x the size of any of this epoch's: refused before it is put together
+            await self.send(task, out=torch.zeros(block.shape[0] * 4, block.shape[1] * 4))
             return await self.send(task, out=block)
         if mode == "lie":
             block[0, 0] += 1000.0
@@ -410,7 +417,7 @@ async def test_a_hostile_member_cannot_spoil_or_stall_training(hub: Hub) -> None
         assert_same(got, [reference.step(i) for i in range(len(got))])
         assert d.faulty == {"attacker"} and "attacker" not in d.workers
         assert {"wrong_worker", "unknown_tile", "bad_shape", "not_finite", "worker_error", "zstd_refused",
-                "wrong_block"} <= set(reasons), reasons
+                "too_large", "wrong_block"} <= set(reasons), reasons
         assert d.c.verified > 0 and d.verifier.done > 0
         assert hub.stack.procs["scheduler"].popen.poll() is None
         report = {"quiet_step_s": statistics.median(quiet), "attacked_step_s": statistics.median(attacked),
@@ -428,7 +435,7 @@ async def test_a_hostile_member_cannot_spoil_or_stall_training(hub: Hub) -> None
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_a_profile_claiming_far_more_than_it_delivers_is_corrected(hub: Hub) -> None:
-    """The attacker claims 1 TFLOP/s and 10 GB/s links and delivers each block 0.2 s late: the cost-aware plan
+    """The attacker claims 1 TFLOP/s and 10 GB/s links and delivers each block 0.3 s late: the cost-aware plan
     gives it the largest share, the PS reports what it delivered, and the scheduler plans it, from then on, at
     that (`profile_corrected`); the honest job's steps before and after are printed."""
     job = JobConfig(preset="tiny", steps=12)
@@ -438,7 +445,7 @@ async def test_a_profile_claiming_far_more_than_it_delivers_is_corrected(hub: Hu
     ps_view = SimpleNamespace(nats_nkey_seed=hub.seed("ps"))
     attacker = await Attacker().connect(hub)
     hostile, stop = HostileWorker(attacker, claim), asyncio.Event()
-    hostile.mode, hostile.delay_s = "slow", 0.2
+    hostile.mode, hostile.delay_s = "slow", 0.3
     try:
         async with InProcessPS(hub.url, connect=auth.connect_options(ps_view, "ps")) as ps:
             specs = tuple(GemmSpec(name=g.name, m=g.m, n=g.n, k=g.k, count_per_step=g.count_per_step)
@@ -484,5 +491,42 @@ async def test_every_stream_and_bucket_is_bounded(nats_url: str) -> None:
             config = (await bus.js.stream_info(stream)).config
             assert 0 < config.max_bytes <= 1 << 30 and 0 < config.max_msg_size <= 8 << 20, (stream, config)
         assert (await bus.js.stream_info(f"OBJ_{STATE_OBJECTS}")).config.max_bytes == 1 << 30
+    finally:
+        await bus.close()
+
+
+class Traced(Wire):
+    """A message that notes which thread validated it."""
+
+    data: bytes = b""
+
+    @model_validator(mode="after")
+    def _where(self) -> Traced:
+        DECODED_ON.append(threading.current_thread())
+        return self
+
+
+DECODED_ON: list[threading.Thread] = []
+
+
+async def test_large_messages_are_decoded_off_the_event_loop(nats_url: str) -> None:
+    """A message over `bus.OFF_LOOP_BYTES` is decoded (and validated) in a worker thread: a worker's 60 MiB
+    result costs the PS's event loop nothing but the hand-over."""
+    bus = await busmod.connect(nats_url, "decoder")
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def on_msg(msg: Traced, nbytes: int) -> None:
+        await got.put(nbytes)
+
+    try:
+        await bus.subscribe("test.decode", Traced, on_msg)
+        await bus.nc.flush()
+        messages = [Traced(data=bytes(size)) for size in (1000, 2 * busmod.OFF_LOOP_BYTES)]
+        DECODED_ON.clear()  # (building them validated them here)
+        for msg in messages:
+            await bus.publish("test.decode", msg, compress=False)
+            await asyncio.wait_for(got.get(), WAIT_S)
+        small, large = DECODED_ON
+        assert small is threading.main_thread() and large is not threading.main_thread()
     finally:
         await bus.close()

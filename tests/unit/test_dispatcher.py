@@ -179,6 +179,23 @@ async def test_every_cross_check_is_judged_even_when_its_verifier_fails():
     assert d.verifier.alone == 1 and d.verifier.mismatches == 0 and not d.faulty
 
 
+async def test_a_result_may_be_no_larger_than_the_largest_block_of_the_epoch():
+    """What the bus lets through to `on_result`: the largest block any tile of this epoch has, plus an envelope
+    (before any GEMM, a result can only be a late or a forged one)."""
+    from cleave_ps.fleet.dispatcher import RESULT_ENVELOPE
+
+    wire, d, clock = await two_workers()
+    assert d.result_limit() == RESULT_ENVELOPE
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    assert d.result_limit() == RESULT_ENVELOPE + 4 * 4 * 4  # two 4x4 float32 blocks
+    for w, task in wire.tasks:
+        await d.on_result(result(task, w, block_of(d, task, a, bt)), 0)
+    await asyncio.wait_for(gemm, 10)
+    assert d.result_limit() == RESULT_ENVELOPE + 4 * 4 * 4  # (it stays: a copy's late answer is still fine)
+
+
 def test_verifiers_are_picked_unpredictably():
     from cleave_ps.fleet.verify import Verifier
 
