@@ -70,8 +70,9 @@ def test_a_wrong_element_is_caught_and_named(shape: tuple[int, int, int]) -> Non
         v = verdict(a, bt, lie)
         assert not v.passed and v.row == r // 2, (delta, v)
     swapped = block.clone()
-    swapped[[0, 1]] = swapped[[1, 0]]  # the right numbers in the wrong rows
-    assert not verdict(a, bt, swapped).passed
+    swapped[[0, 1]] = swapped[[1, 0]]  # the right numbers in the wrong rows: several wrong elements a row,
+    # whose errors cancel in C·x only for an unlucky x (measured: 6 of 3,000 fresh vectors at 128 x 64, K = 4096)
+    assert sum(verdict(a, bt, swapped).passed for _ in range(3)) <= 1
     assert not verdict(a, bt, torch.zeros_like(block)).passed
 
 

@@ -63,6 +63,9 @@ class Norms:
         self.a, self.bt = a.detach(), bt.detach()  # (a weight requires grad; its values are all a check reads)
         self._lock = threading.Lock()
         self.a_norm = self.a_max = self.bt_norm = None  # ‖aᵢ‖, maxₖ|aᵢₖ| per row of a; ‖bⱼ‖ per row of bt (float64)
+        # float32 inputs as numpy views, once (half-precision ones are converted a tile's slice at a time)
+        self.a32 = self.a.numpy() if self.a.dtype == torch.float32 else None
+        self.bt32 = self.bt.numpy() if self.bt.dtype == torch.float32 else None
 
     def ready(self) -> Norms:
         with self._lock:
@@ -88,9 +91,8 @@ _rng_lock = threading.Lock()
 def random_vector(n: int) -> np.ndarray:
     """n float32 entries of random sign and magnitude in [1, 2), fresh for every call."""
     with _rng_lock:
-        signs = _rng.integers(0, 2, n, dtype=np.int8)
-        magnitudes = _rng.random(n, dtype=np.float32)
-    return np.where(signs, np.float32(-1), np.float32(1)) * (1 + magnitudes)
+        v = 2 * _rng.random(n, dtype=np.float32)  # [0, 1): negative, [1, 2): positive
+    return np.where(v < 1, -1 - v, v)
 
 
 def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype: str = "float32",
@@ -98,30 +100,31 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
     """Whether `c` (float32, `block_float32`) is a[r0:r1] · bt[c0:c1]ᵀ, its elements rounded to `dtype`,
     within float rounding (see the module docstring)."""
     n = norms.ready()
-    a, bt = as_float32(norms.a[r0:r1]), as_float32(norms.bt[c0:c1])
+    a, bt = n.a32[r0:r1] if n.a32 is not None else as_float32(n.a[r0:r1]), \
+        n.bt32[c0:c1] if n.bt32 is not None else as_float32(n.bt[c0:c1])
     rows, cols, k = a.shape[0], bt.shape[0], a.shape[1]
     if rows == 0 or cols == 0:
         return Verdict(True, 0.0, 0)
     x = random_vector(cols)
     u_out = UNIT_ROUNDOFF.get(dtype, 0.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = np.einsum("j,jk->k", x, bt)
-        residual = np.abs(mv(c, x) - mv(a, y)).astype(np.float64)
-        c_abs_x = mv(np.abs(c), np.abs(x))
-        c_sq_x = mv(np.square(c), np.square(x)) if u_out else np.zeros(rows)
-        finite = all(np.isfinite(v).all() for v in (residual, y, c_abs_x, c_sq_x))
-    if not finite:  # float32 sums overflowed: the same in float64
-        a, bt, c, x = a.astype(np.float64), bt.astype(np.float64), c.astype(np.float64), x.astype(np.float64)
+    with np.errstate(all="ignore"):  # overflow: the float64 path below decides
         y = np.einsum("j,jk->k", x, bt)
         residual = np.abs(mv(c, x) - mv(a, y))
-        c_abs_x, c_sq_x = mv(np.abs(c), np.abs(x)), mv(np.square(c), np.square(x))
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        xb = float(np.linalg.norm(x.astype(np.float64) * n.bt_norm[c0:c1]))
-        yn = float(np.linalg.norm(y.astype(np.float64)))
-        bound = U32 * (math.sqrt(k) * (xb + yn) * n.a_norm[r0:r1] + cols * xb * n.a_max[r0:r1]
-                       + math.sqrt(cols) * c_abs_x) + u_out * np.sqrt(c_sq_x)
-        tol = z * bound + FLOOR * (k + 1) * cols
-        ratio = np.where(residual > tol, np.maximum(residual / tol, 1.0), residual / tol)
-    ratio = np.nan_to_num(ratio, nan=np.inf)  # a residual no tolerance bounds (both infinite) is no pass
-    worst = int(np.argmax(ratio))
-    return Verdict(bool(ratio[worst] < 1.0), float(ratio[worst]), worst)
+        c_abs_x = mv(np.abs(c), np.abs(x))
+        c_sq_x = mv(np.square(c), np.square(x)) if u_out else None
+        if not (np.isfinite(residual).all() and np.isfinite(c_abs_x).all() and np.isfinite(y).all()
+                and (c_sq_x is None or np.isfinite(c_sq_x).all())):  # float32 sums overflowed: again in float64
+            a, bt, c, x = a.astype(np.float64), bt.astype(np.float64), c.astype(np.float64), x.astype(np.float64)
+            y = np.einsum("j,jk->k", x, bt)
+            residual = np.abs(mv(c, x) - mv(a, y))
+            c_abs_x, c_sq_x = mv(np.abs(c), np.abs(x)), mv(np.square(c), np.square(x)) if u_out else None
+        xb64 = x.astype(np.float64) * n.bt_norm[c0:c1]
+        xb, yn = math.sqrt(float(xb64 @ xb64)), math.sqrt(float(np.dot(y, y)))
+        bound = U32 * ((math.sqrt(k) * (xb + yn)) * n.a_norm[r0:r1] + (cols * xb) * n.a_max[r0:r1]
+                       + math.sqrt(cols) * c_abs_x)
+        if c_sq_x is not None:
+            bound += u_out * np.sqrt(c_sq_x)
+        ratio = residual / (z * bound + FLOOR * (k + 1) * cols)  # (> 0: a residual of NaN or inf fails)
+        worst = int(np.argmax(ratio))
+        top = float(ratio[worst])
+    return Verdict(top < 1.0, top, worst)
