@@ -1,7 +1,9 @@
 """What every method's math shares: the loss, the optimizer, one local step, parameter snapshots, shards.
 
 Each helper does exactly what `cleave.train.trainer.Trainer` does (same loss, same AdamW parameter groups, same
-global-norm clipping), so that a method that degenerates to plain training reproduces it step for step.
+global-norm clipping, the same mixed precision: `use_precision` routes the linear layers' GEMMs as the reference
+does, the forward runs under autocast and fp16 scales the loss), so that a method that degenerates to plain
+training reproduces it step for step, in any precision.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cleave.errors import WireError
+from cleave.gemm import tiled
+from cleave.train import precision as amp
 from cleave.train.data import Corpus
 from cleave.train.job import JobConfig
 
@@ -24,9 +28,20 @@ SHARD_SEED_STRIDE = 1_000_003  # distinct batch streams per data shard; shard 0 
 MAX_SHARDS = 1 << 20  # keeps (seed + shard * stride) * 1_000_003 + step inside torch's int64 seed
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)  # (B, T, vocab)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+    """Mean next-token cross-entropy (targets of -100 are skipped); the forward under the job's autocast."""
+    with amp.autocast(precision, x.device):
+        logits = model(x)  # (B, T, vocab)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+
+
+def use_precision(model: nn.Module, precision: str) -> nn.Module:
+    """Under bf16 or fp16, every linear layer's GEMMs as the reference computes them (`cleave.train.precision`).
+    Call after `attach_lora` (the adapters' base layers are linear layers too)."""
+    dtype = amp.dtype_of(precision)
+    if dtype is not None:
+        tiled.install(model, amp.LocalGemm(), dtype)
+    return model
 
 
 def make_adamw(params: Iterable[nn.Parameter], job: JobConfig) -> torch.optim.AdamW:
@@ -42,16 +57,24 @@ def make_adamw(params: Iterable[nn.Parameter], job: JobConfig) -> torch.optim.Ad
     )
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, grad_clip: float = 0.0) -> float:
-    """One optimizer step on one batch; the loss before the step. Raises FloatingPointError if not finite."""
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, grad_clip: float = 0.0,
+               precision: str = "fp32") -> float:
+    """One optimizer step on one batch; the loss before the step. Raises FloatingPointError if not finite.
+    fp16 scales the loss and skips the step on an overflow, as the Trainer does (its scale lives in `opt`)."""
     x, y = batch
     model.train()
-    loss = lm_loss(model, x, y)
+    loss = lm_loss(model, x, y, precision)
+    scaler = amp.LossScaler(opt) if precision == "fp16" else None
     opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
-    opt.step()
+    (scaler.scale(loss) if scaler else loss).backward()
+    finite = True
+    if scaler is not None:
+        finite = scaler.unscale()
+        scaler.update(not finite)
+    if finite:
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
+        opt.step()
     value = loss.item()
     if not math.isfinite(value):
         raise FloatingPointError(f"local loss is {value}")
@@ -59,14 +82,15 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, grad_
 
 
 def local_train(
-    model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch], steps: int, grad_clip: float = 0.0
+    model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[Batch], steps: int, grad_clip: float = 0.0,
+    precision: str = "fp32",
 ) -> list[float]:
     """`steps` optimizer steps on the first `steps` batches; the loss of each. Fewer batches is an error."""
     losses = []
     for batch in batches:
         if len(losses) == steps:
             break
-        losses.append(train_step(model, opt, batch, grad_clip))
+        losses.append(train_step(model, opt, batch, grad_clip, precision))
     if len(losses) < steps:
         raise ValueError(f"local_train needs {steps} batches, got {len(losses)}")
     return losses

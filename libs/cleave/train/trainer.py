@@ -66,7 +66,7 @@ class Trainer:
         self.late = tiled.LateGrads(limit) if limit > 0 else None
         if backend is not None:
             tiled.install(self.model, backend, self.dtype, self.late)
-        self.corpus = corpus or Corpus(job.data, job.val_fraction, job.tokenizer)
+        self.corpus = corpus or Corpus.for_job(job)
         check_vocab(self.corpus, self.cfg.vocab_size, job.model_name)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
