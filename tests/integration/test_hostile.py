@@ -11,7 +11,8 @@ The attacks (docs/security.md lists each defence with its test):
   are not the product (+1000), zstd bombs (2 KB inflating to 63 MiB), blocks larger than any tile's, floods of
   chunk frames;
 - as a verifier: silence, errors, cache misses, NaN;
-- a profile claiming 100x the FLOPS it delivers.
+- a profile claiming 100x the FLOPS it delivers;
+- consumers on the models store (which workers may read) delivering onto the buckets and the JetStream API.
 """
 
 from __future__ import annotations
@@ -476,6 +477,63 @@ async def test_a_profile_claiming_far_more_than_it_delivers_is_corrected(hub: Hu
         await hostile.close()
         for c in hub.clients:
             await c.close()
+
+
+async def test_consumers_a_worker_creates_on_the_models_store_reach_no_bucket(hub: Hub) -> None:
+    """A worker reads a job's base weights through consumers it creates on the models store, and nats-server
+    lets it name any delivery subject. Aimed at the plan key, the registry, and the JetStream API's purge and
+    delete, they change nothing (no subscriber listens there: a bucket is no subscription). Aimed at a subject
+    a service listens on, the store's bytes do arrive: measured and printed here, listed as not defended in
+    docs/security.md."""
+    from cleave.schemas import MODELS_OBJECTS, SUBJECT_RESULTS
+
+    ps = await hub.bus("ps")
+    await ps.setup()
+    store = await ps.object_store(MODELS_OBJECTS)
+    await store.put("base.bin", bytes(range(256)) * 4096)  # 1 MiB: 8 chunks of 128 KiB and its info
+    hub.admin = await nats.connect(hub.url, nkeys_seed_str=(hub.out / auth_cmd.ADMIN_NAME).read_text().strip())
+    js = hub.admin.jetstream()
+    await (await js.key_value(PLAN_BUCKET)).put(PLAN_KEY, b"the plan")
+    await (await js.key_value(REGISTRY_BUCKET)).put("honest", b"a record")
+    stream = f"OBJ_{MODELS_OBJECTS}"
+    total = (await js.stream_info(stream)).state.messages
+    buckets = [f"KV_{PLAN_BUCKET}", f"KV_{REGISTRY_BUCKET}"]
+    before = {b: (await js.stream_info(b)).state for b in buckets}
+    attacker = await Attacker().connect(hub)
+    results = await hub.admin.subscribe(SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="honest"))
+    sink = await attacker.bus.nc.subscribe("_INBOX.worker.attacker.sink")
+    await hub.admin.flush()
+    aimed = [f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", f"$KV.{REGISTRY_BUCKET}.ghost",
+             f"$JS.API.STREAM.PURGE.KV_{REGISTRY_BUCKET}", f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}",
+             SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="honest"), "_INBOX.worker.attacker.sink"]
+    names = []
+    try:
+        for deliver in aimed:  # the sink last: once it holds every message, the others were pushed before
+            body = {"stream_name": stream, "config": {"deliver_subject": deliver, "deliver_policy": "all",
+                                                       "ack_policy": "none"}}
+            reply = await attacker.bus.nc.request(f"$JS.API.CONSUMER.CREATE.{stream}", json.dumps(body).encode(),
+                                                  timeout=WAIT_S)
+            created = json.loads(reply.data)
+            assert "error" not in created, created  # (the hole: nothing checks where a consumer delivers)
+            names.append(created["name"])
+        async with asyncio.timeout(WAIT_S):
+            while sink.pending_msgs < total:
+                await attacker.bus.nc.flush()
+                await asyncio.sleep(0.02)  # (polling a count; the pushes carry nothing to await)
+        delivered = {d: (await js.consumer_info(stream, n)).delivered.consumer_seq for d, n in zip(aimed, names, strict=True)}
+        print(f"\nmodels-store consumers: {total} messages in the store; delivered per aimed subject: {delivered}; "
+              f"the PS's result subject received {results.pending_msgs} messages, {results.pending_bytes} bytes")
+        for b in buckets:
+            state = (await js.stream_info(b)).state
+            assert (state.messages, state.bytes, state.last_seq) == (before[b].messages, before[b].bytes,
+                                                                     before[b].last_seq), b
+        assert (await (await js.key_value(PLAN_BUCKET)).get(PLAN_KEY)).value == b"the plan"
+        assert set(await (await js.key_value(REGISTRY_BUCKET)).keys()) == {"honest"}
+        assert attacker.violations == []
+    finally:
+        for c in hub.clients:
+            await c.close()
+        await hub.admin.close()
 
 
 async def test_every_stream_and_bucket_is_bounded(nats_url: str) -> None:
