@@ -4,6 +4,7 @@ second), and results the bus dropped unread (a slow consumer) dealt again at onc
 
 import asyncio
 
+import pytest
 import torch
 
 from cleave import codec
@@ -129,6 +130,32 @@ async def test_a_given_back_attempt_is_still_its_own_workers_alone():
     await d.on_result(result(t_a, "b", torch.full((4, 4), 666.0)), 0)  # b answers a's given-back attempt
     assert wire.rejected == ["wrong_worker"] and not d.dealer.deal().ledger.done - {t_b.tile}
     await d.on_result(result(t_a, "a", block_of(d, t_a, a, bt)), 0)  # a's own answer, late: valid
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+
+
+async def test_a_worker_beaten_by_a_copy_of_its_tile_is_tallied_when_its_block_comes():
+    """A worker whose tile an idle worker's copy finished first is tallied when its own block comes after all:
+    what the PS reports to the scheduler counts it, so an overclaimer too slow to ever win against the copies
+    of its tiles is still corrected."""
+    wire, d, clock = await two_workers()
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    (_, t_a), (_, t_b) = sorted(wire.tasks)
+    await d.on_result(result(t_b, "b", block_of(d, t_b, a, bt)), 0)
+    clock[0] = 0.5  # a's tile runs alone past speculate_min_s, within its deadline: copied to idle b
+    await d._tick()
+    await wire.wait_for(3)
+    w, copy = wire.tasks[2]
+    assert w == "b" and copy.tile == t_a.tile and copy.attempt == 1
+    clock[0] = 0.6
+    await d.on_result(result(copy, "b", block_of(d, copy, a, bt)), 0)
+    assert "a" not in d.throughput.by
+    clock[0] = 0.9
+    await d.on_result(result(t_a, "a", block_of(d, t_a, a, bt)), 0)  # its own block, late: what it delivers
+    assert d.throughput.by["a"].tiles == 1 and d.throughput.by["a"].busy_s == pytest.approx(0.9)
+    await d.on_result(result(t_a, "a", block_of(d, t_a, a, bt)), 0)  # again: counted once
+    assert d.throughput.by["a"].tiles == 1
     assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
 
 

@@ -346,13 +346,24 @@ class Dispatcher:
             sends = self.dealer.discard(msg.worker_id, msg.tile, msg.attempt, now, seq)
             await self.checks.settle(run, check, torch.from_numpy(block.copy()).view(run.out.dtype))
             return sends
-        att = self.dealer.running(msg.worker_id, msg.tile, msg.attempt, seq)
+        racing = self.dealer.racing(msg.tile, seq)  # its own attempt, and those it beats (copies, originals)
+        att = next((a for a in racing if a.attempt == msg.attempt), None)
+        others = [a for a in racing if a.attempt != msg.attempt]
         outcome, sends = self.dealer.done(msg.worker_id, msg.tile, msg.attempt, now, seq)
+        if outcome == "duplicate":  # a beaten attempt's own block: what its worker delivers
+            self.throughput.late((seq, msg.tile, msg.attempt), msg.worker_id, now)
         if outcome != "accepted":
             return sends
-        m, work = self.dealer.members.get(msg.worker_id), self.dealer.deal(seq).work
-        if att is not None and m is not None and m.profile is not None:
-            self.throughput.accepted(msg.worker_id, att.sent_at, now, m.predicted_s(t, work.k, work.b), m.profile.flops)
+        work = self.dealer.deal(seq).work
+        for a in (att, *others):
+            m = self.dealer.members.get(a.worker) if a is not None else None
+            if m is None or m.profile is None:
+                continue
+            predicted = m.predicted_s(t, work.k, work.b)
+            if a is att:
+                self.throughput.accepted(a.worker, a.sent_at, now, predicted, m.profile.flops)
+            else:
+                self.throughput.beaten((seq, msg.tile, a.attempt), a.worker, a.sent_at, predicted, m.profile.flops)
         target = run.out.view(torch.int16) if run.out.dtype == torch.bfloat16 else run.out  # numpy has no bfloat16
         await self._off_loop(block.nbytes, lambda: target.numpy().__setitem__((slice(t.r0, t.r1), slice(t.c0, t.c1)), block))
         sends += self.checks.maybe(run, msg.tile, msg.worker_id)
