@@ -11,7 +11,9 @@ with one publisher to as many subscribers, at the message sizes the step used (`
 direction, the best of 2 tries of each right after the step), and the GEMM rate with all threads at the
 step's shapes (the better of before and after the step). Prints step/floor, distributed/reference, the PS's
 CPU seconds per step split into serialisation, copies, bus, local compute and Python, and the fraction of
-the workers' time spent idle (1 - their compute seconds, from their heartbeats, over workers x wall time).
+the workers' time spent idle (1 - their compute seconds, from their heartbeats, over workers x wall time), and
+the PS's CPU seconds per step in Freivalds' check of every result block (`cleave_ps.fleet.freivalds`) with its
+share of the step (the aim: under 5%).
 Each point runs with the PS dealing one GEMM at a time (`--deferred 0`) and with weight gradients dealt
 beside the backward's other GEMMs (`deferred_gemms`, 8 by default), side by side.
 Writes benchmarks/results/step.json.
@@ -117,6 +119,18 @@ def weighted_median(sizes: Counter) -> int:
     return tiles.UNPLANNED_TILE
 
 
+class Measured(Pretrain):
+    """The pretraining driver, noting after each step the CPU seconds its checks of result blocks took so far."""
+
+    def __init__(self, *args, **kw) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kw)
+        self.verify_cpu: dict[int, float] = {}  # step -> Freivalds' CPU seconds up to its end
+
+    async def commit(self, m) -> None:  # noqa: ANN001
+        self.verify_cpu[m.step] = self.dispatcher.c.verify_cpu_s
+        await super().commit(m)
+
+
 async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int) -> dict:
     # uniform tiles, as before this benchmark measured floors (comparable figures)
     fleet = LocalFleet(run_dir, workers, scheduler_env={
@@ -134,7 +148,8 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
         sampler.start()
         try:
             settings = PsSettings(nats_url=url, metrics_out=metrics, deferred_gemms=deferred)
-            code = await lifecycle.run(Pretrain(settings, job, bus), bus, asyncio.Event())
+            driver = Measured(settings, job, bus)
+            code = await lifecycle.run(driver, bus, asyncio.Event())
         finally:
             sampler.stop()
             await bus.close()
@@ -151,7 +166,9 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
     finally:
         fleet.stop()
     n = len(body)
+    verify_s = (driver.verify_cpu[job.steps - 1] - driver.verify_cpu[WARMUP_STEPS - 1]) / n
     return {
+        "verify_cpu_s_per_step": verify_s, "verified_blocks": driver.dispatcher.c.verified,
         "lines": lines, "step_s": statistics.median(m["step_time_s"] for m in body),
         "bytes_down": statistics.median(m["bytes_down"] for m in body),
         "bytes_up": statistics.median(m["bytes_up"] for m in body),
@@ -182,6 +199,8 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) 
         "step_over_floor": d["step_s"] / floor, "ps_cpu_s_per_step": d["ps_cpu_per_step"],
         "worker_idle_fraction": d["worker_idle_fraction"], "tiles_per_step": d["tiles_per_step"],
         "losses": [m["loss"] for m in d["lines"]], "losses_equal_reference": [m["loss"] for m in d["lines"]] == ref_losses,
+        "verify_cpu_s_per_step": d["verify_cpu_s_per_step"], "verify_share_of_step": d["verify_cpu_s_per_step"] / d["step_s"],
+        "verified_blocks": d["verified_blocks"],
     }
 
 
@@ -195,7 +214,9 @@ def report(r: dict) -> str:
             f"{r['gemm_s_all_threads']:.3f}s at {r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s) -> step/floor "
             f"{r['step_over_floor']:.2f}; losses equal to the reference: {r['losses_equal_reference']}"
             f"\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
-            f"worker idle {r['worker_idle_fraction']:.0%}")
+            f"worker idle {r['worker_idle_fraction']:.0%}"
+            f"\n        Freivalds' check of every block: {r['verify_cpu_s_per_step']:.4f}s of PS CPU per step, "
+            f"{r['verify_share_of_step']:.1%} of the step")
 
 
 def main() -> None:

@@ -5,11 +5,15 @@ Pure: everything here builds keys, permissions and option dicts; `cleave auth in
 `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), and the
-  base weights and tokenizers of its jobs (Object Store `cleave-models`); subscribe to results. The hub's job
-  runner logs in as the PS: it also takes submissions and writes the job records.
-- scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and probe
-  requests, and answer each probe once (`allow_responses`).
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), the
+  base weights and tokenizers of its jobs (Object Store `cleave-models`), its job's GEMM shapes (the plans
+  bucket's `shapes` key only) and what it observed of the workers; subscribe to results. The hub's job runner
+  logs in as the PS: it also takes submissions and writes the job records.
+- scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and to what the PS
+  observed of the workers. Probes are answered by a credential of its own (`scheduler-probe`, its seed in
+  scheduler.env beside the scheduler's), which may subscribe to probe requests and publish to the workers'
+  inboxes (`_INBOX.worker.>`) and nowhere else: an answer aimed at a bucket or the JetStream API is refused
+  by the server whatever a request names as its reply.
 - monitor: reads the events stream, the registry, plan and job buckets, live heartbeats and events; writes
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
 - submitter: submit jobs to the hub (publish on `cleave.jobs.submit.*`, stored in JetStream), and read what
@@ -23,8 +27,8 @@ Roles and what they may do (anything not listed is refused by nats-server):
   carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
   probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes;
   of JetStream only reading the Object Store `cleave-models` (a job's base weights and tokenizer). With
-  `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that id (results and
-  updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in place of the id.
+  `worker_id`, tiles, results, round updates, heartbeats, probes and probe replies are pinned to that id (each
+  on a per-worker subject); the shared worker credential gets a `*` (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -55,7 +59,10 @@ from cleave.schemas import (
     SUBJECT_HEARTBEAT,
     SUBJECT_JOB_SUBMIT_ALL,
     SUBJECT_LINKCHECK,
-    SUBJECT_PROBE,
+    SUBJECT_OBSERVED,
+    SUBJECT_OBSERVED_ALL,
+    SUBJECT_PROBE_ALL,
+    SUBJECT_PROBE_FROM,
     SUBJECT_RESULTS,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
@@ -67,6 +74,8 @@ from cleave.schemas import (
 )
 
 ROLES = ("ps", "scheduler", "monitor", "worker", "submitter", "site")
+PROBE_ECHO = "scheduler-probe"  # the scheduler's second credential: it answers probes and may do nothing else
+PROBE_ECHO_ENV = "CLEAVE_SCHEDULER_PROBE_NKEY_SEED"  # its seed, in scheduler.env
 ADMIN = "admin"  # operators' credential for the `nats` CLI: unrestricted, never given to a service
 SERVICE_ROLES = ("ps", "scheduler", "monitor")  # the trusted side; workers may be strangers' machines
 SUBMITTER = "submitter"  # submits, watches and exports jobs (`cleave submit|status|export`)
@@ -150,7 +159,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
-               _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SECAGG),
+               _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SECAGG), _wild(SUBJECT_OBSERVED),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS), *_obj_write(MODELS_OBJECTS)]
         for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
@@ -173,7 +182,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
             pub += _js_create(s)
         for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET)):
             pub += _js_read(s)
-        return _service(role, pub, [_wild(SUBJECT_HEARTBEAT), SUBJECT_PROBE], allow_responses=True)
+        return _service(role, pub, [_wild(SUBJECT_HEARTBEAT), SUBJECT_OBSERVED_ALL])
     if role == "monitor":  # writes nothing; may create the streams because it runs Bus.setup() too
         pub = []
         for s in SETUP_STREAMS:
@@ -188,7 +197,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
-                     SUBJECT_PROBE, *_js_fetch(_obj(MODELS_OBJECTS))),
+                     SUBJECT_PROBE_FROM.format(worker_id=wid), *_js_fetch(_obj(MODELS_OBJECTS))),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
@@ -201,6 +210,11 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         replies = f"{inbox_prefix('ps')}.{WORKER_REPLY_TOKEN}.>"  # across a leaf node: measured)
         return Permissions(publish=(*worker.publish, replies), subscribe=worker.subscribe)
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
+
+
+def probe_permissions() -> Permissions:
+    """The probe echo's credential (`PROBE_ECHO`): probe requests in, answers to the workers' inboxes only."""
+    return Permissions(publish=(f"{inbox_prefix('worker')}.>",), subscribe=(SUBJECT_PROBE_ALL,))
 
 
 def check_worker_id(worker_id: str) -> str:
@@ -219,26 +233,44 @@ class Credential:
     seed: str
     public: str
     permissions: Permissions
+    companions: tuple[Credential, ...] = ()  # more users the same service holds (the scheduler's probe echo)
 
     @property
     def env_var(self) -> str:
+        if self.name == PROBE_ECHO:
+            return PROBE_ECHO_ENV
         return f"CLEAVE_{self.role.upper()}_NATS_NKEY_SEED"
 
 
 def new_credential(role: str, worker_id: str | None = None) -> Credential:
-    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    seed, _ = _nkey()
     name = role if worker_id is None else f"{role}-{worker_id}"
-    return credential_from_seed(name, role, seed.decode(), worker_id)
+    return credential_from_seed(name, role, seed, worker_id, _nkey()[0] if role == "scheduler" else None)
 
 
-def credential_from_seed(name: str, role: str, seed: str, worker_id: str | None = None) -> Credential:
-    """The credential a seed stands for (its public key derived again), e.g. as read back from `<name>.env`."""
+def _nkey() -> tuple[str, str]:
+    """A new user nkey: (seed, public key)."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode(), nkeys.from_seed(bytearray(seed)).public_key.decode()
+
+
+def credential_from_seed(name: str, role: str, seed: str, worker_id: str | None = None,
+                         probe_seed: str | None = None) -> Credential:
+    """The credential a seed stands for (its public key derived again), e.g. as read back from `<name>.env`;
+    a scheduler's with its probe echo (`probe_seed`, `PROBE_ECHO`) when it has one."""
+    public = _public(name, seed)
+    perms = permissions(role, worker_id) if role != SITE else permissions(SITE)
+    companions = ()
+    if role == "scheduler" and probe_seed:
+        companions = (Credential(PROBE_ECHO, role, probe_seed, _public(PROBE_ECHO, probe_seed), probe_permissions()),)
+    return Credential(name, role, seed, public, perms, companions)
+
+
+def _public(name: str, seed: str) -> str:
     try:
-        public = nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+        return nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
     except Exception:  # nkeys raises its own errors for a malformed seed
         raise ConfigError(f"{name}: not a NATS user seed") from None
-    perms = permissions(role, worker_id) if role != SITE else permissions(SITE)
-    return Credential(name, role, seed, public, perms)
 
 
 def site_credential(site: str) -> Credential:
@@ -278,6 +310,7 @@ def env_text(cred: Credential, tls_ca: str | None = None, nats_url: str | None =
     """The role's settings as an env file (compose `env_file`, or `set -a; . worker.env`)."""
     prefix = f"CLEAVE_{cred.role.upper()}_"
     lines = [f"# {cred.name}: NATS credential written by `cleave auth init`; keep it secret", f"{cred.env_var}={cred.seed}"]
+    lines += [f"{c.env_var}={c.seed}" for c in cred.companions]
     if tls_ca:
         lines.append(f"{prefix}NATS_TLS_CA={tls_ca}")
     if nats_url:

@@ -37,6 +37,7 @@ from cleave.schemas import (
     EVENTS_STREAM,
     MAX_CONTROL_BYTES,
     MAX_MESSAGE_BYTES,
+    MAX_PLAN_FRAME_BYTES,
     PLAN_BUCKET,
     REGISTRY_BUCKET,
     STATE_BUCKET,
@@ -63,6 +64,7 @@ ELECTION_S = 30.0  # a JetStream stream that lost its leader (a cluster node die
 TRANSIENT = (TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)  # what an election looks like
 NO_RESPONDERS = "503"  # the status nats-server answers a request with when nobody subscribes
 HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
+OFF_LOOP_BYTES = 1 << 20  # a received message larger than this is decoded in a worker thread
 # Slow consumers, in every nats-server config we ship (docs/operations.md): the server cuts off a client with
 # more than max_pending bytes waiting for it, or whose socket takes longer than write_deadline for one write.
 # The PS keeps at most 48 MiB and 2 s of a worker's measured downlink in flight to it (PsSettings
@@ -71,6 +73,16 @@ SERVER_MAX_PENDING = 64 * 1024 * 1024
 SERVER_WRITE_DEADLINE_S = 20
 SERVER_LIMITS = f'max_pending: {SERVER_MAX_PENDING}\nwrite_deadline: "{SERVER_WRITE_DEADLINE_S}s"'
 MAX_REPLICAS = 3  # JetStream replicas of every stream, KV bucket and object store on a cluster (R3)
+MiB = 1024 * 1024
+# Every stream and bucket is created with a size limit and a largest value (a bucket that is full refuses new
+# writes; the events stream drops its oldest). (largest value, largest total) in bytes:
+BUCKET_LIMITS = {
+    REGISTRY_BUCKET: (64 * 1024, 64 * MiB),  # a DeviceRecord is ~300 bytes: 10,000 workers take ~3 MB
+    PLAN_BUCKET: (MAX_PLAN_FRAME_BYTES, 1024 * MiB),  # a 10,000-device plan's frame is < 1 MB; 5 revisions a key
+    STATE_BUCKET: (MAX_CONTROL_BYTES + HEADROOM, 1024 * MiB),  # heads and epochs (a head is <= MAX_CONTROL_BYTES)
+}
+DEFAULT_BUCKET_LIMITS = (MAX_CONTROL_BYTES, 256 * MiB)  # any other bucket
+EVENTS_MAX_BYTES = 256 * MiB  # the events stream keeps its newest events within this
 
 
 class Bus:
@@ -125,20 +137,28 @@ class Bus:
         max_bytes: int = MAX_MESSAGE_BYTES,
         pending_bytes: int = DEFAULT_PENDING_BYTES,
         sender: str = "",
+        compressed: bool = True,
+        cap: Callable[[], int] | None = None,
     ):
         """Subscribe with reassembly and validation; `handler(msg, wire_bytes)` sees only valid messages.
 
         With `sender` (a field name, e.g. "worker_id"), a message whose field differs from the last token of
         the subject it came on is rejected (`wrong_sender`): per-worker subjects, which per-worker credentials
-        restrict, then also bind the id a message claims."""
+        restrict, then also bind the id a message claims. `cap`, asked for each message, lowers `max_bytes` to
+        the largest a sender can rightly send now; `compressed=False` refuses zstd bodies. Chunks are reassembled
+        per subject (`codec.Reassembler`), and a message over OFF_LOOP_BYTES is decoded in a thread."""
         reasm = codec.Reassembler(max_bytes=max_bytes)  # partial messages: at most 2 x max_bytes held
 
         async def on_msg(m: Msg) -> None:
+            limit = max_bytes if cap is None else min(max_bytes, cap())
             try:
-                frame = reasm.feed(m.data)
+                frame = reasm.feed(m.data, m.subject, limit)
                 if frame is None:
                     return
-                msg = codec.decode(frame, schema, max_bytes)
+                if len(frame) > OFF_LOOP_BYTES:
+                    msg = await asyncio.to_thread(codec.decode, frame, schema, limit, compressed)
+                else:
+                    msg = codec.decode(frame, schema, limit, compressed)
             except WireError as e:
                 self.reject(e.reason, m.subject, str(e))
                 return
@@ -156,13 +176,15 @@ class Bus:
         """Create the stream and buckets every service relies on; safe to call again and concurrently."""
         await _ensure_stream(self.js, StreamConfig(
             name=EVENTS_STREAM, subjects=[SUBJECT_EVENTS_ALL], storage=StorageType.FILE,
-            max_bytes=256 * 1024 * 1024, max_msg_size=MAX_CONTROL_BYTES, num_replicas=self.replicas,
+            max_bytes=EVENTS_MAX_BYTES, max_msg_size=MAX_CONTROL_BYTES, num_replicas=self.replicas,
         ))
         await self.kv(REGISTRY_BUCKET, ttl_s=registry_ttl_s)
         await self.kv(PLAN_BUCKET, history=5)
         await self.kv(STATE_BUCKET, history=5)
 
     async def kv(self, bucket: str, ttl_s: float | None = None, history: int = 1) -> KeyValue:
+        """The bucket, created when missing with its limits (`BUCKET_LIMITS`)."""
+        value_bytes, total_bytes = BUCKET_LIMITS.get(bucket, DEFAULT_BUCKET_LIMITS)
         try:
             return await asyncio.wait_for(self.js.key_value(bucket), DEFAULT_TIMEOUT_S)
         except BucketNotFoundError:
@@ -170,7 +192,8 @@ class Bus:
         try:
             return await asyncio.wait_for(
                 self.js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history,
-                                                       replicas=self.replicas)),
+                                                       replicas=self.replicas, max_value_size=value_bytes,
+                                                       max_bytes=total_bytes)),
                 DEFAULT_TIMEOUT_S,
             )
         except Exception:  # created concurrently by another service: use theirs
@@ -281,14 +304,17 @@ class Bus:
         with contextlib.suppress(Exception):  # the connection may already be gone at shutdown
             await asyncio.wait_for(sub.unsubscribe(), DEFAULT_TIMEOUT_S)
 
-    async def object_store(self, bucket: str) -> ObjectStore:
+    async def object_store(self, bucket: str, max_bytes: int | None = None) -> ObjectStore:
+        """The object store, created when missing (`max_bytes`: its size limit; None: the server's JetStream
+        limit); each object travels in chunks of at most `max_payload`."""
         try:
             return await asyncio.wait_for(self.js.object_store(bucket), DEFAULT_TIMEOUT_S)
         except NotFoundError:
             pass
         try:
             return await asyncio.wait_for(
-                self.js.create_object_store(bucket, ObjectStoreConfig(bucket=bucket, replicas=self.replicas)),
+                self.js.create_object_store(bucket, ObjectStoreConfig(bucket=bucket, replicas=self.replicas,
+                                                                      max_bytes=max_bytes or -1)),
                 DEFAULT_TIMEOUT_S,
             )
         except Exception:  # created concurrently
@@ -319,17 +345,26 @@ class Bus:
         if answer is not None and not answer.done():  # a second or late answer is dropped
             answer.set_result(m)
 
-    async def serve(self, subject: str, schema: type[T], handler: Callable[[T], Awaitable[Wire]],
-                    max_bytes: int = MAX_CONTROL_BYTES):
-        """Answer requests on `subject`: valid ones get `handler`'s reply, invalid ones are rejected."""
+    async def serve(self, subject: str, schema: type[T], handler: Callable[..., Awaitable[Wire | None]],
+                    max_bytes: int = MAX_CONTROL_BYTES, reply_ok: Callable[[str, str], str] | None = None,
+                    with_subject: bool = False):
+        """Answer requests on `subject`: valid ones get `handler`'s reply (`handler(msg)`, or `handler(msg,
+        subject)` `with_subject`; None: no answer), invalid ones are rejected. A request names its own reply
+        subject and the answer goes out with this connection's rights: `reply_ok(subject, reply)` says why a
+        reply subject must not be answered ('' when it may), checked before anything is decoded."""
 
         async def cb(m: Msg) -> None:
+            if reply_ok is not None and (why := reply_ok(m.subject, m.reply or "")):
+                self.reject("reply_refused", m.subject, f"{why}: {(m.reply or '')[:200]}")
+                return
             try:
                 msg = codec.decode(m.data, schema, max_bytes)
             except WireError as e:
                 self.reject(e.reason, m.subject, str(e))
                 return
-            await m.respond(codec.encode(await handler(msg), compress=False))
+            answer = await (handler(msg, m.subject) if with_subject else handler(msg))
+            if answer is not None:
+                await m.respond(codec.encode(answer, compress=False))
 
         return await self.nc.subscribe(subject, cb=cb)
 

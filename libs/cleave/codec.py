@@ -35,6 +35,7 @@ DEFAULT_ZSTD_SAMPLE_BYTES = 65536
 DEFAULT_ZSTD_MAX_RATIO = 0.85  # compress only when a sample shrinks to this fraction or less
 DEFAULT_MAX_ITEMS = 1 << 18  # array and map entries in one message (a Plan for 10,000 workers has ~100k)
 DEFAULT_MAX_STR = 64 * 1024  # no wire string is longer: ids, subjects, error texts
+DEFAULT_PER_SENDER = 8  # partial chunked messages one sender (subject) may have at once (a worker uploads a few)
 
 T = TypeVar("T", bound=Wire)
 
@@ -115,8 +116,10 @@ def encode(msg: Wire, compress: bool = True) -> bytes:
     return _HEAD.pack(MAGIC, VERSION, 0) + body
 
 
-def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-    """Bytes from the wire to a validated message, or WireError; never anything half-checked."""
+def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES,
+           compressed: bool = True) -> T:
+    """Bytes from the wire to a validated message, or WireError; never anything half-checked. `compressed=False`
+    refuses zstd bodies (`zstd_refused`): for messages that are dense floats, which never pay for it."""
     if len(payload) > max_bytes + _HEAD.size:
         raise TooLarge(f"{len(payload)} bytes over the limit of {max_bytes}")
     if len(payload) < _HEAD.size:
@@ -128,6 +131,8 @@ def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: 
         raise WireError("unexpected_chunk", "a chunk must go through a Reassembler first")
     body = memoryview(payload)[_HEAD.size :]
     if flags & FLAG_ZSTD:
+        if not compressed:
+            raise WireError("zstd_refused", "this message is never compressed")
         body = _decompress(body, max_bytes)
     budget = _Budget(DEFAULT_MAX_ITEMS)
     try:
@@ -205,20 +210,30 @@ class _Partial:
 class Reassembler:
     """Collects chunk frames into whole frames, with bounded memory and a time limit per message.
 
-    A message may hold no more than the bytes it declares, and all partial messages together no more than
-    `max_buffered` (the oldest are given up first).
+    Partial messages are keyed by (sender, message id), `sender` being the subject the chunk came on: a chunk
+    of one sender never completes, replaces or evicts another's message. A message may hold no more than the
+    bytes it declares; one sender no more than `per_sender` partial messages and `per_sender_bytes` (its own
+    oldest are given up first); all of them together no more than `max_pending` messages and `max_buffered`
+    bytes (the oldest of the sender that holds the most are given up first).
     """
 
     def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES, max_pending: int = 64, ttl_s: float = 30.0,
-                 max_buffered: int | None = None) -> None:
+                 max_buffered: int | None = None, per_sender: int = DEFAULT_PER_SENDER,
+                 per_sender_bytes: int | None = None) -> None:
         self.max_bytes, self.max_pending, self.ttl_s = max_bytes, max_pending, ttl_s
         self.max_buffered = 2 * max_bytes if max_buffered is None else max_buffered
-        self._pending: OrderedDict[bytes, _Partial] = OrderedDict()
+        self.per_sender = per_sender
+        self.per_sender_bytes = max_bytes if per_sender_bytes is None else per_sender_bytes
+        self._pending: OrderedDict[tuple[str, bytes], _Partial] = OrderedDict()  # oldest first
+        self._senders: dict[str, dict[bytes, None]] = {}  # sender -> its partial messages, oldest first
+        self._held: dict[str, int] = {}  # sender -> bytes its partial messages hold
         self.buffered = 0  # bytes held by all partial messages
         self.dropped = 0  # partial messages given up (expired, evicted, inconsistent, oversized)
 
-    def feed(self, frame: bytes) -> bytes | None:
-        """Returns a whole frame when `frame` completes one (or is one), else None; raises WireError."""
+    def feed(self, frame: bytes, sender: str = "", max_bytes: int | None = None) -> bytes | None:
+        """Returns a whole frame when `frame` completes one (or is one), else None; raises WireError.
+        `max_bytes`: this message's limit when lower than the reassembler's own (what its sender can send)."""
+        limit = self.max_bytes if max_bytes is None else min(max_bytes, self.max_bytes)
         if len(frame) < _HEAD.size:
             raise WireError("truncated", f"{len(frame)} bytes")
         magic, version, flags = _HEAD.unpack_from(frame)
@@ -229,48 +244,75 @@ class Reassembler:
         if len(frame) < CHUNK_OVERHEAD:
             raise WireError("truncated", "chunk header")
         msg_id, idx, count, total = _CHUNK.unpack_from(frame, _HEAD.size)
-        if total > self.max_bytes:
-            raise TooLarge(f"chunked message declares {total} bytes, over the limit of {self.max_bytes}")
+        if total > limit:
+            raise TooLarge(f"chunked message declares {total} bytes, over the limit of {limit}")
         if count == 0 or idx >= count or count > total + 1:
             raise WireError("bad_chunk", f"index {idx} of {count}")
         self._expire()
-        entry = self._pending.get(msg_id)
+        key = (sender, msg_id)
+        entry = self._pending.get(key)
         if entry is None:
-            if len(self._pending) >= self.max_pending:
-                self._drop(next(iter(self._pending)))
-            entry = self._pending[msg_id] = _Partial(time.monotonic(), count, total, flags & ~FLAG_CHUNK)
+            mine = self._senders.setdefault(sender, {})
+            while len(mine) >= self.per_sender:
+                self._drop((sender, next(iter(mine))))
+            while len(self._pending) >= self.max_pending:
+                self._drop(self._biggest())
+            entry = self._pending[key] = _Partial(time.monotonic(), count, total, flags & ~FLAG_CHUNK)
+            self._senders.setdefault(sender, {})[msg_id] = None
+            self._held.setdefault(sender, 0)
         if (count, total) != (entry.count, entry.total):
-            self._drop(msg_id)
+            self._drop(key)
             raise WireError("bad_chunk", "chunks of one message disagree on count or size")
         part = frame[CHUNK_OVERHEAD:]
         grow = len(part) - len(entry.parts.get(idx, b""))
         if entry.held + grow > total:
-            self._drop(msg_id)
+            self._drop(key)
             raise TooLarge(f"chunks carry more than the {total} bytes their message declares")
         entry.parts[idx] = part
         entry.held += grow
         self.buffered += grow
-        for other in [k for k in self._pending if k != msg_id]:  # oldest first
-            if self.buffered <= self.max_buffered:
+        self._held[sender] += grow
+        for other in [k for k in self._senders.get(sender, ()) if k != msg_id]:  # its own oldest first
+            if self._held[sender] <= self.per_sender_bytes:
                 break
-            self._drop(other)
+            self._drop((sender, other))
+        while self.buffered > self.max_buffered:
+            victim = self._biggest(spare=key)
+            if victim is None:
+                break
+            self._drop(victim)
         if len(entry.parts) < count:
             return None
-        self._drop(msg_id, given_up=False)
+        self._drop(key, given_up=False)
         body = b"".join(entry.parts[i] for i in range(count))
         if len(body) != total:
             self.dropped += 1
             raise WireError("bad_chunk", f"reassembled {len(body)} bytes, header said {total}")
         return _HEAD.pack(MAGIC, VERSION, entry.flags) + body
 
-    def _drop(self, msg_id: bytes, given_up: bool = True) -> None:
-        self.buffered -= self._pending.pop(msg_id).held
+    def _biggest(self, spare: tuple[str, bytes] | None = None) -> tuple[str, bytes] | None:
+        """The oldest partial message of the sender holding the most bytes (not `spare`; None: only it is left)."""
+        for sender in sorted(self._senders, key=lambda s: (-self._held.get(s, 0), -len(self._senders[s]))):
+            for msg_id in self._senders[sender]:
+                if (sender, msg_id) != spare:
+                    return (sender, msg_id)
+        return None
+
+    def _drop(self, key: tuple[str, bytes], given_up: bool = True) -> None:
+        entry = self._pending.pop(key)
+        sender, msg_id = key
+        self.buffered -= entry.held
+        self._held[sender] -= entry.held
+        mine = self._senders[sender]
+        del mine[msg_id]
+        if not mine:
+            del self._senders[sender], self._held[sender]
         self.dropped += given_up
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._pending:
-            msg_id, first = next(iter(self._pending.items()))
+            key, first = next(iter(self._pending.items()))
             if now - first.started <= self.ttl_s:
                 break
-            self._drop(msg_id)
+            self._drop(key)

@@ -29,20 +29,22 @@ def start_fleet(run_dir: Path, nats_url: str, workers: int, **worker_env: str) -
 class InProcessPS:
     """The PS's dispatcher and GEMM backend in the test process, so tests can look inside."""
 
-    def __init__(self, nats_url: str, job_id: str = "test", **settings: object) -> None:
-        self.nats_url, self.job_id = nats_url, job_id
+    def __init__(self, nats_url: str, job_id: str = "test", connect: dict | None = None, **settings: object) -> None:
+        """`connect`: options of the PS's connection (its credential: `cleave.auth.connect_options`)."""
+        self.nats_url, self.job_id, self.connect = nats_url, job_id, connect or {}
         self.settings = PsSettings(nats_url=nats_url, **settings)
         self.stop = asyncio.Event()
 
     async def __aenter__(self) -> InProcessPS:
-        self.bus = await busmod.connect(self.nats_url, "test-ps")
+        self.bus = await busmod.connect(self.nats_url, "test-ps", **self.connect)
         await self.bus.setup()
         self.epoch = time.time_ns()
         self.dispatcher = Dispatcher(self.bus, self.job_id, self.epoch, self.settings)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher)
         self.sub = await self.bus.subscribe(SUBJECT_RESULTS.format(job=self.job_id, epoch=self.epoch, worker_id="*"),
                                             TileResult, self.dispatcher.on_result,
-                                            max_bytes=self.settings.max_result_bytes, sender="worker_id")
+                                            max_bytes=self.settings.max_result_bytes, sender="worker_id",
+                                            compressed=False, cap=self.dispatcher.result_limit)
         self.watcher = asyncio.create_task(PlanWatch(self.bus, on_plan=self.dispatcher.set_plan).follow(self.stop))
         return self
 

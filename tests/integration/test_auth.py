@@ -28,11 +28,14 @@ from cleave.schemas import (
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
+    SHAPES_KEY,
     STATE_BUCKET,
     STATE_OBJECTS,
     SUBJECT_EVENTS_ALL,
     SUBJECT_HEARTBEAT,
     SUBJECT_PROBE,
+    SUBJECT_PROBE_ALL,
+    SUBJECT_PROBE_FROM,
     SUBJECT_RESULTS,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
@@ -67,9 +70,17 @@ class AuthServer:
     def url(self) -> str:
         return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
 
-    def seed(self, name: str) -> str:
-        line = next(x for x in (self.out / f"{name}.env").read_text().splitlines() if x.startswith("CLEAVE_"))
+    def seed(self, name: str, var: str = "") -> str:
+        """The seed in `<name>.env` (its first, or the one of variable `var`)."""
+        line = next(x for x in (self.out / f"{name}.env").read_text().splitlines()
+                    if x.startswith(var or "CLEAVE_"))
         return line.split("=", 1)[1]
+
+    def probe_echo(self) -> SimpleNamespace:
+        """Settings of the scheduler's probe connection (`scheduler.env` holds its second seed)."""
+        ca = self.out / auth_cmd.TLS_DIR / auth_cmd.CA_NAME if self.tls else None
+        return SimpleNamespace(nats_url=self.url, nats_tls_ca=ca,
+                               nats_nkey_seed=self.seed("scheduler", "CLEAVE_SCHEDULER_PROBE_NKEY_SEED"))
 
     def settings(self, role: str, name: str | None = None):
         ca = self.out / auth_cmd.TLS_DIR / auth_cmd.CA_NAME if self.tls else None
@@ -237,7 +248,8 @@ async def test_worker_cannot_publish_tiles_plans_or_state(server: AuthServer, co
 
 async def test_worker_cannot_subscribe_to_results_or_heartbeats(server: AuthServer, connect) -> None:
     hostile = await connect(server.settings("worker"), "worker")
-    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="*"), "cleave.hb.*", SUBJECT_PROBE, "_INBOX.ps.>", "$KV.>"):
+    for subject in (SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="*"), "cleave.hb.*", SUBJECT_PROBE, SUBJECT_PROBE_ALL,
+                    "_INBOX.ps.>", "$KV.>"):
         await hostile.nc.subscribe(subject)
         assert "permissions violation for subscription" in await hostile.violation(subject)
 
@@ -258,31 +270,45 @@ async def test_worker_publishes_results_and_heartbeats(server: AuthServer, conne
 
 
 async def test_worker_probes_and_the_scheduler_answers(server: AuthServer, connect) -> None:
-    sched = await connect(server.settings("scheduler"), "scheduler")
+    """Probes are answered by the scheduler's second credential, which may publish to workers' inboxes and
+    nowhere else; the scheduler's own credential neither reads probes nor writes to a worker's inbox."""
+    echo_c = await connect(server.probe_echo(), "scheduler")
 
     async def echo(msg) -> None:
-        await msg.respond(msg.data)  # allowed once per request (allow_responses)
+        await msg.respond(msg.data)
 
-    await sched.nc.subscribe(SUBJECT_PROBE, cb=echo)
-    await sched.nc.flush(timeout=OP_TIMEOUT_S)
-    worker = await connect(server.settings("worker"), "worker")
-    reply = await worker.nc.request(SUBJECT_PROBE, b"ping" * 1000, timeout=OP_TIMEOUT_S)
-    assert reply.data == b"ping" * 1000
-    await sched.nc.publish("_INBOX.worker.someone.x", b"unsolicited")  # not a reply to a request it got
+    await echo_c.nc.subscribe(SUBJECT_PROBE_ALL, cb=echo)
+    await echo_c.nc.flush(timeout=OP_TIMEOUT_S)
+    settings = server.settings("worker")
+    worker = await connect(settings, "worker")
+    probe = SUBJECT_PROBE_FROM.format(worker_id=settings.worker_id)
+    assert (await worker.nc.request(probe, b"ping" * 1000, timeout=OP_TIMEOUT_S)).data == b"ping" * 1000
+    for subject in (f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", f"$JS.API.STREAM.PURGE.KV_{REGISTRY_BUCKET}", "cleave.events.x"):
+        await echo_c.nc.publish(subject, b"forged")  # the echo may write nothing but answers
+        assert "publish" in await echo_c.violation(subject)
+    sched = await connect(server.settings("scheduler"), "scheduler")
+    await sched.nc.publish("_INBOX.worker.someone.x", b"unsolicited")
     assert "publish" in await sched.violation("_INBOX.worker.someone.x")
+    await sched.nc.subscribe(SUBJECT_PROBE_ALL)
+    assert "subscription" in await sched.violation(SUBJECT_PROBE_ALL)
     assert worker.errors == []
 
 
 async def test_pinned_worker_credential_covers_only_its_own_id(pinned_server: AuthServer, connect) -> None:
     assert not (pinned_server.out / "worker.env").exists()  # no shared credential when ids are given
-    sched = await connect(pinned_server.settings("scheduler"), "scheduler")
+    sched = await connect(pinned_server.probe_echo(), "scheduler")
+
     async def pong(msg) -> None:
         await msg.respond(b"pong")
 
-    await sched.nc.subscribe(SUBJECT_PROBE, cb=pong)
+    await sched.nc.subscribe(SUBJECT_PROBE_ALL, cb=pong)
     await sched.nc.flush(timeout=OP_TIMEOUT_S)
     w1 = await connect(pinned_server.settings("worker", "worker-w1"), "worker")
-    assert (await w1.nc.request(SUBJECT_PROBE, b"ping", timeout=OP_TIMEOUT_S)).data == b"pong"  # its own inbox
+    own = SUBJECT_PROBE_FROM.format(worker_id="w1")
+    assert (await w1.nc.request(own, b"ping", timeout=OP_TIMEOUT_S)).data == b"pong"  # its own inbox
+    await w1.nc.publish(SUBJECT_PROBE_FROM.format(worker_id="w2"), b"ping")  # probing as w2
+    assert "publish" in await w1.violation(SUBJECT_PROBE_FROM.format(worker_id="w2"))
+    w1.errors.clear()
     await w1.nc.subscribe(SUBJECT_TILES.format(worker_id="w1"))
     await w1.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w1"), heartbeat("w1"))
     await w1.nc.flush(timeout=OP_TIMEOUT_S)
@@ -354,7 +380,9 @@ async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthSe
         await ps_c.nc.flush(timeout=OP_TIMEOUT_S)
         await watch_as_the_monitor(mon_c)
     assert ps_c.errors == [] and sched_c.errors == [] and mon_c.errors == []
-    # only the scheduler publishes plans; only the PS writes state
+    # only the scheduler publishes plans (the PS describes its job's GEMMs); only the PS writes state
+    await ps.kv_put(await ps.kv(PLAN_BUCKET), SHAPES_KEY, plan)  # (any message will do)
+    assert ps_c.errors == []
     await ps_c.nc.publish(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", codec.encode(plan))
     assert "publish" in await ps_c.violation(f"$KV.{PLAN_BUCKET}.{PLAN_KEY}")
     await sched_c.nc.publish(f"$KV.{STATE_BUCKET}.head", codec.encode(plan))

@@ -186,9 +186,8 @@ async def test_a_commit_whose_answer_is_lost_in_an_election_lands_once(tmp_path,
         assert (await _reload(other_bus, job, Trainer(job))).step == 1
         other = Persister(other_bus, job.job_id, job.model_dump_json())
         await other.open()
-        await other._heads()  # its revision: the current head
-        other.epoch = p.epoch  # (one that shares the epoch, so that the head's own check fences)
-        await other.commit(snapshot(trainer.model, trainer.opt, job.job_id, 2, p.epoch), ())
+        await other.claim_epoch()  # a newer PS: it claims the head with its epoch
+        await other.commit(snapshot(trainer.model, trainer.opt, job.job_id, 2, other.epoch), ())
         with pytest.raises(Fenced):
             await p.commit(snapshot(trainer.model, trainer.opt, job.job_id, 3, p.epoch), ())
     finally:

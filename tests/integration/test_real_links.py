@@ -130,8 +130,8 @@ import asyncio, json, sys
 from cleave import bus as busmod
 from cleave_worker.probe import measure_links
 async def main():
-    bus = await busmod.connect(sys.argv[1], "test-prober")
-    links = await measure_links(bus, timeout_s=1.0)
+    bus = await busmod.connect(sys.argv[1], "test-prober", inbox_prefix="_INBOX.worker.crawl")  # as a worker does
+    links = await measure_links(bus, "crawl", timeout_s=1.0)
     print("RESULT", json.dumps(links.__dict__))
     await bus.close()
 asyncio.run(main())

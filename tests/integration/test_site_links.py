@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import nats
 import pytest
@@ -34,10 +35,13 @@ from cleave.schemas import (
     JOBS_BUCKET,
     STATE_BUCKET,
     SUBJECT_JOB_SUBMIT,
+    SUBJECT_PROBE_ALL,
+    SUBJECT_PROBE_FROM,
     JobRecord,
     JobSubmission,
     LinkCheck,
     LinkCheckAck,
+    Probe,
     StateHead,
     TileResult,
 )
@@ -209,6 +213,55 @@ async def _deliver(worker: busmod.Bus, results: asyncio.Queue, result: TileResul
 async def _sentinel(bus: busmod.Bus, subject: str, seen: Seen) -> None:
     await bus.nc.publish(subject, b"sentinel")
     await asyncio.wait_for(seen.done.wait(), 0.5)
+
+
+async def test_a_sites_probes_are_answered_on_its_workers_inboxes_and_nowhere_else(deployment) -> None:
+    """The scheduler's probe echo, logged in at the hub with the credential `cleave up --auth` derives from
+    scheduler.env, answering every reply subject it is handed without looking: a worker behind the site gets
+    its echo, and a hostile site's probes naming a plan key, the JetStream API or the PS's replies as their
+    reply get nothing anywhere (the server refuses the echo's answers there)."""
+    worker_url, hostile_url = deployment.leaf("s1"), deployment.leaf("s1-hostile", local_login=False)
+    echo_cred = credentials.credential(deployment.auth, "scheduler", "scheduler").companions[0]
+    view = SimpleNamespace(nats_nkey_seed=echo_cred.seed, nats_tls_ca=credentials.ca_file(deployment.auth))
+    echo = await busmod.connect(deployment.hub.url, "test-echo", **auth.connect_options(view, "scheduler"))
+    worker = await deployment.connect("worker", worker_url, worker_id="s1-w1")
+    hostile = await busmod.connect(hostile_url, "test-hostile")
+    admin = await deployment.admin()
+    refused: list[str] = []
+    all_refused = asyncio.Event()
+
+    async def careless(m) -> None:  # noqa: ANN001 - answers whatever reply a request names
+        await echo.nc.publish(m.reply, m.data)
+        await echo.nc.flush()
+
+    async def on_error(e: Exception) -> None:
+        refused.append(str(e))
+        if len(refused) >= len(aimed):
+            all_refused.set()
+
+    aimed = ["$KV.cleave-plans.current", "$JS.API.STREAM.PURGE.KV_cleave-registry", "_INBOX.ps.w.abc.def",
+             "cleave.tile.victim"]
+    echo.nc._error_cb = on_error  # noqa: SLF001 - the permissions violations the server reports to the echo
+    try:
+        await echo.nc.subscribe(SUBJECT_PROBE_ALL, cb=careless)
+        await echo.nc.flush()
+        probe = Probe(payload=b"p" * 100, reply_bytes=0)
+        got = await until(lambda: worker.request(SUBJECT_PROBE_FROM.format(worker_id="s1-w1"), probe, Probe, timeout_s=2))
+        assert got.payload == probe.payload  # answered under the worker's own inbox, across the site's link
+        seen = Seen()
+        await admin.nc.subscribe(">", cb=seen.watch("cleave.hb.sentinel"))
+        await admin.nc.flush()
+        for reply in aimed:
+            await hostile.nc.publish(SUBJECT_PROBE_FROM.format(worker_id="s1-w9"), codec.encode(probe), reply=reply)
+        await hostile.nc.flush()
+        await asyncio.wait_for(all_refused.wait(), OP_TIMEOUT_S)
+        assert all("publish" in r.lower() for r in refused), refused
+        assert sorted(r.rsplit(" ", 1)[-1].strip('"') for r in refused) == sorted(a.lower() for a in aimed), refused
+        await until(lambda: _sentinel(hostile, "cleave.hb.sentinel", seen))
+        assert not set(seen.subjects) & set(aimed), seen.subjects
+    finally:
+        for b in (echo, worker, hostile, admin):
+            await b.close()
 
 
 async def test_a_site_credential_is_no_client_login(deployment) -> None:

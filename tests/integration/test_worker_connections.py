@@ -10,7 +10,7 @@ import urllib.request
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE, Probe
+from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE_ALL, Probe
 from cleave_worker.main import run_worker
 from cleave_worker.settings import WorkerSettings
 from tests.integration.test_swarm import nats_with_monitor  # noqa: F401  (a fixture)
@@ -41,7 +41,7 @@ async def test_probes_and_re_probes_travel_on_their_own_connection(nats_with_mon
             measured.set()
         await msg.respond(codec.encode(Probe(payload=bytes(probe.reply_bytes)), compress=False))
 
-    await bus.nc.subscribe(SUBJECT_PROBE, cb=echo)
+    await bus.nc.subscribe(SUBJECT_PROBE_ALL, cb=echo)
     settings = WorkerSettings(nats_url=nats_url, worker_id="w1", probe_every_s=0.3, heartbeat_s=0.25)
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(settings, stop, flops=1e9))

@@ -16,6 +16,7 @@ from cleave.api.natsconf import nats_server_binary
 from cleave.errors import ConfigError
 from cleave.schemas import MODELS_OBJECTS, PLAN_BUCKET, STATE_BUCKET
 from cleave_cli import auth_cmd, serverconf
+from cleave_cli.hub import HubConfig
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
 
@@ -53,7 +54,32 @@ def test_each_service_reads_replies_under_its_own_prefix_only() -> None:
     for role in auth.SERVICE_ROLES:
         inboxes = [s for s in auth.permissions(role).subscribe if s.startswith("_INBOX")]
         assert inboxes == [f"_INBOX.{role}.>"]
-        assert auth.permissions(role).allow_responses == (role in ("scheduler", "worker"))  # probes, joins
+        assert not auth.permissions(role).allow_responses  # only workers answer (the PS's joins and checks)
+
+
+def test_probes_are_answered_by_a_credential_that_may_publish_nowhere_else(tmp_path: Path) -> None:
+    """A request names its own reply subject: the scheduler's probe echo has a credential of its own that may
+    publish only into the workers' inboxes, so no reply can reach a bucket or the JetStream API."""
+    sched = auth.new_credential("scheduler")
+    (echo,) = sched.companions
+    assert echo.name == auth.PROBE_ECHO and echo.env_var == "CLEAVE_SCHEDULER_PROBE_NKEY_SEED"
+    assert echo.permissions.publish == ("_INBOX.worker.>",) and not echo.permissions.allow_responses
+    assert echo.permissions.subscribe == ("cleave.probe.*",)
+    assert "cleave.probe.*" not in sched.permissions.subscribe  # the scheduler's own credential reads no probe
+    assert f"{echo.env_var}={echo.seed}" in auth.env_text(sched) and sched.seed in auth.env_text(sched)
+    assert echo.public in serverconf.server_config([sched], serverconf.ServerOptions())
+    pinned = auth.permissions("worker", "w-1")
+    assert "cleave.probe.w-1" in pinned.publish and not any(p.startswith("cleave.probe.*") for p in pinned.publish)
+    # read back from `auth init`'s folder (`cleave up --auth`, `cleave scheduler --auth`), the echo comes along
+    out = tmp_path / "auth"
+    init(out)
+    written = (out / "scheduler.env").read_text()
+    back = credentials.credential(out, "scheduler", "scheduler")
+    (echo_back,) = back.companions
+    assert f"{auth.PROBE_ECHO_ENV}={echo_back.seed}" in written and echo_back.public in (out / "nats.conf").read_text()
+    assert echo_back.permissions == echo.permissions
+    assert credentials.role_env(out, "scheduler")[auth.PROBE_ECHO_ENV] == echo_back.seed
+    assert echo_back.public in HubConfig.of("127.0.0.1:0", out).server_config(str(tmp_path / "js"), 0, 1 << 20)
 
 
 @pytest.mark.parametrize("bad", ["", "a.b", "a*", "x" * 129, "w 1"])
@@ -162,7 +188,8 @@ def test_sites_and_a_cluster_in_the_written_config(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     text = (out / "nats.conf").read_text()
     assert text.count('allowed_connection_types: ["LEAFNODE"]') == 2  # the sites' keys make leaf links only
-    assert text.count('allowed_connection_types: ["STANDARD"]') == 5  # ps, scheduler, monitor, submitter, worker
+    # ps, scheduler and its probe echo, monitor, submitter, worker
+    assert text.count('allowed_connection_types: ["STANDARD"]') == 6
     assert 'listen: "0.0.0.0:7422"' in text and "verify: true" in text
     assert '"nats-route://n2:16222"' in text and '"nats-route://n1:6222"' in text
     for site in ("lab-a", "lab-b"):

@@ -110,6 +110,31 @@ def test_oversized_frame_is_refused():
 
 def test_unknown_fields_are_ignored():
     hb = {"worker_id": "w1", "sent_at": 1.0, "started_at": 0.0, "from_the_future": 7,
-          "profile": {"flops": 1e9, "memory_bytes": 10, "downlink_bytes_per_s": 1, "uplink_bytes_per_s": 1,
+          "profile": {"flops": 1e9, "memory_bytes": 10, "downlink_bytes_per_s": 1e6, "uplink_bytes_per_s": 1e6,
                       "latency_s": 0}}
     assert codec.decode(b"CV\x01\x00" + msgpack.packb(hb), Heartbeat).worker_id == "w1"
+
+
+def test_a_sender_cannot_evict_or_complete_another_senders_message():
+    """Reassembly is keyed by (subject, message id): 64 tiny chunk frames from one sender (each a new message)
+    give up only that sender's own partial messages, never another's half-received result."""
+    big = codec.encode(result(torch.randn(300, 300)), compress=False)
+    parts = codec.split(big, 64 * 1024)
+    r = codec.Reassembler(max_bytes=1 << 20, max_pending=64)
+    assert r.feed(parts[0], "cleave.result.j.1.honest") is None
+    for _ in range(64):
+        spam = codec.split(codec.encode(result(torch.randn(20, 20)), compress=False), 256)[0]
+        assert r.feed(spam, "cleave.result.j.1.attacker") is None
+    assert len(r._senders["cleave.result.j.1.attacker"]) == codec.DEFAULT_PER_SENDER
+    same_id = parts[1]  # the honest message's next chunk, replayed by the attacker on its own subject
+    assert r.feed(same_id, "cleave.result.j.1.attacker") is None
+    outs = [r.feed(p, "cleave.result.j.1.honest") for p in parts[1:]]
+    assert outs[-1] == big and all(o is None for o in outs[:-1])
+
+
+def test_results_may_refuse_zstd():
+    frame = codec.encode(result(torch.zeros(64, 64)))  # zeros compress: a worker may be tempted
+    assert frame[3] & codec.FLAG_ZSTD
+    with pytest.raises(WireError, match="zstd_refused"):
+        codec.decode(frame, TileResult, compressed=False)
+    assert codec.decode(codec.encode(result(torch.zeros(64, 64)), compress=False), TileResult, compressed=False)

@@ -4,6 +4,7 @@ second), and results the bus dropped unread (a slow consumer) dealt again at onc
 
 import asyncio
 
+import pytest
 import torch
 
 from cleave import codec
@@ -95,3 +96,137 @@ async def test_results_dropped_by_the_bus_are_dealt_again_at_once():
         t = d.dealer.deal().ledger.tiles[task.tile]
         await d.on_result(result(task, w, (a @ bt.T)[t.r0 : t.r1, t.c0 : t.c1]), 0)
     assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+
+
+# ---- hostile results ---------------------------------------------------------------------------------
+async def two_workers(**settings) -> tuple[Wire, Dispatcher, list[float]]:
+    wire, clock = Wire(), [0.0]
+    d = Dispatcher(wire, "job", 1, PsSettings(window=1, tick_s=1e6, fanout=False, **settings))
+    d.clock = lambda: clock[0]
+    workers = tuple(PlanWorker(worker_id=w, profile=PROFILE, cache_bytes=1 << 20) for w in ("a", "b"))
+    await d.set_plan(Plan(version=1, created_at=0.0, workers=workers, tile_rows=4, tile_cols=4))
+    return wire, d, clock
+
+
+def block_of(d: Dispatcher, task: TileTask, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    t = d.dealer.deal().ledger.tiles[task.tile]
+    return (a @ bt.T)[t.r0 : t.r1, t.c0 : t.c1]
+
+
+async def test_a_given_back_attempt_is_still_its_own_workers_alone():
+    """After a give-back the attempt no longer runs, but only the worker it was issued to may answer it: b's
+    block for a's attempt is refused (`wrong_worker`) even once a's tile is b's too; a's late answer counts."""
+    wire, d, clock = await two_workers()
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    (wa, t_a), (wb, t_b) = sorted(wire.tasks)
+    assert (wa, wb) == ("a", "b")
+    await d.on_result(result(t_b, "b", block_of(d, t_b, a, bt)), 0)
+    clock[0] = 10.0  # a is silent past its deadline: its tile is given back and dealt to b
+    await d._tick()
+    await wire.wait_for(3)
+    assert wire.tasks[2][0] == "b" and wire.tasks[2][1].tile == t_a.tile and wire.tasks[2][1].attempt == 1
+    await d.on_result(result(t_a, "b", torch.full((4, 4), 666.0)), 0)  # b answers a's given-back attempt
+    assert wire.rejected == ["wrong_worker"] and not d.dealer.deal().ledger.done - {t_b.tile}
+    await d.on_result(result(t_a, "a", block_of(d, t_a, a, bt)), 0)  # a's own answer, late: valid
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+
+
+async def test_a_worker_beaten_by_a_copy_of_its_tile_is_tallied_when_its_block_comes():
+    """A worker whose tile an idle worker's copy finished first is tallied when its own block comes after all:
+    what the PS reports to the scheduler counts it, so an overclaimer too slow to ever win against the copies
+    of its tiles is still corrected."""
+    wire, d, clock = await two_workers()
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    (_, t_a), (_, t_b) = sorted(wire.tasks)
+    await d.on_result(result(t_b, "b", block_of(d, t_b, a, bt)), 0)
+    clock[0] = 0.5  # a's tile runs alone past speculate_min_s, within its deadline: copied to idle b
+    await d._tick()
+    await wire.wait_for(3)
+    w, copy = wire.tasks[2]
+    assert w == "b" and copy.tile == t_a.tile and copy.attempt == 1
+    clock[0] = 0.6
+    await d.on_result(result(copy, "b", block_of(d, copy, a, bt)), 0)
+    assert "a" not in d.throughput.by
+    clock[0] = 0.9
+    await d.on_result(result(t_a, "a", block_of(d, t_a, a, bt)), 0)  # its own block, late: what it delivers
+    assert d.throughput.by["a"].tiles == 1 and d.throughput.by["a"].busy_s == pytest.approx(0.9)
+    await d.on_result(result(t_a, "a", block_of(d, t_a, a, bt)), 0)  # again: counted once
+    assert d.throughput.by["a"].tiles == 1
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+
+
+async def test_a_wrong_block_expels_its_worker_and_the_tile_is_redone_elsewhere():
+    """Freivalds' check refuses a block that is not the product of its inputs: its worker is excluded (never
+    dealt to, its results dropped) and its tile goes to another worker, within the same GEMM."""
+    wire, d, clock = await two_workers()
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    (_, t_a), (_, t_b) = sorted(wire.tasks)
+    await d.on_result(result(t_b, "b", block_of(d, t_b, a, bt)), 0)
+    lie = block_of(d, t_a, a, bt).clone()
+    lie[1, 2] += 1000.0
+    await d.on_result(result(t_a, "a", lie), 0)
+    assert wire.rejected == ["wrong_block"] and d.faulty == {"a"} and "a" not in d.dealer.members
+    assert any(e.kind == "worker_faulty" and e.worker_id == "a" for e in d.c.recoveries)
+    await d._tick()  # the given-back tile goes to whoever asked for work
+    await wire.wait_for(3)
+    (w, again) = wire.tasks[2]
+    assert w == "b" and again.tile == t_a.tile
+    await d.on_result(result(t_a, "a", block_of(d, t_a, a, bt)), 0)  # an excluded worker's results: dropped
+    assert wire.rejected[-1] == "faulty"
+    mallory = result(again, "mallory", block_of(d, again, a, bt))
+    await d.on_result(again_block := result(again, "b", block_of(d, again, a, bt)), 0)
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+    assert d.c.verified == 2 and d.c.verify_cpu_s > 0 and again_block.worker_id == "b"
+    await d.on_result(mallory, 0)  # a worker that is not in the plan
+    assert wire.rejected[-1] == "not_member"
+
+
+async def test_every_cross_check_is_judged_even_when_its_verifier_fails():
+    """With `verify_fraction`, the verifier's error answer (or its loss) does not leave the check pending:
+    the PS judges the first block itself and the GEMM completes."""
+    wire, d, clock = await two_workers(verify_fraction=1.0)
+    a, bt = torch.randn(4, 4), torch.randn(4, 4)  # one tile: dealt to one worker, checked by the other
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(1)
+    first_worker, first = wire.tasks[0]
+    await d.on_result(result(first, first_worker, a @ bt.T), 0)
+    await wire.wait_for(2)
+    verifier, check = wire.tasks[1]
+    assert verifier != first_worker and check.attempt == 1 and d.run.checks
+    error = TileResult(job="job", epoch=1, step=0, op=1, gemm=check.gemm, tile=check.tile, attempt=check.attempt,
+                       worker_id=verifier, error="out of memory")
+    await d.on_result(error, 0)
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+    assert d.verifier.alone == 1 and d.verifier.mismatches == 0 and not d.faulty
+
+
+async def test_a_result_may_be_no_larger_than_the_largest_block_of_the_epoch():
+    """What the bus lets through to `on_result`: the largest block any tile of this epoch has, plus an envelope
+    (before any GEMM, a result can only be a late or a forged one)."""
+    from cleave_ps.fleet.dispatcher import RESULT_ENVELOPE
+
+    wire, d, clock = await two_workers()
+    assert d.result_limit() == RESULT_ENVELOPE
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    assert d.result_limit() == RESULT_ENVELOPE + 4 * 4 * 4  # two 4x4 float32 blocks
+    for w, task in wire.tasks:
+        await d.on_result(result(task, w, block_of(d, task, a, bt)), 0)
+    await asyncio.wait_for(gemm, 10)
+    assert d.result_limit() == RESULT_ENVELOPE + 4 * 4 * 4  # (it stays: a copy's late answer is still fine)
+
+
+def test_verifiers_are_picked_unpredictably():
+    from cleave_ps.fleet.verify import Verifier
+
+    v = Verifier(0.5)
+    picks = {v.pick(["a", "b", "c"]) for _ in range(200)}
+    assert picks == {"a", "b", "c"}  # not the one with the fewest tiles, nor a seeded sequence
+    assert 50 < sum(v.sample() for _ in range(200)) < 150

@@ -157,7 +157,7 @@ async def replay(events, layout, profiles, policy):
         elif kind == "done":
             worker, tile, attempt = args
             t = d.dealer.deal().ledger.tiles[tile]
-            out = codec.tensor_to_data(torch.zeros(t.rows, t.cols))
+            out = codec.tensor_to_data(a[t.r0 : t.r1] @ bt[t.c0 : t.c1].T)  # the true block: it passes the checks
             await d.on_result(TileResult(job="job", epoch=1, step=1, op=1, gemm=d.run.seq, tile=tile,
                                          attempt=attempt, worker_id=worker, out=out), 0)
         elif kind == "tick":

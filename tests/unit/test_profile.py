@@ -16,7 +16,9 @@ def test_parse_with_units():
     ("flops=5T,down=50M", "lacks"),
     ("flops=5T,down=50M,up=8M,latency=0.02,memory=512Mi,color=red", "expected one of"),
     ("flops=fast,down=50M,up=8M,latency=0.02,memory=1", "not a number"),
-    ("flops=-1,down=50M,up=8M,latency=0.02,memory=1", "greater than 0"),
+    ("flops=-1,down=50M,up=8M,latency=0.02,memory=1", "greater than or equal to 1000000"),
+    ("flops=inf,down=50M,up=8M,latency=0.02,memory=1", "finite"),
+    ("flops=5G,down=50M,up=8M,latency=1e9,memory=1", "less than or equal to 10"),
 ])
 def test_bad_profiles_say_what_is_wrong(spec, words):
     with pytest.raises(ConfigError, match=words):

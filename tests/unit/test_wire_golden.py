@@ -74,6 +74,9 @@ INSTANCES: dict[str, Wire] = {
     "PackedTensors": schemas.PackedTensors(tensors={"h.0.w": _packed()}),
     "DeviceProfile": _profile(1),
     "Probe": schemas.Probe(payload=b"x" * 16, reply_bytes=64),
+    "Observed": schemas.Observed(job="j", at=1700000000.0, workers=(
+        schemas.WorkerObserved(worker_id="w1", tiles=12, observed_s=3.5, predicted_s=0.25, flops=1e12),)),
+    "WorkerObserved": schemas.WorkerObserved(worker_id="w2", tiles=8, observed_s=1.0, predicted_s=1.0, flops=5e9),
     "Heartbeat": schemas.Heartbeat(worker_id="w1", profile=_profile(), sent_at=1700000000.0, started_at=1699999999.0,
                                    cache_bytes=1 << 27, tiles_done=5, busy_s=1.5),
     "DeviceRecord": schemas.DeviceRecord(worker_id="w1", profile=_profile(), first_seen=1.0, last_seen=2.0,

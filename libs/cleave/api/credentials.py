@@ -34,7 +34,8 @@ def credential(folder: Path, name: str, role: str) -> auth.Credential:
     if not seed:
         raise ConfigError(f"{path} holds no NATS seed")
     worker_id = name.removeprefix("worker-") if role == "worker" and name != "worker" else None
-    return auth.credential_from_seed(name, role, seed.strip(), worker_id)
+    probe = env.get(auth.PROBE_ECHO_ENV, "").strip() or None  # the scheduler's probe echo, in scheduler.env
+    return auth.credential_from_seed(name, role, seed.strip(), worker_id, probe)
 
 
 def ca_file(folder: Path) -> Path | None:
@@ -45,7 +46,7 @@ def ca_file(folder: Path) -> Path | None:
 def role_env(folder: Path, role: str, name: str | None = None) -> dict[str, str]:
     """The CLEAVE_<ROLE>_* variables a process of `role` logs in with (its seed and the CA)."""
     cred = credential(folder, name or role, role)
-    env = {f"CLEAVE_{role.upper()}_NATS_NKEY_SEED": cred.seed}
+    env = {f"CLEAVE_{role.upper()}_NATS_NKEY_SEED": cred.seed, **{c.env_var: c.seed for c in cred.companions}}
     ca = ca_file(folder)
     if ca is not None:
         env[f"CLEAVE_{role.upper()}_NATS_TLS_CA"] = str(ca.resolve())

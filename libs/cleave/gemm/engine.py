@@ -268,8 +268,8 @@ class Engine:
                 out.down[d] = out.down.get(d, 0.0) + nbytes
 
     def _on_finish(self, w: str, seq: int, tile: int, attempt: int) -> None:
-        if seq not in self.sets:
-            return  # a result of a GEMM that is done: the PS drops it
+        if seq not in self.sets or w not in self.dealer.members:
+            return  # a result of a GEMM that is done, or from a worker no longer in the plan: the PS drops it
         d, led, ts, out = self.index[w], self.ledgers[seq], self.sets[seq], self.outcomes[seq]
         t = led.tiles[tile]
         out.up[d] = out.up.get(d, 0.0) + t.rows * t.cols * ts.b

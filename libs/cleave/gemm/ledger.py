@@ -48,6 +48,7 @@ class GemmLedger:
     by_tile: dict[int, set[int]] = field(default_factory=dict)  # tile -> its running attempts
     done: set[int] = field(default_factory=set)
     issued: list[int] = field(init=False)  # attempts handed out per tile
+    holders: list[list[str]] = field(init=False)  # per tile, the worker each attempt went to (for the whole GEMM)
     unissued: int = field(init=False)  # tiles (not retired) never handed out
     retired: set[int] = field(default_factory=set)  # tiles given back and replaced by smaller ones
     parent: dict[int, int] = field(default_factory=dict)  # a tile cut from a retired one -> that one
@@ -64,6 +65,7 @@ class GemmLedger:
             (self.owned.setdefault(owner, deque()) if owner else self.pending).append(t.index)
         self.queued = set(self.pending)
         self.issued = [0] * len(self.tiles)
+        self.holders = [[] for _ in self.tiles]
         self.unissued = len(self.tiles)
         self.owned_by = set(self.owned)  # devices the plan gave work: only they steal (others would be slow)
         self._rank = {w: i for i, w in enumerate(self.owned)}  # plan order: ties in a steal go to the first
@@ -107,6 +109,7 @@ class GemmLedger:
         att = Attempt(tile, self.issued[tile], worker, now, next(self._order))
         self.unissued -= self.issued[tile] == 0
         self.issued[tile] += 1
+        self.holders[tile].append(worker)
         self.queued.discard(tile)
         key = (tile, att.attempt)
         self.running[key] = att
@@ -226,6 +229,11 @@ class GemmLedger:
     def was_issued(self, tile: int, attempt: int) -> bool:
         return 0 <= tile < len(self.tiles) and 0 <= attempt < self.issued[tile]
 
+    def issued_to(self, tile: int, attempt: int) -> str | None:
+        """The worker (tile, attempt) was handed to, whether it still runs or not (None: never issued): only
+        that worker's result for it may count, even after the attempt was given back."""
+        return self.holders[tile][attempt] if self.was_issued(tile, attempt) else None
+
     def finish(self, tile: int, attempt: int) -> Outcome:
         """Record a valid result; only the first for a tile is accepted."""
         if not self.was_issued(tile, attempt):
@@ -276,6 +284,7 @@ class GemmLedger:
             kid = len(self.tiles)
             self.tiles.append(Tile(kid, *box))
             self.issued.append(0)
+            self.holders.append([])
             self.unissued += 1
             self.parent[kid] = tile
             self.kids[tile].append(kid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # any reassembled message
 MAX_CONTROL_BYTES = 1024 * 1024  # heartbeats, events, job shapes
 MAX_PLAN_BYTES = 32 * 1024 * 1024  # a plan once decompressed (10,000 devices: ~3.5 MB; its frame stays < 1 MB)
+MAX_PLAN_FRAME_BYTES = 8 * 1024 * 1024  # a plan's frame as stored in the plans bucket (one NATS message)
 MAX_TENSOR_ELEMENTS = 1 << 28
 MAX_GEMM_DIM = 1 << 31  # m, n or k of a planned GEMM (box coordinates travel as int32)
 MAX_PROBE_BYTES = 4 * 1024 * 1024

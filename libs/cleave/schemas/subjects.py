@@ -19,7 +19,13 @@ SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}.{worker_id}"  # worker -> PS: 
 SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
 SUBJECT_SECAGG = PREFIX + ".secagg.{worker_id}"  # PS -> one member: a phase of secure aggregation (its replies
 # travel in its round updates)
-SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
+SUBJECT_PROBE = PREFIX + ".probe"  # an older worker's probes: not answered (they do not name their sender)
+# worker -> scheduler (request/reply): latency and bandwidth probes, on the worker's own subject (per-worker
+# credentials may publish only there); answered only on that worker's own inbox `_INBOX.worker.<id>.`
+SUBJECT_PROBE_FROM = PREFIX + ".probe.{worker_id}"
+SUBJECT_PROBE_ALL = PREFIX + ".probe.*"
+SUBJECT_OBSERVED = PREFIX + ".observed.{job}"  # PS -> scheduler: what the workers delivered (`Observed`)
+SUBJECT_OBSERVED_ALL = PREFIX + ".observed.*"
 # a request to a worker (the PS's fan-out joins and link checks) is answered on <inbox prefix>.w.<random>: a
 # site's leaf node may publish there, and only there, among the PS's replies (cleave.auth, role "site")
 WORKER_REPLY_TOKEN = "w"

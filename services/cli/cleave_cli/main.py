@@ -119,7 +119,10 @@ def _settings(cls, args: argparse.Namespace, **fields):
         role = args.command
         own = f"worker-{args.worker_id}" if role == "worker" and args.worker_id else role
         name = own if (args.auth / f"{own}.env").is_file() else role
-        values["nats_nkey_seed"] = credentials.credential(args.auth, name, role).seed
+        cred = credentials.credential(args.auth, name, role)
+        values["nats_nkey_seed"] = cred.seed
+        if cred.companions:  # the scheduler's probe echo
+            values["probe_nkey_seed"] = cred.companions[0].seed
         values["nats_tls_ca"] = credentials.ca_file(args.auth)
     return cls(**values)
 

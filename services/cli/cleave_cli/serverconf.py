@@ -72,7 +72,7 @@ def server_config(creds: list[Credential], opts: ServerOptions) -> str:
     if opts.routes and not (opts.tls_cert and opts.tls_ca):
         raise ConfigError("a cluster's routes verify each other with TLS: it needs a certificate and its CA "
                           "(--tls, or --tls-cert with --tls-ca)")
-    users = ",\n".join(_user_block(c) for c in creds)
+    users = ",\n".join(_user_block(c) for cred in creds for c in (cred, *cred.companions))
     return (
         "# nats-server config written by `cleave auth init`: per-role nkey users and subject permissions\n"
         "# derived from cleave.schemas. It holds public keys only; the seeds are in the <role>.env files.\n"

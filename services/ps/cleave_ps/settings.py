@@ -28,6 +28,7 @@ class PsSettings(FileSettings):
     copy_share: float = Field(DEFAULT_COPY_SHARE, ge=0)  # ... while a GEMM's copies sent at most this share of its other bytes
     tile_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16: an approximate mode, half the downlink
     verify_fraction: float = Field(0.0, ge=0, le=1)  # tiles also computed by a second worker, to catch liars
+    freivalds: bool = True  # check every result block as the product of its inputs (Freivalds' check) before use
     tick_s: float = Field(0.05, gt=0)  # how often deadlines are checked
     fanout: bool = True  # publish an input block several planned workers need once, to their group subject
     deferred_gemms: int = Field(DEFAULT_DEFERRED, ge=0)  # weight gradients dealt beside the backward's later GEMMs; 0: one GEMM at a time
@@ -37,6 +38,7 @@ class PsSettings(FileSettings):
     max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
     max_pending_bytes: int = Field(256 * 1024 * 1024, gt=0)  # results queued unread; a flood past it is dropped
     memory_bytes: int = Field(0, ge=0)  # what the PS may use (preflight); 0: the machine's available memory
+    state_max_bytes: int = Field(0, ge=0)  # the checkpoint store's size limit where the PS creates it; 0: JetStream's
     persist_every: int = Field(0, ge=0)  # commit the state every k steps; 0: when it costs <= 5% of training time
     checkpoint_staging: Literal["off", "auto"] = "off"  # auto: stream a host copy while training goes on, when
     # it takes at most half the free memory (a copy of the weights and optimizer: not the memory-light default)

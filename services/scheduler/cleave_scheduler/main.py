@@ -1,4 +1,9 @@
-"""The scheduler service: keeps the device registry from heartbeats and publishes the plan on changes."""
+"""The scheduler service: keeps the device registry from heartbeats and publishes the plan on changes.
+
+Nothing a worker sends can stop it: a heartbeat names its sender (its subject, which a per-worker credential
+binds), a profile is finite and bounded where it is decoded, a profile that breaks the planner anyway is
+dropped with the error logged (`worker_dropped`), a profile the PS sees its worker fall far short of is
+corrected (`registry.Registry.observe`), and probes are answered only on the prober's own inbox (`probes`)."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from types import SimpleNamespace
 
 import structlog
 
@@ -24,15 +30,18 @@ from cleave.schemas import (
     REGISTRY_BUCKET,
     SHAPES_KEY,
     SUBJECT_HEARTBEAT_ALL,
-    SUBJECT_PROBE,
+    SUBJECT_OBSERVED_ALL,
+    SUBJECT_PROBE_ALL,
     Event,
     Heartbeat,
     JobShapes,
+    Observed,
     Plan,
     Probe,
 )
 from cleave_scheduler.outbox import Outbox
 from cleave_scheduler.planning import warm, with_layouts_encoded
+from cleave_scheduler.probes import ProbeDesk, prober, refusal
 from cleave_scheduler.registry import Registry
 from cleave_scheduler.replicas import ReplicaPlans
 from cleave_scheduler.settings import SchedulerSettings
@@ -41,6 +50,8 @@ log = structlog.get_logger("scheduler")
 
 
 PROCESS_MIN_DEVICES = 100  # fleets this large are planned in a process of their own
+MAX_SUSPECTS = 8  # devices tried, one at a time, as the cause of a planner failure
+MAX_OBSERVED_BYTES = 16 * 1024 * 1024  # a PS's report of what its workers delivered
 
 
 def planning_process() -> ProcessPoolExecutor:
@@ -60,6 +71,7 @@ class Scheduler:
         self.planner: ProcessPoolExecutor | None = None  # started for the first large fleet
         self._warm = None
         self.replicas = ReplicaPlans()  # a job with several PS replicas: each one's part of the fleet
+        self.good: set[tuple[str, object]] = set()  # (worker, profile) of the last fleet the planner laid out
 
     async def start(self) -> None:
         self.reg_kv = await self.bus.kv(REGISTRY_BUCKET)
@@ -86,7 +98,10 @@ class Scheduler:
     async def on_heartbeat(self, hb: Heartbeat, nbytes: int) -> None:
         """Record a heartbeat; what goes to JetStream is queued (the outbox), never awaited here."""
         now = time.time()
-        if self.registry.heartbeat(hb, now):
+        joined = self.registry.heartbeat(hb, now)
+        if joined is None:  # its profile broke the planner: dropped until it changes
+            return
+        if joined:
             log.info("worker_joined", worker_id=hb.worker_id, flops=f"{hb.profile.flops / 1e9:.1f}G")
             self.reasons.append("join")
             self.changed.set()
@@ -94,6 +109,17 @@ class Scheduler:
         if now - self.written.get(hb.worker_id, 0.0) >= self.s.registry_refresh_s:
             self.written[hb.worker_id] = now
             self.outbox.put(self.registry.devices[hb.worker_id])
+
+    async def on_observed(self, report: Observed, nbytes: int) -> None:
+        """A PS says what its workers delivered: a profile that claims far more is corrected, and re-planned."""
+        for worker, old, new in self.registry.observe(report):
+            log.warning("profile_corrected", worker_id=worker, job=report.job, slower_than_claimed=round(new, 2),
+                        before=round(old, 2))
+            self.outbox.put(self.registry.devices[worker])
+            self.outbox.emit(Event(kind="profile_corrected", at=time.time(), worker_id=worker,
+                                   detail={"factor": new, "before": old}))
+            self.reasons.append("corrected")
+            self.changed.set()
 
     def on_shapes(self, key: str, operation: str, value: bytes | None) -> None:
         """A PS described its job's GEMMs: plan them."""
@@ -106,10 +132,6 @@ class Scheduler:
             return
         self.reasons.append("job")
         self.changed.set()
-
-    async def on_probe(self, probe: Probe) -> Probe:
-        """Echo for the workers' link probes: their upload comes in, `reply_bytes` go back down."""
-        return Probe(payload=bytes(min(probe.reply_bytes, self.bus.max_payload - 1024)))
 
     async def sweep(self, stop: asyncio.Event) -> None:
         reconnects = self.bus.reconnects
@@ -141,23 +163,60 @@ class Scheduler:
 
     async def laid_out(self, plan: Plan) -> Plan:
         """`plan` with its blocks, made in the planning process; as it is where they cannot be planned
-        (`PlanError`, e.g. no device can hold a block: the PS deals uniform tiles)."""
+        (`PlanError`, e.g. no device can hold a block: the PS deals uniform tiles). Whatever else the planner
+        raises, the scheduler goes on: the device that caused it is dropped (`_without_culprit`)."""
         if self.shapes is None or self.s.planner == "uniform" or not plan.workers:
             return plan  # nothing to lay out
-        args = (with_layouts_encoded, codec.encode(plan), codec.encode(self.shapes), self.s.planner,
-                self.s.ps_bandwidth)
         try:
-            try:
-                got = await asyncio.get_running_loop().run_in_executor(self._executor(len(plan.workers)), *args)
-            except BrokenProcessPool:  # it died (e.g. out of memory): a new one next time, a thread now
-                log.warning("planning_process_died")
-                self.planner.shutdown(wait=False)
-                self.planner = None
-                got = await asyncio.to_thread(*args)
+            got = await self._lay_out(plan)
         except PlanError as e:
             log.warning("plan_not_cost_aware", error=str(e))
             return plan
+        except Exception as e:  # a bug, or a profile no check caught: never the scheduler's end
+            return await self._without_culprit(plan, e)
+        self.good = {(w.worker_id, w.profile) for w in plan.workers}
+        return got
+
+    async def _lay_out(self, plan: Plan) -> Plan:
+        args = (with_layouts_encoded, codec.encode(plan), codec.encode(self.shapes), self.s.planner,
+                self.s.ps_bandwidth)
+        try:
+            got = await asyncio.get_running_loop().run_in_executor(self._executor(len(plan.workers)), *args)
+        except BrokenProcessPool:  # it died (e.g. out of memory): a new one next time, a thread now
+            log.warning("planning_process_died")
+            self.planner.shutdown(wait=False)
+            self.planner = None
+            got = await asyncio.to_thread(*args)
         return codec.decode(got, Plan, MAX_PLAN_BYTES)
+
+    async def _without_culprit(self, plan: Plan, error: Exception) -> Plan:
+        """The planner failed on `plan`: try it without each device that is new or changed since it last
+        succeeded; the first whose absence makes it succeed is dropped (logged with the error). Without one,
+        the plan goes out without blocks (a uniform tile queue)."""
+        suspects = [w.worker_id for w in plan.workers if (w.worker_id, w.profile) not in self.good][:MAX_SUSPECTS]
+        for worker in suspects:
+            trial = Plan.model_validate({**dict(plan), "workers": tuple(w for w in plan.workers if w.worker_id != worker)})
+            try:
+                got = await self._lay_out(trial) if trial.workers else trial
+            except PlanError:
+                got = trial
+            except Exception:
+                continue
+            self.drop(worker, f"the planner failed with it: {error!r}")
+            self.good = {(w.worker_id, w.profile) for w in trial.workers}
+            return got
+        log.error("plan_failed", error=repr(error), suspects=suspects)
+        return plan
+
+    def drop(self, worker: str, reason: str) -> None:
+        """Leave `worker` out of the fleet until its profile changes; say why."""
+        if self.registry.refuse(worker, reason) is None:
+            return
+        log.warning("worker_dropped", worker_id=worker, reason=reason[:500])
+        self.written.pop(worker, None)
+        self.outbox.delete(worker)
+        self.outbox.emit(Event(kind="worker_dropped", at=time.time(), worker_id=worker, cause="bad_profile",
+                               detail={"reason": reason[:500]}))
 
     async def publish_plans(self, stop: asyncio.Event) -> None:
         # listen for one liveness period first, so a restarted scheduler does not publish a partial fleet
@@ -174,7 +233,11 @@ class Scheduler:
             reason = ",".join(sorted(set(self.reasons)))
             self.reasons.clear()
             started = time.perf_counter()
-            plan = await self.make_plan(reason)
+            try:
+                plan = await self.make_plan(reason)
+            except Exception as e:  # never the scheduler's end: the next change plans again
+                log.error("plan_failed", error=repr(e))
+                continue
             plan_s = time.perf_counter() - started
             try:
                 await self.bus.kv_put(self.plan_kv, PLAN_KEY, plan)
@@ -195,19 +258,43 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     await bus.setup()
     sched = Scheduler(s, bus)
     await sched.start()
-    sub = await bus.subscribe(SUBJECT_HEARTBEAT_ALL, Heartbeat, sched.on_heartbeat, max_bytes=65536)
-    probes = await bus.serve(SUBJECT_PROBE, Probe, sched.on_probe, max_bytes=MAX_PROBE_BYTES + 1024)
-    log.info("scheduler_started", nats=s.nats_url, liveness_s=s.liveness_s)
+    sub = await bus.subscribe(SUBJECT_HEARTBEAT_ALL, Heartbeat, sched.on_heartbeat, max_bytes=65536,
+                              sender="worker_id")
+    observed = await bus.subscribe(SUBJECT_OBSERVED_ALL, Observed, sched.on_observed, max_bytes=MAX_OBSERVED_BYTES)
+    probe_bus = await probe_connection(s, bus)
+    desk = ProbeDesk(probe_bus.max_payload)
+
+    async def on_probe(probe: Probe, subject: str) -> Probe | None:
+        return desk.answer(probe, prober(subject), time.monotonic())
+
+    probes = await probe_bus.serve(SUBJECT_PROBE_ALL, Probe, on_probe, max_bytes=MAX_PROBE_BYTES + 1024,
+                                   reply_ok=refusal, with_subject=True)
+    log.info("scheduler_started", nats=s.nats_url, liveness_s=s.liveness_s, probes_apart=probe_bus is not bus)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(sched.sweep(stop))
         tg.create_task(sched.outbox.run(stop))
         tg.create_task(sched.publish_plans(stop))
         tg.create_task(bus.watch(PLAN_BUCKET, SHAPES_KEY, sched.on_shapes, stop))
-    await sub.unsubscribe()
-    await probes.unsubscribe()
+    for s_ in (sub, observed, probes):
+        await s_.unsubscribe()
     sched.close()
+    if probe_bus is not bus:
+        await probe_bus.close()
     await bus.close()
     return 0
+
+
+async def probe_connection(s: SchedulerSettings, bus: busmod.Bus) -> busmod.Bus:
+    """The connection probes are answered on: with its own credential (`probe_nkey_seed`, which may publish
+    only to the workers' inboxes) when there is one, else the scheduler's own."""
+    seed = s.probe_nkey_seed.get_secret_value()
+    if seed:
+        view = SimpleNamespace(nats_nkey_seed=seed, nats_tls_ca=s.nats_tls_ca)
+        return await busmod.connect(s.nats_url, "cleave-scheduler-probe", **auth.connect_options(view, "scheduler"))
+    if s.nats_nkey_seed.get_secret_value():
+        log.warning("probes_on_main_credential", hint="set CLEAVE_SCHEDULER_PROBE_NKEY_SEED from the scheduler.env "
+                    "that `cleave auth init` writes: its own credential may not answer probes")
+    return bus
 
 
 def main(settings: SchedulerSettings | None = None) -> int:

@@ -29,4 +29,5 @@ class SchedulerSettings(FileSettings):
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
     nats_password: SecretStr = SecretStr("")
     nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
+    probe_nkey_seed: SecretStr = SecretStr("")  # the seed probes are answered with (scheduler.env has both)
     nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store

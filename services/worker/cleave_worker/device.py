@@ -86,13 +86,13 @@ class DeviceState:
 async def measured_profile(s: WorkerSettings, bus: busmod.Bus, flops: float) -> DeviceProfile:
     """This device as it is: GEMM FLOPS, and its links to the hub as the probes prove them (ProbeFailed
     when the scheduler does not answer)."""
-    links = await measure_links(bus)
+    links = await measure_links(bus, s.worker_id)
     # bounded: a probe timed out, the link is at most this fast, and that is what we report
     structlog.get_logger("worker").info("links_measured", worker_id=s.worker_id, down=round(links.down),
                                         up=round(links.up), latency_s=round(links.latency_s, 4), bounded=links.bounded,
                                         flops=round(flops))
-    return DeviceProfile(flops=flops, memory_bytes=s.memory_bytes, downlink_bytes_per_s=links.down,
-                         uplink_bytes_per_s=links.up, latency_s=links.latency_s)
+    return DeviceProfile.within(flops=flops, memory_bytes=s.memory_bytes, downlink_bytes_per_s=links.down,
+                                uplink_bytes_per_s=links.up, latency_s=links.latency_s)
 
 
 async def first_profile(s: WorkerSettings, bus: busmod.Bus, flops: float, stop: asyncio.Event) -> DeviceProfile | None:

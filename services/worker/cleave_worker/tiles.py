@@ -119,7 +119,7 @@ class Tiles:
             if due:
                 await asyncio.sleep(max(0.0, due - time.time()))
             try:
-                await self.bus.publish(task.reply, result)
+                await self.bus.publish(task.reply, result, compress=False)  # dense floats: the PS refuses zstd
             except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
                 self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
             except Exception as e:  # disconnected: the PS's deadline gives the tile to another worker

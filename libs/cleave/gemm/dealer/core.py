@@ -278,9 +278,11 @@ class Dealer:
         if worker in self.members:
             self.members[worker].suspect = False
 
-    def running(self, worker: str, tile: int, attempt: int, seq: int | None = None) -> Attempt | None:
+    def racing(self, tile: int, seq: int | None = None) -> list[Attempt]:
+        """The attempts of `tile` still running (the first to deliver wins)."""
         deal = self.deals.get(seq) if seq is not None else self._only()
-        return deal.ledger.running.get((tile, attempt)) if deal is not None else None
+        led = deal.ledger if deal is not None else None
+        return [led.running[(tile, a)] for a in sorted(led.by_tile.get(tile, ()))] if led is not None else []
 
     # ---- time --------------------------------------------------------------------------------------
     def tick(self, now: float) -> list[Instruction]:

@@ -29,7 +29,6 @@ from cleave.gemm.dealer import (
     Instruction,
     Policy,
     ProveLink,
-    Recovery,
     RecoveryDone,
     Send,
     TilesLost,
@@ -37,26 +36,26 @@ from cleave.gemm.dealer import (
     WorkerLost,
 )
 from cleave.schemas import (
-    SUBJECT_CONTROL,
-    SUBJECT_FANOUT,
+    SUBJECT_OBSERVED,
     SUBJECT_RESULTS,
     Event,
-    FanoutAck,
-    FanoutJoin,
+    Observed,
     Plan,
     TileResult,
 )
 from cleave.train import precision
-from cleave_ps.fleet import frames, linkcheck
-from cleave_ps.fleet.runs import Counters, GemmRun
-from cleave_ps.fleet.verify import Check, Verifier
+from cleave_ps.fleet import frames, joins, linkcheck
+from cleave_ps.fleet.examine import examine
+from cleave_ps.fleet.observe import Throughput
+from cleave_ps.fleet.runs import Check, Counters, GemmRun, recovery_event
+from cleave_ps.fleet.verify import CrossChecks
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
-DEFAULT_JOIN_TIMEOUT_S = 2.0  # a worker that does not confirm its fan-out groups by then gets blocks direct
-DEFAULT_JOIN_CONCURRENCY = 64
 OFF_LOOP_BYTES = 1 << 20  # byte work on more than this runs in a worker thread
+RESULT_ENVELOPE = 64 * 1024  # a result's bytes besides its block (ids, an error text): its size limit is this
+# plus the largest block a tile of this epoch had
 
 
 def policy_of(s: PsSettings) -> Policy:
@@ -78,7 +77,9 @@ class Dispatcher:
         self._uids: dict[tuple, tuple[int, weakref.ref]] = {}
         self._next_uid = 0
         self.stopping = False
-        self.verifier = Verifier(s.verify_fraction, seed=epoch)
+        self.checks = CrossChecks(self, s.verify_fraction)  # the optional cross-worker check
+        self.throughput = Throughput(self.clock())  # what each worker delivers, reported to the scheduler
+        self.block_cap = 0  # bytes of the largest result block any tile of this epoch can have
         # the approximate mode: input blocks travel in half precision (results stay float32)
         self.tile_dtype = precision.DTYPES[s.tile_dtype]
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
@@ -91,6 +92,14 @@ class Dispatcher:
     @property
     def workers(self) -> dict:
         return self.dealer.members
+
+    @property
+    def verifier(self):  # noqa: ANN201
+        return self.checks.verifier
+
+    def result_limit(self) -> int:
+        """The largest result a worker can rightly send now (the bus refuses larger ones before decoding)."""
+        return min(self.s.max_result_bytes, self.block_cap + RESULT_ENVELOPE)
 
     @property
     def run(self) -> GemmRun | None:
@@ -107,36 +116,7 @@ class Dispatcher:
         if self.s.fanout:
             if self._joining is not None:
                 self._joining.cancel()
-            self._joining = asyncio.create_task(self._join_groups(plan))
-
-    async def _join_groups(self, plan: Plan) -> None:
-        """Tell each planned worker the fan-out groups of this plan (`cleave.gemm.fanout`); only those that confirm
-        are sent shared blocks that way, the others get them with their tiles."""
-        cut = [self._tiling(g.m, g.n, g.k, self._sent_bytes)[:2] for g in plan.gemms]
-        groups = fanout.memberships(cut, plan.chunks)
-        gate = asyncio.Semaphore(DEFAULT_JOIN_CONCURRENCY)
-
-        async def join(worker: str) -> None:
-            names = sorted(groups.get(worker, ()))
-            if self._last_join.get(worker) == names:
-                return
-            subjects = tuple(SUBJECT_FANOUT.format(job=self.job_id, epoch=self.epoch, group=g) for g in names)
-            async with gate:
-                try:
-                    ack = await self.bus.request(SUBJECT_CONTROL.format(worker_id=worker), FanoutJoin(
-                        job=self.job_id, epoch=self.epoch, version=plan.version, subjects=subjects),
-                        FanoutAck, timeout_s=DEFAULT_JOIN_TIMEOUT_S)
-                except Exception as e:  # an old worker, or one that is gone: blocks go with its tiles
-                    log.info("fanout_not_joined", worker_id=worker, error=repr(e)[:200])
-                    return
-            if ack.error:
-                log.warning("fanout_not_joined", worker_id=worker, error=ack.error[:200])
-                return
-            joined = {s.rsplit(".", 1)[1] for s in ack.joined}
-            self.dealer.join(worker, joined & set(names))
-            self._last_join[worker] = names
-
-        await asyncio.gather(*(join(w) for w in list(self.dealer.members)))
+            self._joining = asyncio.create_task(joins.join_groups(self, plan))
 
     # ---- one GEMM ------------------------------------------------------------------------------------
     def new_step(self) -> None:
@@ -179,6 +159,8 @@ class Dispatcher:
         run = self.runs[seq] = GemmRun(seq, step, op, name, a, bt, torch.empty(m, n, dtype=want if rounded else
                                        torch.float32, pin_memory=pin), expected_s=expected_s, rounded=rounded)
         self.c.concurrent = max(self.c.concurrent, len(self.runs))
+        itemsize = run.out.element_size()
+        self.block_cap = max(self.block_cap, max((t.rows * t.cols * itemsize for t in grid), default=0))
         split, shared = fanout.layout(grid, owners, a_key, b_key, self._chunks) if self.s.fanout else (None, None)
         work = Work(seq, m, n, k, sent.itemsize, grid, owners, self._chunks, a_key, b_key, shared, split)
         started = waited = self.clock()
@@ -193,7 +175,7 @@ class Dispatcher:
                     await asyncio.wait_for(run.done.wait(), self.s.tick_s)
                 except TimeoutError:
                     await self._tick()
-                    if not self._live() and self.clock() - waited > DEFAULT_WAIT_LOG_S:
+                    if not self.live() and self.clock() - waited > DEFAULT_WAIT_LOG_S:
                         waited = self.clock()
                         led = self.dealer.deal(seq).ledger
                         log.warning("waiting_for_workers", step=step, gemm=name,
@@ -204,6 +186,7 @@ class Dispatcher:
             del self.runs[seq]
             if not self.runs:
                 self.c.gemm_s += self.clock() - self._busy_from
+            self._observed()
         wall = self.clock() - started
         log.debug("gemm_done", step=step, gemm=name, m=m, n=n, k=k, tiles=len(grid), wall_s=round(wall, 4),
                   planned_s=round(expected_s, 4), resent=led.resent, copied=led.copied,
@@ -223,7 +206,7 @@ class Dispatcher:
         plan = self.plan
         layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
         if layout is None:
-            rows, cols = tiles.uniform_block(m, n, (plan.tile_rows, plan.tile_cols) if plan else None, len(self._live()))
+            rows, cols = tiles.uniform_block(m, n, (plan.tile_rows, plan.tile_cols) if plan else None, len(self.live()))
             return tiles.grid(m, n, rows, cols), None, 0.0
         boxes, owners = [], []
         members = self.dealer.members
@@ -241,7 +224,7 @@ class Dispatcher:
         """The plan's pieces per block (1 without a plan)."""
         return self.plan.chunks if self.plan else 1
 
-    def _live(self) -> list[str]:
+    def live(self) -> list[str]:
         return [w for w, m in self.dealer.members.items() if not m.suspect and m.proven]
 
     async def _tick(self) -> None:
@@ -253,15 +236,15 @@ class Dispatcher:
         worker lost (a verification it owed will not come), tiles lost (logged once), a loss made good
         (a recovery event in the step's metrics)."""
         if isinstance(i, ProveLink):
-            self._track(linkcheck.prove(self, i.worker))
+            self.track(linkcheck.prove(self, i.worker))
         elif isinstance(i, WorkerLost):
-            self._forget_checks(i.worker)
+            self.checks.vanished(i.worker)  # a verification it owed is judged by the PS
         elif isinstance(i, TilesLost):
             run, rec = self.runs.get(i.recovery.seq), i.recovery
             log.warning("tiles_resent", worker_id=rec.worker, cause=rec.cause, step=run.step if run else None,
                         gemm=run.name if run else None, tiles=rec.count)
         elif isinstance(i, RecoveryDone):
-            self.c.recoveries.append(self._event(i.recovery, self.runs.get(i.recovery.seq)))
+            self.c.recoveries.append(recovery_event(i.recovery, self.runs.get(i.recovery.seq)))
 
     # ---- sending -------------------------------------------------------------------------------------
     async def post(self, instructions: Sequence[Instruction]) -> None:
@@ -300,6 +283,10 @@ class Dispatcher:
         self.c.bytes_up += nbytes
         if msg.job != self.job_id or msg.epoch != self.epoch:
             return self._reject("wrong_job", msg)
+        if msg.worker_id in self.faulty:
+            return self._reject("faulty", msg)
+        if msg.worker_id not in self.dealer.members:
+            return self._reject("not_member", msg)
         run = self.runs.get(msg.gemm)
         if run is None or (msg.step, msg.op) != (run.step, run.op):
             self.c.dropped += 1  # late: from a GEMM run that is over; but the worker is alive
@@ -307,11 +294,13 @@ class Dispatcher:
             self.dealer.heard(msg.worker_id)
             return None
         seq, led = run.seq, self.dealer.deal(run.seq).ledger
-        if not led.was_issued(msg.tile, msg.attempt):
+        holder = led.issued_to(msg.tile, msg.attempt)  # remembered for the whole run, given back or not
+        if holder is None:
             return self._reject("unknown_tile", msg)
-        att = self.dealer.running(msg.worker_id, msg.tile, msg.attempt, seq)
-        if att is not None and att.worker != msg.worker_id:
-            return self._reject("wrong_worker", msg)
+        if holder != msg.worker_id:
+            return self._reject("wrong_worker", msg, f"issued to {holder}")
+        check = run.checks.get(msg.tile)
+        check = check if check is not None and check.attempt == msg.attempt else None
         now = self.clock()
         if msg.missing:
             self.c.cache_misses += 1
@@ -320,37 +309,65 @@ class Dispatcher:
             self._reject("worker_error", msg, msg.error)
             sends = self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, now, seq=seq)
         else:
-            sends = await self._accept(run, msg)
+            return await self.post(await self._accept(run, msg, check))
+        if check is not None:  # the verifier will not deliver: the PS judges the check itself
+            self.track(self.checks.settle(run, check, None))
         await self.post(sends)
         return None
 
-    async def _accept(self, run: GemmRun, msg: TileResult) -> list[Instruction]:
+    async def _accept(self, run: GemmRun, msg: TileResult, check: Check | None) -> list[Instruction]:
         seq = run.seq
         t = self.dealer.deal(seq).ledger.tiles[msg.tile]
         out = msg.out
+        why, worst = "", 0.0
         if tuple(out.shape) != (t.rows, t.cols) or out.dtype != codec.dtype_name(run.out.dtype):
-            self._reject("bad_shape", msg, f"{out.dtype}{tuple(out.shape)} for a {t.rows}x{t.cols} block")
-            return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock(), seq=seq)
-        block = frames.block(out, t.rows, t.cols)
-        if not await self._off_loop(block.nbytes, lambda: frames.finite(block, out.dtype) or not self._inputs_finite(run, t)):
-            self._reject("not_finite", msg)
-            return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock(), seq=seq)
+            why = "bad_shape"
+            self._reject(why, msg, f"{out.dtype}{tuple(out.shape)} for a {t.rows}x{t.cols} block")
+        else:
+            block = frames.block(out, t.rows, t.cols)
+            touched = block.nbytes + (t.rows + t.cols) * run.a.shape[1] * run.a.element_size()
+            why, worst, cpu = await self._off_loop(touched, lambda: examine(run, t, block, out.dtype, self.s.freivalds))
+            self.c.verify_cpu_s += cpu
+            self.c.verified += not why and self.s.freivalds
         if seq not in self.runs:  # it ended while the block was checked (a step aborted)
             return []
+        if why:
+            if check is not None:
+                self.track(self.checks.settle(run, check, None))
+            if why == "wrong_block":  # not the product of its inputs: a faulty or lying worker
+                self._reject(why, msg, f"residual {worst:.3g} x the rounding tolerance")
+                self.expel(msg.worker_id, run, msg.tile, "freivalds", spoil=False)
+                return []
+            if why == "not_finite":
+                self._reject(why, msg)
+            return self.dealer.failed(msg.worker_id, msg.tile, msg.attempt, self.clock(), seq=seq)
         now = self.clock()
-        check = run.checks.get(msg.tile)
-        if check is not None and check.attempt == msg.attempt:
+        if check is not None:
             sends = self.dealer.discard(msg.worker_id, msg.tile, msg.attempt, now, seq)
-            await self._settle(run, check, torch.from_numpy(block.copy()).view(run.out.dtype))
+            await self.checks.settle(run, check, torch.from_numpy(block.copy()).view(run.out.dtype))
             return sends
+        racing = self.dealer.racing(msg.tile, seq)  # its own attempt, and those it beats (copies, originals)
+        att = next((a for a in racing if a.attempt == msg.attempt), None)
+        others = [a for a in racing if a.attempt != msg.attempt]
         outcome, sends = self.dealer.done(msg.worker_id, msg.tile, msg.attempt, now, seq)
+        if outcome == "duplicate":  # a beaten attempt's own block: what its worker delivers
+            self.throughput.late((seq, msg.tile, msg.attempt), msg.worker_id, now)
         if outcome != "accepted":
             return sends
+        work = self.dealer.deal(seq).work
+        for a in (att, *others):
+            m = self.dealer.members.get(a.worker) if a is not None else None
+            if m is None or m.profile is None:
+                continue
+            predicted = m.predicted_s(t, work.k, work.b)
+            if a is att:
+                self.throughput.accepted(a.worker, a.sent_at, now, predicted, m.profile.flops)
+            else:
+                self.throughput.beaten((seq, msg.tile, a.attempt), a.worker, a.sent_at, predicted, m.profile.flops)
         target = run.out.view(torch.int16) if run.out.dtype == torch.bfloat16 else run.out  # numpy has no bfloat16
         await self._off_loop(block.nbytes, lambda: target.numpy().__setitem__((slice(t.r0, t.r1), slice(t.c0, t.c1)), block))
-        if self.verifier.sample():
-            sends += self._verify(run, msg.tile, msg.worker_id)
-        self._maybe_done(run)
+        sends += self.checks.maybe(run, msg.tile, msg.worker_id)
+        self.maybe_done(run)
         return sends
 
     @staticmethod
@@ -358,55 +375,42 @@ class Dispatcher:
         """`fn()` in a worker thread when it touches many bytes, else right here (a thread hop costs more)."""
         return await asyncio.to_thread(fn) if nbytes > OFF_LOOP_BYTES else fn()
 
-    def _maybe_done(self, run: GemmRun) -> None:
+    def maybe_done(self, run: GemmRun) -> None:
         if self.dealer.is_complete(run.seq) and not run.checks:
             run.done.set()
 
-    def _verify(self, run: GemmRun, tile: int, first: str) -> list[Send]:
-        """Have another live worker compute the same tile; the comparison comes with its result."""
-        others = [w for w in self._live() if w != first]
-        if not others:
-            return []
-        led = self.dealer.deal(run.seq).ledger
-        worker = min(others, key=led.count)
-        t = led.tiles[tile]
-        send = self.dealer.extra(tile, worker, self.clock(), run.seq)
-        run.checks[tile] = Check(tile, send.attempt, first, worker, run.out[t.r0 : t.r1, t.c0 : t.c1].clone())
-        return [send]
-
-    async def _settle(self, run: GemmRun, check: Check, second: torch.Tensor) -> None:
-        del run.checks[check.tile]
-        if run.seq not in self.runs:
+    def expel(self, worker: str, run: GemmRun, tile: int, cause: str, spoil: bool) -> None:
+        """`worker` returned a wrong block: it is never dealt to again, its tiles go to others, and with `spoil`
+        every GEMM in flight is redone without it (its blocks there may be wrong too)."""
+        if worker in self.faulty:
             return
-        t = self.dealer.deal(run.seq).ledger.tiles[check.tile]
-        if self.verifier.agree(check.block, second):  # no need for the PS's own product
-            self.verifier.done += 1
-            self._maybe_done(run)
-            return
-        truth = await asyncio.to_thread(lambda: tiles.compute(run.a[t.r0 : t.r1].float(), run.bt[t.c0 : t.c1].float())
-                                        .to(run.out.dtype))
-        liar = self.verifier.judge(check, second, truth)
-        if liar is not None:
-            self.faulty.add(liar)
-            for i in self.dealer.remove(liar, self.clock(), "verification_mismatch"):  # no sends: losses
-                self._note(i)
-            for other in self.runs.values():  # its blocks may be in any GEMM in flight: the step is redone
-                other.spoiled = liar
+        self.faulty.add(worker)
+        self.throughput.forget(worker)
+        for i in self.dealer.remove(worker, self.clock(), cause):  # no sends: losses
+            self._note(i)
+        if spoil:
+            for other in self.runs.values():
+                other.spoiled = worker
                 other.done.set()
-            log.warning("worker_faulty", worker_id=liar, step=run.step, gemm=run.name, tile=check.tile)
-            self.c.recoveries.append(Event(kind="worker_faulty", at=time.time(), step=run.step, worker_id=liar,
-                                           cause="verification_mismatch", detail={"gemm": run.name}))
-            run.done.set()
-            return
-        self._maybe_done(run)
-
-    @staticmethod
-    def _inputs_finite(run: GemmRun, t: tiles.Tile) -> bool:
-        return bool(torch.isfinite(run.a[t.r0 : t.r1]).all() and torch.isfinite(run.bt[t.c0 : t.c1]).all())
+        log.warning("worker_faulty", worker_id=worker, step=run.step, gemm=run.name, tile=tile, cause=cause)
+        self.c.recoveries.append(Event(kind="worker_faulty", at=time.time(), step=run.step, worker_id=worker,
+                                       cause=cause, detail={"gemm": run.name}))
 
     def _reject(self, reason: str, msg: TileResult, detail: str = "") -> None:
         self.c.rejected += 1
         self.bus.reject(reason, f"result from {msg.worker_id}", f"step {msg.step} op {msg.op} tile {msg.tile} {detail}")
+
+    def _observed(self) -> None:
+        """Tell the scheduler what the workers delivered, when there is something new to tell."""
+        report = self.throughput.report(self.job_id, self.clock(), time.time())
+        if report is not None:
+            self.track(self._publish_observed(report))
+
+    async def _publish_observed(self, report: Observed) -> None:
+        try:
+            await self.bus.publish(SUBJECT_OBSERVED.format(job=self.job_id), report, compress=False)
+        except Exception as e:  # NATS down: the next report says it again
+            log.info("observed_not_sent", error=repr(e)[:200])
 
     # ---- loss of workers -----------------------------------------------------------------------------
     def _dropped(self, subject: str) -> None:
@@ -419,26 +423,9 @@ class Dispatcher:
         tokens = subject[len(prefix):].split(".")  # job, epoch, worker
         workers = tokens[2:3] if len(tokens) > 2 else list(self.dealer.members)
         log.warning("results_dropped", subject=subject, workers=len(workers))
-        self._track(self.post([i for w in workers for i in self.dealer.redo(w, self.clock())]))
+        self.track(self.post([i for w in workers for i in self.dealer.redo(w, self.clock())]))
 
-    def _track(self, coro) -> None:  # noqa: ANN001
+    def track(self, coro) -> None:  # noqa: ANN001
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _forget_checks(self, worker: str) -> None:
-        """A verifier that vanished verifies nothing."""
-        for run in list(self.runs.values()):
-            for tile, check in list(run.checks.items()):
-                if check.verifier == worker:
-                    del run.checks[tile]
-            self._maybe_done(run)
-
-    @staticmethod
-    def _event(rec: Recovery, run: GemmRun | None) -> Event:
-        return Event(
-            kind="recovered", at=time.time(), step=run.step if run else None, worker_id=rec.worker, cause=rec.cause,
-            detect_s=rec.detected_at - rec.silent_since,
-            redispatch_s=(rec.redispatched_at or rec.done_at) - rec.detected_at,
-            complete_s=rec.done_at - rec.detected_at, detail={"gemm": run.name if run else ""},
-        )

@@ -86,7 +86,7 @@ class Pretrain:
         self.plan_key = PLAN_KEY if self.group is None else REPLICA_PLAN_KEY.format(replica=s.replica)
         fires = self.group is None or s.fail_replica in (-1, s.replica)
         self.faults = Faults(s.fail_at if fires else "", s.fault_dir, tag="ps" if self.group is None else self.wire_id)
-        self.progress = Progress(bus, job, s, self.faults, fence_id=self.wire_id)
+        self.progress = Progress(bus, job, s, self.faults, fence_id=self.wire_id, writes_head=s.replica == 0)
         self.own_s: deque[float] = deque(maxlen=OWN_TIME_WINDOW)  # the PS's time outside GEMMs, recent steps
         self.dispatcher: Dispatcher | None = None
         self.first = 0
@@ -126,7 +126,7 @@ class Pretrain:
         d = self.dispatcher
         return [Listen(SUBJECT_RESULTS.format(job=self.wire_id, epoch=epoch, worker_id="*"), TileResult, d.on_result,
                        dict(max_bytes=self.s.max_result_bytes, pending_bytes=self.s.max_pending_bytes,
-                            sender="worker_id"))]
+                            sender="worker_id", compressed=False, cap=d.result_limit))]
 
     async def on_plan(self, plan: Plan) -> None:
         await self.dispatcher.set_plan(plan)

@@ -9,7 +9,13 @@ tensor's key and shape and each chunk's SHA-256. A crash at any point leaves the
 checkpoint it names readable: both objects are written first under new names, the head (naming the
 manifest, with its SHA-256) is switched last. On load every chunk is checked as it streams in; a truncated
 or corrupted checkpoint is rejected with a logged reason and the previous committed head is tried instead.
-The epoch counter fences off an older PS that is still alive.
+
+Fencing: each PS incarnation claims a higher epoch (`<fence_id>.epoch`, compare-and-set), and the PS that
+commits claims the head with it in the same compare-and-set that writes it: the head record carries the epoch
+of the PS that wrote it, and a head that exists is rewritten with the new epoch at claim time (same
+checkpoint). An older PS still running then finds the head moved at its next commit and is fenced (exit 3);
+the newer one, whose epoch is still the current one, re-reads the head when a write of an older PS landed
+first and writes over it, instead of exiting. So exactly one PS of a job survives.
 
 A job is its job id: a PS started under an id that has state resumes it, whatever its run dir, as long as the
 job is still the same model on the same data order (`IDENTITY`); its other settings (`steps`, the learning
@@ -30,6 +36,7 @@ import time
 import structlog
 import torch
 from nats.js.api import ObjectMeta, ObjectMetaOptions
+from nats.js.errors import KeyNotFoundError
 from torch import nn
 
 from cleave import codec
@@ -121,9 +128,11 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
 
 
 class Persister:
-    def __init__(self, bus: Bus, job_id: str, job_config: str, fence_id: str | None = None) -> None:
-        """`fence_id`: whose epoch this PS claims (a PS replica's own; by default the job's)."""
-        self.bus, self.job_id, self.job_config = bus, job_id, job_config
+    def __init__(self, bus: Bus, job_id: str, job_config: str, fence_id: str | None = None,
+                 writes_head: bool = True) -> None:
+        """`fence_id`: whose epoch this PS claims (a PS replica's own; by default the job's); `writes_head`:
+        whether this PS commits (a replica other than 0 does not, and leaves the head alone)."""
+        self.bus, self.job_id, self.job_config, self.writes_head = bus, job_id, job_config, writes_head
         self.head_key, self.epoch_key = f"{job_id}.head", f"{fence_id or job_id}.epoch"
         self.revision: int | None = None
         self.epoch = 0
@@ -131,13 +140,15 @@ class Persister:
         self.rejected: list[tuple[int, str]] = []  # (step, reason) of each checkpoint load refused
         self.orphan_age_s = sweep.DEFAULT_ORPHAN_AGE_S  # nameless chunks older than this are purged
         self.collected = sweep.Collected()  # what the last commit's clean-up removed
+        self.store_max_bytes: int | None = None  # the checkpoint store's size limit where this PS creates it
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
-        self.store = await self.bus.object_store(STATE_OBJECTS)
+        self.store = await self.bus.object_store(STATE_OBJECTS, self.store_max_bytes)
 
     async def claim_epoch(self) -> int:
-        """A new, higher epoch for this PS incarnation (compare-and-set, so two PSs never share one)."""
+        """A new, higher epoch for this PS incarnation (compare-and-set, so two PSs never share one); a PS that
+        commits also claims the head with it (`claim_head`)."""
         while True:
             try:
                 entry = await asyncio.wait_for(self.kv.get(self.epoch_key), DEFAULT_TIMEOUT_S)
@@ -149,7 +160,38 @@ class Persister:
             except Conflict:  # another PS claimed one first: read again
                 continue
             self.epoch = current + 1
+            if self.writes_head:
+                await self.claim_head()
             return self.epoch
+
+    async def claim_head(self) -> None:
+        """Write this epoch into the head, naming the same checkpoint (one compare-and-set): from now on no
+        older PS's commit lands. Raises Fenced when a newer PS claimed it first."""
+        while True:
+            entry = await self._head_entry()
+            if entry is None:
+                self.revision = None  # a new job: the first commit creates the head
+                return
+            try:
+                head = codec.decode(entry.value, StateHead, MAX_CONTROL_BYTES)
+            except WireError as e:  # left as it is; the load says what is wrong with it
+                log.warning("state_head_rejected", job=self.job_id, revision=entry.revision, reason=str(e))
+                return
+            if head.epoch > self.epoch:
+                raise Fenced(f"epoch {self.epoch} of job {self.job_id} is superseded by {head.epoch}")
+            try:
+                frame = codec.encode(head.model_copy(update={"epoch": self.epoch}))
+                self.revision = await self.bus.kv_swap(self.kv, self.head_key, frame, entry.revision)
+                return
+            except Conflict:  # an older PS committed meanwhile: claim its head
+                continue
+
+    async def _head_entry(self):  # noqa: ANN202 - a nats-py KV entry, or None
+        try:
+            entry = await self.bus.patiently(lambda: self.kv.get(self.head_key), "state head")
+        except KeyNotFoundError:
+            return None
+        return entry if entry.value else None
 
     async def _heads(self) -> list[StateHead]:
         """The committed heads of this job, newest first (the KV keeps the last few revisions)."""
@@ -157,13 +199,17 @@ class Persister:
             entries = await asyncio.wait_for(self.kv.history(self.head_key), DEFAULT_TIMEOUT_S)
         except Exception:  # nats-py raises NoKeysError for a key never written
             return []
-        heads = []
+        heads, seen = [], set()
         for entry in reversed(entries):
             if entry.value:
                 try:
-                    heads.append(codec.decode(entry.value, StateHead, MAX_CONTROL_BYTES))
+                    head = codec.decode(entry.value, StateHead, MAX_CONTROL_BYTES)
                 except WireError as e:
                     log.warning("state_head_rejected", job=self.job_id, revision=entry.revision, reason=str(e))
+                    continue
+                if head.object not in seen:  # a claim repeats the checkpoint of the head before it
+                    seen.add(head.object)
+                    heads.append(head)
         if entries:
             self.revision = entries[-1].revision
         return heads
@@ -224,15 +270,36 @@ class Persister:
     async def _swap_head(self, frame: bytes) -> int:
         """Move the head to `frame` from the revision this PS last saw; its new revision. Tried again while
         the bucket's stream elects a leader (`Bus.patiently`): a try whose answer was lost may have landed,
-        so a conflict is this PS's own write when the head now holds `frame`, else another PS's (Fenced)."""
-        try:
-            return await self.bus.patiently(
-                lambda: self.bus.kv_swap(self.kv, self.head_key, frame, self.revision), "state head")
-        except Conflict:
-            entry = await self.bus.patiently(lambda: self.kv.get(self.head_key), "state head")
-            if entry.value == frame:
+        so a conflict is this PS's own write when the head now holds `frame`. Another's write is an older
+        PS's when the head's epoch is not above ours and ours is still the current epoch: the head is read
+        again and written over; else this PS is Fenced."""
+        while True:
+            try:
+                return await self.bus.patiently(
+                    lambda: self.bus.kv_swap(self.kv, self.head_key, frame, self.revision), "state head")
+            except Conflict:
+                entry = await self._head_entry()
+            if entry is not None and entry.value == frame:
                 return entry.revision
-            raise Fenced(f"the head of job {self.job_id} was moved by another PS") from None
+            theirs = self._epoch_of(entry)
+            if theirs > self.epoch or not await self._epoch_is_current():
+                raise Fenced(f"the head of job {self.job_id} was moved by another PS (epoch {theirs})") from None
+            log.warning("state_head_reloaded", job=self.job_id, epoch=self.epoch, overwritten_epoch=theirs)
+            self.revision = entry.revision if entry is not None else None
+
+    @staticmethod
+    def _epoch_of(entry) -> int:  # noqa: ANN001 - a nats-py KV entry, or None
+        """The epoch of the PS that wrote the head (0 when there is none, or it does not decode)."""
+        if entry is None:
+            return 0
+        try:
+            return codec.decode(entry.value, StateHead, MAX_CONTROL_BYTES).epoch
+        except WireError:
+            return 0
+
+    async def _epoch_is_current(self) -> bool:
+        entry = await self.bus.patiently(lambda: self.kv.get(self.epoch_key), "epoch check")
+        return int(entry.value or b"0") == self.epoch
 
     async def _check_epoch(self) -> None:
         entry = await self.bus.patiently(lambda: self.kv.get(self.epoch_key), "epoch check")
@@ -253,11 +320,13 @@ class Progress:
     `persist_every` steps and after the last, then written to the metrics file and published, each exactly
     once (lines committed but not written before a crash are written on resume)."""
 
-    def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults, fence_id: str | None = None) -> None:
+    def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults, fence_id: str | None = None,
+                 writes_head: bool = True) -> None:
         self.bus, self.faults, self.job_id, self.steps = bus, faults, job.job_id, job.steps
         # 0 = budgeted for pretraining; the other methods resume exactly only from their last step or round
         self.out, self.every = MetricsFile(s.metrics_out), s.persist_every or (0 if job.method == "cleave" else 1)
-        self.persister = Persister(bus, job.job_id, job.model_dump_json(), fence_id)
+        self.persister = Persister(bus, job.job_id, job.model_dump_json(), fence_id, writes_head)
+        self.persister.store_max_bytes = s.state_max_bytes or None
         self.pending: list[StepMetrics] = []
         self.last_commit_s = 0.0  # seconds the last commit's stream took (persist_every = 0 budgets it)
         self.staging, self.memory_bytes = s.checkpoint_staging, s.memory_bytes

@@ -1,0 +1,31 @@
+"""What the PS checks in a result block before it uses it (run off the event loop for large blocks): its values
+are finite (unless the tile's inputs were not), and it is the product of the tile's inputs (Freivalds' check,
+`cleave_ps.fleet.freivalds`). Its shape, dtype and provenance are checked before, on the event loop."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from cleave.gemm.tiles import Tile
+from cleave_ps.fleet import frames, freivalds
+from cleave_ps.fleet.runs import GemmRun
+
+
+def examine(run: GemmRun, t: Tile, block: np.ndarray, dtype: str, check: bool = True) -> tuple[str, float, float]:
+    """(why the block is refused, '' if it is not; its worst residual over the tolerance; the CPU seconds
+    Freivalds' check took) for `block` (as `frames.block` reads it) of tile `t` of `run`."""
+    if not frames.finite(block, dtype):
+        return ("" if not inputs_finite(run, t) else "not_finite"), 0.0, 0.0
+    if not check:
+        return "", 0.0, 0.0
+    start = time.thread_time()
+    verdict = freivalds.check(run.norms, t.r0, t.r1, t.c0, t.c1, freivalds.block_float32(block, dtype), dtype)
+    wrong = not verdict.passed and inputs_finite(run, t)  # a product of infinities cannot be checked
+    return ("wrong_block" if wrong else ""), verdict.worst, time.thread_time() - start
+
+
+def inputs_finite(run: GemmRun, t: Tile) -> bool:
+    return bool(torch.isfinite(run.a[t.r0 : t.r1]).all() and torch.isfinite(run.bt[t.c0 : t.c1]).all())

@@ -1,0 +1,123 @@
+"""Freivalds' check of result blocks (`cleave_ps.fleet.freivalds`): honest blocks, however their worker summed
+them and whatever the job's precision, stay far below the tolerance; lies of any size that matters are caught;
+and the check costs a small fraction of the tile's own product."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cleave import codec
+from cleave_ps.fleet import freivalds
+
+SHAPES = [(16, 16, 64), (64, 48, 512), (128, 64, 4096)]
+
+
+def inputs(kind: str, r: int, c: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "gauss":
+        return torch.randn(r, k, generator=g), torch.randn(c, k, generator=g)
+    if kind == "positive":  # every partial sum grows: the worst case for a sequential sum
+        return torch.rand(r, k, generator=g), torch.rand(c, k, generator=g)
+    if kind == "offset":  # large values of one sign
+        return 1000 + torch.rand(r, k, generator=g), 1 + torch.rand(c, k, generator=g)
+    a = torch.randn(r, k, generator=g)
+    a[:, :3] *= 1000  # outlier features, as in large language models
+    return a, 0.02 * torch.randn(c, k, generator=g)
+
+
+def sequential(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """The product summed one k at a time in float32: the largest rounding an honest worker can have."""
+    out = torch.zeros(a.shape[0], bt.shape[0])
+    for k in range(a.shape[1]):
+        out += torch.outer(a[:, k], bt[:, k])
+    return out
+
+
+def verdict(a: torch.Tensor, bt: torch.Tensor, block: torch.Tensor) -> freivalds.Verdict:
+    dtype = codec.dtype_name(block.dtype)
+    raw = (block.view(torch.int16) if block.dtype == torch.bfloat16 else block).numpy()
+    return freivalds.check(freivalds.Norms(a, bt), 0, a.shape[0], 0, bt.shape[0], freivalds.block_float32(raw, dtype),
+                           dtype)
+
+
+@pytest.mark.parametrize("kind", ["gauss", "positive", "offset", "outliers"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_honest_blocks_pass_far_below_the_tolerance(kind: str, shape: tuple[int, int, int]) -> None:
+    r, c, k = shape
+    a, bt = inputs(kind, r, c, k, torch.Generator().manual_seed(r + k))
+    blocks = {"blas": a @ bt.T, "bf16": (a @ bt.T).bfloat16()}
+    if k <= 512:
+        blocks["sequential"] = sequential(a, bt)
+    if kind != "offset":  # (its products overflow float16: such a block is refused as not finite)
+        blocks["fp16"] = (a @ bt.T).half()
+    for how, block in blocks.items():
+        worst = max(verdict(a, bt, block).worst for _ in range(5))  # a fresh random vector each time
+        assert worst < 0.25, (how, worst)  # measured: at most 0.18 (bf16 rounding), 0.03 (float32 sums)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_wrong_element_is_caught_and_named(shape: tuple[int, int, int]) -> None:
+    r, c, k = shape
+    a, bt = inputs("gauss", r, c, k, torch.Generator().manual_seed(7))
+    block = a @ bt.T
+    rms = float(block.pow(2).mean().sqrt())
+    for delta in (1000.0, rms, 0.1 * rms):
+        lie = block.clone()
+        lie[r // 2, c - 1] += delta
+        v = verdict(a, bt, lie)
+        assert not v.passed and v.row == r // 2, (delta, v)
+    swapped = block.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]  # the right numbers in the wrong rows: several wrong elements a row,
+    # whose errors cancel in C·x only for an unlucky x (measured: 6 of 3,000 fresh vectors at 128 x 64, K = 4096)
+    assert sum(verdict(a, bt, swapped).passed for _ in range(3)) <= 1
+    assert not verdict(a, bt, torch.zeros_like(block)).passed
+
+
+def test_a_lie_a_hundredth_of_an_element_is_caught_in_a_small_tile() -> None:
+    """The 0.01 a lying test worker adds (`CLEAVE_WORKER_CORRUPT`) to a tile of the tiny model's size."""
+    g = torch.Generator().manual_seed(3)
+    a, bt = torch.randn(64, 64, generator=g), 0.02 * torch.randn(64, 64, generator=g)
+    lie = a @ bt.T
+    lie[0, 0] += 0.01
+    assert not verdict(a, bt, lie).passed
+
+
+def test_zeros_and_values_near_the_float32_limit() -> None:
+    a, bt = torch.zeros(8, 16), torch.randn(8, 16)
+    assert verdict(a, bt, torch.zeros(8, 8)).passed
+    a, bt = torch.full((4, 8), 1e19), torch.full((4, 8), 2.5e18)  # each element 2e38: its row sums overflow float32
+    block = a @ bt.T
+    assert torch.isfinite(block).all() and verdict(a, bt, block).passed  # judged in float64
+    lie = block.clone()
+    lie[2, 1] = 1.9e38
+    assert not verdict(a, bt, lie).passed
+
+
+def test_random_vectors_are_fresh_and_bounded() -> None:
+    xs = [freivalds.random_vector(256) for _ in range(3)]
+    assert all(x.dtype == np.float32 and (np.abs(x) >= 1).all() and (np.abs(x) < 2).all() for x in xs)
+    assert not np.array_equal(xs[0], xs[1]) and (xs[0] < 0).any() and (xs[0] > 0).any()
+
+
+def test_the_check_costs_a_small_fraction_of_the_tile() -> None:
+    """O(rows·K + cols·K + rows·cols) against the tile's O(rows·cols·K), for the 1024 x 1024 tile at K = 4096
+    (~9 MFLOP against 8.6 GFLOP, but the check is bound by memory: it reads the tile's inputs once). Measured
+    as the process's CPU time (the product may use every core): 0.06 of the product on this test's machine."""
+    g = torch.Generator().manual_seed(0)
+    a, bt = torch.randn(1024, 4096, generator=g), torch.randn(1024, 4096, generator=g)
+    block = a @ bt.T
+    norms = freivalds.Norms(a, bt).ready()
+
+    def cpu(fn, reps: int = 3) -> float:
+        fn()
+        start = time.process_time()
+        for _ in range(reps):
+            fn()
+        return (time.process_time() - start) / reps
+
+    product = cpu(lambda: a @ bt.T)
+    check = cpu(lambda: freivalds.check(norms, 0, 1024, 0, 1024, block.numpy()))
+    assert check < 0.25 * product, (check, product)

@@ -1,0 +1,108 @@
+"""The scheduler's defences, without a bus: probes answered only on the prober's own inbox and within its
+budget, profiles that overclaim corrected to what the PS saw delivered, a silent worker's claimed link adding
+little to its liveness, and a device that breaks the planner dropped while the others are planned."""
+
+from __future__ import annotations
+
+import pytest
+
+from cleave.schemas import DeviceProfile, Heartbeat, Observed, Probe, WorkerObserved
+from cleave_scheduler.main import Scheduler
+from cleave_scheduler.outbox import Outbox
+from cleave_scheduler.probes import ProbeDesk, prober, refusal
+from cleave_scheduler.registry import HYSTERESIS, OVERCLAIM, TILE_OVERHEAD_S, Registry
+from cleave_scheduler.settings import SchedulerSettings
+from cleave_scheduler.synthetic import job_shapes
+
+FAST = DeviceProfile(flops=1e12, memory_bytes=1 << 30, downlink_bytes_per_s=1e8, uplink_bytes_per_s=1e8,
+                     latency_s=0.001)
+
+
+def beat(worker: str, profile: DeviceProfile = FAST) -> Heartbeat:
+    return Heartbeat(worker_id=worker, profile=profile, sent_at=1.0, started_at=0.0)
+
+
+@pytest.mark.parametrize("reply, ok", [
+    ("_INBOX.worker.w1.abc.1", True),
+    ("_INBOX.worker.w2.abc.1", False),  # another worker's inbox
+    ("$KV.cleave-plans.current", False),  # a plan key
+    ("$JS.API.STREAM.PURGE.KV_cleave-registry", False),  # the JetStream API
+    ("_INBOX.worker.w1.", False),
+    ("_INBOX.worker.w1.*", False),
+    ("", False),
+])
+def test_a_probe_is_answered_only_on_its_senders_inbox(reply: str, ok: bool) -> None:
+    assert (refusal("cleave.probe.w1", reply) == "") is ok
+    assert refusal("cleave.probe", "_INBOX.worker.w1.abc.1")  # an older worker's probe names no sender
+    assert prober("cleave.probe.w1") == "w1" and prober("cleave.hb.w1") == ""
+
+
+def test_each_worker_draws_echoes_within_its_budget() -> None:
+    desk = ProbeDesk(max_payload=8 << 20, burst=10 << 20, rate=1 << 20)
+    big = Probe(reply_bytes=4 << 20)
+    assert desk.answer(big, "w1", 0.0) and desk.answer(big, "w1", 0.0)
+    assert desk.answer(big, "w1", 0.0) is None and desk.refused == 1  # 12 MiB asked of a 10 MiB burst
+    assert desk.answer(big, "w2", 0.0)  # another worker's budget is its own
+    assert desk.answer(big, "w1", 3.0)  # refilled at 1 MiB/s
+    assert len(desk.answer(Probe(reply_bytes=64), "w1", 3.0).payload) == 64
+
+
+def test_a_profile_claiming_far_more_than_its_worker_delivers_is_corrected() -> None:
+    reg = Registry(liveness_s=1.0)
+    reg.heartbeat(beat("liar"), 0.0)
+    reg.heartbeat(beat("honest"), 0.0)
+    allowed = 1.0 + 20 * TILE_OVERHEAD_S  # 20 tiles, predicted 1 s in all
+    report = Observed(job="j", at=1.0, workers=(
+        WorkerObserved(worker_id="liar", tiles=20, observed_s=100 * allowed, predicted_s=1.0, flops=FAST.flops),
+        WorkerObserved(worker_id="honest", tiles=20, observed_s=2.0, predicted_s=1.0, flops=FAST.flops),
+        WorkerObserved(worker_id="stranger", tiles=20, observed_s=100.0, predicted_s=1.0, flops=FAST.flops)))
+    assert reg.observe(report) == [("liar", 1.0, pytest.approx(100.0))]  # 2x is not far more; strangers ignored
+    liar = reg.devices["liar"].profile
+    assert liar.flops == pytest.approx(FAST.flops / 100)
+    assert liar.uplink_bytes_per_s == pytest.approx(FAST.uplink_bytes_per_s / 100)
+    assert liar.latency_s == FAST.latency_s and reg.devices["honest"].profile == FAST
+    reg.heartbeat(beat("liar"), 2.0)  # it keeps claiming: it keeps being planned as what it delivers
+    assert reg.devices["liar"].profile == liar
+    # observed on its corrected profile: as predicted now, or within HYSTERESIS of it, nothing changes ...
+    for observed in (allowed, 1.5 * allowed, allowed / 1.5):
+        same = WorkerObserved(worker_id="liar", tiles=20, observed_s=observed, predicted_s=1.0, flops=liar.flops)
+        assert reg.observe(Observed(job="j", at=3.0, workers=(same,))) == []
+    # ... and once it delivers what it claims again, its claim stands again
+    better = WorkerObserved(worker_id="liar", tiles=20, observed_s=0.01, predicted_s=1.0, flops=liar.flops)
+    assert reg.observe(Observed(job="j", at=4.0, workers=(better,))) == [("liar", pytest.approx(100.0), 1.0)]
+    assert reg.devices["liar"].profile == FAST and OVERCLAIM > HYSTERESIS
+
+
+def test_a_claimed_slow_link_adds_at_most_a_few_seconds_to_liveness() -> None:
+    reg = Registry(liveness_s=1.0, link_grace_s=5.0)
+    slow = FAST.model_copy(update={"latency_s": 10.0, "uplink_bytes_per_s": 1e3})  # a minute, by its claim
+    reg.heartbeat(beat("ghost", slow), 0.0)
+    assert reg.sweep(5.9) == [] and reg.sweep(6.1) == ["ghost"]
+
+
+async def test_a_device_that_breaks_the_planner_is_dropped_and_the_rest_planned() -> None:
+    """The planner failing with anything but PlanError (a bug no bound on profiles caught) costs the fleet one
+    device: the new one whose absence lets it plan; the scheduler goes on, and refuses it until it changes."""
+
+    class Fragile(Scheduler):  # the real planner, made to fail on one profile, as a bug would
+        async def _lay_out(self, plan):  # noqa: ANN001, ANN202
+            if any(w.profile.flops == 123e9 for w in plan.workers):
+                raise ZeroDivisionError("a planner bug")
+            return await super()._lay_out(plan)
+
+    sched = Fragile(SchedulerSettings(), bus=None)
+    sched.outbox = Outbox(None, None)
+    sched.shapes = job_shapes("tiny", 8, 64, 4)
+    for w in ("a", "b"):
+        sched.registry.heartbeat(beat(w), 0.0)
+    assert (await sched.make_plan("start")).gemms
+    odd = FAST.model_copy(update={"flops": 123e9})
+    sched.registry.heartbeat(beat("odd", odd), 1.0)
+    plan = await sched.make_plan("join")
+    assert plan.gemms and {w.worker_id for w in plan.workers} == {"a", "b"}
+    assert "odd" not in sched.registry.devices and sched.outbox.records == {"odd": None}
+    assert any(e.kind == "worker_dropped" and e.worker_id == "odd" for e in sched.outbox.events)
+    assert await sched.on_heartbeat(beat("odd", odd), 0) is None and "odd" not in sched.registry.devices
+    await sched.on_heartbeat(beat("odd", FAST), 0)  # a changed profile is heard again
+    assert "odd" in sched.registry.devices
+    sched.close()
