@@ -25,6 +25,8 @@ from cleave import bus as busmod
 from cleave.models import gemm_shapes
 
 DEFAULT_WINDOW = 32  # messages in flight per pair, as the PS's window of tiles per worker
+DEFAULT_WINDOW_BYTES = 32 << 20  # and at most these bytes: below the server's max_pending for a subscriber
+# (bus.SERVER_MAX_PENDING), past which it cuts the subscriber off as a slow consumer
 DEFAULT_PAIR_BYTES = 48 << 20  # what each pair moves per measurement
 DEFAULT_SAMPLE_S = 0.005
 CATEGORIES = ("serialisation", "copies", "bus", "local_compute", "python")
@@ -63,13 +65,13 @@ asyncio.run(main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.
 
 SUBSCRIBER = """
 import asyncio, sys, nats
-async def main(url, subject, count):
+async def main(url, subject, count, every):
     nc = await nats.connect(url)
     got, done = 0, asyncio.Event()
     async def on_msg(msg):
         nonlocal got
         got += 1
-        if got % 8 == 0 or got == count:
+        if got % every == 0 or got == count:
             await nc.publish(subject + ".ack", str(got).encode())
         if got == count:
             done.set()
@@ -79,7 +81,7 @@ async def main(url, subject, count):
     await asyncio.wait_for(done.wait(), 300)
     await nc.flush()
     await nc.close()
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
 """
 
 
@@ -92,17 +94,19 @@ async def bus_rate_once(url: str, pairs: int, size: int, one_publisher: bool = F
                         pair_bytes: int = DEFAULT_PAIR_BYTES) -> float:
     """Bytes/s moved to `pairs` subscriber processes at once, each on its own subject: from as many publisher
     processes, or (`one_publisher`) from one, as the PS publishes to its workers."""
-    count = max(DEFAULT_WINDOW * 2, pair_bytes // size)
+    window = max(1, min(DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES // size))
+    count = max(window * 2, pair_bytes // size)
     subjects = [f"bench.p{i}" for i in range(pairs)]
     senders = [",".join(subjects)] if one_publisher else subjects
     bus = await busmod.connect(url, "bench-bus")
     ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
-    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count))
+    every = max(1, min(8, window // 4))  # a subscriber acknowledges every 8 messages, or more often in a small window
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count), str(every))
              for s in subjects]
     try:
         await _gather(ready, pairs, 60)
         procs += [await asyncio.create_subprocess_exec(sys.executable, "-c", PUBLISHER, url, s, str(size),
-                                                       str(count), str(DEFAULT_WINDOW)) for s in senders]
+                                                       str(count), str(window)) for s in senders]
         await _gather(ready, len(senders), 60)
         t0 = time.perf_counter()
         await bus.nc.publish("bench.go", b"")
