@@ -276,6 +276,7 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other developers' processes "
                    "(absolute rates vary run to run; the ratios are the figures)",
+        "load_average_1min_at_end": os.getloadavg()[0],
         "m": m, "n": n, "k": k, "tile": args.tile, "dtype": "float32", "gemms": args.gemms, "workers": workers,
         "connections": workers + 1, "max_payload": fleet.stack.max_payload - busmod.HEADROOM,
         "ps_seconds": wall, "gemm_seconds": walls,
