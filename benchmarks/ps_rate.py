@@ -10,11 +10,13 @@ fast as their bytes arrive and the PS's hot path is what is measured. The PS is 
 dealing `--gemms` GEMMs of M x K by K x N float32, one after the other, every block fresh (no block is
 cached by a worker from one GEMM to the next); each product is checked equal to the precomputed one.
 
-Then, on the same nats-server, the bus's rate at the PS's message sizes (`floors.bus_rate`: N publisher/
+Then, on the same nats-server, the bus's rate at the PS's message sizes (`floors.bus_measure`: N publisher/
 subscriber process pairs, or one publisher to N subscribers, best of 2 tries each, per direction). The
 figure is `ps_over_bus`: the seconds the bus needs for the bytes the PS moved (egress and ingress each at
 its own rate) over the seconds the PS took; `egress_over_bus` compares the PS's egress alone with the bus's
-rate at the egress message size. Where the PS's CPU goes: `floors.CpuSampler`, or with `--py-spy` a
+rate at the egress message size; `ps_cpu_over_bus_clients`, the PS's CPU seconds over those bare nats-py clients
+spend on the same bytes (a publisher's per egress byte, subscribers' per ingress byte), which depends less on
+what else the machine runs than the rates do. Where the PS's CPU goes: `floors.CpuSampler`, and with `--py-spy` a
 py-spy profile of this process (`benchmarks/results/ps_rate.speedscope.json`).
 Writes benchmarks/results/ps_rate.json.
 
@@ -271,8 +273,10 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         fleet.stop()
         product.unlink(missing_ok=True)
     wall = sum(walls)
-    rate_down, rate_up = max(bus_down.values()), max(bus_up.values())
+    rate_down, rate_up = (max(r["bytes_per_s"] for r in rates.values()) for rates in (bus_down, bus_up))
     bus_s = down / rate_down + up / rate_up
+    # the CPU a bare nats-py client spends on these bytes: one publisher's for the egress, subscribers' for the ingress
+    clients_s = (bus_down[True]["publisher_ns_per_byte"] * down + bus_up[True]["subscriber_ns_per_byte"] * up) / 1e9
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other developers' processes "
                    "(absolute rates vary run to run; the ratios are the figures)",
@@ -287,8 +291,12 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         "msg_sizes_down": {str(s): b for s, b in sorted(wire.down.items())},
         "msg_sizes_up": {str(s): b for s, b in sorted(wire.up.items())},
         "bus_bytes_per_s": (down + up) / bus_s, "bus_bytes_per_s_down": rate_down, "bus_bytes_per_s_up": rate_up,
-        "bus_one_publisher_bytes_per_s_down": bus_down[True], "bus_pairs_bytes_per_s_down": bus_down[False],
-        "bus_one_publisher_bytes_per_s_up": bus_up[True], "bus_pairs_bytes_per_s_up": bus_up[False],
+        "bus_one_publisher_bytes_per_s_down": bus_down[True]["bytes_per_s"],
+        "bus_pairs_bytes_per_s_down": bus_down[False]["bytes_per_s"],
+        "bus_one_publisher_bytes_per_s_up": bus_up[True]["bytes_per_s"], "bus_pairs_bytes_per_s_up": bus_up[False]["bytes_per_s"],
+        "bus_publisher_ns_per_byte": bus_down[True]["publisher_ns_per_byte"],
+        "bus_subscriber_ns_per_byte": bus_up[True]["subscriber_ns_per_byte"],
+        "bus_clients_cpu_s_for_ps_bytes": clients_s, "ps_cpu_over_bus_clients": cpu["cpu_s"] / clients_s,
         "bus_seconds_for_ps_bytes": bus_s,
         "ps_over_bus": bus_s / wall, "egress_over_bus": down / wall / rate_down,
         "ps_cpu_s": cpu["cpu_s"], "ps_cpu_split_s": {c: cpu[c] for c in floors.CATEGORIES},
@@ -305,8 +313,10 @@ def with_profile(r: dict, path: Path) -> dict:
     return r
 
 
-async def _best(url: str, pairs: int, size: int, one_publisher: bool, tries: int = 2) -> float:
-    return max([await floors.bus_rate_once(url, pairs, size, one_publisher) for _ in range(tries)])
+async def _best(url: str, pairs: int, size: int, one_publisher: bool, tries: int = 2) -> dict[str, float]:
+    """The fastest of `tries` measurements (`floors.bus_measure`)."""
+    return max([await floors.bus_measure(url, pairs, size, one_publisher) for _ in range(tries)],
+               key=lambda r: r["bytes_per_s"])
 
 
 def report(r: dict) -> str:
@@ -316,7 +326,10 @@ def report(r: dict) -> str:
             f"(messages of {r['msg_bytes_down'] / 2**20:.1f}/{r['msg_bytes_up'] / 2**20:.1f} MiB); bus "
             f"{r['bus_bytes_per_s_down'] / 1e6:.0f}/{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with "
             f"{r['connections']} connections -> PS/bus {r['ps_over_bus']:.2f}, egress/bus {r['egress_over_bus']:.2f}"
-            f"\n  PS CPU {r['ps_cpu_s']:.2f}s over {r['ps_seconds']:.2f}s ({r['ps_cpu_per_byte_ns']:.2f} ns a byte): {split}")
+            f"\n  PS CPU {r['ps_cpu_s']:.2f}s over {r['ps_seconds']:.2f}s ({r['ps_cpu_per_byte_ns']:.2f} ns a byte; "
+            f"bare nats-py clients {r['bus_clients_cpu_s_for_ps_bytes']:.2f}s for the same bytes, publisher "
+            f"{r['bus_publisher_ns_per_byte']:.2f} and subscribers {r['bus_subscriber_ns_per_byte']:.2f} ns a byte "
+            f"-> x{r['ps_cpu_over_bus_clients']:.1f}): {split}")
 
 
 def main() -> None:
