@@ -25,6 +25,8 @@ from cleave import bus as busmod
 from cleave.models import gemm_shapes
 
 DEFAULT_WINDOW = 32  # messages in flight per pair, as the PS's window of tiles per worker
+DEFAULT_WINDOW_BYTES = 32 << 20  # and at most these bytes: below the server's max_pending for a subscriber
+# (bus.SERVER_MAX_PENDING), past which it cuts the subscriber off as a slow consumer
 DEFAULT_PAIR_BYTES = 48 << 20  # what each pair moves per measurement
 DEFAULT_SAMPLE_S = 0.005
 CATEGORIES = ("serialisation", "copies", "bus", "local_compute", "python")
@@ -45,6 +47,7 @@ async def main(url, subjects, size, count, window):
     await nc.publish("bench.ready", b"")
     await nc.flush()
     await go.next_msg(timeout=120)
+    cpu = time.process_time()
     payload = bytes(size)
     for i in range(count):
         for s in subjects:
@@ -55,21 +58,23 @@ async def main(url, subjects, size, count, window):
     while min(acked.values()) < count:
         moved.clear()
         await asyncio.wait_for(moved.wait(), 60)
-    await nc.publish("bench.done", b"")
+    await nc.publish("bench.done", str(time.process_time() - cpu).encode())  # its CPU seconds
     await nc.flush()
     await nc.close()
 asyncio.run(main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
 """
 
 SUBSCRIBER = """
-import asyncio, sys, nats
-async def main(url, subject, count):
+import asyncio, sys, time, nats
+async def main(url, subject, count, every):
     nc = await nats.connect(url)
-    got, done = 0, asyncio.Event()
+    got, done, cpu = 0, asyncio.Event(), 0.0
     async def on_msg(msg):
-        nonlocal got
+        nonlocal got, cpu
+        if not got:
+            cpu = time.process_time()
         got += 1
-        if got % 8 == 0 or got == count:
+        if got % every == 0 or got == count:
             await nc.publish(subject + ".ack", str(got).encode())
         if got == count:
             done.set()
@@ -77,9 +82,10 @@ async def main(url, subject, count):
     await nc.publish("bench.ready", b"")
     await nc.flush()
     await asyncio.wait_for(done.wait(), 300)
+    await nc.publish("bench.cpu", str(time.process_time() - cpu).encode())  # its CPU seconds from the first message
     await nc.flush()
     await nc.close()
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
 """
 
 
@@ -92,25 +98,38 @@ async def bus_rate_once(url: str, pairs: int, size: int, one_publisher: bool = F
                         pair_bytes: int = DEFAULT_PAIR_BYTES) -> float:
     """Bytes/s moved to `pairs` subscriber processes at once, each on its own subject: from as many publisher
     processes, or (`one_publisher`) from one, as the PS publishes to its workers."""
-    count = max(DEFAULT_WINDOW * 2, pair_bytes // size)
+    return (await bus_measure(url, pairs, size, one_publisher, pair_bytes))["bytes_per_s"]
+
+
+async def bus_measure(url: str, pairs: int, size: int, one_publisher: bool = False,
+                      pair_bytes: int = DEFAULT_PAIR_BYTES) -> dict[str, float]:
+    """`bus_rate_once`'s measurement: bytes_per_s, and the CPU seconds of the publisher and subscriber
+    processes (nats-py clients) per byte moved, `publisher_ns_per_byte` and `subscriber_ns_per_byte`."""
+    window = max(1, min(DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES // size))
+    count = max(window * 2, pair_bytes // size)
     subjects = [f"bench.p{i}" for i in range(pairs)]
     senders = [",".join(subjects)] if one_publisher else subjects
     bus = await busmod.connect(url, "bench-bus")
     ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
-    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count))
+    cpus = await bus.nc.subscribe("bench.cpu")
+    every = max(1, min(8, window // 4))  # a subscriber acknowledges every 8 messages, or more often in a small window
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count), str(every))
              for s in subjects]
     try:
         await _gather(ready, pairs, 60)
         procs += [await asyncio.create_subprocess_exec(sys.executable, "-c", PUBLISHER, url, s, str(size),
-                                                       str(count), str(DEFAULT_WINDOW)) for s in senders]
+                                                       str(count), str(window)) for s in senders]
         await _gather(ready, len(senders), 60)
         t0 = time.perf_counter()
         await bus.nc.publish("bench.go", b"")
-        await _gather(done, len(senders), 300)
-        rate = pairs * count * size / (time.perf_counter() - t0)
+        pub_s = [float((await done.next_msg(timeout=300)).data) for _ in senders]
+        moved = pairs * count * size
+        rate = moved / (time.perf_counter() - t0)
+        sub_s = [float((await cpus.next_msg(timeout=60)).data) for _ in subjects]
         for p in procs:
             await p.wait()
-        return rate
+        return {"bytes_per_s": rate, "publisher_ns_per_byte": 1e9 * sum(pub_s) / moved,
+                "subscriber_ns_per_byte": 1e9 * sum(sub_s) / moved}
     finally:
         for p in procs:
             if p.returncode is None:

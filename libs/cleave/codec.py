@@ -30,6 +30,7 @@ FLAG_CHUNK = 0x02
 _HEAD = struct.Struct("<2sBB")  # magic, version, flags
 _CHUNK = struct.Struct("<16sIIQ")  # message id, index, count, total body length
 CHUNK_OVERHEAD = _HEAD.size + _CHUNK.size
+_PLAIN_HEAD = _HEAD.pack(MAGIC, VERSION, 0)  # every byte below 0x80, a msgpack positive fixint (`encode`)
 DEFAULT_ZSTD_MIN_BYTES = 4096  # smaller bodies are never worth compressing
 DEFAULT_ZSTD_SAMPLE_BYTES = 65536
 DEFAULT_ZSTD_MAX_RATIO = 0.85  # compress only when a sample shrinks to this fraction or less
@@ -109,11 +110,20 @@ def _pays(body: bytes) -> bool:
 
 
 def encode(msg: Wire, compress: bool = True) -> bytes:
-    """A message as one frame body: msgpack, zstd-compressed when a sample shows it pays."""
-    body = msgpack.packb(msg.model_dump(), use_bin_type=True)
-    if compress and _pays(body):
-        return _HEAD.pack(MAGIC, VERSION, FLAG_ZSTD) + _compressor.compress(body)
-    return _HEAD.pack(MAGIC, VERSION, 0) + body
+    """A message as one frame body: msgpack, zstd-compressed when a sample shows it pays.
+
+    The header and the body are packed into one buffer, so that a body of tensor bytes is not copied once
+    more to put the header in front of it: each header byte is below 0x80, a msgpack positive fixint, which
+    msgpack writes as that very byte."""
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    for byte in _PLAIN_HEAD:
+        packer.pack(byte)
+    packer.pack(msg.model_dump())
+    if compress:
+        body = packer.getbuffer()[_HEAD.size :]
+        if _pays(body):
+            return _HEAD.pack(MAGIC, VERSION, FLAG_ZSTD) + _compressor.compress(body)
+    return packer.bytes()
 
 
 def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES,
