@@ -78,8 +78,11 @@ def test_the_aggregate_is_fedavgs_and_no_update_reaches_the_ps(tmp_path):
     secure, seen, secure_w = run(tmp_path / "secure" / "run", job.model_copy(update={"secagg": True}))
     assert [m["workers"] for m in secure] == [3, 3, 3]
     assert_same([m["loss"] for m in secure], [m["loss"] for m in plain], rtol=1e-6)
-    for k, w in plain_w.items():  # the global weights after three rounds: FedAvg's, within float tolerance
-        torch.testing.assert_close(secure_w[k], w, rtol=0, atol=1e-6, msg=k)
+    # the global weights after three rounds: FedAvg's, within float tolerance. The sum is taken in another order
+    # (float64 fixed point, not float32), an ulp a round, and AdamW's next local steps magnify it where a bias's
+    # gradient is near 0: measured 7.2e-7 at most in one run and just over 1e-6 in another, on c_attn's biases
+    for k, w in plain_w.items():
+        torch.testing.assert_close(secure_w[k], w, rtol=0, atol=1e-5, msg=k)
     # what the PS received: keys, sealed shares, masked updates and the shares it needs; no float update
     phases = {m.secagg.phase for m in seen if m.secagg is not None}
     assert phases == {"keys", "shares", "masked", "reveal"} and all(m.secagg is not None for m in seen)
