@@ -15,7 +15,8 @@ METHODS = ("cleave", "diloco", "fedavg", "split")
 # a value other than the default for every method-specific setting
 NON_DEFAULT = {"split_layers": 2, "local_steps": 3, "outer_lr": 0.5, "outer_momentum": 0.5, "aggregate": "median",
                "compress": "int8", "lora_rank": 4, "lora_alpha": 8.0, "round_timeout_s": 30.0, "max_staleness": 2,
-               "min_updates": 1, "init_from": "some/dir", "precision": "bf16"}
+               "min_updates": 1, "init_from": "some/dir", "precision": "bf16", "recompute": True, "micro_batches": 2,
+               "logits_bytes": 1024}
 
 
 def test_every_method_specific_setting_has_a_value_to_try():

@@ -1,6 +1,10 @@
 """One training step, identical for the reference run and the PS: model, data, loss, AdamW.
 
-The only difference between the two is the GEMM backend installed into the linear layers.
+The only difference between the two is the GEMM backend installed into the linear layers. A step runs the
+job's micro-batches one after another, each a forward, the head and loss in chunks of tokens
+(`cleave.gemm.head`) and a backward whose gradients add up in `.grad`, then clips and steps once; with
+`recompute` every block keeps only its input and runs its forward again in the backward
+(`cleave.models.recompute`).
 """
 
 from __future__ import annotations
@@ -8,11 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from cleave.errors import ConfigError
 from cleave.gemm import tiled
-from cleave.models import ModelConfig, build_model
+from cleave.gemm.head import head_loss
+from cleave.models import ModelConfig, build_model, head_chunks
 from cleave.models.hf import check_state_dict, load_hf, our_shapes
 from cleave.train import precision, schedule
 from cleave.train.data import Corpus, check_vocab
@@ -58,6 +62,8 @@ class Trainer:
         if job.init_from is not None:
             load_init(self.model, self.cfg, job)
         self.model.to(self.device)
+        self.layout = job.layout(1 if group is None else group.replicas)
+        self.model.recompute = self.layout.recompute
         self.dtype = precision.dtype_of(job.precision)
         if backend is None and self.dtype is not None:
             backend = precision.LocalGemm()  # the reference's GEMMs in the job's precision
@@ -77,10 +83,27 @@ class Trainer:
         self.scaler = precision.LossScaler(self.opt) if job.precision == "fp16" else None
         self.skipped = 0  # fp16 steps skipped for an overflow in the gradients
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, y: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+        """The mean loss over the tokens of x (B, T) against y; its backward is to be given `grad_scale`."""
         with precision.autocast(self.job.precision, self.device):
-            logits = self.model(x)  # (B, T, vocab)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            h = self.model.hidden(x)  # (B, T, C)
+        return head_loss(self.model.lm_head, h.view(-1, h.size(-1)), y.view(-1), head_chunks(self.cfg, y.numel(), self.job.logits_bytes), self.layout.head_slices, grad_scale)
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the mean loss (the gradients are the mean's)."""
+        k = self.layout.micro_batches
+        scale = float(torch.tensor((self.scaler.value if self.scaler else 1.0) / k))  # as backward gets it
+        total = torch.zeros((), device=self.device)
+        for xs, ys in zip(x.chunk(k), y.chunk(k), strict=True):
+            loss = self.loss(xs, ys, scale)
+            try:  # (deferred weight gradients are in place when backward returns)
+                loss.backward(torch.full_like(loss, scale))
+            except BaseException:
+                if self.late is not None:
+                    self.late.cancel()
+                raise
+            total += loss.detach()
+        return total / k
 
     def step(self, step: int) -> float:
         """Run training step `step` (its batch is fixed by the seed and the step number)."""
@@ -89,14 +112,8 @@ class Trainer:
             x, y = self.group.share(x), self.group.share(y)
         x, y = x.to(self.device), y.to(self.device)
         self.model.train()
-        loss = self.loss(x, y)
         self.opt.zero_grad(set_to_none=True)
-        try:  # (deferred weight gradients are in place when backward returns)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-        except BaseException:
-            if self.late is not None:
-                self.late.cancel()
-            raise
+        loss = self._backward(x, y)
         if self.group is not None:  # the global batch's mean gradient and loss, on every replica (so that
             value, *sync = self.group.average(self.model, loss)  # all take the same loss-scale decision)
             self.last_sync = tuple(sync)

@@ -1,0 +1,124 @@
+"""The output head and the loss, in chunks of tokens: the whole batch's logits never exist at once.
+
+`head_loss(head, h, targets, chunks, slices)` is the mean cross-entropy of `head(h)` against `targets`,
+computed chunk by chunk of rows (tokens): each chunk's logits `X·Wᵀ`, its loss, and at once (when autograd
+records) its gradients, the input gradient `dY·W` into its rows of dX and the weight gradient `dYᵀ·X` added
+into dW, where dY is the chunk's `(softmax - onehot) x grad_scale / tokens`. The input gradient's inner
+dimension is the vocabulary (128,256 for Llama 3): it is computed as the sum of `slices` products over
+slices of the vocabulary, each an ordinary GEMM whose tiles carry no more than a block's widest layer's. The logits of a chunk are freed
+before the next one's exist; what the backward pass then gets is dX and dW, scaled by what actually arrives
+(`grad_scale` is what the caller will pass to backward: 1, or a loss scale over micro-batches; anything
+else is multiplied in, to the same result within rounding).
+
+The three GEMMs go where the head's other products go: a `TiledLinear`'s backend (the fleet on the PS,
+with the input and weight gradients dealt together when it can run GEMMs at once), in its precision with
+the same casts as its own backward (`cleave.gemm.tiled`); a plain `nn.Linear` computes them in this
+process as autograd's own linear would. The PS and `--reference` run this same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cleave.gemm.tiled import TiledLinear, _cast, _Computed
+from cleave.models.gemms import spans
+
+
+class _Products:
+    """The head's three products for one layer: through its backend, or plain torch for an nn.Linear."""
+
+    def __init__(self, head: nn.Linear, slices: int = 1) -> None:
+        self.tiled = isinstance(head, TiledLinear)
+        self.slices = spans(head.weight.shape[0], slices)
+        self.weight = head.weight.detach()
+        self.name = head.gemm_name if self.tiled else "lm_head"
+        self.dtype = head.gemm_dtype if self.tiled else None
+        if self.tiled:
+            late = head.late_grads
+            self.gemm = head.backend.gemm
+            self.submit = head.backend.submit if late is not None else _Computed.of(head.backend)
+        self._wt: list[torch.Tensor] | None = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tiled:
+            return F.linear(x, self.weight)
+        return self.gemm(_cast(x, self.dtype).contiguous(), _cast(self.weight, self.dtype).contiguous(),
+                         self.name + ".fwd")
+
+    def grads(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dX, dW) of one chunk: dY·W as the sum over the vocabulary's slices (in float32, in order), and
+        dYᵀ·X; dealt together where the backend can."""
+        if not self.tiled:
+            return _sum(dy[:, lo:hi].mm(self.weight[lo:hi]) for lo, hi in self.slices), dy.t().mm(x)
+        if self._wt is None:  # Wᵀ once for every chunk, slice by slice
+            self._wt = [_cast(self.weight[lo:hi], self.dtype).t().contiguous() for lo, hi in self.slices]
+        dy2 = _cast(dy, self.dtype).contiguous()
+        dw_at = self.submit(dy2.t().contiguous(), _cast(x, self.dtype).t().contiguous(), self.name + ".dw",
+                            priority=1)
+        parts = [self.submit(dy2[:, lo:hi].contiguous(), wt, self.name + ".dx", priority=0)
+                 for (lo, hi), wt in zip(self.slices, self._wt, strict=True)]
+        return _sum(p.result() for p in parts), dw_at.result()
+
+
+def _sum(parts: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The partial products added up in float32, in order."""
+    total = None
+    for p in parts:
+        total = p.float() if total is None else total.add_(p)
+    return total
+
+
+def _chunk_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), y, reduction="sum")
+
+
+class _HeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, head, chunks: int, slices: int, grad_scale: float):  # noqa: ANN001
+        prod, n = _Products(head, slices), h.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        dh = torch.empty_like(h)
+        dw = None
+        for lo, hi in spans(n, chunks):
+            x, y = h[lo:hi], targets[lo:hi]
+            logits = prod.logits(x)  # (rows, vocab): only this chunk's
+            total += _chunk_loss(logits, y)
+            g = torch.softmax(logits.float(), dim=-1)
+            del logits
+            g[torch.arange(hi - lo, device=g.device), y] -= 1.0
+            g *= grad_scale / n  # dY of the mean loss, times what backward will pass
+            dx_c, dw_c = prod.grads(g, x)
+            del g
+            dh[lo:hi] = dx_c.to(h.dtype)
+            dw_c = dw_c.to(weight.dtype)
+            dw = dw_c if dw is None else dw.add_(dw_c)
+        ctx.dh, ctx.dw, ctx.grad_scale = dh, dw, grad_scale
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        dh, dw = ctx.dh, ctx.dw
+        ctx.dh = ctx.dw = None
+        factor = grad / ctx.grad_scale
+        if bool(factor != 1):
+            dh, dw = dh * factor.to(dh.dtype), dw * factor.to(dw.dtype)
+        return dh, dw, None, None, None, None, None
+
+
+def head_loss(head: nn.Linear, h: torch.Tensor, targets: torch.Tensor, chunks: int = 1, slices: int = 1,
+              grad_scale: float = 1.0) -> torch.Tensor:
+    """Mean cross-entropy of `head(h)` (h: (tokens, C), targets: (tokens,)) in `chunks` pieces of rows, the
+    input gradient summed over `slices` of the vocabulary; its backward pass will be given `grad_scale` (the
+    gradients are computed here, for that)."""
+    if head.bias is not None:
+        raise ValueError("head_loss needs an output head without a bias")
+    if not (torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)):
+        prod, total = _Products(head), torch.zeros((), dtype=torch.float32, device=h.device)
+        for lo, hi in spans(h.shape[0], chunks):
+            total += _chunk_loss(prod.logits(h[lo:hi]), targets[lo:hi])
+        return total / h.shape[0]
+    return _HeadLoss.apply(h, head.weight, targets, head, chunks, slices, grad_scale)
