@@ -6,18 +6,21 @@ records) its gradients, the input gradient `dY·W` into its rows of dX and the w
 into dW, where dY is the chunk's `(softmax - onehot) x grad_scale / tokens`. The input gradient's inner
 dimension is the vocabulary (128,256 for Llama 3): it is computed as the sum of `slices` products over
 slices of the vocabulary, each an ordinary GEMM whose tiles carry no more than a block's widest layer's. The logits of a chunk are freed
-before the next one's exist; what the backward pass then gets is dX and dW, scaled by what actually arrives
+before the next one's exist; what the backward pass then gives is dX and dW (added into the weight's `.grad`
+at once, where a tied embedding adds its own in place), scaled by what actually arrives
 (`grad_scale` is what the caller will pass to backward: 1, or a loss scale over micro-batches; anything
 else is multiplied in, to the same result within rounding).
 
-The three GEMMs go where the head's other products go: a `TiledLinear`'s backend (the fleet on the PS,
-with the input and weight gradients dealt together when it can run GEMMs at once), in its precision with
-the same casts as its own backward (`cleave.gemm.tiled`); a plain `nn.Linear` computes them in this
-process as autograd's own linear would. The PS and `--reference` run this same code.
+The GEMMs go where the head's other products go: a `TiledLinear`'s backend (the fleet on the PS), in its
+precision with the same casts as its own backward (`cleave.gemm.tiled`), the input gradient's slices two
+at a time and then the weight gradient (each GEMM's dispatcher keeps copies of its inputs and its whole
+output until it is done: one at a time keeps the head's memory near one chunk's logits and two copies of
+W); a plain `nn.Linear` computes them in this process. The PS and `--reference` run this same code.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -41,7 +44,6 @@ class _Products:
             late = head.late_grads
             self.gemm = head.backend.gemm
             self.submit = head.backend.submit if late is not None else _Computed.of(head.backend)
-        self._wt: list[torch.Tensor] | None = None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tiled:
@@ -49,26 +51,38 @@ class _Products:
         return self.gemm(_cast(x, self.dtype).contiguous(), _cast(self.weight, self.dtype).contiguous(),
                          self.name + ".fwd")
 
-    def grads(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dX, dW) of one chunk: dY·W as the sum over the vocabulary's slices (in float32, in order), and
-        dYᵀ·X; dealt together where the backend can."""
+    def transposed(self, g: torch.Tensor) -> torch.Tensor:
+        """dYᵀ (vocab, rows) in the GEMMs' precision, contiguous: what the weight gradient's GEMM takes, and
+        whose rows the input gradient's slices are cut from."""
+        return _cast(g, self.dtype).t().contiguous()
+
+    def grads(self, dyt: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dX, dW) of one chunk from dYᵀ: dY·W as the sum over the vocabulary's slices (in float32, in order;
+        two slices in flight, each with its own Wᵀ slice, so that no copy of the whole Wᵀ exists), then
+        dYᵀ·X."""
         if not self.tiled:
-            return _sum(dy[:, lo:hi].mm(self.weight[lo:hi]) for lo, hi in self.slices), dy.t().mm(x)
-        if self._wt is None:  # Wᵀ once for every chunk, slice by slice
-            self._wt = [_cast(self.weight[lo:hi], self.dtype).t().contiguous() for lo, hi in self.slices]
-        dy2 = _cast(dy, self.dtype).contiguous()
-        dw_at = self.submit(dy2.t().contiguous(), _cast(x, self.dtype).t().contiguous(), self.name + ".dw",
-                            priority=1)
-        parts = [self.submit(dy2[:, lo:hi].contiguous(), wt, self.name + ".dx", priority=0)
-                 for (lo, hi), wt in zip(self.slices, self._wt, strict=True)]
-        return _sum(p.result() for p in parts), dw_at.result()
+            return _sum(dyt[lo:hi].t().mm(self.weight[lo:hi]) for lo, hi in self.slices), dyt.mm(x)
+        dx, pending = None, deque()
+        for lo, hi in self.slices:
+            wt = _cast(self.weight[lo:hi], self.dtype).t().contiguous()
+            pending.append(self.submit(dyt[lo:hi].t().contiguous(), wt, self.name + ".dx", priority=0))
+            del wt
+            if len(pending) > 1:
+                dx = _add(dx, pending.popleft().result())
+        while pending:
+            dx = _add(dx, pending.popleft().result())
+        return dx, self.gemm(dyt, _cast(x, self.dtype).t().contiguous(), self.name + ".dw")
+
+
+def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part.float() if total is None else total.add_(part)
 
 
 def _sum(parts: Iterator[torch.Tensor]) -> torch.Tensor:
     """The partial products added up in float32, in order."""
     total = None
     for p in parts:
-        total = p.float() if total is None else total.add_(p)
+        total = _add(total, p)
     return total
 
 
@@ -91,12 +105,14 @@ class _HeadLoss(torch.autograd.Function):
             del logits
             g[torch.arange(hi - lo, device=g.device), y] -= 1.0
             g *= grad_scale / n  # dY of the mean loss, times what backward will pass
-            dx_c, dw_c = prod.grads(g, x)
+            dyt = prod.transposed(g)
             del g
+            dx_c, dw_c = prod.grads(dyt, x)
+            del dyt
             dh[lo:hi] = dx_c.to(h.dtype)
-            dw_c = dw_c.to(weight.dtype)
-            dw = dw_c if dw is None else dw.add_(dw_c)
-        ctx.dh, ctx.dw, ctx.grad_scale = dh, dw, grad_scale
+            dw = dw_c.to(weight.dtype) if dw is None else dw.add_(dw_c)
+            del dx_c, dw_c  # (the next chunk's products must not find these still held)
+        ctx.dh, ctx.dw, ctx.grad_scale, ctx.weight = dh, dw, grad_scale, weight
         return total / n
 
     @staticmethod
@@ -105,8 +121,10 @@ class _HeadLoss(torch.autograd.Function):
         ctx.dh = ctx.dw = None
         factor = grad / ctx.grad_scale
         if bool(factor != 1):
-            dh, dw = dh * factor.to(dh.dtype), dw * factor.to(dw.dtype)
-        return dh, dw, None, None, None, None, None
+            dh, dw = dh * factor.to(dh.dtype), dw.mul_(factor.to(dw.dtype))
+        weight = ctx.weight  # dW goes straight into .grad, where a tied embedding adds its own in place
+        weight.grad = dw if weight.grad is None else weight.grad.add_(dw)  # (cleave.models.embed)
+        return dh, None, None, None, None, None, None
 
 
 def head_loss(head: nn.Linear, h: torch.Tensor, targets: torch.Tensor, chunks: int = 1, slices: int = 1,

@@ -24,8 +24,8 @@ from cleave.models.recompute import recompute_free
 HEAD = "lm_head"  # the output head's linear layer (not in a block)
 DEFAULT_LOGITS_BYTES = 256 * 1024 * 1024  # float32 logits of one chunk of the head at most (a chunk of 1,024
 # tokens for GPT-2's 50,257-token vocabulary, 512 for Llama 3's 128,256): what the head and loss hold at once
-HEAD_SLICE = 8192  # the head's input gradient sums products over slices of at most this much of the vocabulary:
-# then its tiles (1,024 x 1,024 at most) carry no more input than those of a block's widest layer (K = 8,192)
+HEAD_SLICE: int | None = None  # the head's input gradient sums products over slices of at most this much of the
+# vocabulary; None: the model's MLP width, so that its tiles carry no more input than those of a block's widest GEMM
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class StepLayout:
 
 def head_slices(cfg: ModelConfig) -> int:
     """Slices of the vocabulary that the head's input gradient is summed over (`HEAD_SLICE` each at most)."""
-    return -(-cfg.vocab_size // HEAD_SLICE)
+    return -(-cfg.vocab_size // (HEAD_SLICE or cfg.mlp_width))
 
 
 def spans(n: int, pieces: int) -> list[tuple[int, int]]:

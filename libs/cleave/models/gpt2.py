@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cleave.models.config import ModelConfig
+from cleave.models.embed import embed
 from cleave.models.recompute import run_block
 
 
@@ -93,7 +94,7 @@ class GPT2(nn.Module):
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = embed(self.transformer.wte, idx) + self.transformer.wpe(pos)  # (B, T, C)
         for block in self.transformer.h:
             x = run_block(block, x, recompute=self.recompute)
         return self.transformer.ln_f(x)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cleave.models.config import ModelConfig
+from cleave.models.embed import embed
 from cleave.models.recompute import run_block
 
 
@@ -123,7 +124,7 @@ class Llama(nn.Module):
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size={self.config.block_size}")
         cos, sin = rope_tables(self.config, T, idx.device)
-        x = self.embed_tokens(idx)  # (B, T, C)
+        x = embed(self.embed_tokens, idx)  # (B, T, C)
         for layer in self.layers:
             x = run_block(layer, x, cos, sin, recompute=self.recompute)
         return self.norm(x)
