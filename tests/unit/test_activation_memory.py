@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cleave.gemm.head import head_loss
-from cleave.gemm.tiled import LocalTiles
+from cleave.gemm.tiled import LocalTiles, _Computed
 from cleave.models import StepLayout, build_model, gemm_shapes, gemms, get_preset, head_chunks
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
@@ -27,6 +27,19 @@ class Recording:
     def gemm(self, a: torch.Tensor, bt: torch.Tensor, name: str) -> torch.Tensor:
         self.calls[(a.shape[0], bt.shape[0], a.shape[1])] += 1
         return a @ bt.T
+
+
+class Deferring:
+    """A backend that runs GEMMs "concurrently" as the PS's fleet does: the weight gradients are deferred
+    (`cleave.gemm.tiled.LateGrads`) and added in at the end of each backward pass."""
+
+    deferred_gemms = 8
+
+    def gemm(self, a: torch.Tensor, bt: torch.Tensor, name: str) -> torch.Tensor:
+        return a @ bt.T
+
+    def submit(self, a: torch.Tensor, bt: torch.Tensor, name: str, priority: int = 0) -> _Computed:
+        return _Computed(a @ bt.T)
 
 
 def tiles() -> LocalTiles:
@@ -62,6 +75,16 @@ def test_micro_batches_and_a_chunked_head_equal_their_same_option_reference(pres
     whole, _ = train(preset=preset, precision=precision)  # accumulation sums in another order: the envelope
     rtol = 1e-6 if precision == "fp32" else 1e-4
     assert all(abs(a - b) <= rtol * abs(b) for a, b in zip(ref, whole, strict=True)), (ref, whole)
+
+
+def test_deferred_weight_gradients_reach_the_parameters_of_a_recomputed_block() -> None:
+    options = dict(preset="small", batch_size=4, recompute=True, micro_batches=2, logits_bytes=64 * 256 * 4)
+    plain, p = train(**options)
+    now, n = train(backend=Recording(), **options)  # the same products, each weight gradient when asked
+    later, d = train(backend=Deferring(), **options)  # (a recomputed block's saved weight is a detached alias:
+    assert later == now  # a .grad set on it would never reach the parameter)
+    assert all(torch.equal(a, b) for a, b in zip(n.model.parameters(), d.model.parameters(), strict=True))
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(later, plain, strict=True))
 
 
 def test_the_chunked_head_gives_the_whole_heads_loss_and_gradients() -> None:

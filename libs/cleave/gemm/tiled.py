@@ -124,6 +124,9 @@ class _TiledLinearFn(torch.autograd.Function):
         if bias is not None and not skip:
             y = y + _cast(bias, dtype)
         ctx.save_for_backward(x2, weight)
+        # the Parameter itself: under recomputation (cleave.models.recompute) the saved tensors come back as
+        # detached aliases, and a deferred gradient set on one of those would never reach the parameter
+        ctx.param = weight
         ctx.backend, ctx.name, ctx.x_shape, ctx.has_bias = backend, name, x.shape, bias is not None
         ctx.dtype, ctx.x_dtype, ctx.late = dtype, x.dtype, late
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -141,7 +144,7 @@ class _TiledLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw_at = submit(dy2.t().contiguous(), x2.t().contiguous(), ctx.name + ".dw", priority=1)  # dYᵀ·X
             if ctx.late is not None:
-                ctx.late.add(weight, dw_at)
+                ctx.late.add(ctx.param, dw_at)
             else:
                 dw = dw_at.result().to(weight.dtype)
         if dx_at is not None:
