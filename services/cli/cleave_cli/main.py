@@ -85,6 +85,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of this rank")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="the GEMMs' precision (autocast "
                    "semantics; fp16 with loss scaling); --reference runs the same precision")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
+    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="activation checkpointing: each block keeps only its input and runs its forward again "
+                        "(its GEMMs dealt again) in the backward (default: only when the batch does not fit)")
+    p.add_argument("--micro-batches", type=int, help="split each batch in N equal parts, gradients accumulated")
 
     for name in TOOLS:
         tool(name).register(sub)
