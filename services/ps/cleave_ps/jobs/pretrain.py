@@ -4,6 +4,7 @@ as tiles; a step is committed and reported once, with replicas (`replicas.py`) a
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import resource
 import statistics
 import time
@@ -49,6 +50,18 @@ from cleave_ps.state.persist import Progress
 log = structlog.get_logger("ps")
 OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (median)
 MAX_BUDGETS_READ = 10_000  # registry entries the preflight reads for the workers' memory budgets
+MMAP_THRESHOLD_BYTES = 1 << 20  # glibc: every allocation from 1 MiB up mapped on its own, unmapped when freed
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def return_freed_memory() -> None:
+    """Have glibc give freed tensors back to the OS at once. Under its default, growing threshold (up to 32 MiB)
+    the PS's many short-lived tensors of a few MB (input blocks, encoded frames, products) stayed in its heap
+    when freed: gpt2-medium at 2 x 1024 held 1.2 GB more than it used at its peak. Elsewhere: nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc
+        log.info("malloc_threshold_unset")
 
 
 async def worker_budgets(bus: busmod.Bus) -> list[int]:
@@ -100,6 +113,7 @@ class Pretrain:
     commits and reports for all."""
 
     def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus) -> None:
+        return_freed_memory()
         self.s, self.job, self.bus = s, job, bus
         self.group = replica_group(s, job)
         # each replica deals under its own job name and epoch, fenced on its own (the workers keep one per job)
