@@ -9,7 +9,7 @@
 #                                     prometheus-client and sortedcontainers lacks.
 #   benchmarks/gpu_check.sh [OUT]     THERE: installs those wheels into /tmp/cleave-site and the repository
 #                                     itself without its dependencies (the image's CUDA torch stays: the pin
-#                                     torch==2.13.0 in pyproject.toml names the CPU wheel of our dev machines),
+#                                     constraints/cpu.txt names the CPU wheel of our dev machines),
 #                                     checks CUDA, runs the device-path unit tests, a tiny smoke run of
 #                                     gpu.py, then gpu.py itself. Results and logs go to OUT
 #                                     (default benchmarks/results): gpu.json, gpu_tiny.json, gpu_check.log.

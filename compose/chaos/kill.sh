@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SIGKILL one container of SERVICE (worker|ps|scheduler|nats|monitor|random), then bring it back:
+# SIGKILL one container of SERVICE (worker|runner|scheduler|nats|monitor|random, or ps with docker-compose.replicas.yml), then bring it back:
 # `docker kill` bypasses restart policies, so the script starts the same container again, as a crashed
 # machine's replacement would. Starting that container keeps the scale: a stack started with
 # `--scale worker=3` still has 3 workers (compose's `up` would reset it to deploy.replicas).

@@ -19,7 +19,7 @@ log() { echo "$(date +%H:%M:%S) $*"; }
 pick() {
   local service=$1
   if [ "$service" = random ]; then
-    service=$(printf '%s\n' worker worker worker ps scheduler nats | shuf -n1)
+    service=$(printf '%s\n' worker worker worker runner scheduler nats | shuf -n1)
   fi
   local id
   id=$(compose ps -q "$service" | shuf -n1)

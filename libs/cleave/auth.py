@@ -1,30 +1,36 @@
-"""Per-role NATS credentials, the subject permissions each role gets, the server config, and TLS material.
+"""Per-role NATS credentials, the subject permissions each role gets, and a client's connect options.
 
-Pure: everything here builds text, keys and option dicts; `cleave auth init` writes them to disk. Every
-subject comes from `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
+Pure: everything here builds keys, permissions and option dicts; `cleave auth init` writes them to disk, and
+`cleave_cli.serverconf` turns them into nats-server configs (with TLS). Every subject comes from
+`cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store); subscribe to
-  results.
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), and the
+  base weights and tokenizers of its jobs (Object Store `cleave-models`); subscribe to results. The hub's job
+  runner logs in as the PS: it also takes submissions and writes the job records.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and probe
   requests, and answer each probe once (`allow_responses`).
-- monitor: reads the events stream, the registry and plan buckets, live heartbeats and events; writes
+- monitor: reads the events stream, the registry, plan and job buckets, live heartbeats and events; writes
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
+- submitter: submit jobs to the hub (publish on `cleave.jobs.submit.*`, stored in JetStream), and read what
+  `cleave status` and `cleave export` need: the job records, the events stream (step metrics), the PS's state
+  and checkpoints. It writes nothing else (the runner alone writes the job records).
+- site: a site's leaf node, dialling the hub (a leaf-node connection only, never a client): exactly what its
+  workers may publish and receive (the worker role's subjects with `*` for the id), plus the answers to the
+  PS's requests to them (`_INBOX.ps.w.>`, `cleave.schemas.WORKER_REPLY_TOKEN`: a leaf node cannot use
+  `allow_responses`).
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
   carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
-  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes; no
-  JetStream. With `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that
-  id (results and updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in
-  place of the id.
+  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes;
+  of JetStream only reading the Object Store `cleave-models` (a job's base weights and tokenizer). With
+  `worker_id`, tiles, results, round updates, heartbeats and probe replies are pinned to that id (results and
+  updates go on per-worker subjects); the shared worker credential gets a `*` (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-import json
 import os
 import ssl
 from dataclasses import dataclass
@@ -32,37 +38,40 @@ from typing import Any
 
 import nkeys
 
-from cleave.bus import SERVER_LIMITS
 from cleave.errors import ConfigError
 from cleave.schemas import (
     EVENTS_STREAM,
+    JOBS_BUCKET,
+    JOBS_STREAM,
+    MODELS_OBJECTS,
     PLAN_BUCKET,
     REGISTRY_BUCKET,
+    SHAPES_KEY,
     STATE_BUCKET,
     STATE_OBJECTS,
     SUBJECT_CONTROL,
     SUBJECT_EVENTS_ALL,
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
+    SUBJECT_JOB_SUBMIT_ALL,
     SUBJECT_LINKCHECK,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
+    SUBJECT_SECAGG,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
+    WORKER_REPLY_TOKEN,
 )
 
-ROLES = ("ps", "scheduler", "monitor", "worker")
+ROLES = ("ps", "scheduler", "monitor", "worker", "submitter", "site")
 ADMIN = "admin"  # operators' credential for the `nats` CLI: unrestricted, never given to a service
 SERVICE_ROLES = ("ps", "scheduler", "monitor")  # the trusted side; workers may be strangers' machines
+SUBMITTER = "submitter"  # submits, watches and exports jobs (`cleave submit|status|export`)
+SITE = "site"  # a site's leaf node (`cleave site`); its name is the site's
 INBOX_ROOT = "_INBOX"
-DEFAULT_LISTEN = "0.0.0.0:4222"
-DEFAULT_HTTP = "127.0.0.1:8222"  # monitoring (/healthz); never publish it: /connz lists every client
-DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024  # the codec chunks anything larger
-DEFAULT_TLS_TIMEOUT_S = 5
-DEFAULT_CERT_DAYS = 825  # the longest validity some TLS clients accept
 WORKER_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
@@ -114,6 +123,15 @@ def _js_read(stream: str) -> list[str]:
     ]
 
 
+def _js_fetch(stream: str) -> list[str]:
+    """Read an Object Store's objects and nothing more: its info, messages and ephemeral consumers (and the
+    stream names, by which nats-py finds the stream of an object's chunks)."""
+    api = "$JS.API"
+    return [f"{api}.STREAM.NAMES", f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}.>", f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"$JS.FC.{stream}.>"]
+
+
 def _kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.>", f"$JS.API.STREAM.PURGE.{_kv(bucket)}"]
 
@@ -132,14 +150,23 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
     """The subjects one role may publish and subscribe to (see the module docstring)."""
     if role == "ps":
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
-               _wild(SUBJECT_ROUNDS),
+               _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SECAGG),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
-               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS)]
-        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
+               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS), *_obj_write(MODELS_OBJECTS)]
+        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
             pub += _js_create(s)
-        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
+        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
             pub += _js_read(s)
+        # the hub's job runner runs as the PS: it takes submitted jobs and keeps their records
+        for s in (JOBS_STREAM, _kv(JOBS_BUCKET)):
+            pub += [*_js_create(s), *_js_read(s)]
+        pub += [*_kv_write(JOBS_BUCKET), f"$KV.{PLAN_BUCKET}.{SHAPES_KEY}"]  # and its job's GEMM shapes, planned
         return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES)])
+    if role == SUBMITTER:  # submits jobs; reads their records, metrics and checkpoints; writes nothing else
+        pub = [SUBJECT_JOB_SUBMIT_ALL, f"$JS.API.STREAM.INFO.{JOBS_STREAM}"]
+        for s in (_kv(JOBS_BUCKET), EVENTS_STREAM, _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
+            pub += _js_read(s)
+        return _service(role, pub, [])
     if role == "scheduler":
         pub = [SUBJECT_EVENTS_ALL, *_kv_write(REGISTRY_BUCKET), *_kv_write(PLAN_BUCKET)]
         for s in SETUP_STREAMS:
@@ -153,6 +180,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
             pub += _js_create(s)
         for s in (EVENTS_STREAM, _kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET)):
             pub += _js_read(s)
+        pub += [*_js_create(_kv(JOBS_BUCKET)), *_js_read(_kv(JOBS_BUCKET))]  # the hub's jobs, on the dashboard
         return _service(role, pub, [SUBJECT_EVENTS_ALL, _wild(SUBJECT_HEARTBEAT)])
     if role == "worker":
         wid = "*" if worker_id is None else check_worker_id(worker_id)
@@ -160,13 +188,18 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
-                     SUBJECT_PROBE),
+                     SUBJECT_PROBE, *_js_fetch(_obj(MODELS_OBJECTS))),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
+                       SUBJECT_SECAGG.format(worker_id=wid),
                        inbox),
             allow_responses=True,  # its answers to the PS's fan-out joins and link checks
         )
+    if role == SITE:  # one leaf link carries every worker of the site: the shared worker's subjects, and
+        worker = permissions("worker")  # the answers to the PS's joins and link checks (no allow_responses
+        replies = f"{inbox_prefix('ps')}.{WORKER_REPLY_TOKEN}.>"  # across a leaf node: measured)
+        return Permissions(publish=(*worker.publish, replies), subscribe=worker.subscribe)
     raise ConfigError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
 
 
@@ -194,20 +227,44 @@ class Credential:
 
 def new_credential(role: str, worker_id: str | None = None) -> Credential:
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
-    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
     name = role if worker_id is None else f"{role}-{worker_id}"
-    return Credential(name, role, seed.decode(), public, permissions(role, worker_id))
+    return credential_from_seed(name, role, seed.decode(), worker_id)
 
 
-def admin_credential() -> Credential:
+def credential_from_seed(name: str, role: str, seed: str, worker_id: str | None = None) -> Credential:
+    """The credential a seed stands for (its public key derived again), e.g. as read back from `<name>.env`."""
+    try:
+        public = nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+    except Exception:  # nkeys raises its own errors for a malformed seed
+        raise ConfigError(f"{name}: not a NATS user seed") from None
+    perms = permissions(role, worker_id) if role != SITE else permissions(SITE)
+    return Credential(name, role, seed, public, perms)
+
+
+def site_credential(site: str) -> Credential:
+    """The leaf-node credential of site `site` (`cleave auth init --sites`)."""
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
-    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-    return Credential(ADMIN, ADMIN, seed.decode(), public, Permissions(publish=(">",), subscribe=(">",)))
+    return credential_from_seed(f"{SITE}-{check_site_name(site)}", SITE, seed.decode())
+
+
+def check_site_name(name: str) -> str:
+    """A site name is used in file, process and server names: letters, digits, '-' and '_' only."""
+    if not 0 < len(name) <= 64 or not set(name) <= WORKER_ID_CHARS:
+        raise ConfigError(f"site name {name!r}: use 1-64 of A-Z a-z 0-9 _ - (--sites, --name)")
+    return name
+
+
+def admin_credential(seed: str | None = None) -> Credential:
+    """The operators' unrestricted credential: a new one, or the one `seed` (admin.nk) stands for."""
+    seed = seed or nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+    public = nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
+    return Credential(ADMIN, ADMIN, seed, public, Permissions(publish=(">",), subscribe=(">",)))
 
 
 def credentials(worker_ids: tuple[str, ...] = ()) -> list[Credential]:
-    """One credential per service role, and either one shared worker credential or one per worker id."""
-    creds = [new_credential(r) for r in SERVICE_ROLES]
+    """One credential per service role, the submitter's, and either one shared worker credential or one per
+    worker id."""
+    creds = [new_credential(r) for r in (*SERVICE_ROLES, SUBMITTER)]
     if worker_ids:
         if len(set(worker_ids)) != len(worker_ids):
             raise ConfigError("--worker-ids lists an id twice")
@@ -226,105 +283,6 @@ def env_text(cred: Credential, tls_ca: str | None = None, nats_url: str | None =
     if nats_url:
         lines.append(f"{prefix}NATS_URL={nats_url}")
     return "\n".join(lines) + "\n"
-
-
-# ---- server config -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ServerOptions:
-    listen: str = DEFAULT_LISTEN
-    http: str = DEFAULT_HTTP
-    store_dir: str = "/data/jetstream"
-    max_payload: int = DEFAULT_MAX_PAYLOAD
-    tls_cert: str | None = None  # paths as nats-server sees them
-    tls_key: str | None = None
-
-
-def _q(s: str) -> str:
-    return json.dumps(s)  # a quoted string: `$` inside quotes is not a variable for nats-server
-
-
-def _subjects(subjects: tuple[str, ...]) -> str:
-    return "[\n" + "".join(f"          {_q(s)},\n" for s in subjects) + "        ]"
-
-
-def _user_block(c: Credential) -> str:
-    p = c.permissions
-    if c.role == ADMIN:
-        return f"    # {c.name}: unrestricted, for operators\n    {{ nkey: {_q(c.public)} }}"
-    resp = "\n        allow_responses: true" if p.allow_responses else ""
-    return (f"    # {c.name}\n    {{\n      nkey: {_q(c.public)}\n      permissions: {{\n"
-            f"        publish: {{ allow: {_subjects(p.publish)} }}\n"
-            f"        subscribe: {{ allow: {_subjects(p.subscribe)} }}{resp}\n      }}\n    }}")
-
-
-def server_config(creds: list[Credential], opts: ServerOptions) -> str:
-    """A complete nats-server config: listeners, JetStream, optional TLS, and one user per credential."""
-    if (opts.tls_cert is None) != (opts.tls_key is None):
-        raise ConfigError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
-    tls = ""
-    if opts.tls_cert:
-        tls = (f"tls {{\n  cert_file: {_q(opts.tls_cert)}\n  key_file: {_q(opts.tls_key)}\n"
-               f"  timeout: {DEFAULT_TLS_TIMEOUT_S}\n}}\n")
-    users = ",\n".join(_user_block(c) for c in creds)
-    return (
-        "# nats-server config written by `cleave auth init`: per-role nkey users and subject permissions\n"
-        "# derived from cleave.schemas. It holds public keys only; the seeds are in the <role>.env files.\n"
-        f"listen: {_q(opts.listen)}\nhttp: {_q(opts.http)}\nmax_payload: {opts.max_payload}\n"
-        "# slow consumers: the PS keeps less than this in flight to any worker (docs/operations.md)\n"
-        f"{SERVER_LIMITS}\n"
-        f"jetstream {{\n  store_dir: {_q(opts.store_dir)}\n"
-        "  # fsync before acknowledging: without it an acknowledged write can be lost on an OS crash\n"
-        "  # (measured: 64 KiB sync publishes 4.4k/s -> 1.5k/s; Cleave's JetStream traffic is far below)\n"
-        "  sync_interval: always\n}\n"
-        f"{tls}authorization {{\n  users: [\n{users}\n  ]\n}}\n"
-    )
-
-
-# ---- TLS ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TlsMaterial:
-    ca_pem: bytes  # give to every client (CLEAVE_*_NATS_TLS_CA)
-    cert_pem: bytes  # the server's certificate, signed by the CA
-    key_pem: bytes  # the server's private key; the CA's key is discarded after signing
-
-
-def generate_tls(hosts: list[str], days: int = DEFAULT_CERT_DAYS) -> TlsMaterial:
-    """A throwaway CA and a server certificate for `hosts` (DNS names or IP addresses)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    if not hosts:
-        raise ConfigError("TLS needs at least one host name for the certificate (--host)")
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cleave nats CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    sans: list[x509.GeneralName] = []
-    for h in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            sans.append(x509.DNSName(h))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)  # client too: cluster routes dial each other
-            .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
-    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    return TlsMaterial(ca.public_bytes(pem), cert.public_bytes(pem), key_pem)
 
 
 # ---- the client side ---------------------------------------------------------------------------------

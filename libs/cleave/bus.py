@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -41,6 +42,7 @@ from cleave.schemas import (
     STATE_BUCKET,
     SUBJECT_EVENTS,
     SUBJECT_EVENTS_ALL,
+    WORKER_REPLY_TOKEN,
     Event,
     StepMetrics,
     Wire,
@@ -59,6 +61,7 @@ DEFAULT_WATCH_POLL_S = 0.5
 ELECTION_S = 30.0  # a JetStream stream that lost its leader (a cluster node died) elects one within seconds:
 # idempotent requests are retried this long (`Bus.patiently`)
 TRANSIENT = (TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)  # what an election looks like
+NO_RESPONDERS = "503"  # the status nats-server answers a request with when nobody subscribes
 HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
 # Slow consumers, in every nats-server config we ship (docs/operations.md): the server cuts off a client with
 # more than max_pending bytes waiting for it, or whose socket takes longer than write_deadline for one write.
@@ -82,6 +85,8 @@ class Bus:
         self.retries = 0  # requests `patiently` tried again
         self.closing = False  # set by close(): the disconnection that follows is expected
         self.replicas = replicas_of(nc)  # of what setup, kv and object_store create
+        self._replies: str | None = None  # the subject prefix `request`'s answers come on (made on first use)
+        self._waiting: dict[str, asyncio.Future[Msg]] = {}  # request token -> its answer
 
 
     @property
@@ -291,9 +296,28 @@ class Bus:
 
     async def request(self, subject: str, msg: Wire, schema: type[T], timeout_s: float = DEFAULT_TIMEOUT_S,
                       max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-        """Request/reply with one-message frames (both sides must fit `max_payload`)."""
-        reply = await self.nc.request(subject, codec.encode(msg, compress=False), timeout=timeout_s)
+        """Request/reply with one-message frames (both sides must fit `max_payload`). Answers come on
+        `<inbox prefix>.w.<128 random bits>.<128 random bits per request>`, one wildcard subscription per client:
+        a site's leaf node may publish below `.w.` and nowhere else among this client's replies (`cleave.auth`,
+        role "site"), and cannot guess the name of a request it was not sent."""
+        if self._replies is None:
+            self._replies = f"{self.nc.new_inbox().rpartition('.')[0]}.{WORKER_REPLY_TOKEN}.{secrets.token_hex(16)}"
+            await self.nc.subscribe(self._replies + ".*", cb=self._on_reply)
+        token = secrets.token_hex(16)
+        self._waiting[token] = answer = asyncio.get_running_loop().create_future()
+        try:
+            await self.nc.publish(subject, codec.encode(msg, compress=False), reply=f"{self._replies}.{token}")
+            reply = await asyncio.wait_for(answer, timeout_s)
+        finally:
+            self._waiting.pop(token, None)
+        if reply.headers and reply.headers.get("Status") == NO_RESPONDERS:  # the server: nobody subscribes
+            raise nats.errors.NoRespondersError
         return codec.decode(reply.data, schema, max_bytes)
+
+    async def _on_reply(self, m: Msg) -> None:
+        answer = self._waiting.pop(m.subject.rsplit(".", 1)[-1], None)
+        if answer is not None and not answer.done():  # a second or late answer is dropped
+            answer.set_result(m)
 
     async def serve(self, subject: str, schema: type[T], handler: Callable[[T], Awaitable[Wire]],
                     max_bytes: int = MAX_CONTROL_BYTES):

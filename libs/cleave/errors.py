@@ -30,6 +30,11 @@ class ConfigError(CleaveError):
     """A setting or job description is invalid; the message names the knob to change."""
 
 
+class JobRefused(ConfigError):
+    """A worker cannot take part in a job at all (it declared no own data, or a round would not fit its memory):
+    it tells the PS so, with the reason, and is not dealt the job again."""
+
+
 class WireError(CleaveError):
     """A message could not be decoded or failed validation; it is rejected, never used."""
 
@@ -45,6 +50,10 @@ class TooLarge(WireError):
 
 class CorruptCheckpoint(CleaveError):
     """A checkpoint's bytes do not match its manifest (a chunk's hash, or its length)."""
+
+
+class CorruptBundle(CleaveError):
+    """A published model or tokenizer bundle does not match its id or its manifest (a chunk's hash, a length)."""
 
 
 # ---- planning and the fleet --------------------------------------------------------------------------
@@ -71,6 +80,13 @@ class Fenced(CleaveError):
     exit_code = EXIT_FENCED
 
 
+class JobChanged(ConfigError):
+    """A job id that already has state was started as another model or on another data order: refused once,
+    not restarted (a new job id, or the job's own settings, resume it)."""
+
+    exit_code = EXIT_JOB_FAILED
+
+
 class StepSpoiled(CleaveError):
     """A step's result cannot be trusted (a worker was caught lying): it is redone, never applied."""
 
@@ -79,6 +95,12 @@ class StepAborted(CleaveError):
     """A training step could not finish (the job was stopped, or a GEMM ran past its timeout)."""
 
     exit_code = EXIT_JOB_FAILED  # when not stopping: the job cannot go on
+
+
+class RoundsFailed(StepAborted):
+    """`max_empty_rounds` rounds in a row ended with no accepted update: the job fails with what the PS saw."""
+
+    exit_code = EXIT_JOB_FAILED
 
 
 class ClientLost(CleaveError):

@@ -27,13 +27,16 @@ def run_job(tmp_path, job: JobConfig, workers: int, victim_env: dict[str, str] |
         fleet.stop()
 
 
-@pytest.mark.parametrize("method", ["diloco", "fedavg"])
-def test_one_worker_one_local_step_equals_plain_training(tmp_path, method):
-    """diloco (outer SGD, lr 1, no momentum) and fedavg with one client and E=1 are plain training."""
+@pytest.mark.parametrize("method,precision", [("diloco", "fp32"), ("fedavg", "fp32"),
+                                              pytest.param("fedavg", "bf16", marks=pytest.mark.slow)])  # (~25 s)
+def test_one_worker_one_local_step_equals_plain_training(tmp_path, method, precision):
+    """diloco (outer SGD, lr 1, no momentum) and fedavg with one client and E=1 are plain training, in the
+    job's precision (bf16: the same-precision reference)."""
     outer = {"outer_lr": 1.0, "outer_momentum": 0.0} if method == "diloco" else {}  # fedavg has no outer step
-    job = JobConfig(job_id=f"id-{method}", preset="tiny", steps=5, method=method, local_steps=1, **outer)
+    job = JobConfig(job_id=f"id-{method}-{precision}", preset="tiny", steps=5, method=method, local_steps=1,
+                    precision=precision, **outer)
     lines = run_job(tmp_path, job, workers=1)
-    trainer = Trainer(JobConfig(preset="tiny", steps=5))
+    trainer = Trainer(JobConfig(preset="tiny", steps=5, precision=precision))
     assert_same([m["loss"] for m in lines], [trainer.step(s) for s in range(5)])
 
 

@@ -27,12 +27,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cleave import bus as busmod
 from cleave.schemas import (
+    JOBS_BUCKET,
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
     DeviceProfile,
     DeviceRecord,
     Event,
+    JobRecord,
     Plan,
     PlanWorker,
     StepMetrics,
@@ -113,9 +115,9 @@ async def prom_samples(session: aiohttp.ClientSession, url: str) -> dict:
 class InProcessMonitor:
     """`cleave_monitor.main.serve` in this event loop on a free port."""
 
-    def __init__(self, nats_url: str, tmp: Path) -> None:
+    def __init__(self, nats_url: str, tmp: Path, **over: object) -> None:
         self.settings = MonitorSettings(
-            nats_url=nats_url, port=0, url_file=tmp / "url", status_every_s=0.1, stale_s=3600.0
+            nats_url=nats_url, port=0, url_file=tmp / "url", status_every_s=0.1, stale_s=3600.0, **over
         )
         self.stop = asyncio.Event()
 
@@ -232,6 +234,48 @@ async def test_api_stream_metrics_and_restart(nats_url, tmp_path):
                 after = await wait_steps(http, url, 6)
                 assert after[:5] == before and after[5]["loss"] == 4.4
                 assert len((await get_json(http, url + "/api/events"))["events"]) == 3
+    finally:
+        await bus.close()
+
+
+async def test_the_host_header_and_the_token_guard_it_and_it_lists_the_hubs_jobs(nats_url, tmp_path):
+    """On localhost only the loopback names are answered (a rebinding page's own name is refused); beyond it
+    every request needs the token (query once, then the cookie it sets; or a bearer header), /healthz excepted.
+    The hub runner's job records (bucket cleave-jobs) are listed."""
+    bus = await busmod.connect(nats_url, "test")
+    await bus.setup()
+    try:
+        async with aiohttp.ClientSession() as http, InProcessMonitor(nats_url, tmp_path) as url:
+            async with http.get(url + "/api/state", headers={"Host": "rebound.example.org"}) as resp:
+                assert resp.status == 403
+            async with http.get(url + "/api/state", headers={"Host": "localhost"}) as resp:
+                assert resp.status == 200
+            rec = JobRecord(job_id="hub-job", job="{}", state="failed", submitted_at=1.0, runs=2, exit_code=4,
+                            reason="changed seed")
+            await bus.kv_put(await bus.kv(JOBS_BUCKET), "hub-job", rec)
+            async with asyncio.timeout(TIMEOUT_S), contextlib.aclosing(sse(http, url)) as stream:
+                async for kind, data in stream:  # the live status carries the queue once the watch has it
+                    if kind in ("snapshot", "status") and data["queue"]:
+                        break
+            (job,) = (await get_json(http, url + "/api/jobs"))["jobs"]
+            assert (job["job_id"], job["state"], job["runs"], job["reason"]) == ("hub-job", "failed", 2, "changed seed")
+        guarded = InProcessMonitor(nats_url, tmp_path, host="0.0.0.0", token="s3cret", allowed_hosts="hub.example.org")
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http, guarded as url:
+            for path in ("/", "/api/state", "/metrics", "/api/stream"):
+                async with http.get(url + path) as resp:
+                    assert resp.status == 401, path
+            async with http.get(url + "/healthz") as resp:
+                assert resp.status == 200
+            async with http.get(url + "/api/state?token=wrong") as resp:
+                assert resp.status == 401
+            async with http.get(url + "/api/state", headers={"Authorization": "Bearer s3cret"}) as resp:
+                assert resp.status == 200
+            async with http.get(url + "/api/jobs?token=s3cret", headers={"Host": "evil.example.org"}) as resp:
+                assert resp.status == 403  # the names it serves are listed: another one is refused
+            async with http.get(url + "/?token=s3cret", headers={"Host": "hub.example.org:8787"}) as resp:
+                assert resp.status == 200 and "cleave_token" in resp.cookies
+            async with http.get(url + "/api/jobs") as resp:  # the page's own requests: the cookie
+                assert resp.status == 200
     finally:
         await bus.close()
 

@@ -151,9 +151,10 @@ def leaf_link_out_bytes(fleet: LocalFleet) -> int:
 
 
 def site_worker_bytes(monitor: str) -> dict[str, int]:
-    """Bytes the leaf node delivered to each of its workers' connections."""
+    """Bytes the leaf node delivered to each of its workers' tile connections (not their heartbeats' own)."""
     conns = get_json(f"{monitor}/connz")["connections"] or []
-    return {c["name"]: c["out_bytes"] for c in conns if c.get("name", "").startswith("cleave-worker-")}
+    return {c["name"]: c["out_bytes"] for c in conns
+            if c.get("name", "").startswith("cleave-worker-") and not c["name"].endswith(("-hb", "-probe"))}
 
 
 @pytest.mark.slow  # 20-60 s each here

@@ -179,11 +179,12 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
     run_dir = tmp_path / "run"
     train = supervisor("train", "--preset", "tiny", "--steps", "500", "--workers", "2", "--job-id", "sig",
                    "--run-dir", str(run_dir))
-    train.wait_line("step 3/")  # the progress line of a step that the PS committed
+    train.wait_line("step 3 (")  # the progress line of a step that the PS committed
     pids = stack_pids(run_dir)
     train.proc.send_signal(signal.SIGTERM)
     code, out = train.end()
     assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in out, out
+    assert "dashboard: http://127.0.0.1:" in out and "monitor" in pids  # a local train serves its dashboard
     assert_all_gone(pids)
 
     async def last_checkpoint() -> int:

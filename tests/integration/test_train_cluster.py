@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -57,7 +58,10 @@ def train_killing_a_node(cluster: LocalFleet, tmp_path, metrics, console) -> tup
     metrics lines and how many had been written when the node died."""
     train = subprocess.Popen([sys.executable, "-m", "cleave_cli", "train", "--config", str(tmp_path / "job.json"),
                               "--nats", cluster.stack.nats_url, "--metrics-out", str(metrics),
-                              "--run-dir", str(tmp_path / "train")], stdout=console, stderr=subprocess.STDOUT)
+                              "--run-dir", str(tmp_path / "train")], stdout=console, stderr=subprocess.STDOUT,
+                             # a commit (and its metrics line) after every step: the node dies mid-job however
+                             # long the first commit took (else a loaded machine may batch steps 1-7 into one)
+                             env={**os.environ, "CLEAVE_PS_PERSIST_EVERY": "1"})
     try:
         victim = node_of(cluster, "cleave-ps-")  # the PS's own server (it connects before step 0)
         tail, lines, killed_at = MetricsTail(metrics), [], None

@@ -87,11 +87,13 @@ def test_deferred_weight_gradients_reach_the_parameters_of_a_recomputed_block() 
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(later, plain, strict=True))
 
 
-def test_the_chunked_head_gives_the_whole_heads_loss_and_gradients() -> None:
+@pytest.mark.parametrize("skipped", [0, 40])
+def test_the_chunked_head_gives_the_whole_heads_loss_and_gradients(skipped: int) -> None:
     torch.manual_seed(0)
     head = torch.nn.Linear(32, 300, bias=False)
     h = torch.randn(96, 32, requires_grad=True)
     y = torch.randint(0, 300, (96,))
+    y[torch.randperm(96)[:skipped]] = -100  # prompts and padding: no loss, no gradient, not in the mean
     want = torch.nn.functional.cross_entropy(head(h), y)
     want.backward()
     g_h, g_w = h.grad.clone(), head.weight.grad.clone()

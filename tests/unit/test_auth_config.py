@@ -12,8 +12,8 @@ import pytest
 
 from cleave import auth
 from cleave.errors import ConfigError
-from cleave.schemas import PLAN_BUCKET, STATE_BUCKET
-from cleave_cli import auth_cmd
+from cleave.schemas import MODELS_OBJECTS, PLAN_BUCKET, STATE_BUCKET
+from cleave_cli import auth_cmd, serverconf
 from cleave_cli.natsconf import nats_server_binary
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
@@ -34,13 +34,17 @@ def test_only_the_owner_publishes_tiles_plans_and_state() -> None:
 
 
 def test_a_worker_gets_no_jetstream_and_only_its_own_replies() -> None:
+    """Of JetStream a worker may only read the models Object Store (a job's base weights and tokenizer)."""
+    models = f"OBJ_{MODELS_OBJECTS}"
     for perms in (auth.permissions("worker"), auth.permissions("worker", "w-1")):
         for subject in perms.publish + perms.subscribe:
-            assert subject.startswith(("cleave.", "_INBOX.worker.")), subject
+            assert subject.startswith(("cleave.", "_INBOX.worker.")) or subject == "$JS.API.STREAM.NAMES" or (
+                models in subject and ".DELETE." not in subject and ".PURGE." not in subject
+                and not subject.startswith("$O.")), subject
         assert perms.allow_responses  # it answers the PS's fan-out joins, once per request it received
     pinned = auth.permissions("worker", "w-1")
     assert set(pinned.subscribe) == {"cleave.tile.w-1", "cleave.ctl.w-1", "cleave.check.w-1", "cleave.fan.*.*.*", "cleave.round.w-1",
-                                      "cleave.roundcast.*", "cleave.split.w-1", "_INBOX.worker.w-1.>"}
+                                      "cleave.roundcast.*", "cleave.split.w-1", "cleave.secagg.w-1", "_INBOX.worker.w-1.>"}
     assert "cleave.hb.w-1" in pinned.publish and "cleave.hb.*" not in pinned.publish
 
 
@@ -66,8 +70,8 @@ def test_unknown_roles_and_duplicate_ids_are_refused() -> None:
 
 def test_credentials_are_real_nkeys_and_the_config_holds_no_seed() -> None:
     creds = auth.credentials(("w1", "w2"))
-    assert [c.name for c in creds] == ["ps", "scheduler", "monitor", "worker-w1", "worker-w2"]
-    text = auth.server_config(creds, auth.ServerOptions())
+    assert [c.name for c in creds] == ["ps", "scheduler", "monitor", "submitter", "worker-w1", "worker-w2"]
+    text = serverconf.server_config(creds, serverconf.ServerOptions())
     for c in creds:
         assert nkeys.from_seed(bytearray(c.seed.encode())).public_key.decode() == c.public
         assert c.public in text and c.seed not in text
@@ -97,7 +101,7 @@ def test_secrets_are_written_private_and_never_overwritten_by_accident(tmp_path:
 
 
 def test_a_provided_certificate_is_used(tmp_path: Path) -> None:
-    material = auth.generate_tls(["cleave.example.org"])
+    material = serverconf.generate_tls(["cleave.example.org"])
     for name, data in (("c.pem", material.cert_pem), ("k.pem", material.key_pem), ("ca.pem", material.ca_pem)):
         (tmp_path / name).write_bytes(data)
     out = tmp_path / "auth"
@@ -123,5 +127,67 @@ def test_connect_options_from_settings(tmp_path: Path) -> None:
         auth.connect_options(PsSettings(nats_nkey_seed="UABC"), "ps")  # a public key pasted as the seed
     with pytest.raises(ConfigError, match="NATS_TLS_CA"):
         auth.connect_options(PsSettings(nats_tls_ca=tmp_path / "missing.pem"), "ps")
-    (tmp_path / "ca.pem").write_bytes(auth.generate_tls(["localhost"]).ca_pem)
+    (tmp_path / "ca.pem").write_bytes(serverconf.generate_tls(["localhost"]).ca_pem)
     assert isinstance(auth.connect_options(PsSettings(nats_tls_ca=tmp_path / "ca.pem"), "ps")["tls"], ssl.SSLContext)
+
+
+def test_a_site_links_exactly_what_its_workers_may_and_the_answers_to_the_ps_requests() -> None:
+    site, worker = auth.permissions(auth.SITE), auth.permissions("worker")
+    assert set(site.subscribe) == set(worker.subscribe)
+    assert set(site.publish) == {*worker.publish, "_INBOX.ps.w.>"}  # never another reply of the PS's
+    assert not site.allow_responses  # it does not cross a leaf node: the answers are listed instead
+    # of JetStream only what a worker reads: a job's base weights and tokenizer (the models store), nothing written
+    js = [s for s in site.publish + site.subscribe if s.startswith(("$JS", "$KV", "$O", "cleave.events"))]
+    assert all(s == "$JS.API.STREAM.NAMES" or MODELS_OBJECTS in s for s in js), js
+    assert not [s for s in js if any(w in s for w in (".PURGE.", ".DELETE.", ".UPDATE.", "STREAM.CREATE", "$KV"))]
+
+
+def test_the_submitter_submits_and_reads_and_writes_nothing_else() -> None:
+    sub = auth.permissions(auth.SUBMITTER)
+    writes = [s for s in sub.publish if not s.startswith("$JS.API.") and not s.startswith(("$JS.FC.", "$JS.ACK."))]
+    assert writes == ["cleave.jobs.submit.*"]
+    assert not [s for s in sub.publish if ".PURGE." in s or ".DELETE." in s and "CONSUMER" not in s]
+    assert sub.subscribe == ("_INBOX.submitter.>",)
+    assert "$KV.cleave-jobs.>" in auth.permissions("ps").publish  # the runner (as the PS) alone writes job records
+    assert not [r for r in ("scheduler", "monitor", "worker", auth.SITE, auth.SUBMITTER)
+                if "$KV.cleave-jobs.>" in auth.permissions(r).publish]
+
+
+def test_sites_and_a_cluster_in_the_written_config(tmp_path: Path) -> None:
+    out = tmp_path / "auth"
+    written = init(out, "--tls", "--sites", "lab-a,lab-b", "--cluster", "n1,n2:16222,n3")
+    result = subprocess.run([nats_server_binary(), "-t", "-c", str(out / "nats.conf")], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (out / "nats.conf").read_text()
+    assert text.count('allowed_connection_types: ["LEAFNODE"]') == 2  # the sites' keys make leaf links only
+    assert text.count('allowed_connection_types: ["STANDARD"]') == 5  # ps, scheduler, monitor, submitter, worker
+    assert 'listen: "0.0.0.0:7422"' in text and "verify: true" in text
+    assert '"nats-route://n2:16222"' in text and '"nats-route://n1:6222"' in text
+    for site in ("lab-a", "lab-b"):
+        folder = out / "sites" / site
+        assert sorted(p.name for p in folder.iterdir()) == ["ca.pem", "site.env", "worker.env"]
+        assert (folder / "site.env").stat().st_mode & 0o777 == 0o600 and folder / "site.env" in written
+        cred = auth_cmd.credential(folder, "site", auth.SITE)
+        assert cred.public in text and cred.seed not in text
+    assert (out / "sites" / "lab-a" / "site.env").read_text() != (out / "sites" / "lab-b" / "site.env").read_text()
+    with pytest.raises(ConfigError, match="--tls"):
+        init(tmp_path / "plain", "--cluster", "n1,n2,n3")
+    with pytest.raises(ConfigError, match="site name"):
+        init(tmp_path / "bad", "--sites", "a.b")
+
+
+def test_a_leaf_node_holds_the_site_seed_and_verifies_the_hub(tmp_path: Path) -> None:
+    site, worker = auth.site_credential("lab-a"), auth.new_credential("worker")
+    (tmp_path / "ca.pem").write_bytes(serverconf.generate_tls(["hub.example.org"]).ca_pem)
+    opts = serverconf.LeafOptions(name="lab-a", listen="0.0.0.0:4222", http="127.0.0.1:8222",
+                                  hubs=("tls://hub.example.org:7422",), ca_file=str(tmp_path / "ca.pem"))
+    text = serverconf.leaf_config(site, worker, opts)
+    assert site.seed in text and worker.public in text and worker.seed not in text
+    assert f'ca_file: "{tmp_path / "ca.pem"}"' in text
+    (tmp_path / "leaf.conf").write_text(text)
+    result = subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "leaf.conf")], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with pytest.raises(ConfigError, match="site and a worker"):
+        serverconf.leaf_config(worker, worker, opts)

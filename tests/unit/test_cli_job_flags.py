@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cleave.methods import diloco, fedavg
 from cleave.train.job import JobConfig
 from cleave_cli.commands import job_from_args
@@ -26,3 +28,25 @@ def test_defaults_agree_and_named_settings_expand() -> None:
     assert (paper.local_steps, paper.outer_lr, paper.outer_momentum) == (500, 0.7, 0.9)
     mixed = job("--method", "diloco", "--diloco-setting", "paper", "--local-steps", "20")  # a flag wins
     assert (mixed.local_steps, mixed.outer_lr, mixed.outer_momentum) == (20, 0.7, 0.9)
+
+
+def test_cleave_version_names_the_installed_distribution(capsys):
+    from importlib import metadata  # noqa: PLC0415
+
+    from cleave_cli.main import main  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"cleave {metadata.version('cleave-train')} (Python 3.")
+
+
+def test_fine_tuning_flags_are_job_fields() -> None:
+    j = job("--method", "fedavg", "--lora", "8", "--lora-alpha", "32", "--lora-targets", "c_attn, c_fc",
+            "--sampling", "epochs", "--own-data", "--update-clip", "0.5", "--max-empty-rounds", "2", "--secagg",
+            "--dp-noise", "0.8", "--dp-delta", "1e-6")
+    assert (j.lora_rank, j.lora_alpha, j.lora_targets, j.sampling) == (8, 32.0, ("c_attn", "c_fc"), "epochs")
+    assert (j.own_data, j.update_clip, j.max_empty_rounds, j.secagg, j.dp_noise, j.dp_delta) == (
+        True, 0.5, 2, True, 0.8, 1e-6)
+    plain = job("--method", "fedavg")
+    assert (plain.own_data, plain.secagg, plain.lora_targets) == (False, False, ())

@@ -2,7 +2,7 @@
 
 Every command a container runs must parse with the real `cleave` parser, every environment variable must
 be read by something (a settings field, the logging setup, or compose itself), and `.env.example` must
-list every setting of every service.
+list every setting of every service. The hub runs no job of its own: jobs come through its runner.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from cleave_worker.settings import WorkerSettings
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 SETTINGS = {"ps": PsSettings, "scheduler": SchedulerSettings, "worker": WorkerSettings, "monitor": MonitorSettings}
-ROLES = tuple(SETTINGS)
+ROLES = tuple(SETTINGS)  # the settings each service reads (the runner, and each PS it starts, read the PS's)
+SERVICES = {"runner": "ps", "scheduler": "scheduler", "worker": "worker", "monitor": "monitor"}  # service -> role
 INTERPOLATION = re.compile(r"\$\{([A-Z0-9_]+)(?::?-([^}]*))?\}")
 ENV_LINE = re.compile(r"^#?\s*(CLEAVE_[A-Z0-9_]+)=")
 
@@ -58,7 +59,7 @@ def seconds(duration: str) -> float:
 
 
 def settings_env(role: str) -> set[str]:
-    cls = SETTINGS[role]
+    cls = SETTINGS[SERVICES.get(role, role)]
     return {cls.model_config["env_prefix"] + name.upper() for name in cls.model_fields}
 
 
@@ -68,16 +69,16 @@ def env_names(service: dict) -> set[str]:
 
 
 def compose_variables() -> set[str]:
-    text = "".join((COMPOSE / n).read_text() for n in ("docker-compose.yml", "docker-compose.auth.yml"))
+    text = "".join(p.read_text() for p in COMPOSE.glob("docker-compose*.yml"))
     return {m.group(1) for m in INTERPOLATION.finditer(text)}
 
 
 def test_the_services() -> None:
-    assert set(BASE["services"]) == {"nats", *ROLES}
+    assert set(BASE["services"]) == {"nats", *SERVICES}, "a hub: no PS with a job of its own"
     assert set(AUTH["services"]) <= set(BASE["services"])
 
 
-@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("role", SERVICES)
 def test_commands_exist_in_the_cli(role: str) -> None:
     command = BASE["services"][role]["command"]
     assert command[0] == role
@@ -95,9 +96,10 @@ def test_the_image_runs_cleave_as_an_unprivileged_user() -> None:
     assert re.findall(r"^FROM (\S+)", dockerfile, re.M) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
     users = re.findall(r"^USER (\S+)$", dockerfile, re.M)
     assert users and users[-1] not in ("root", "0")
-    pin = re.search(r'"torch==([^"]+)"', (COMPOSE.parent / "pyproject.toml").read_text()).group(1)
-    assert f'"torch=={pin}"' in dockerfile, "the image installs the torch pyproject.toml pins"
-    for role in ROLES:
+    assert re.search(r"^torch==\S+$", (COMPOSE.parent / "constraints" / "cpu.txt").read_text(), re.M)
+    assert "COPY constraints constraints" in dockerfile and "-c constraints/cpu.txt ." in dockerfile, \
+        "the image installs the torch the README's commands pin (constraints/cpu.txt)"
+    for role in SERVICES:
         build = BASE["services"][role]["build"]
         assert (COMPOSE / build["context"] / build["dockerfile"]).resolve() == (COMPOSE / "Dockerfile").resolve()
 
@@ -106,7 +108,7 @@ def test_the_image_runs_cleave_as_an_unprivileged_user() -> None:
 def test_every_environment_variable_is_read_by_its_service(path: str) -> None:
     for name, service in resolve(load(path))["services"].items():
         for var in env_names(service):
-            assert name in ROLES and var in settings_env(name), f"{path}: {name} sets {var}, which nothing reads"
+            assert name in SERVICES and var in settings_env(name), f"{path}: {name} sets {var}, which nothing reads"
 
 
 def test_env_example_lists_every_setting_and_nothing_else() -> None:
@@ -133,12 +135,16 @@ def test_workers_scale() -> None:
 
 def test_lifecycle_health_and_start_order() -> None:
     services = BASE["services"]
-    for role in ROLES:
+    for role in SERVICES:
         s = services[role]
         assert s["restart"] in ("unless-stopped", "always", "on-failure"), role
         assert seconds(s["stop_grace_period"]) > DEFAULT_STOP_GRACE_S, f"{role} is killed mid-drain"
         assert s["depends_on"]["nats"]["condition"] == "service_healthy", role
-    assert services["ps"]["restart"] == "on-failure", "a PS that finished its job must stay down"
+    assert services["runner"]["restart"] == "unless-stopped", "the runner waits for jobs; a finished job stays done"
+    runs = {v.split(":")[1]: v.split(":")[0] for v in services["runner"]["volumes"]}
+    run_dir = services["runner"]["command"][services["runner"]["command"].index("--run-dir") + 1]
+    assert any(run_dir.startswith(t) and src in BASE["volumes"] for t, src in runs.items()), "jobs' files on a volume"
+    assert "install -d -o cleave -g cleave /home/cleave/runs" in (COMPOSE / "Dockerfile").read_text()
     for name in ("nats", "monitor"):
         assert services[name]["healthcheck"]["test"][0] == "CMD", name
     assert "/healthz" in " ".join(services["nats"]["healthcheck"]["test"])
@@ -165,23 +171,26 @@ def test_the_nats_config_parses() -> None:
 
 def test_the_auth_override_matches_what_auth_init_writes(tmp_path: Path) -> None:
     services = AUTH["services"]
-    for role in ROLES:
-        files = [e["path"] if isinstance(e, dict) else e for e in services[role]["env_file"]]
-        assert f"auth/{role}.env" in files, role
+    for name, role in SERVICES.items():
+        files = [e["path"] if isinstance(e, dict) else e for e in services[name]["env_file"]]
+        assert f"./auth/{role}.env" in files, name  # the runner logs in as the PS
         tls_ca = SETTINGS[role].model_config["env_prefix"] + "NATS_TLS_CA"
-        mounted = {v.split(":")[1]: v.split(":")[0] for v in services[role]["volumes"]}
-        assert mounted[services[role]["environment"][tls_ca]] == f"./auth/{auth_cmd.TLS_DIR}/{auth_cmd.CA_NAME}"
-        assert services[role]["environment"][SETTINGS[role].model_config["env_prefix"] + "NATS_URL"].startswith("tls://")
+        mounted = {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
+        assert mounted[services[name]["environment"][tls_ca]] == f"./auth/{auth_cmd.TLS_DIR}/{auth_cmd.CA_NAME}"
+        assert services[name]["environment"][SETTINGS[role].model_config["env_prefix"] + "NATS_URL"].startswith("tls://")
+    assert [p.rsplit(":", 1)[1] for p in services["nats"]["ports"]] == ["7422"], "the sites' leaf-node port"
     nats = services["nats"]
     config = nats["command"][nats["command"].index("--config") + 1]
     mounted = {v.split(":")[1]: v.split(":")[0] for v in nats["volumes"]}
     assert mounted[config] == f"./auth/{auth_cmd.CONFIG_NAME}"
     assert not any(src.endswith(".env") or src == "./auth" for src in mounted.values()), "seeds stay out of nats"
     # every file the override mounts or reads is one `cleave auth init --out auth --tls` writes
-    args = build_auth_parser().parse_args(["auth", "init", "--out", str(tmp_path / "auth"), "--tls"])
+    args = build_auth_parser().parse_args(["auth", "init", "--out", str(tmp_path / "auth"), "--tls", "--sites", "a"])
     auth_cmd.init(args)
     wanted = {src for s in services.values() for src in (v.split(":")[0] for v in s.get("volumes", []))}
     wanted |= {e["path"] if isinstance(e, dict) else e for s in services.values() for e in s.get("env_file", [])}
+    text = (tmp_path / "auth" / auth_cmd.CONFIG_NAME).read_text()
+    assert 'listen: "0.0.0.0:7422"' in text, "with --sites the config listens for leaf nodes where compose publishes"
     for rel in wanted - {".env"}:
         assert (tmp_path / rel).exists(), f"docker-compose.auth.yml uses {rel}, which auth init does not write"
 

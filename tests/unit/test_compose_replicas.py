@@ -1,6 +1,6 @@
 """The PS replicas override, read as data: one `cleave ps` service per replica, their group settings as the
-PS reads them (PsSettings, then the replica group the PS forms), and every replica the same service as the
-base PS but for its index."""
+PS reads them (PsSettings, then the replica group the PS forms), and every replica the same service but for
+its index, connected where the hub's runner is."""
 
 from __future__ import annotations
 
@@ -59,12 +59,14 @@ def test_one_ps_service_per_replica_each_with_its_own_index(monkeypatch):
                                                                         for r in range(len(REPLICAS))]
 
 
-def test_every_replica_is_the_base_ps_but_for_its_index():
-    base = BASE["services"]["ps"]
+def test_every_replica_is_the_same_service_but_for_its_index():
+    first = REPLICAS["ps"]
+    runner = BASE["services"]["runner"]
     for name, service in REPLICAS.items():
         assert build_parser().parse_args(service["command"]).command == "ps"
         for key in SAME_AS_PS:
-            assert service[key] == base[key], f"{name}: {key} differs from the base ps"
+            assert service[key] == first[key], f"{name}: {key} differs from replica 0's"
         assert "container_name" not in service and "ports" not in service, f"{name} publishes nothing"
         nats_url = service["environment"]["CLEAVE_PS_NATS_URL"]
-        assert nats_url == base["environment"]["CLEAVE_PS_NATS_URL"], f"{name} connects elsewhere"
+        assert nats_url == runner["environment"]["CLEAVE_PS_NATS_URL"], f"{name} connects elsewhere"
+        assert service["restart"] == "on-failure", "a replica that finished its job stays down"

@@ -15,8 +15,12 @@ METHODS = ("cleave", "diloco", "fedavg", "split")
 # a value other than the default for every method-specific setting
 NON_DEFAULT = {"split_layers": 2, "local_steps": 3, "outer_lr": 0.5, "outer_momentum": 0.5, "aggregate": "median",
                "compress": "int8", "lora_rank": 4, "lora_alpha": 8.0, "round_timeout_s": 30.0, "max_staleness": 2,
-               "min_updates": 1, "init_from": "some/dir", "precision": "bf16", "recompute": True, "micro_batches": 2,
-               "logits_bytes": 1024}
+               "min_updates": 1, "init_from": "some/dir", "precision": "bf16", "lora_targets": ("c_attn",),
+               "own_data": True, "update_clip": 1.0, "max_empty_rounds": 5, "secagg": True, "dp_noise": 1.0,
+               "dp_delta": 1e-6, "recompute": True, "micro_batches": 2, "logits_bytes": 1024}
+# what a setting needs besides its method to apply at all
+NEEDS = {"lora_alpha": {"lora_rank": 4}, "lora_targets": {"lora_rank": 4}, "dp_noise": {"update_clip": 1.0},
+         "dp_delta": {"dp_noise": 1.0, "update_clip": 1.0}}
 
 
 def test_every_method_specific_setting_has_a_value_to_try():
@@ -28,8 +32,7 @@ def test_a_setting_is_refused_under_a_method_that_ignores_it(name):
     for method in METHODS:
         fields = {"method": method, "preset": "tiny", name: NON_DEFAULT[name]}  # (no init_from dir is read)
         if method in METHOD_SETTINGS[name]:
-            extra = {"lora_rank": 4} if name == "lora_alpha" else {}  # lora_alpha only applies with a rank
-            JobConfig.build(**fields, **extra)
+            JobConfig.build(**fields, **NEEDS.get(name, {}))
             continue
         with pytest.raises(ConfigError) as e:
             JobConfig.build(**fields)
@@ -49,6 +52,15 @@ def test_lora_alpha_needs_a_rank_and_compress_a_valid_spec():
         JobConfig.build(method="fedavg", lora_alpha=8.0)
     with pytest.raises(ConfigError, match=r"compression='int9' is not one of"):
         JobConfig.build(method="diloco", compress="int9")
+
+
+def test_secure_aggregation_and_dp_refuse_what_they_cannot_do():
+    with pytest.raises(ConfigError, match=r"secagg needs aggregate='mean'.*aggregate='median'"):
+        JobConfig.build(method="fedavg", secagg=True, aggregate="median")
+    with pytest.raises(ConfigError, match=r"dp_noise > 0 needs update_clip > 0"):
+        JobConfig.build(method="fedavg", dp_noise=1.0)
+    with pytest.raises(ConfigError, match=r"dp_delta=1e-06 has no effect unless dp_noise > 0"):
+        JobConfig.build(method="fedavg", dp_delta=1e-6)
 
 
 def test_the_issue_example_is_refused():

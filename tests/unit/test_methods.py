@@ -81,6 +81,38 @@ def test_fedavg_one_client_one_step_is_plain_training(corpus: Corpus, reference)
     assert_matches(reference, losses, common.trainable(global_model))
 
 
+@pytest.mark.parametrize("method,precision", [("fedavg", "bf16"), ("diloco", "fp16")])
+def test_half_precision_rounds_equal_the_same_precision_reference(corpus: Corpus, method: str, precision: str) -> None:
+    """One worker, one local step: the round methods in bf16 or fp16 are the reference run in that precision
+    (autocast, the GEMMs rounded once, fp16's loss scale)."""
+    job = JOB.model_copy(update={"precision": precision})
+    trainer = Trainer(job, corpus=corpus)
+    want = [trainer.step(s) for s in range(STEPS)]
+    global_model, _ = fresh(job)
+    worker, opt = fresh(job)
+    common.use_precision(worker, precision)
+    params = common.trainable(global_model)
+    server = (fedavg.FedAvgServer(params, fedavg.FedAvgConfig(local_steps=1)) if method == "fedavg" else
+              diloco.DilocoServer(params, diloco.DilocoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0)))
+    losses: list[float] = []
+    for r in range(STEPS):
+        batches = schedule.scheduled(opt, job, r, [common.shard_batch(corpus, job, 0, r)])
+        if method == "fedavg":
+            up = fedavg.client_update(worker, opt, server.global_state(), batches, 1, job.grad_clip, precision)
+            d, got = up.delta, list(up.losses)
+        else:
+            d, got = diloco.worker_round(worker, opt, server.global_state(), batches, 1, job.grad_clip, precision)
+        server.submit("w0", r, d, 1.0)
+        assert server.close_round().applied
+        losses += got
+    assert losses == pytest.approx(want, rel=1e-5)
+    ref = dict(trainer.model.named_parameters())
+    for k, p in params.items():
+        torch.testing.assert_close(p.detach(), ref[k].detach(), rtol=1e-4, atol=1e-5, msg=k)
+    if precision == "fp16":
+        assert opt.param_groups[0]["loss_scale"] == trainer.opt.param_groups[0]["loss_scale"]
+
+
 def toy(value: float = 0.0) -> dict[str, torch.nn.Parameter]:
     return {"w": torch.nn.Parameter(torch.full((3,), value)), "b": torch.nn.Parameter(torch.zeros(()))}
 
@@ -205,3 +237,34 @@ def test_fedavg_with_robust_rule_trains_through_a_malicious_client(corpus: Corpu
         assert server.close_round().applied
     with torch.no_grad():
         assert common.lm_loss(global_model, *val).item() < before - 0.3
+
+
+def test_a_round_with_no_accepted_update_runs_again_and_clipping_bounds_the_norm() -> None:
+    from cleave.methods.aggregate import clip_update, norm
+
+    params = toy(2.0)
+    server = fedavg.FedAvgServer(params, fedavg.FedAvgConfig())
+    assert server.submit("a", 0, delta(float("nan")), 1) == "rejected"
+    report = server.close_round()
+    assert not report.applied and report.senders == () and server.round == 0  # not a round: it runs again
+    assert server.submit("a", 0, delta(1.0), 1) == "accepted"
+    assert server.close_round().applied and server.round == 1
+    clipped, before = clip_update({"w": torch.full((4,), 3.0)}, 2.0)
+    assert before == pytest.approx(6.0) and norm(clipped) == pytest.approx(2.0)
+    same, _ = clip_update({"w": torch.ones(4)}, 5.0)
+    assert torch.equal(same["w"], torch.ones(4))
+
+
+def test_lora_adapts_the_layers_of_a_half_precision_model() -> None:
+    """The PS's model of a bf16 LoRA job has tiled linear layers (the reference's GEMMs): they get adapters too,
+    and start out computing the base model."""
+    from cleave.methods.lora import attach_for_job
+
+    job = JobConfig(preset="tiny", method="fedavg", lora_rank=4, precision="bf16", batch_size=2, seq_len=16)
+    trainer = Trainer(job)
+    x, _ = trainer.corpus.batch(0, 0, 2, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as the Trainer and workers run it
+        before = trainer.model(x)
+        attach_for_job(trainer.model, job)
+        assert torch.equal(trainer.model(x), before)
+    assert all(k.endswith((".lora_A", ".lora_B")) for k in common.trainable(trainer.model))

@@ -1,6 +1,6 @@
 """The model zoo and the tiled linear layers: shapes, presets, and exact gradients through tiles."""
 
-import time
+import math
 
 import pytest
 import torch
@@ -58,9 +58,10 @@ def test_tiled_linears_give_the_same_loss_and_gradients(preset):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_tiny_step_runs_well_under_a_second():
-    trainer = Trainer(JobConfig(preset="tiny"))
-    trainer.step(0)
-    start = time.perf_counter()
-    trainer.step(1)
-    assert time.perf_counter() - start < 0.5
+def test_a_tiny_step_is_a_few_dozen_megaflops():
+    """The preset tests train on: a step's GEMMs (all of them, forward and backward) stay tiny, whatever the
+    machine's speed (a step of it takes milliseconds on a laptop core)."""
+    job = JobConfig(preset="tiny")
+    flops = sum(g.flops * g.count_per_step for g in gemm_shapes(get_preset("tiny"), job.batch_size, job.seq))
+    assert flops < 1e9
+    assert math.isfinite(Trainer(job).step(0))

@@ -6,8 +6,8 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cleave.schemas import DeviceProfile, DeviceRecord, Event, Plan, PlanWorker, StepMetrics
-from cleave_monitor import prom
+from cleave.schemas import DeviceProfile, DeviceRecord, Event, JobRecord, Plan, PlanWorker, StepMetrics
+from cleave_monitor import guard, prom
 from cleave_monitor.core import MonitorState
 from cleave_monitor.hub import Hub
 
@@ -51,6 +51,27 @@ def test_series_totals_and_jobs():
     assert (t.bytes_down, t.tokens) == (4000, 1024)
     assert {j["job"]: j["steps"] for j in s.job_list()} == {"j": 3, "k": 1}
     assert s.snapshot(0.0, job="j")["series"] == s.series("j")
+
+
+def test_the_hubs_jobs_are_listed_oldest_first_and_leave_when_deleted():
+    s = MonitorState()
+    s.on_job_record(JobRecord(job_id="b", job="{}", state="running", submitted_at=2.0, runs=1))
+    kind, view = s.on_job_record(JobRecord(job_id="a", job="{}", state="queued", submitted_at=1.0))
+    assert kind == "queue" and view["state"] == "queued"
+    assert [j["job_id"] for j in s.status(0.0)["queue"]] == ["a", "b"]
+    s.on_job_gone("a")
+    assert [j["job_id"] for j in s.snapshot(0.0)["queue"]] == ["b"]
+
+
+def test_host_names_the_dashboard_answers():
+    assert guard.host_name("[::1]:8787") == "::1" and guard.host_name("hub.example.org:8787") == "hub.example.org"
+    none = frozenset()
+    assert guard.host_allowed("localhost:8787", "127.0.0.1", "", none)
+    assert not guard.host_allowed("rebound.example.org", "127.0.0.1", "", none)  # DNS rebinding
+    assert guard.host_allowed("10.0.0.5:8787", "10.0.0.5", "t", none)  # the address it listens on
+    assert guard.host_allowed("anything.example.org", "0.0.0.0", "t", none)  # the token guards it
+    assert not guard.host_allowed("other.example.org", "0.0.0.0", "t", frozenset({"hub.example.org"}))
+    assert guard.needs_token("0.0.0.0") and not guard.needs_token("127.0.0.1")
 
 
 def test_history_is_bounded():

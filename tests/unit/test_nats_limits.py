@@ -7,7 +7,7 @@ from pathlib import Path
 from cleave import auth
 from cleave.bus import SERVER_LIMITS, SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S
 from cleave.gemm.dealer.model import DEFAULT_INFLIGHT_S
-from cleave_cli import topology
+from cleave_cli import serverconf, topology
 from cleave_cli.natsconf import NATS_CONFIG, NATS_LIMITS
 from cleave_ps.settings import PsSettings
 
@@ -22,12 +22,14 @@ def limits(conf: str) -> tuple[int, int]:
 
 def test_every_shipped_config_sets_the_limits():
     local = NATS_CONFIG.format(port=4222, monitor_port=8222, max_payload=1 << 20, limits=NATS_LIMITS, store="/x")
-    generated = auth.server_config([], auth.ServerOptions())
+    generated = serverconf.server_config([], serverconf.ServerOptions())
+    site = serverconf.leaf_config(auth.site_credential("lab"), auth.new_credential("worker"),
+                                  serverconf.LeafOptions("lab", "127.0.0.1:4222", "127.0.0.1:8222", ("tls://hub:7422",)))
     nodes = [topology.Node(f"nats-{i}") for i in (1, 2, 3)]
     cluster = [topology.node_config(n, nodes, "/x", 1 << 20) for n in nodes]
     leaf = topology.leaf_config(topology.Site("lab"), nodes, 1 << 20)
-    compose = [(COMPOSE / f).read_text() for f in ("nats.conf", "cluster.conf", "leaf.conf")]
-    for conf in (local, generated, *cluster, leaf, *compose):
+    compose = [(COMPOSE / f).read_text() for f in ("nats.conf", "cluster.conf")]
+    for conf in (local, generated, *cluster, leaf, site, *compose):
         assert limits(conf) == (SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S)
     assert SERVER_LIMITS in local and SERVER_LIMITS in generated
 

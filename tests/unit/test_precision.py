@@ -84,8 +84,9 @@ def test_precision_is_a_validated_setting_and_a_flag():
     assert job_from_args(build_parser().parse_args(["train", "--preset", "tiny", "--precision", "bf16"])).precision == "bf16"
     with pytest.raises(ConfigError, match="precision"):
         JobConfig.build(preset="tiny", precision="int8")
-    with pytest.raises(ConfigError, match="precision='fp16' does not apply to method='diloco'"):
-        JobConfig.build(preset="tiny", method="diloco", precision="fp16")
+    with pytest.raises(ConfigError, match="precision='fp16' does not apply to method='split'"):
+        JobConfig.build(preset="tiny", method="split", precision="fp16")
+    assert JobConfig.build(preset="tiny", method="diloco", precision="fp16").precision == "fp16"  # rounds train in it
 
 
 def test_the_ps_refuses_the_approximate_tile_dtype_with_a_precision():

@@ -53,10 +53,19 @@ def _event() -> schemas.Event:
                          detect_s=0.5, redispatch_s=0.01, complete_s=0.7, detail={"gemm": "h0.attn.fwd"})
 
 
+def _secagg_keys() -> schemas.SecAggKeys:
+    return schemas.SecAggKeys(c_pk=bytes(range(32)), s_pk=bytes(range(32, 64)))
+
+
+def _secagg_reply() -> schemas.SecAggReply:
+    return schemas.SecAggReply(session="0123abcd", phase="reveal", b_shares={"w1": b"\x01" * 66},
+                               s_shares={"w3": b"\x02" * 66})
+
+
 def _metrics() -> schemas.StepMetrics:
     return schemas.StepMetrics(job="j", step=3, loss=2.5, step_time_s=0.75, workers=4, tiles=96, tiles_resent=2,
                                bytes_down=1 << 20, bytes_up=1 << 18, tokens=2048, lr=3e-4, val_loss=2.75, recoveries=1,
-                               recovery=(_event(),), gemm_s=0.5, predicted_gemm_s=0.4, at=1700000002.0)
+                               recovery=(_event(),), gemm_s=0.5, predicted_gemm_s=0.4, dp_epsilon=1.5, at=1700000002.0)
 
 
 INSTANCES: dict[str, Wire] = {
@@ -89,15 +98,27 @@ INSTANCES: dict[str, Wire] = {
     "Event": _event(),
     "RoundTask": schemas.RoundTask(job="j", epoch=1, method="fedavg", round=2, job_config='{"method": "fedavg"}',
                                    weights=schemas.PackedTensors(tensors={"h.0.w": _packed()}), shard=1,
-                                   reply="cleave.update.j.1.{worker_id}", shards={"w1": 0, "w2": 1}),
+                                   reply="cleave.update.j.1.{worker_id}", shards={"w1": 0, "w2": 1},
+                                   base_bundle="ab" * 32, tokenizer_bundle="cd" * 32, session="0123abcd"),
     "RoundUpdate": schemas.RoundUpdate(job="j", epoch=1, round=2, worker_id="w1",
                                        delta=schemas.PackedTensors(tensors={"h.0.w": _packed()}), weight=2048.0,
-                                       losses=(2.5, 2.25), raw_bytes=24, error=""),
+                                       losses=(2.5, 2.25), raw_bytes=24, error="", data_tokens=4096, refused=False,
+                                       secagg=_secagg_reply()),
     "SplitTask": schemas.SplitTask(job="j", epoch=1, step=3, phase="backward", job_config="{}", split_layers=1,
-                                   reply="cleave.update.j.1.w1", grad=_tensor(), grad_sq_norm=4.0, loss=2.5),
+                                   reply="cleave.update.j.1.w1", grad=_tensor(), grad_sq_norm=4.0, loss=2.5,
+                                   tokenizer_bundle="cd" * 32),
     "SplitReply": schemas.SplitReply(job="j", epoch=1, step=3, phase="forward", worker_id="w1", activations=_tensor(),
                                      targets=codec.tensor_to_data(torch.arange(4)), clip_coef=0.5),
     "StepMetrics": _metrics(),
+    "SecAggKeys": _secagg_keys(),
+    "SecAggReply": _secagg_reply(),
+    "SecAggTask": schemas.SecAggTask(job="j", epoch=1, round=2, session="0123abcd", phase="mask", threshold=2,
+                                     keys={"w1": _secagg_keys()}, ciphertexts={"w2": b"\x03" * 160},
+                                     members=("w1", "w2", "w3"), dropped=("w4",)),
+    "BundleFile": schemas.BundleFile(name="model.safetensors", size=24, sha256="ab" * 32, chunk_bytes=16 << 20,
+                                     chunk_sha256=("ab" * 32,)),
+    "Bundle": schemas.Bundle(kind="model", files=(schemas.BundleFile(name="config.json", size=2, sha256="cd" * 32,
+                                                                      chunk_bytes=16 << 20, chunk_sha256=("cd" * 32,)),)),
     "TensorEntry": schemas.TensorEntry(key="model.h.0.w", dtype="float32", shape=(2, 3)),
     "CheckpointManifest": schemas.CheckpointManifest(
         job="j", step=3, epoch=1, created_at=1700000003.0, data_object="j.3.data", size=24, chunk_bytes=16 << 20,
@@ -105,6 +126,12 @@ INSTANCES: dict[str, Wire] = {
         optimizer_groups=[{"lr": 3e-4, "betas": [0.9, 0.95]}], rng=codec.tensor_to_data(torch.arange(4, dtype=torch.uint8))),
     "StateHead": schemas.StateHead(job="j", step=3, epoch=1, object="j.3.manifest", sha256="cd" * 32, size=24,
                                    job_config="{}", metrics=(_metrics(),)),
+    "JobSubmission": schemas.JobSubmission(job='{"job_id": "j", "preset": "tiny"}', nonce="0123456789abcdef",
+                                           submitted_at=1700000004.0, min_workers=4),
+    "JobRecord": schemas.JobRecord(job_id="j", job='{"job_id": "j"}', state="failed", submitted_at=1700000004.0,
+                                   min_workers=4, started_at=1700000005.0, ended_at=1700000006.0, exit_code=4,
+                                   reason="changed", runs=2, nonce="0123456789abcdef", verdict="refused",
+                                   verdict_reason="running"),
 }
 
 

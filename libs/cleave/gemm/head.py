@@ -30,6 +30,8 @@ from torch import nn
 from cleave.gemm.tiled import TiledLinear, _cast, _Computed
 from cleave.models.gemms import spans
 
+IGNORE = -100  # a target the loss skips (prompts, padding): torch's cross_entropy ignore_index
+
 
 class _Products:
     """The head's three products for one layer: through its backend, or plain torch for an nn.Linear."""
@@ -87,23 +89,30 @@ def _sum(parts: Iterator[torch.Tensor]) -> torch.Tensor:
 
 
 def _chunk_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), y, reduction="sum")
+    return F.cross_entropy(logits.float(), y, reduction="sum", ignore_index=IGNORE)
+
+
+def _counted(targets: torch.Tensor) -> int:
+    """The tokens the mean is over: those whose target is not skipped (as cross_entropy's mean counts)."""
+    return int((targets != IGNORE).sum())
 
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, head, chunks: int, slices: int, grad_scale: float):  # noqa: ANN001
-        prod, n = _Products(head, slices), h.shape[0]
+        prod, n = _Products(head, slices), _counted(targets)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h)
         dw = None
-        for lo, hi in spans(n, chunks):
+        for lo, hi in spans(h.shape[0], chunks):
             x, y = h[lo:hi], targets[lo:hi]
             logits = prod.logits(x)  # (rows, vocab): only this chunk's
             total += _chunk_loss(logits, y)
             g = torch.softmax(logits.float(), dim=-1)
             del logits
-            g[torch.arange(hi - lo, device=g.device), y] -= 1.0
+            kept = y != IGNORE
+            g[torch.arange(hi - lo, device=g.device)[kept], y[kept]] -= 1.0
+            g[~kept] = 0.0  # a skipped target's row: no loss, no gradient
             g *= grad_scale / n  # dY of the mean loss, times what backward will pass
             dyt = prod.transposed(g)
             del g
@@ -123,13 +132,15 @@ class _HeadLoss(torch.autograd.Function):
         if bool(factor != 1):
             dh, dw = dh * factor.to(dh.dtype), dw.mul_(factor.to(dw.dtype))
         weight = ctx.weight  # dW goes straight into .grad, where a tied embedding adds its own in place
-        weight.grad = dw if weight.grad is None else weight.grad.add_(dw)  # (cleave.models.embed)
+        if weight.requires_grad:  # (a frozen head, as under LoRA, keeps no gradient)
+            weight.grad = dw if weight.grad is None else weight.grad.add_(dw)  # (cleave.models.embed)
         return dh, None, None, None, None, None, None
 
 
 def head_loss(head: nn.Linear, h: torch.Tensor, targets: torch.Tensor, chunks: int = 1, slices: int = 1,
               grad_scale: float = 1.0) -> torch.Tensor:
-    """Mean cross-entropy of `head(h)` (h: (tokens, C), targets: (tokens,)) in `chunks` pieces of rows, the
+    """Mean cross-entropy of `head(h)` (h: (tokens, C), targets: (tokens,), those of IGNORE skipped, as
+    torch's cross_entropy skips them) in `chunks` pieces of rows, the
     input gradient summed over `slices` of the vocabulary; its backward pass will be given `grad_scale` (the
     gradients are computed here, for that)."""
     if head.bias is not None:
@@ -138,5 +149,5 @@ def head_loss(head: nn.Linear, h: torch.Tensor, targets: torch.Tensor, chunks: i
         prod, total = _Products(head), torch.zeros((), dtype=torch.float32, device=h.device)
         for lo, hi in spans(h.shape[0], chunks):
             total += _chunk_loss(prod.logits(h[lo:hi]), targets[lo:hi])
-        return total / h.shape[0]
+        return total / _counted(targets)
     return _HeadLoss.apply(h, head.weight, targets, head, chunks, slices, grad_scale)

@@ -9,7 +9,10 @@ The round rule (one place, both methods):
   late update); otherwise it is folded into the current round with its weight scaled by 1 / (1 + r - r').
 - A second update from the same sender for the same round, one for a future round, or one whose names,
   shapes or values are wrong (non-finite) is dropped and counted; it never raises.
-- A round that closes with fewer than `min_updates` updates applies nothing and the global weights stay.
+- A round that closes with fewer than `min_updates` updates applies nothing and the global weights stay; one
+  that closes with no accepted update at all is not a round: its number stays, to be run again.
+- The senders' weights are the service's to give (the tokens it dealt each one), never what a sender claims;
+  `clip_update` bounds the L2 norm of one update before it counts.
 
 Aggregation rules: `mean` (weighted by each update's weight: samples or tokens), `median` (coordinate-wise)
 and `trimmed` (coordinate-wise, the `trim` fraction dropped at each end). The robust rules ignore the
@@ -145,11 +148,27 @@ class RoundCollector:
         return expected <= self.senders()
 
     def close(self) -> tuple[list[Update], dict[str, int]]:
-        """The accepted updates and the verdict counts of this round; the next round begins."""
+        """The accepted updates and the verdict counts of this round; the next round begins, unless nothing was
+        accepted (then the same round number runs again)."""
         updates, counts = list(self._updates.values()), self.counts
         self._updates, self.counts = {}, {}
-        self.round += 1
+        if updates:
+            self.round += 1
         return updates, counts
+
+
+def norm(state: Mapping[str, torch.Tensor]) -> float:
+    """The L2 norm of a set of tensors taken as one vector."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in state.values()))
+
+
+def clip_update(delta: Mapping[str, torch.Tensor], max_norm: float) -> tuple[State, float]:
+    """`delta` scaled to an L2 norm of at most `max_norm` (as a whole, not per tensor), and its norm before."""
+    n = norm(delta)
+    if max_norm <= 0 or n <= max_norm:
+        return dict(delta), n
+    scale = max_norm / n
+    return {k: (t.double() * scale).to(t.dtype) for k, t in delta.items()}, n
 
 
 def close_and_aggregate(
@@ -163,5 +182,4 @@ def close_and_aggregate(
     if len(updates) < min_updates:
         return RoundReport(r, False, senders, late, counts), None
     agg = aggregate([u.delta for u in updates], [u.weight for u in updates], rule, trim)
-    norm = math.sqrt(sum(float(t.double().square().sum()) for t in agg.values()))
-    return RoundReport(r, True, senders, late, counts, norm), agg
+    return RoundReport(r, True, senders, late, counts, norm(agg)), agg

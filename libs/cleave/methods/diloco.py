@@ -82,11 +82,12 @@ def worker_round(
     batches: Iterable[Batch],
     inner_steps: int,
     grad_clip: float = 0.0,
+    precision: str = "fp32",
 ) -> tuple[State, list[float]]:
     """A worker's round: load θ, H local steps, return (Δ, the local losses)."""
     params = trainable(model)
     load_into(params, global_state)
-    losses = local_train(model, opt, batches, inner_steps, grad_clip)
+    losses = local_train(model, opt, batches, inner_steps, grad_clip, precision)
     return pseudo_gradient(global_state, params), losses
 
 

@@ -6,6 +6,11 @@ Per round r, with global trainable weights θ (the whole model, or only LoRA ada
   mean; the round, late-update and leaver rules are those of `rounds`) and sets θ ← θ + lr_server · δ̄.
 
 With one client, one local step and lr_server = 1, θ_next = θ_local: plain training.
+
+Two privacy options (`cleave.methods.secagg`, `cleave.methods.privacy`): the sum of a round's deltas may come
+from secure aggregation instead of the deltas themselves (`close_with_sum`: the mean is that sum over the
+number of members), and with `dp_noise` > 0 Gaussian noise of std dp_noise x clip is added to the sum
+before it is divided (client-level DP; the members' deltas are clipped to `clip`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from cleave.methods.aggregate import (
     close_and_aggregate,
 )
 from cleave.methods.common import Batch, State, load_into, snapshot, train_step, trainable
+from cleave.methods.privacy import noise_like
 from cleave.train.job import DEFAULT_LOCAL_STEPS as JOB_LOCAL_STEPS
 
 DEFAULT_LOCAL_STEPS = JOB_LOCAL_STEPS  # E: the job's default
@@ -40,6 +46,8 @@ class FedAvgConfig:
     trim: float = DEFAULT_TRIM
     max_staleness: int = 0  # synchronous by default: late deltas are dropped
     min_updates: int = 1
+    dp_noise: float = 0.0  # > 0: Gaussian noise of std dp_noise * clip on each round's sum (client-level DP)
+    clip: float = 0.0  # the L2 bound of one delta (the DP noise's sensitivity)
 
     def __post_init__(self) -> None:
         if self.local_steps < 1 or self.server_lr <= 0:
@@ -48,6 +56,9 @@ class FedAvgConfig:
             raise ConfigError(f"rule must be one of {', '.join(RULES)} and trim in [0, 0.5)")
         if self.max_staleness < 0 or self.min_updates < 1:
             raise ConfigError("max_staleness must be >= 0 and min_updates >= 1")
+        if self.dp_noise > 0 and (self.clip <= 0 or self.rule != "mean" or self.max_staleness):
+            raise ConfigError("dp_noise needs clip > 0, rule 'mean' and max_staleness 0 (its noise is calibrated "
+                              "to one clipped delta in an unweighted mean)")
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ def client_update(
     batches: Iterable[Batch],
     local_steps: int,
     grad_clip: float = 0.0,
+    precision: str = "fp32",
 ) -> ClientUpdate:
     """A client's round: load θ into the trainable parameters, E local steps, return δ and the sample count."""
     params = trainable(model)
@@ -72,7 +84,7 @@ def client_update(
     for batch in batches:
         if len(losses) == local_steps:
             break
-        losses.append(train_step(model, opt, batch, grad_clip))
+        losses.append(train_step(model, opt, batch, grad_clip, precision))
         samples += int(batch[0].shape[0])
     if len(losses) < local_steps:
         raise ValueError(f"client_update needs {local_steps} batches, got {len(losses)}")
@@ -101,9 +113,26 @@ class FedAvgServer:
     def close_round(self) -> RoundReport:
         report, d = close_and_aggregate(self.collector, self.cfg.min_updates, self.cfg.rule, self.cfg.trim)
         if d is not None:
-            for name, p in self.params.items():
-                p.add_(d[name].to(p.dtype), alpha=self.cfg.server_lr)
+            self._apply(d, len(report.senders))
         return report
+
+    @torch.no_grad()
+    def close_with_sum(self, total: Mapping[str, torch.Tensor] | None, senders: tuple[str, ...]) -> RoundReport:
+        """Close the round with the sum of its members' deltas (secure aggregation: the deltas never came)."""
+        r = self.round
+        applied = total is not None and len(senders) >= max(1, self.cfg.min_updates)
+        if applied:
+            mean = {k: (t.double() / len(senders)).float() for k, t in total.items()}
+            self._apply(mean, len(senders))
+        self.collector = RoundCollector(self.params, self.cfg.max_staleness, r + 1 if senders else r)
+        return RoundReport(r, applied, tuple(sorted(senders)), counts={"accepted": len(senders)})
+
+    def _apply(self, mean: Mapping[str, torch.Tensor], n: int) -> None:
+        if self.cfg.dp_noise > 0:  # noise on the sum, i.e. std / n on the mean
+            noise = noise_like(mean, self.cfg.dp_noise * self.cfg.clip / n)
+            mean = {k: t + noise[k] for k, t in mean.items()}
+        for name, p in self.params.items():
+            p.add_(mean[name].to(p.dtype), alpha=self.cfg.server_lr)
 
     def state_dict(self) -> dict:
         return {"round": self.round}

@@ -17,6 +17,7 @@ from torch import nn
 
 from cleave.errors import ConfigError
 from cleave.methods.common import State, load_into
+from cleave.train.job import JobConfig
 
 DEFAULT_TARGETS = (
     "c_attn",
@@ -50,7 +51,8 @@ class LoRALinear(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_A.t()) @ self.lora_B.t() * self.scale  # (..., in) -> (..., out)
+        y = self.base(x)  # (..., in) -> (..., out); in a low precision's dtype under a half-precision job
+        return y + ((x @ self.lora_A.t()) @ self.lora_B.t() * self.scale).to(y.dtype)
 
     @torch.no_grad()
     def merged(self) -> nn.Linear:
@@ -63,24 +65,31 @@ def _targets(model: nn.Module, names: tuple[str, ...]) -> list[tuple[nn.Module, 
     found = []
     for parent in model.modules():
         for child_name, child in parent.named_children():
-            if type(child) is nn.Linear and child_name in names:
+            if isinstance(child, nn.Linear) and child_name in names:  # (a TiledLinear too: a bf16 job's layers)
                 found.append((parent, child_name, child))
     return found
+
+
+def lora_targets(model: nn.Module, job: JobConfig) -> list[nn.Linear]:
+    """The linear layers a job's LoRA adapts (its `lora_targets`, or `DEFAULT_TARGETS`)."""
+    return [lin for _, _, lin in _targets(model, job.lora_targets or DEFAULT_TARGETS)]
 
 
 def attach_lora(
     model: nn.Module,
     rank: int,
     alpha: float = DEFAULT_ALPHA,
-    targets: tuple[str, ...] = DEFAULT_TARGETS,
+    targets: tuple[str, ...] | None = None,
     seed: int = 0,
 ) -> list[str]:
-    """Freeze the model and put adapters on its `targets` projections; the adapted module names.
+    """Freeze the model and put adapters on its `targets` projections (None: `DEFAULT_TARGETS`); the adapted
+    module names.
 
     The same seed gives the same adapters everywhere (the server and every client start from one A).
     """
     if rank < 1:
         raise ConfigError(f"lora rank={rank} must be at least 1")
+    targets = targets or DEFAULT_TARGETS
     for p in model.parameters():
         p.requires_grad_(False)
     g = torch.Generator().manual_seed(seed)
@@ -90,6 +99,14 @@ def attach_lora(
     for parent, child_name, lin in found:
         setattr(parent, child_name, LoRALinear(lin, rank, alpha, g))
     return [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def attach_for_job(model: nn.Module, job: JobConfig) -> nn.Module:
+    """The job's adapters on `model` (rank, alpha, targets, seed), when it has any: the PS, every worker and
+    the export build the same adapted model from the job alone."""
+    if job.lora_rank:
+        attach_lora(model, job.lora_rank, job.lora_alpha, job.lora_targets or None, job.seed)
+    return model
 
 
 def lora_state(model: nn.Module) -> State:

@@ -296,24 +296,37 @@ def resolve_model_dir(path: str | Path) -> Path:
     return snapshot
 
 
-def _read_weights(directory: Path) -> StateDict:
+def weight_files(directory: Path) -> list[Path]:
+    """The files that hold a model directory's weights: its safetensors shards (as its index lists them), or
+    pytorch_model.bin."""
     index = directory / WEIGHTS_INDEX
     if index.is_file():
         files = [directory / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    if files:
-        st, sd = _safetensors(), {}
-        for f in files:
-            if not f.is_file():
-                raise ConfigError(f"{index} lists shard {f.name}, which is not in {directory}")
-            sd.update(st.load_file(f))
-        return sd
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ConfigError(
-        f"no weights in {directory}: expected {WEIGHTS_FILE}, {WEIGHTS_INDEX} or pytorch_model.bin"
-    )
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index} lists shard {missing[0]}, which is not in {directory}")
+        return files
+    files = sorted(directory.glob("*.safetensors")) or [p for p in [directory / "pytorch_model.bin"] if p.is_file()]
+    if not files:
+        raise ConfigError(f"no weights in {directory}: expected {WEIGHTS_FILE}, {WEIGHTS_INDEX} or pytorch_model.bin")
+    return files
+
+
+def model_files(path: str | Path) -> list[Path]:
+    """Every file a model directory needs to be loaded: config.json, the shard index if any, the weights."""
+    directory = resolve_model_dir(path)
+    index = [directory / WEIGHTS_INDEX] if (directory / WEIGHTS_INDEX).is_file() else []
+    return [directory / CONFIG_FILE, *index, *weight_files(directory)]
+
+
+def _read_weights(directory: Path) -> StateDict:
+    files = weight_files(directory)
+    if files[0].suffix == ".bin":
+        return torch.load(files[0], map_location="cpu", weights_only=True)
+    st, sd = _safetensors(), {}
+    for f in files:
+        sd.update(st.load_file(f))
+    return sd
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:

@@ -3,6 +3,9 @@
 `load_tokenizer(spec)` takes `"bytes"`, a directory (with `tokenizer.json`, or GPT-2's `vocab.json` and
 `merges.txt`), a `tokenizer.json` file, or a Hugging Face repo id already in the local cache. Nothing is
 ever downloaded. BPE tokenizers need the `tokenizers` package (installed with `transformers`).
+
+A tokenizer whose `tokenizer_config.json` (or `chat_template.jinja`) carries a chat template renders messages with it
+(`render_chat`, Jinja2 in a sandbox, as transformers does); one without uses `PLAIN_CHAT`, one line per turn.
 """
 
 from __future__ import annotations
@@ -26,9 +29,17 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",
+    "chat_template.jinja",
 )
 # end-of-text tokens of the families we know, in the order they are tried
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>")
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a tokenizer's chat template
+# the chat format of a tokenizer without a template: "role: content" lines
+PLAIN_CHAT = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 @runtime_checkable
@@ -55,6 +66,8 @@ class ByteTokenizer:
     name = DEFAULT_TOKENIZER
     vocab_size = 256
     eos_id = None
+    chat_template = None
+    special_tokens: dict[str, str] = {}  # noqa: RUF012 - read only
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -74,6 +87,16 @@ class HFTokenizer:
         self._name = name
         self.files = tuple(files)  # the local files it was read from, copied next to an exported checkpoint
         self._eos_id = next((i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None), None)
+        config = _config_of(self.files)
+        template = config.get("chat_template")
+        in_file = next((f for f in self.files if f.name == TEMPLATE_FILE), None)
+        if in_file is not None:
+            template = in_file.read_text()
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        # bos_token, eos_token, ...: the names a chat template refers to
+        self.special_tokens = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        if self._eos_id is None and "eos_token" in self.special_tokens:
+            self._eos_id = tok.token_to_id(self.special_tokens["eos_token"])
 
     @property
     def name(self) -> str:
@@ -92,6 +115,39 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _config_of(files: Sequence[Path]) -> dict[str, Any]:
+    """tokenizer_config.json among a tokenizer's files, or {}; special tokens given as {"content": ...} flattened."""
+    path = next((f for f in files if f.name == CONFIG_FILE), None)
+    if path is None:
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    return {k: v.get("content") if isinstance(v, dict) and k.endswith("_token") else v for k, v in raw.items()}
+
+
+def render_chat(tok: Tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """The conversation as text: the tokenizer's chat template (Jinja2, sandboxed), or `PLAIN_CHAT`."""
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ConfigError("chat messages need the `jinja2` package (installed with transformers)") from None
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    source = getattr(tok, "chat_template", None) or PLAIN_CHAT
+    try:
+        return env.from_string(source).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                              **getattr(tok, "special_tokens", {}))
+    except TemplateError as e:
+        raise ConfigError(f"the chat template of tokenizer {tok.name!r} refused the messages: {e}") from None
 
 
 def _tokenizers_module() -> Any:

@@ -2,8 +2,8 @@
 
 Messages travel as msgpack through `cleave.codec`; tensors inside them as `TensorData` (dtype, shape, bytes).
 Each part lives in its own module (`subjects`, `limits`, `dtypes`, `base`, `fleet`, `plan`, `tiles`,
-`methods`, `state`, and `planwire`, the packed form of a plan); everything is re-exported here, so
-`from cleave.schemas import TileTask` is how code names them.
+`methods`, `state`, `jobs`, `bundles`, and `planwire`, the packed form of a plan); everything is re-exported
+here, so `from cleave.schemas import TileTask` is how code names them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from cleave.schemas.base import (
     PackedTensors,
     TensorData,
     Wire,
+)
+from cleave.schemas.bundles import (
+    Bundle,
+    BundleFile,
 )
 from cleave.schemas.dtypes import (
     COMPUTE_DTYPE_BYTES,
@@ -26,10 +30,16 @@ from cleave.schemas.fleet import (
     Heartbeat,
     Probe,
 )
+from cleave.schemas.jobs import (
+    JOB_STATES,
+    JobRecord,
+    JobSubmission,
+)
 from cleave.schemas.limits import (
     MAX_BLOCK_PARTS,
     MAX_CONTROL_BYTES,
     MAX_GEMM_DIM,
+    MAX_JOB_BYTES,
     MAX_LINKCHECK_BYTES,
     MAX_MANIFEST_BYTES,
     MAX_MESSAGE_BYTES,
@@ -42,6 +52,9 @@ from cleave.schemas.limits import (
 from cleave.schemas.methods import (
     RoundTask,
     RoundUpdate,
+    SecAggKeys,
+    SecAggReply,
+    SecAggTask,
     SplitReply,
     SplitTask,
 )
@@ -61,6 +74,9 @@ from cleave.schemas.state import (
 )
 from cleave.schemas.subjects import (
     EVENTS_STREAM,
+    JOBS_BUCKET,
+    JOBS_STREAM,
+    MODELS_OBJECTS,
     PLAN_BUCKET,
     PLAN_KEY,
     PREFIX,
@@ -75,15 +91,19 @@ from cleave.schemas.subjects import (
     SUBJECT_FANOUT,
     SUBJECT_HEARTBEAT,
     SUBJECT_HEARTBEAT_ALL,
+    SUBJECT_JOB_SUBMIT,
+    SUBJECT_JOB_SUBMIT_ALL,
     SUBJECT_LINKCHECK,
     SUBJECT_PROBE,
     SUBJECT_RESULTS,
     SUBJECT_ROUNDCAST,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
+    SUBJECT_SECAGG,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
+    WORKER_REPLY_TOKEN,
 )
 from cleave.schemas.tiles import (
     BlockPart,
@@ -101,6 +121,8 @@ __all__ = [
     "BlockPart",
     "BlockPush",
     "BlockRef",
+    "Bundle",
+    "BundleFile",
     "COMPRESSION_KINDS",
     "COMPUTE_DTYPE_BYTES",
     "CheckpointManifest",
@@ -115,12 +137,18 @@ __all__ = [
     "GemmLayout",
     "GemmSpec",
     "Heartbeat",
+    "JOBS_BUCKET",
+    "JOBS_STREAM",
+    "JOB_STATES",
+    "JobRecord",
     "JobShapes",
+    "JobSubmission",
     "LinkCheck",
     "LinkCheckAck",
     "MAX_BLOCK_PARTS",
     "MAX_CONTROL_BYTES",
     "MAX_GEMM_DIM",
+    "MAX_JOB_BYTES",
     "MAX_LINKCHECK_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_MESSAGE_BYTES",
@@ -129,6 +157,7 @@ __all__ = [
     "MAX_PS_REPLICAS",
     "MAX_ROUND_WORKERS",
     "MAX_TENSOR_ELEMENTS",
+    "MODELS_OBJECTS",
     "PLAN_BUCKET",
     "PLAN_KEY",
     "PREFIX",
@@ -150,15 +179,21 @@ __all__ = [
     "SUBJECT_FANOUT",
     "SUBJECT_HEARTBEAT",
     "SUBJECT_HEARTBEAT_ALL",
+    "SUBJECT_JOB_SUBMIT",
+    "SUBJECT_JOB_SUBMIT_ALL",
     "SUBJECT_LINKCHECK",
     "SUBJECT_PROBE",
     "SUBJECT_RESULTS",
     "SUBJECT_ROUNDCAST",
     "SUBJECT_ROUNDCAST_ALL",
     "SUBJECT_ROUNDS",
+    "SUBJECT_SECAGG",
     "SUBJECT_SPLIT",
     "SUBJECT_TILES",
     "SUBJECT_UPDATES",
+    "SecAggKeys",
+    "SecAggReply",
+    "SecAggTask",
     "SplitReply",
     "SplitTask",
     "StateHead",
@@ -167,5 +202,6 @@ __all__ = [
     "TensorEntry",
     "TileResult",
     "TileTask",
+    "WORKER_REPLY_TOKEN",
     "Wire",
 ]

@@ -13,3 +13,4 @@ MAX_LINKCHECK_BYTES = 1024 * 1024
 MAX_ROUND_WORKERS = 100_000  # workers named in one broadcast round
 MAX_PS_REPLICAS = 64  # PS replicas of one job (JobShapes.replicas)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # a checkpoint's manifest object
+MAX_JOB_BYTES = 64 * 1024  # a submitted job's description (its JobConfig as JSON)

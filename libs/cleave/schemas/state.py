@@ -54,6 +54,7 @@ class StepMetrics(Wire):
     updates_dropped: int = 0  # late, duplicate or invalid updates
     updates_late: int = 0  # of `updates`, late ones folded in (within max_staleness, weight 1/(1+age))
     applied: bool = True  # False: the round closed under min_updates and the global weights stayed
+    dp_epsilon: float | None = None  # client-level DP: the epsilon spent up to this round (at the job's dp_delta)
     recovery: tuple[Event, ...] = ()  # each recovery in this step: cause, detection, re-dispatch, completion
     resumed: bool = False  # this step ran on a PS that had restarted from persisted state
     checkpoint_s: float = 0.0  # seconds spent after this step streaming the state to JetStream (0: not due)

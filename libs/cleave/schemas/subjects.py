@@ -17,11 +17,21 @@ SUBJECT_ROUNDCAST = PREFIX + ".roundcast.{job}"  # PS -> every worker of a round
 SUBJECT_ROUNDCAST_ALL = PREFIX + ".roundcast.*"  # what workers subscribe to
 SUBJECT_UPDATES = PREFIX + ".update.{job}.{epoch}.{worker_id}"  # worker -> PS: a round's update, a split reply
 SUBJECT_SPLIT = PREFIX + ".split.{worker_id}"  # PS -> the split-learning client: run a step's half
+SUBJECT_SECAGG = PREFIX + ".secagg.{worker_id}"  # PS -> one member: a phase of secure aggregation (its replies
+# travel in its round updates)
 SUBJECT_PROBE = PREFIX + ".probe"  # worker -> scheduler (request/reply): latency and bandwidth probes
+# a request to a worker (the PS's fan-out joins and link checks) is answered on <inbox prefix>.w.<random>: a
+# site's leaf node may publish there, and only there, among the PS's replies (cleave.auth, role "site")
+WORKER_REPLY_TOKEN = "w"
 SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
 SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
+# submitter -> the hub's job runner: one job (JetStream stream JOBS_STREAM, kept until the runner takes it)
+SUBJECT_JOB_SUBMIT = PREFIX + ".jobs.submit.{job}"
+SUBJECT_JOB_SUBMIT_ALL = PREFIX + ".jobs.submit.*"
 
 EVENTS_STREAM = "CLEAVE_EVENTS"
+JOBS_STREAM = "CLEAVE_JOBS"  # submitted jobs, until the runner has recorded them in JOBS_BUCKET
+JOBS_BUCKET = "cleave-jobs"  # key: job id -> JobRecord (the runner's queue, each job's state); written by the runner only
 REGISTRY_BUCKET = "cleave-registry"  # key: worker id -> DeviceRecord; entries expire without heartbeats
 PLAN_BUCKET = "cleave-plans"  # key: PLAN_KEY -> Plan
 PLAN_KEY = "current"
@@ -29,3 +39,4 @@ SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
 REPLICA_PLAN_KEY = PLAN_KEY + ".r{replica}"  # key in PLAN_BUCKET: PS replica r's part of the fleet (--ps-replicas)
 STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
+MODELS_OBJECTS = "cleave-models"  # base weights and tokenizers the PS publishes to its workers (Object Store)

@@ -33,24 +33,36 @@ METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
     "compress": ROUND_METHODS,
     "lora_rank": ROUND_METHODS,
     "lora_alpha": ROUND_METHODS,
+    "lora_targets": ROUND_METHODS,
     "round_timeout_s": (*ROUND_METHODS, "split"),
     "max_staleness": ROUND_METHODS,
     "min_updates": ROUND_METHODS,
     "init_from": ("cleave", *ROUND_METHODS),
-    "precision": ("cleave",),  # the round methods train on the workers, split's client runs its own layers
+    "precision": ("cleave", *ROUND_METHODS),  # split's client runs its own layers in fp32
     "recompute": ("cleave",),  # the PS's activation memory (the round methods' models live on the workers)
     "micro_batches": ("cleave",),
     "logits_bytes": ("cleave",),
+    "own_data": (*ROUND_METHODS, "split"),
+    "update_clip": ROUND_METHODS,
+    "max_empty_rounds": ROUND_METHODS,
+    "secagg": ("fedavg",),
+    "dp_noise": ("fedavg",),
+    "dp_delta": ("fedavg",),
 }
 # A setting -> (another setting, a test on it, what the test says): the first only applies when it holds
 SETTING_NEEDS = {
     "lora_alpha": ("lora_rank", lambda v: v > 0, "lora_rank > 0"),
+    "lora_targets": ("lora_rank", lambda v: v > 0, "lora_rank > 0"),
+    "dp_delta": ("dp_noise", lambda v: v > 0, "dp_noise > 0"),
 }
 
 # diloco and fedavg defaults, measured on `small` (benchmarks/diloco_grid.py); the same in cleave.methods
 DEFAULT_LOCAL_STEPS = 10
 DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.0
+DEFAULT_MAX_EMPTY_ROUNDS = 4  # rounds in a row with no accepted update before the job fails (each is redone, after
+# 2, 4, 8 s: a fleet whose heartbeats were late on a loaded machine gets about 14 s to come back)
+DEFAULT_DP_DELTA = 1e-5  # the delta of the (epsilon, delta) the privacy accountant reports
 
 
 class JobConfig(BaseModel):
@@ -69,10 +81,19 @@ class JobConfig(BaseModel):
     aggregate: Literal["mean", "median", "trimmed"] = "mean"  # how a round's updates are combined
     compress: str = "none"  # what travels up: none, fp16, bf16, int8[:BLOCK], topk:FRACTION
     lora_rank: int = Field(0, ge=0)  # > 0: only LoRA adapters of this rank train and travel
-    lora_alpha: float = Field(16.0, gt=0)
+    lora_alpha: float = Field(16.0, gt=0)  # the adapters' output is scaled by lora_alpha / lora_rank (as PEFT's)
+    # the projections that get adapters, by module name; empty: attention and MLP (cleave.methods.lora)
+    lora_targets: tuple[str, ...] = Field((), max_length=64)
     round_timeout_s: float = Field(120.0, gt=0)  # a round closes with what arrived by then
     max_staleness: int = Field(0, ge=0)  # late updates up to this many rounds old count, weight 1/(1+age)
     min_updates: int = Field(0, ge=0)  # a round closes once this many arrived (0: every worker of the plan)
+    max_empty_rounds: int = Field(DEFAULT_MAX_EMPTY_ROUNDS, ge=1)  # a round with no accepted update is redone;
+    # after this many in a row the job fails (exit status 4) with what it saw
+    update_clip: float = Field(0.0, ge=0)  # > 0: every update's L2 norm is clipped to this before it is combined
+    own_data: bool = False  # every member trains on the data it declared (`cleave worker --data`); one without is refused
+    secagg: bool = False  # pairwise-masked aggregation: the PS learns only the sum of the members' updates
+    dp_noise: float = Field(0.0, ge=0)  # > 0: client-level DP, Gaussian noise of std dp_noise x update_clip on the sum
+    dp_delta: float = Field(DEFAULT_DP_DELTA, gt=0, lt=1)  # the accountant reports epsilon at this delta
     preset: str | None = None  # a name from cleave.models.PRESETS; None: init_from's config.json, else "tiny"
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)
@@ -93,6 +114,9 @@ class JobConfig(BaseModel):
     grad_clip: float = Field(1.0, ge=0)  # 0 turns clipping off
     seed: int = 0
     data: str = "builtin"  # "builtin", a file, folder, glob, JSONL, hf:... or tokens: see cleave.train.sources
+    # random: each batch's windows drawn anew (with replacement); epochs: every example (or window) once per epoch
+    # in a shuffled order. Instruction data (prompt/response, chat messages) is always read in epochs.
+    sampling: Literal["random", "epochs"] = "random"
     tokenizer: str = Field("bytes", min_length=1)  # "bytes", or a spec for cleave.models.tokenizer.load_tokenizer
     val_fraction: float = Field(0.1, ge=0, lt=1)
     val_every: int = Field(0, ge=0)  # evaluate val_loss every N steps; 0 = never
@@ -122,7 +146,21 @@ class JobConfig(BaseModel):
             from cleave.compression import get_compressor  # noqa: PLC0415 - compression imports torch
 
             get_compressor(self.compress)  # a ConfigError naming the bad spec
+        self._check_privacy()
         return self
+
+    def _check_privacy(self) -> None:
+        """Secure aggregation sees only the sum, and DP's noise is calibrated to a clipped update."""
+        if self.secagg:
+            wrong = [f"{k}={getattr(self, k)!r}" for k, ok in (("aggregate", "mean"), ("compress", "none"),
+                                                              ("max_staleness", 0)) if getattr(self, k) != ok]
+            if wrong:
+                raise ValueError(f"secagg needs aggregate='mean', compress='none' and max_staleness=0 (the PS sees "
+                                 f"only the sum of one round's updates); it has {', '.join(wrong)}")
+        if self.dp_noise > 0 and (self.update_clip <= 0 or self.aggregate != "mean" or self.max_staleness):
+            raise ValueError("dp_noise > 0 needs update_clip > 0 (the noise is calibrated to the clipped update), "
+                             f"aggregate='mean' and max_staleness=0; it has update_clip={self.update_clip}, "
+                             f"aggregate={self.aggregate!r}, max_staleness={self.max_staleness}")
 
     def _check_settings_apply(self) -> None:
         """Refuse a setting (not at its default) that the job's method, or another setting, would ignore."""

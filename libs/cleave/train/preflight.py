@@ -170,6 +170,13 @@ def activations(job: JobConfig, layout: StepLayout, replicas: int = 1) -> Activa
                        block_input=max(inputs.values()), n_layer=len(blocks))
 
 
+def activation_bytes(job: JobConfig) -> int:
+    """Bytes one plain forward and loss of the whole batch saves, as a round method's worker trains: every
+    block's saved tensors and the whole batch's float32 logits with their log-softmax."""
+    logits = job.batch_size * job.seq * job.arch().vocab_size * 4
+    return activations(job, StepLayout()).saved(recompute=False) + 2 * logits
+
+
 def head_bytes(job: JobConfig, layout: StepLayout, tokens: int, wire_bytes: int) -> int:
     """The head and loss of one chunk at their peak: its float32 logits, their gradient and its transposed
     copy for the weight gradient's GEMM, Wᵀ for the input gradient's, the chunk's dW and the running sum."""

@@ -219,6 +219,26 @@ def iter_documents(source: str | Source, chunk_chars: int = DEFAULT_CHUNK_CHARS)
         raise ConfigError(f"data={src.spec!r} holds token ids, not text")
 
 
+def source_bytes(spec: str) -> int:
+    """How big a data source is on disk (the builtin text: its UTF-8 bytes; a dataset: its rows), checking that
+    it is there and readable: what a worker declares about its own data, and nothing else."""
+    src = parse_source(spec)
+    if src.kind == "builtin":
+        return len(builtin_text().encode("utf-8"))
+    if src.kind == "hf":
+        return len(_hf_dataset(src))
+    files = _files(src) if src.kind in ("folder", "glob") else [Path(src.path).expanduser()]
+    total = 0
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                fh.read(1)
+            total += f.stat().st_size
+        except OSError as e:
+            raise ConfigError(f"data={spec!r}: cannot read {f} ({e.strerror})") from None
+    return total
+
+
 # ---------------------------------------------------------------- tokens
 
 

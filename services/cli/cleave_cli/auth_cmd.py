@@ -1,12 +1,17 @@
-"""`cleave auth init`: write a nats-server config with per-role nkey users, their env files, and TLS files.
+"""`cleave auth init`: write a nats-server config with per-role nkey users, their env files, and TLS files; and
+reading them back: every command that takes `--auth DIR` finds its own credential here.
 
 Layout of `--out DIR` (the server reads DIR as `--server-dir`, e.g. /etc/nats/auth under compose):
   nats.conf                 the server config: public keys and permissions only, no secrets
-  <name>.env                one per credential (ps, scheduler, monitor, worker or worker-<id>), mode 0600
+  <name>.env                one per credential (ps, scheduler, monitor, submitter, worker or worker-<id>), 0600
   admin.nk                  an unrestricted seed for operators' `nats --nkey admin.nk ...`, mode 0600
   tls/ca.pem                with --tls: the CA clients verify the server with (CLEAVE_*_NATS_TLS_CA)
   tls/server-cert.pem       with --tls: the server certificate (generated, or a copy of --tls-cert)
   tls/server-key.pem        with --tls: its key, mode 0600
+  sites/<name>/             with --sites: what site <name> needs and nothing more (copy this folder there):
+    site.env                  its leaf-node credential (CLEAVE_SITE_NATS_NKEY_SEED), mode 0600
+    worker.env                the worker credential its workers log in to its leaf node with, mode 0600
+    ca.pem                    the CA its leaf node verifies the hub with (with TLS)
 """
 
 from __future__ import annotations
@@ -14,14 +19,19 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from cleave import auth
 from cleave.errors import ConfigError
+from cleave_cli import serverconf
 
 CONFIG_NAME = "nats.conf"
 TLS_DIR = "tls"
 CA_NAME, CERT_NAME, KEY_NAME = "ca.pem", "server-cert.pem", "server-key.pem"
 ADMIN_NAME = "admin.nk"
+SITES_DIR = "sites"
+SITE_ENV = "site.env"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "nats")  # "nats" is the compose service name
 
 
@@ -42,11 +52,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--worker-ids", default="",
                       help="comma-separated worker ids: one credential each, pinned to its own subjects, "
                            "instead of one shared worker credential")
-    init.add_argument("--listen", default=auth.DEFAULT_LISTEN, help="client listener, host:port")
-    init.add_argument("--http", default=auth.DEFAULT_HTTP, help="monitoring listener (/healthz), host:port")
+    init.add_argument("--sites", default="", help="comma-separated site names: a leaf-node credential for each "
+                      "(sites/<name>/), and the hub's leaf-node listener (--leaf-listen)")
+    init.add_argument("--listen", default=serverconf.DEFAULT_LISTEN, help="client listener, host:port")
+    init.add_argument("--leaf-listen", help=f"leaf-node listener for the sites, host:port (default with --sites: "
+                                            f"{serverconf.DEFAULT_LEAF_LISTEN})")
+    init.add_argument("--cluster", default="", help="comma-separated host[:port] of every node of a NATS cluster "
+                      "(routes, TLS verified both ways; needs --tls or --tls-ca); each node is named with "
+                      "nats-server --name")
+    init.add_argument("--http", default=serverconf.DEFAULT_HTTP, help="monitoring listener (/healthz), host:port")
     init.add_argument("--store-dir", default="/data/jetstream", help="JetStream store, as the server sees it")
     init.add_argument("--server-dir", help="where the server sees --out (default: --out itself)")
-    init.add_argument("--max-payload", type=int, default=auth.DEFAULT_MAX_PAYLOAD)
+    init.add_argument("--max-payload", type=int, default=serverconf.DEFAULT_MAX_PAYLOAD)
     init.add_argument("--force", action="store_true", help="overwrite existing credentials (re-issue all)")
 
 
@@ -57,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(written)} files to {args.out}:")
         for path in written:
             print(f"  {path.relative_to(args.out)}")
-        print("give each service its <role>.env (the worker's to every worker); never the others;")
+        print("give each service its <role>.env (the worker's to every worker, the submitter's to whoever submits "
+              "jobs); never the others;")
+        if args.sites:
+            print(f"copy {SITES_DIR}/<name>/ to site <name> (nothing else);")
         print(f"{ADMIN_NAME} is for operators' nats CLI only")
         return 0
     raise ConfigError(f"unknown auth command {args.auth_command!r}")
@@ -73,24 +93,49 @@ def init(args: argparse.Namespace) -> list[Path]:
     if args.tls_ca and not args.tls_cert:
         raise ConfigError("--tls-ca is the CA of --tls-cert; without --tls-cert a CA is generated")
     worker_ids = tuple(w.strip() for w in args.worker_ids.split(",") if w.strip())
-    creds = auth.credentials(worker_ids)  # validates ids before anything is written
+    creds = auth.credentials(worker_ids)  # validates ids and names before anything is written
+    sites = [auth.site_credential(n) for n in _names(getattr(args, "sites", ""), "--sites")]
+    nodes = _names(getattr(args, "cluster", ""), "--cluster")
+    if nodes and not (args.tls or args.tls_ca):
+        raise ConfigError("--cluster: routes verify each other against a CA: pass --tls (or --tls-cert with --tls-ca)")
     admin = auth.admin_credential()
     out.mkdir(parents=True, exist_ok=True)
     server_dir = Path(args.server_dir) if args.server_dir else out.resolve()
-    written = _write_tls(args, out) if uses_tls else []
-    opts = auth.ServerOptions(
+    hosts = [h.rpartition(":")[0] if ":" in h else h for h in nodes]  # routes dial these names: certify them
+    written = _write_tls(args, out, hosts) if uses_tls else []
+    has_ca = (out / TLS_DIR / CA_NAME).exists() and uses_tls
+    opts = serverconf.ServerOptions(
         listen=args.listen, http=args.http, store_dir=args.store_dir, max_payload=args.max_payload,
         tls_cert=(server_dir / TLS_DIR / CERT_NAME).as_posix() if uses_tls else None,
         tls_key=(server_dir / TLS_DIR / KEY_NAME).as_posix() if uses_tls else None,
+        tls_ca=(server_dir / TLS_DIR / CA_NAME).as_posix() if has_ca else None,
+        leaf_listen=getattr(args, "leaf_listen", None) or (serverconf.DEFAULT_LEAF_LISTEN if sites else None),
+        routes=tuple(f"nats-route://{n if ':' in n else n + ':6222'}" for n in nodes),
     )
-    written.append(_write(out / CONFIG_NAME, auth.server_config([*creds, admin], opts).encode(), 0o644))
+    written.append(_write(out / CONFIG_NAME, serverconf.server_config([*creds, *sites, admin], opts).encode(), 0o644))
     for c in creds:
         written.append(_write(out / f"{c.name}.env", auth.env_text(c).encode(), 0o600))
     written.append(_write(out / ADMIN_NAME, (admin.seed + "\n").encode(), 0o600))
+    worker = next((c for c in creds if c.name == "worker"), None)
+    for site in sites:
+        folder = out / SITES_DIR / site.name.removeprefix(f"{auth.SITE}-")
+        folder.mkdir(parents=True, exist_ok=True)
+        written.append(_write(folder / SITE_ENV, auth.env_text(site).encode(), 0o600))
+        if worker is not None:
+            written.append(_write(folder / "worker.env", auth.env_text(worker).encode(), 0o600))
+        if has_ca:
+            written.append(_copy(out / TLS_DIR / CA_NAME, folder / CA_NAME, 0o644))
     return written
 
 
-def _write_tls(args: argparse.Namespace, out: Path) -> list[Path]:
+def _names(listed: str, flag: str) -> list[str]:
+    names = [n.strip() for n in (listed or "").split(",") if n.strip()]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{flag} lists a name twice")
+    return names
+
+
+def _write_tls(args: argparse.Namespace, out: Path, hosts: list[str] = ()) -> list[Path]:
     tls_dir = out / TLS_DIR
     tls_dir.mkdir(exist_ok=True)
     if args.tls_cert:
@@ -101,7 +146,7 @@ def _write_tls(args: argparse.Namespace, out: Path) -> list[Path]:
         if args.tls_ca:
             written.append(_copy(args.tls_ca, tls_dir / CA_NAME, 0o644))
         return written
-    material = auth.generate_tls(list(dict.fromkeys([*DEFAULT_HOSTS, *(args.hosts or ())])))
+    material = serverconf.generate_tls(list(dict.fromkeys([*DEFAULT_HOSTS, *(args.hosts or ()), *hosts])))
     return [_write(tls_dir / CA_NAME, material.ca_pem, 0o644), _write(tls_dir / CERT_NAME, material.cert_pem, 0o644),
             _write(tls_dir / KEY_NAME, material.key_pem, 0o600)]
 
@@ -118,5 +163,57 @@ def _write(path: Path, data: bytes, mode: int) -> Path:
     return path
 
 
+def write_private(path: Path, data: bytes) -> Path:
+    """A file only its owner may read (it holds a seed), written atomically."""
+    return _write(path, data, 0o600)
+
+
 def _copy(src: Path, dst: Path, mode: int) -> Path:
     return _write(dst, src.read_bytes(), mode)
+
+
+# ---- reading a directory back: each command's own credential ------------------------------------------
+def read_env(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of an env file `auth init` wrote (comments and blank lines skipped)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.lstrip().startswith("#"))
+
+
+def credential(folder: Path, name: str, role: str) -> auth.Credential:
+    """The credential in `<folder>/<name>.env` (its seed; the public key derived again)."""
+    path = folder / f"{name}.env"
+    if not path.is_file():
+        raise ConfigError(f"no {role} credential in {folder} ({path.name} is missing): run `cleave auth init` "
+                          f"and give this machine its {path.name}")
+    env = read_env(path)
+    seed = next((v for k, v in env.items() if k.endswith("_NATS_NKEY_SEED")), "")
+    if not seed:
+        raise ConfigError(f"{path} holds no NATS seed")
+    worker_id = name.removeprefix("worker-") if role == "worker" and name != "worker" else None
+    return auth.credential_from_seed(name, role, seed.strip(), worker_id)
+
+
+def ca_file(folder: Path) -> Path | None:
+    """The CA clients verify the server with: `tls/ca.pem` of a hub's directory, or a site's `ca.pem`."""
+    return next((p for p in (folder / TLS_DIR / CA_NAME, folder / CA_NAME) if p.is_file()), None)
+
+
+def role_env(folder: Path, role: str, name: str | None = None) -> dict[str, str]:
+    """The CLEAVE_<ROLE>_* variables a process of `role` logs in with (its seed and the CA)."""
+    cred = credential(folder, name or role, role)
+    env = {f"CLEAVE_{role.upper()}_NATS_NKEY_SEED": cred.seed}
+    ca = ca_file(folder)
+    if ca is not None:
+        env[f"CLEAVE_{role.upper()}_NATS_TLS_CA"] = str(ca.resolve())
+    return env
+
+
+def client_options(folder: Path | None, role: str) -> dict[str, Any]:
+    """`nats.connect` options of a command that logs in as `role` with the credential in `folder` (None: none)."""
+    if folder is None:
+        return auth.connect_options(SimpleNamespace(), role)
+    cred, ca = credential(folder, role, role), ca_file(folder)
+    return auth.connect_options(SimpleNamespace(nats_nkey_seed=cred.seed, nats_tls_ca=ca), role)

@@ -12,40 +12,18 @@ from pathlib import Path
 
 from cleave import bus as busmod
 from cleave.errors import ConfigError, Stopped
+from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
 from cleave.train.job import JobConfig
+from cleave_cli.auth_cmd import write_private
+from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
+from cleave_cli.joboptions import job_from_args, new_job_id
 from cleave_cli.jobrun import LocalFleet, default_run_dir, run_reference
 from cleave_cli.monitor_cmd import start_monitor
-from cleave_cli.progress import ProgressBar
+from cleave_cli.progress import ProgressBar, unit_of
 from cleave_ps.jobs.pretrain import worker_budgets
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
-
-
-def new_job_id(kind: str) -> str:
-    """Unique per invocation: persisted state belongs to a job id, and a new run must not resume an old one."""
-    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
-def job_from_args(args: argparse.Namespace) -> JobConfig:
-    fields = dict(job_id=args.job_id, preset=args.preset, steps=args.steps, seed=args.seed,
-                  batch_size=args.batch_size, lr=args.lr, data=args.data, method=args.method,
-                  local_steps=args.local_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                  aggregate=args.aggregate, compress=args.compress, lora_rank=args.lora_rank,
-                  tokenizer=args.tokenizer, init_from=args.init_from, split_layers=args.split_layers,
-                  round_timeout_s=args.round_timeout_s, max_staleness=args.max_staleness,
-                  min_updates=args.min_updates, val_every=args.val_every, precision=args.precision,
-                  seq_len=args.seq_len, recompute=args.recompute, micro_batches=args.micro_batches)
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if args.diloco_setting:  # a named (H, outer lr, momentum); explicit flags win
-        from cleave.methods.diloco import SETTINGS
-
-        named = dict(zip(("local_steps", "outer_lr", "outer_momentum"), SETTINGS[args.diloco_setting], strict=True))
-        fields = {**named, **fields}
-    if args.config:
-        job = JobConfig.load(args.config, **fields)
-        return job if "job_id" in fields or job.job_id != "job" else job.model_copy(update={"job_id": new_job_id("train")})
-    return JobConfig.build(**{"job_id": new_job_id("train"), **fields})
 
 
 def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = None, replicas: int = 1) -> JobConfig:
@@ -103,45 +81,79 @@ def train(args: argparse.Namespace) -> int:
     job = check_fits(job, args.workers, args.dry_run, args.nats if not args.reference else None, args.ps_replicas)
     if args.dry_run:
         return 0
-    run_dir = args.run_dir or default_run_dir("train")
+    run_dir = args.run_dir or Path("runs") / job.job_id  # the job's own: the same --job-id finds its state again
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
-    progress = ProgressBar(job.steps)
+    progress = ProgressBar(job.steps, unit=unit_of(job.method))
+    trackers = Trackers(args.log_to, run_name=job.job_id, config=job.model_dump())
+    try:
+        lines = run_job(args, job, run_dir, metrics_out, progress, trackers)
+    finally:
+        trackers.close()
+    summarize(lines, metrics_out, unit_of(job.method))
+    return 0
+
+
+def run_job(args: argparse.Namespace, job: JobConfig, run_dir: Path, metrics_out: Path, progress: ProgressBar,
+            trackers: Trackers) -> list[dict]:
+    """The job here (`--reference`) or on the fleet; each metrics line shown and given to the trackers."""
+
+    def on_line(m: dict) -> None:
+        progress.update(m)
+        trackers.log(m)
+
     if args.reference:
-        lines = run_reference(job, metrics_out, progress)
+        return run_reference(job, metrics_out, on_line)
     else:
         fleet = LocalFleet(run_dir, args.workers, nats_url=args.nats)
         try:
             fleet.start(with_fleet=args.nats is None)
             print(f"stack: {fleet.stack.nats_url}  run dir: {run_dir}")
+            if args.nats is None:  # the local stack's own dashboard, live while the job runs
+                print(f"dashboard: {start_monitor(fleet.stack, wait=False)}", flush=True)
             fleet.start_ps(job, metrics_out, replicas=args.ps_replicas)
-            lines = fleet.wait_ps(metrics_out, progress.update)
+            return fleet.wait_ps(metrics_out, on_line)
         finally:
             fleet.stop()
-    summarize(lines, metrics_out)
-    return 0
 
 
-def summarize(lines: list[dict], metrics_out: Path) -> None:
+def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:
     if not lines:
         return
     times = [m["step_time_s"] for m in lines]
-    print(f"loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over {len(lines)} steps; "
-          f"median step {statistics.median(times):.3f}s; metrics in {metrics_out}")
+    print(f"loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over {unit}s {lines[0]['step']}-{lines[-1]['step']} "
+          f"({len(lines)} {unit}s); median {unit} {statistics.median(times):.3f}s; metrics in {metrics_out}")
 
 
 def up(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir("up")
     if args.nats_cluster < 0:
         raise ConfigError(f"--nats-cluster must be at least 1, got {args.nats_cluster}")
-    fleet = LocalFleet(run_dir, args.workers, nats_cluster=args.nats_cluster, sites=tuple(args.site))
+    as_hub = args.listen is not None or args.auth is not None
+    if as_hub and (args.nats_cluster or args.site):
+        raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "
+                          "machine: use one or the other (docs/deploy.md)")
+    fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site))
+    if as_hub:
+        fleet.stack.hub = HubConfig.of(args.listen, args.auth, args.leaf_port)
     try:
         fleet.start()
+        if as_hub:
+            fleet.stack.hub.check_login()
+        for _ in range(args.workers):
+            fleet.add_worker()
+        fleet.stack.service("runner", "runner", ["--run-dir", str(run_dir / "runner"),
+                                                 "--max-running", str(args.max_running)])
         print(f"NATS {fleet.stack.nats_url} (monitoring {fleet.stack.nats_monitor}); stack.json in {run_dir}")
+        if fleet.stack.leaf_url:
+            print(f"sites dial {fleet.stack.leaf_url}: cleave site --hub {fleet.stack.leaf_url} --name NAME --auth "
+                  "<its folder of `cleave auth init --sites NAME`>")
         for name, site in fleet.stack.sites.items():
             print(f"site {name}: leaf node {site.url} (monitoring {site.monitor}); its workers connect there")
-        print(f"dashboard: {start_monitor(fleet.stack)}")
-        print(f"train on it with: cleave train --nats {fleet.stack.nats_url} --preset tiny")
+        print(f"dashboard: {dashboard(fleet.stack, args.dashboard_listen)}")
+        auth = f" --auth {args.auth}" if args.auth else ""
+        print(f"submit jobs with: cleave submit --nats {fleet.stack.nats_url}{auth} --preset tiny "
+              f"(or train in the foreground: cleave train --nats {fleet.stack.nats_url} --preset tiny)")
         print("Ctrl-C (or SIGTERM, SIGHUP) stops everything", flush=True)
         while True:
             fleet.stack.supervise()
@@ -151,6 +163,16 @@ def up(args: argparse.Namespace) -> int:
         return 0
     finally:
         fleet.stop()
+
+
+def dashboard(stack, listen: str | None) -> str:  # noqa: ANN001 - a Stack
+    """Start the monitor on `listen` (default: 127.0.0.1, a free port); beyond this machine with a token, kept in
+    the run dir (monitor.token, 0600). Returns the URL to open (with the token)."""
+    host, port = split_listen(listen, 0) if listen else ("127.0.0.1", 0)
+    token = None if host in LOOPBACK else secrets.token_urlsafe(24)
+    if token:
+        write_private(stack.run_dir / "monitor.token", (token + "\n").encode())
+    return start_monitor(stack, port=port or None, host=host, token=token)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -189,6 +211,14 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+CAUSES = {  # how a recovery's cause reads in the demo's report
+    "tile_deadline": "went silent (its oldest tile passed its deadline)",
+    "duplicates": "went silent (copies of its tiles on other workers kept finishing first)",
+    "heartbeat_timeout": "left the plan (its heartbeats stopped)",
+    "verification_mismatch": "returned a wrong block",
+}
+
+
 def report_recovery(lines: list[dict], killed: dict) -> None:
     if not killed:
         return
@@ -198,7 +228,7 @@ def report_recovery(lines: list[dict], killed: dict) -> None:
           f"{killed.get('replacement', 'no replacement')} took its place")
     events = [(m, ev) for m in lines for ev in m.get("recovery", [])]
     for m, ev in events:
-        print(f"recovery in step {m['step']}: {ev['worker_id']} lost ({ev['cause']}) with tiles out for "
+        print(f"recovery in step {m['step']}: {ev['worker_id']} {CAUSES.get(ev['cause'], ev['cause'])} with tiles out for "
               f"{ev['detect_s']:.2f}s; they were re-sent within {ev['redispatch_s'] * 1e3:.0f} ms and done "
               f"{ev['complete_s']:.2f}s after detection; the step took {m['step_time_s']:.2f}s "
               f"({m['step_time_s'] - median:+.2f}s against the median step)")

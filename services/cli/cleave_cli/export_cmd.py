@@ -4,7 +4,9 @@ The PS persists its state in JetStream (`cleave_ps.state.persist`): the KV bucke
 record `<job>.head`, which names a streamed checkpoint (a manifest and a data object, `cleave_ps.state.checkpoint`)
 in the Object Store `cleave-state-objects`; the weights stream straight into the exported model.
 The export reads them from the run's NATS when it is still running (`<run_dir>/stack.json`), or else from a
-temporary nats-server started on the run's store (`<run_dir>/jetstream`) and stopped afterwards.
+temporary nats-server started on the run's store (`<run_dir>/jetstream`) and stopped afterwards; or, with
+`--nats URL`, from any NATS that holds the job's state (a hub, a compose deployment), logged in with the
+submitter's credential from `--auth DIR`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch
 from cleave import bus as busmod
 from cleave import codec
 from cleave.errors import CleaveError, ConfigError
-from cleave.models import ModelConfig, build_model
-from cleave.models.hf import export_hf
+from cleave.methods.export import export, job_model
+from cleave.models import ModelConfig
 from cleave.runtime.logs import configure
 from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
 from cleave.train.job import JobConfig
+from cleave_cli.progress import unit_of
 from cleave_cli.stack import Stack
 from cleave_ps.state.persist import read_checkpoint
 
@@ -40,23 +43,36 @@ EXPORT_DTYPES = ("bfloat16", "float16", "float32")  # wire names (`cleave.codec.
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a run's current model as a Hugging Face model directory")
-    p.add_argument(
-        "--run-dir", type=Path, required=True, help="the run dir of `cleave train` (stack.json, jetstream/)"
-    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", type=Path, help="the run dir of `cleave train` (stack.json, jetstream/)")
+    where.add_argument("--nats", help="a NATS holding the job's state, e.g. the hub's tls://hub.example.org:4222")
+    p.add_argument("--auth", type=Path, help="with --nats: the directory holding submitter.env (and the CA)")
     p.add_argument("--out", type=Path, required=True, help="the model directory to write")
-    p.add_argument("--job-id", help="default: the job in <run-dir>/job.json")
+    p.add_argument("--job-id", help="default: the job in <run-dir>/job.json (with --nats: required)")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the saved weights")
+    p.add_argument("--adapter-out", type=Path, help="a LoRA job's PEFT adapter directory (default: <out>/adapter); "
+                                                   "--out gets the model with the adapters merged")
 
 
 def run(args: argparse.Namespace) -> int:
+    from cleave_cli.jobs_cmd import quiet
+
     configure("export", level="error")  # the client's reconnect chatter is not for this command's user
-    job_id = args.job_id or job_id_of(args.run_dir)
-    with state_server(args.run_dir) as url:
-        head, job, cfg, model = asyncio.run(read_state(url, job_id))
-    out = export_hf(model, cfg, args.out, tokenizer_name=job.tokenizer, dtype=codec.torch_dtype(args.dtype))
+    quiet()
+    if args.nats:
+        if not args.job_id:
+            raise ConfigError("--nats needs --job-id (`cleave status --nats URL` lists the hub's jobs)")
+        job_id = args.job_id
+        head, job, cfg, model = asyncio.run(read_state(args.nats, job_id, auth_dir=args.auth))
+    else:
+        job_id = args.job_id or job_id_of(args.run_dir)
+        with state_server(args.run_dir) as url:
+            head, job, cfg, model = asyncio.run(read_state(url, job_id))
+    out, *adapter = export(model, job, cfg, args.out, codec.torch_dtype(args.dtype), args.adapter_out)
     print(
-        f"exported job {job_id} at step {head.step} (epoch {head.epoch}, model {job.model_name}, "
-        f"tokenizer {job.tokenizer}) to {out}"
+        f"exported job {job_id} after {unit_of(job.method)} {head.step} ({head.step + 1} of {job.steps} done; epoch "
+        f"{head.epoch}, model {job.model_name}, tokenizer {job.tokenizer}) to {out}"
+        + (f"; its LoRA adapter (PEFT) to {adapter[0]}" if adapter else "")
     )
     return 0
 
@@ -129,10 +145,15 @@ async def _jobs_with_state(kv) -> list[str]:  # noqa: ANN001 - a nats-py KeyValu
     return sorted(k.removesuffix(".head") for k in keys if k.endswith(".head"))
 
 
-async def read_state(url: str, job_id: str) -> tuple[StateHead, JobConfig, ModelConfig, torch.nn.Module]:
+async def read_state(url: str, job_id: str, auth_dir: Path | None = None
+                     ) -> tuple[StateHead, JobConfig, ModelConfig, torch.nn.Module]:
     """The job's last committed head record, its job and model config, and the model with the checkpoint's
-    weights (every key, shape and chunk hash checked; the optimizer's state is skipped)."""
-    bus = await asyncio.wait_for(busmod.connect(url, "export"), DEFAULT_CONNECT_TIMEOUT_S)
+    weights (every key, shape and chunk hash checked; the optimizer's state is skipped). `auth_dir`: log in
+    with the submitter's credential found there."""
+    from cleave_cli.jobs_cmd import connect
+
+    bus = await connect(url, auth_dir) if auth_dir is not None else await asyncio.wait_for(
+        busmod.connect(url, "export"), DEFAULT_CONNECT_TIMEOUT_S)
     try:
         try:
             kv = await asyncio.wait_for(bus.js.key_value(STATE_BUCKET), busmod.DEFAULT_TIMEOUT_S)
@@ -147,7 +168,7 @@ async def read_state(url: str, job_id: str) -> tuple[StateHead, JobConfig, Model
         head, _ = got
         job = JobConfig.build(**json.loads(head.job_config))
         cfg = job.arch()
-        model = build_model(cfg, seed=0)  # every weight is overwritten by the checkpoint
+        model = job_model(job)  # every weight is overwritten by the checkpoint
         store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
         await read_checkpoint(store, head, model, None, skip_optimizer=True)
         return head, job, cfg, model

@@ -6,6 +6,7 @@ import json
 import re
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,6 @@ from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
 from cleave_cli.natsconf import free_port
-from cleave_cli.progress import ProgressBar
 from cleave_cli.stack import Stack
 
 JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join before it starts
@@ -29,11 +29,11 @@ def default_run_dir(kind: str) -> Path:
     return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def run_reference(job: JobConfig, metrics_out: Path, progress: ProgressBar | None = None) -> list[dict]:
+def run_reference(job: JobConfig, metrics_out: Path, on_line: Callable[[dict], None] | None = None) -> list[dict]:
     """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer)."""
     trainer = Trainer(job)
-    metrics_out.unlink(missing_ok=True)
     out, lines = MetricsFile(metrics_out), []
+    out.set_aside(job.job_id)  # a fresh run of its own: earlier lines there are kept under another name
     for step in range(job.steps):
         t0 = time.perf_counter()
         loss = trainer.step(step)
@@ -43,8 +43,8 @@ def run_reference(job: JobConfig, metrics_out: Path, progress: ProgressBar | Non
                         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         out.write(m)
         lines.append(m.model_dump(exclude=EXCLUDED))
-        if progress:
-            progress.update(lines[-1])
+        if on_line:
+            on_line(lines[-1])
     return lines
 
 
@@ -118,9 +118,7 @@ class LocalFleet:
         self.wait_joined()
         job_file = self.run_dir / "job.json"
         job_file.write_text(job.model_dump_json(indent=2))
-        if metrics_out.exists():
-            metrics_out.unlink()
-        args = ["--job", str(job_file)]
+        args = ["--job", str(job_file)]  # the PS appends to metrics_out (a resumed job's lines follow its own)
         if replicas == 1:
             self.ps_names = ["ps"]
             self.stack.service("ps", "ps", [*args, "--metrics-out", str(metrics_out)], env=ps_env)

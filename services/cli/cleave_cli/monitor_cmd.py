@@ -32,8 +32,10 @@ def run(args: argparse.Namespace) -> int:
     return monitor_main(MonitorSettings(**{k: v for k, v in fields.items() if v is not None}))
 
 
-def start_monitor(stack: Stack, port: int | None = None, timeout_s: float = DEFAULT_URL_TIMEOUT_S) -> str:
-    """Start the monitor as a stack process, wait until it serves, record its URL in stack.json; returns it.
+def start_monitor(stack: Stack, port: int | None = None, timeout_s: float = DEFAULT_URL_TIMEOUT_S,
+                  host: str = "127.0.0.1", token: str | None = None, wait: bool = True) -> str:
+    """Start the monitor as a stack process, record its URL in stack.json; returns it (with `?token=` when
+    it asks for one). `wait`: until it serves (else the URL is returned at once: it serves within seconds).
 
     The port is chosen here (a free one unless given), not by the monitor, so that a monitor the stack
     restarts comes back at the same URL. Calling this again replaces a running monitor.
@@ -43,15 +45,18 @@ def start_monitor(stack: Stack, port: int | None = None, timeout_s: float = DEFA
     if "monitor" in stack.procs:
         stack.kill("monitor", restart=False)
     port = port or free_port()
-    proc = stack.service("monitor", "monitor", ["--port", str(port), "--url-file", str(url_file)])
+    env = {"CLEAVE_MONITOR_TOKEN": token} if token else {}
+    proc = stack.service("monitor", "monitor", ["--host", host, "--port", str(port), "--url-file", str(url_file)],
+                         env=env)
     log = stack.run_dir / "logs" / "monitor.log"
     deadline = time.monotonic() + timeout_s
-    while not url_file.exists():
+    while wait and not url_file.exists():
         if proc.popen.poll() is not None:
             raise CleaveError(f"the monitor exited with {proc.popen.returncode}; see {log}")
         if time.monotonic() > deadline:
             raise CleaveError(f"the monitor did not start serving within {timeout_s}s; see {log}")
         time.sleep(0.05)
-    stack.dashboard_url = url_file.read_text().strip()
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    stack.dashboard_url = url_file.read_text().strip() if wait else f"http://{shown}:{port}"
     stack.write_stack_json()
-    return stack.dashboard_url
+    return f"{stack.dashboard_url}/?token={token}" if token else stack.dashboard_url

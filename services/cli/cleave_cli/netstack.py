@@ -45,7 +45,7 @@ class NetStack(Stack):
         conf.write_text(HUB_NATS_CONFIG.format(port=HUB_PORT, max_payload=self.max_payload, limits=NATS_LIMITS,
                                                store=(self.run_dir / "jetstream").as_posix()))
         proc = self.spawn("nats", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
-        self._wait_ready(proc)
+        self.wait_ready(proc)
         self.nats_url = self.lab.nats_url()  # as seen inside the hub
         self.nats_monitor = "http://127.0.0.1:8222 (inside the hub namespace)"
         self.write_stack_json()

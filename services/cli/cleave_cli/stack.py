@@ -3,7 +3,9 @@
 Restarts a service that dies (as compose would), records every process in `<run_dir>/stack.json`, and
 stops everything on exit. Each process logs to `<run_dir>/logs/<name>.log`. Children die with the
 supervisor even when it is killed (see cleave_cli.supervisor). nats-server's HTTP monitoring port
-(`/varz`, `/connz`, `/jsz`) listens on 127.0.0.1 at a free port, recorded as `nats_monitor`.
+(`/varz`, `/connz`, `/jsz`) listens on 127.0.0.1 at a free port, recorded as `nats_monitor`. With a `hub`
+(`cleave up --listen/--auth`, cleave_cli.hub) the server listens where the hub says, with its credentials and
+TLS, and each service logs in with its role's credential.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class Stack:
         self._monitor_port = 0
         self.nodes: list = []  # cleave_cli.topology.Node of a cluster (start_nats_cluster), else empty
         self.sites: dict = {}  # site name -> cleave_cli.topology.Site (start_site)
+        self.hub = None  # cleave_cli.hub.HubConfig: listeners, credentials and TLS of `cleave up --listen/--auth`
+        self.leaf_url = ""  # where sites' leaf nodes dial this stack (a hub's), if anywhere
+        self.stays_down: dict[str, tuple[int, ...]] = {"ps": NOT_RESTARTED}  # role -> exit codes not restarted
 
     # ---- nats ----------------------------------------------------------------------------------------
     def start_nats(self) -> str:
@@ -57,17 +62,21 @@ class Stack:
         self._nats_port = self._nats_port or free_port()
         self._monitor_port = self._monitor_port or free_port()
         conf = self.run_dir / "nats.conf"
-        conf.write_text(NATS_CONFIG.format(port=self._nats_port, monitor_port=self._monitor_port,
-                                           max_payload=self.max_payload, limits=NATS_LIMITS,
-                                           store=(self.run_dir / "jetstream").as_posix()))
+        store = (self.run_dir / "jetstream").as_posix()
+        if self.hub is not None:
+            conf.write_text(self.hub.server_config(store, self._monitor_port, self.max_payload))
+        else:
+            conf.write_text(NATS_CONFIG.format(port=self._nats_port, monitor_port=self._monitor_port,
+                                               max_payload=self.max_payload, limits=NATS_LIMITS, store=store))
         proc = self.spawn("nats", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
-        self._wait_ready(proc)
-        self.nats_url = f"nats://127.0.0.1:{self._nats_port}"
+        self.wait_ready(proc)
+        self.nats_url = self.hub.url if self.hub is not None else f"nats://127.0.0.1:{self._nats_port}"
+        self.leaf_url = self.hub.leaf_url if self.hub is not None else self.leaf_url
         self.nats_monitor = f"http://127.0.0.1:{self._monitor_port}"
         self.write_stack_json()
         return self.nats_url
 
-    def _wait_ready(self, proc: Proc) -> None:
+    def wait_ready(self, proc: Proc) -> None:
         log = self.run_dir / "logs" / f"{proc.name}.log"
         deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -93,7 +102,7 @@ class Stack:
             conf.write_text(topology.node_config(node, self.nodes, store, self.max_payload))
             self.spawn(node.name, "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
         for node in self.nodes:
-            self._wait_ready(self.procs[node.name])
+            self.wait_ready(self.procs[node.name])
         topology.wait_healthy([n.monitor for n in self.nodes], DEFAULT_READY_TIMEOUT_S)
         self.nats_url = ",".join(n.url for n in self.nodes)
         self.nats_monitor = self.nodes[0].monitor
@@ -112,7 +121,7 @@ class Stack:
         conf = self.run_dir / f"leaf-{name}.conf"
         conf.write_text(topology.leaf_config(site, self.nodes, self.max_payload))
         proc = self.spawn(f"nats-leaf-{name}", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
-        self._wait_ready(proc)
+        self.wait_ready(proc)
         topology.wait_leaf_connected(site.monitor, DEFAULT_READY_TIMEOUT_S)
         self.write_stack_json()
         return site.url
@@ -128,7 +137,8 @@ class Stack:
     def service(self, name: str, role: str, args: list[str] = (), env: dict[str, str] | None = None,
                 restart: bool = True) -> Proc:
         argv = [sys.executable, "-m", "cleave_cli", role, "--nats", self.nats_url, *args]
-        return self.spawn(name, role, argv, env or {}, restart)
+        logins = self.hub.env(role) if self.hub is not None else {}  # its credential and the CA
+        return self.spawn(name, role, argv, {**logins, **(env or {})}, restart)
 
     def spawn(self, name: str, role: str, argv: list[str], env: dict[str, str] | None = None,
               restart: bool = True) -> Proc:
@@ -158,17 +168,20 @@ class Stack:
             code = proc.popen.poll() if proc.popen else None
             if code is None:
                 continue
-            stays_down = held_down(self.run_dir, proc.name) or (proc.role == "ps" and code in NOT_RESTARTED)
+            stays_down = held_down(self.run_dir, proc.name) or code in self.stays_down.get(proc.role, ())
             if proc.restart and not stays_down:
-                proc.restarts += 1
-                if proc.role == "nats":
-                    self._start(proc)
-                    self._wait_ready(proc)
-                else:
-                    self._start(proc)
+                self.restart(proc.name)
             else:
                 ended.append(proc)
         return ended
+
+    def restart(self, name: str) -> None:
+        """Start process `name` again (it has exited), counting the restart."""
+        proc = self.procs[name]
+        proc.restarts += 1
+        self._start(proc)
+        if proc.role == "nats":
+            self.wait_ready(proc)
 
     def kill(self, name: str, sig: int = signal.SIGKILL, restart: bool | None = None) -> None:
         proc = self.procs[name]
@@ -201,6 +214,7 @@ class Stack:
             "nats_url": self.nats_url,
             "nats_monitor": self.nats_monitor,
             "dashboard_url": self.dashboard_url,
+            **({"leaf_url": self.leaf_url} if self.leaf_url else {}),
             "run_dir": str(self.run_dir),
             **self.topology_json(),
             "processes": [

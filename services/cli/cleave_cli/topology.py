@@ -112,7 +112,7 @@ def check_site_name(name: str) -> str:
     return name
 
 
-def _get_json(url: str, timeout_s: float = 2.0) -> dict:
+def get_json(url: str, timeout_s: float = 2.0) -> dict:
     import json
     import urllib.error
     import urllib.request
@@ -145,9 +145,9 @@ def _poll(ok, what: str, timeout_s: float) -> None:
 def wait_healthy(monitors: list[str], timeout_s: float) -> None:
     """Until every node's /healthz is ok: JetStream enabled and, in a cluster, a meta leader elected."""
     for m in monitors:
-        _poll(lambda m=m: _get_json(f"{m}/healthz").get("status") == "ok", f"nats-server {m}", timeout_s)
+        _poll(lambda m=m: get_json(f"{m}/healthz").get("status") == "ok", f"nats-server {m}", timeout_s)
 
 
 def wait_leaf_connected(monitor: str, timeout_s: float) -> None:
     """Until the leaf node holds its connection to the hub (/leafz lists it)."""
-    _poll(lambda: bool(_get_json(f"{monitor}/leafz").get("leafs")), f"leaf node {monitor}", timeout_s)
+    _poll(lambda: bool(get_json(f"{monitor}/leafz").get("leafs")), f"leaf node {monitor}", timeout_s)

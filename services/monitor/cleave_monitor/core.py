@@ -1,7 +1,7 @@
 """The monitor's pure core: step and event history, running totals, the fleet view and the plan. No I/O.
 
-Everything it knows comes in through `on_metrics`, `on_event`, `on_device`, `on_device_gone` and
-`on_plan`, in the order the bus delivers it; replaying the same stream rebuilds the same state, which
+Everything it knows comes in through `on_metrics`, `on_event`, `on_device`, `on_device_gone`, `on_plan` and
+`on_job_record` (the hub runner's record of a submitted job), in the order the bus delivers it; replaying the same stream rebuilds the same state, which
 is how the monitor's history survives its own restart. Each `on_*` returns the live update (`kind`,
 JSON-ready data) for pages that are watching.
 """
@@ -13,7 +13,7 @@ import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from cleave.schemas import DeviceProfile, DeviceRecord, Event, Plan, StepMetrics
+from cleave.schemas import DeviceProfile, DeviceRecord, Event, JobRecord, Plan, StepMetrics
 
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)  # seconds
 MEASURED_WINDOW = 10  # steps whose median is "measured step time" against the plan's prediction
@@ -30,6 +30,7 @@ def point(m: StepMetrics) -> dict:
     """One step as the dashboard draws it."""
     return {
         "step": m.step,
+        "method": m.method,  # a round method's steps are rounds
         "loss": finite(m.loss),
         "val_loss": finite(m.val_loss),
         "step_time_s": finite(m.step_time_s),
@@ -138,6 +139,7 @@ class MonitorState:
         self.totals = Totals()
         self.last: StepMetrics | None = None
         self.rejected = 0  # malformed messages the shell could not decode
+        self.queue: dict[str, dict] = {}  # job id -> the hub runner's record of it (`cleave submit`'s jobs)
 
     # ---- inputs ---------------------------------------------------------------------------------------
     def on_metrics(self, m: StepMetrics) -> Update:
@@ -174,6 +176,20 @@ class MonitorState:
         if dev.lost_at is None:
             dev.lost_at = at
         return "device", {"worker_id": worker_id}
+
+    def on_job_record(self, rec: JobRecord) -> Update:
+        view = {k: getattr(rec, k) for k in ("job_id", "state", "submitted_at", "started_at", "ended_at", "runs",
+                                             "exit_code", "reason", "min_workers")}
+        self.queue[rec.job_id] = view
+        return "queue", view
+
+    def on_job_gone(self, job_id: str) -> Update:
+        self.queue.pop(job_id, None)
+        return "queue", {"job_id": job_id}
+
+    def queue_view(self) -> list[dict]:
+        """The hub's submitted jobs, the oldest submission first."""
+        return sorted(self.queue.values(), key=lambda j: j["submitted_at"])
 
     def on_plan(self, plan: Plan) -> Update:
         self.plan = plan
@@ -261,6 +277,7 @@ class MonitorState:
             "plan": self.plan_view(),
             "totals": self.totals.view(),
             "rejected": self.rejected,
+            "queue": self.queue_view(),
         }
 
     def snapshot(self, now: float, job: str | None = None) -> dict:

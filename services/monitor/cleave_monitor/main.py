@@ -2,7 +2,7 @@
 
 The I/O shell around `cleave_monitor.core`: an ordered JetStream consumer reads CLEAVE_EVENTS from the
 first message (so a restarted or late monitor shows the whole history), KV watchers follow the device
-registry and the current plan, and every change goes to the state and, as a live update, to the pages
+registry, the current plan and the hub runner's jobs, and every change goes to the state and, as a live update, to the pages
 watching. The HTTP server is up before NATS is reached, and its URL is logged (`monitor_started`) and
 written to `url_file` for supervisors.
 """
@@ -23,6 +23,7 @@ from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
 from cleave.schemas import (
     EVENTS_STREAM,
+    JOBS_BUCKET,
     MAX_CONTROL_BYTES,
     MAX_PLAN_BYTES,
     PLAN_BUCKET,
@@ -31,10 +32,11 @@ from cleave.schemas import (
     SUBJECT_EVENTS_ALL,
     DeviceRecord,
     Event,
+    JobRecord,
     Plan,
     StepMetrics,
 )
-from cleave_monitor import web
+from cleave_monitor import guard, web
 from cleave_monitor.core import MonitorState, Update
 from cleave_monitor.hub import Hub
 from cleave_monitor.settings import MonitorSettings
@@ -78,6 +80,19 @@ class Feed:
             log.warning("registry_entry_rejected", key=key, reason=e.reason)
             return
         self.apply(self.state.on_device(rec))
+
+    def on_job_entry(self, key: str, op: str | None, value: bytes | None) -> None:
+        """The hub runner's record of a submitted job (bucket cleave-jobs)."""
+        if op in KV_DELETES or not value:
+            self.apply(self.state.on_job_gone(key))
+            return
+        try:
+            rec = codec.decode(value, JobRecord, MAX_CONTROL_BYTES)
+        except WireError as e:
+            self.state.rejected += 1
+            log.warning("job_record_rejected", key=key, reason=e.reason)
+            return
+        self.apply(self.state.on_job_record(rec))
 
     def on_plan_entry(self, value: bytes | None) -> None:
         if not value:
@@ -127,6 +142,7 @@ async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asy
             tg.create_task(bus.follow(EVENTS_STREAM, SUBJECT_EVENTS_ALL, feed.on_stream_message, stop))
             tg.create_task(bus.watch(REGISTRY_BUCKET, ">", feed.on_registry_entry, stop))
             tg.create_task(bus.watch(PLAN_BUCKET, PLAN_KEY, lambda key, op, value: feed.on_plan_entry(value), stop))
+            tg.create_task(bus.watch(JOBS_BUCKET, ">", feed.on_job_entry, stop))
     finally:
         ctx.nats_connected = False
         await bus.close()
@@ -144,12 +160,14 @@ async def serve(s: MonitorSettings, stop: asyncio.Event, ready: asyncio.Future[s
     """Serve until `stop` is set; `ready`, if given, gets the URL once the port is bound."""
     state = MonitorState(s.max_points, s.max_events, s.stale_s, s.fleet_rows)
     hub = Hub()
-    ctx = web.Context(state, hub, keepalive_s=s.keepalive_s)
+    token = s.token.get_secret_value() or (guard.new_token() if guard.needs_token(s.host) else "")
+    allowed = frozenset(h.strip().lower() for h in s.allowed_hosts.split(",") if h.strip())
+    ctx = web.Context(state, hub, keepalive_s=s.keepalive_s, bind=s.host, token=token, allowed_hosts=allowed)
     feed = Feed(state, hub)
     runner, url = await web.start(web.build_app(ctx), s.host, s.port)
-    log.info("monitor_started", url=url, nats=s.nats_url)
+    log.info("monitor_started", url=f"{url}/?token={token}" if token else url, nats=s.nats_url)
     if s.url_file:
-        write_url(s.url_file, url)
+        write_url(s.url_file, url)  # without the token: supervisors record it (the token is the operator's)
     if ready is not None:
         ready.set_result(url)
     try:
@@ -166,5 +184,5 @@ async def serve(s: MonitorSettings, stop: asyncio.Event, ready: asyncio.Future[s
 def main(settings: MonitorSettings | None = None) -> int:
     settings = settings or MonitorSettings()
     configure("monitor")
-    log.info("settings_resolved", **settings.model_dump(mode="json"))
+    log.info("settings_resolved", **settings.model_dump(mode="json"))  # (SecretStr fields print as ****)
     return run(lambda stop: serve(settings, stop))

@@ -14,7 +14,9 @@ class MonitorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CLEAVE_MONITOR_", extra="ignore")
 
     nats_url: str = "nats://127.0.0.1:4222"
-    host: str = "127.0.0.1"  # 0.0.0.0 under compose, to publish the port
+    host: str = "127.0.0.1"  # 0.0.0.0 under compose, to publish the port: then with a token
+    token: SecretStr = SecretStr("")  # asked for beyond localhost; empty there: one is made up and logged
+    allowed_hosts: str = ""  # comma-separated Host names answered besides localhost (behind a proxy: its name)
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     url_file: Path | None = None  # once serving, the dashboard URL is written here (for supervisors)
     max_points: int = Field(20_000, ge=10)  # steps kept per job (older ones are dropped first)

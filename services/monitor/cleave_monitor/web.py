@@ -9,7 +9,9 @@ Routes:
   GET /api/plan          the current plan, predicted against measured step time
   GET /api/stream        server-sent events: `snapshot` first, then `metrics`, `event`, `status`
   GET /metrics           Prometheus text format
+  GET /api/jobs          the hub's submitted jobs (queued, running, done, failed)
   GET /healthz           200 with {"nats": true|false}
+Every request but /healthz passes `cleave_monitor.guard` first (the Host header; the token beyond localhost).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cleave_monitor import prom
+from cleave_monitor import guard, prom
 from cleave_monitor.core import MonitorState
 from cleave_monitor.hub import Hub, frame
 
@@ -37,6 +39,9 @@ class Context:
     hub: Hub
     keepalive_s: float = 15.0
     nats_connected: bool = False
+    bind: str = "127.0.0.1"  # the address it listens on
+    token: str = ""  # asked for on every request (cleave_monitor.guard); empty on localhost
+    allowed_hosts: frozenset[str] = frozenset()  # Host names answered besides the loopback names
 
 
 CONTEXT = web.AppKey("context", Context)
@@ -79,6 +84,10 @@ async def api_plan(request: web.Request) -> web.Response:
     return _json({"plan": request.app[CONTEXT].state.plan_view()})
 
 
+async def api_jobs(request: web.Request) -> web.Response:
+    return _json({"jobs": request.app[CONTEXT].state.queue_view()})
+
+
 async def metrics(request: web.Request) -> web.Response:
     body = prom.render(request.app[CONTEXT].state)
     return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE})
@@ -118,7 +127,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
 
 
 def build_app(ctx: Context) -> web.Application:
-    app = web.Application()
+    app = web.Application(middlewares=[guard.middleware(ctx.bind, ctx.token, ctx.allowed_hosts)])
     app[CONTEXT] = ctx
     app.router.add_get("/", index)
     app.router.add_get("/api/state", api_state)
@@ -126,6 +135,7 @@ def build_app(ctx: Context) -> web.Application:
     app.router.add_get("/api/events", api_events)
     app.router.add_get("/api/fleet", api_fleet)
     app.router.add_get("/api/plan", api_plan)
+    app.router.add_get("/api/jobs", api_jobs)
     app.router.add_get("/api/stream", stream)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)

@@ -21,15 +21,18 @@ from cleave.schemas import (
     SUBJECT_LINKCHECK,
     SUBJECT_ROUNDCAST_ALL,
     SUBJECT_ROUNDS,
+    SUBJECT_SECAGG,
     SUBJECT_SPLIT,
     SUBJECT_TILES,
     DeviceProfile,
     FanoutJoin,
     LinkCheck,
     RoundTask,
+    SecAggTask,
     SplitTask,
     TileTask,
 )
+from cleave.train.sources import source_bytes
 from cleave_worker.core import measure_flops
 from cleave_worker.device import DeviceState, first_profile
 from cleave_worker.methods import Methods
@@ -57,6 +60,8 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     """One worker on its own NATS connection until `stop`: what `serve` runs, and what `cleave swarm` runs
     many of in one event loop. `shared`: a profile measured once for the whole process (not re-probed)."""
     log = structlog.get_logger("worker").bind(worker_id=settings.worker_id)
+    if settings.data:  # its own data: checked now, and only its size is ever told (never its path or content)
+        log.info("data_declared", bytes=await asyncio.to_thread(source_bytes, settings.data))
     declared = parse_profile(settings.profile) if settings.profile else None
     bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
                                **auth.connect_options(settings, "worker"))
@@ -80,6 +85,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     rounds = await bus.subscribe(SUBJECT_ROUNDS.format(worker_id=settings.worker_id), RoundTask, methods.on_round)
     cast = await bus.subscribe(SUBJECT_ROUNDCAST_ALL, RoundTask, methods.on_roundcast)
     splits = await bus.subscribe(SUBJECT_SPLIT.format(worker_id=settings.worker_id), SplitTask, methods.on_split)
+    secure = await bus.subscribe(SUBJECT_SECAGG.format(worker_id=settings.worker_id), SecAggTask, methods.on_secagg)
     control = await bus.serve(SUBJECT_CONTROL.format(worker_id=settings.worker_id), FanoutJoin, tiles.on_join)
     check = await bus.serve(SUBJECT_LINKCHECK.format(worker_id=settings.worker_id), LinkCheck, tiles.on_check,
                             max_bytes=MAX_LINKCHECK_BYTES + 1024)  # on the tiles' connection: it proves that one
@@ -96,6 +102,7 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     await rounds.unsubscribe()
     await cast.unsubscribe()
     await splits.unsubscribe()
+    await secure.unsubscribe()
     await control.unsubscribe()
     await check.unsubscribe()
     await bus.close()

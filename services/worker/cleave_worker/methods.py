@@ -1,42 +1,153 @@
 """The worker's rounds (DiLoCo, FedAvg: train locally, send the update) and its half of split learning, each
-run off the event loop; a failure spoils that round's or step's answer, never the worker."""
+run off the event loop; a failure spoils that round's or step's answer, never the worker. The job's base
+weights and tokenizer are fetched from the PS's bundles first (once per job, cached by hash).
+
+Under secure aggregation (a round task with a session) the member sends its public keys at once, trains,
+clips its update to the job's `update_clip`, and sends it masked (`cleave.methods.secagg`) once the PS has
+told it the round's members; the PS's phase messages (`on_secagg`) are answered as they come."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.schemas import RoundTask, RoundUpdate, SplitReply, SplitTask
+from cleave.compression import unpack
+from cleave.errors import JobRefused, WireError
+from cleave.methods import secagg
+from cleave.methods.aggregate import clip_update
+from cleave.models.bundles import BundleCache
+from cleave.schemas import (
+    Packed,
+    PackedTensors,
+    RoundTask,
+    RoundUpdate,
+    SecAggKeys,
+    SecAggReply,
+    SecAggTask,
+    SplitReply,
+    SplitTask,
+)
 from cleave_worker.device import DeviceState
 from cleave_worker.local_rounds import RoundRunner
 from cleave_worker.split_client import SplitRunner
+
+MAX_SESSIONS = 4  # secure-aggregation rounds remembered at once
+
+
+@dataclass
+class Session:
+    """This member's side of one secure-aggregation round."""
+
+    member: secagg.SecureMember
+    reply: str  # its update subject
+    base: dict  # job, epoch, round, worker_id of its updates
+    members_known: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def masked_update(y: dict) -> PackedTensors:
+    """A masked update (uint64 fixed point) as int64 tensors, which the codec carries bit for bit."""
+    return PackedTensors(tensors={k: Packed(kind="none", dtype="int64", shape=v.shape,
+                                            values=codec.tensor_to_data(torch.from_numpy(v.view("int64"))))
+                                  for k, v in y.items()})
 
 
 class Methods:
     def __init__(self, device: DeviceState, bus: busmod.Bus) -> None:
         self.device, self.s, self.bus, self.log = device, device.s, bus, device.log
-        self.rounds = RoundRunner(self.s.worker_id, self.s.data)
-        self.split = SplitRunner(self.s.worker_id, str(self.s.data) if self.s.data else None)
+        self.rounds = RoundRunner(self.s.worker_id, self.s.data, self.s.round_memory_bytes, self.s.lie_weight)
+        self.split = SplitRunner(self.s.worker_id, self.s.data)
+        self.bundles = BundleCache(self.s.model_cache)
+        self.sessions: dict[str, Session] = {}
+
+    async def fetch(self, bundle_id: str) -> Path | None:
+        """The local directory of a published bundle ("" : none)."""
+        return await self.bundles.fetch(self.bus, bundle_id) if bundle_id else None
 
     async def on_round(self, task: RoundTask, nbytes: int) -> None:
         """A data-parallel round (diloco, fedavg): train locally off the event loop, send the update."""
         self.device.faults.hit("round", task.round)
         arrived = time.time()
+        reply = task.reply.replace("{worker_id}", self.s.worker_id)  # its own subject
+        session = await self.open_session(task, reply) if task.session else None
         try:
+            base, tok = await self.fetch(task.base_bundle), await self.fetch(task.tokenizer_bundle)
             with self.device.busy():
-                update = await asyncio.to_thread(self.rounds.run, task)
+                update = await asyncio.to_thread(self.rounds.run, task, base, tok)
         except Exception as e:  # a bad task spoils this round's update, not the worker
-            self.log.warning("round_failed", job=task.job, round=task.round, error=repr(e))
+            refused = isinstance(e, JobRefused)
+            self.log.warning("round_refused" if refused else "round_failed", job=task.job, round=task.round,
+                             error=str(e) if refused else repr(e))
             update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
-                                 error=repr(e)[:500])
+                                 error=(str(e) if refused else repr(e))[:500], refused=refused)
         else:
             if self.device.pacer is not None:  # behave like the declared device: answer when it would have
                 up = len(await asyncio.to_thread(codec.encode, update))
-                done = self.device.pacer.finish_at(arrived, nbytes, up, self.rounds.flops(task))
+                done = self.device.pacer.finish_at(arrived, nbytes, up, self.rounds.flops(task, base, tok))
                 await asyncio.sleep(max(0.0, done - time.time()))
-        await self.bus.publish(task.reply.replace("{worker_id}", self.s.worker_id), update)  # its own subject
+            if session is not None:
+                update = await self.masked(task, session, update)
+                if update is None:
+                    return
+        await self.bus.publish(reply, update)
+
+    async def open_session(self, task: RoundTask, reply: str) -> Session:
+        """Secure aggregation: fresh keys for this round's session, their public halves sent at once."""
+        member = secagg.SecureMember(self.s.worker_id, f"{task.job}|{task.epoch}|{task.round}|{task.session}")
+        base = dict(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id)
+        session = self.sessions[task.session] = Session(member, reply, base)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.pop(next(iter(self.sessions)))
+        c_pk, s_pk = member.public()
+        await self.bus.publish(reply, RoundUpdate(**base, secagg=SecAggReply(
+            session=task.session, phase="keys", keys=SecAggKeys(c_pk=c_pk, s_pk=s_pk))))
+        return session
+
+    async def masked(self, task: RoundTask, session: Session, update: RoundUpdate) -> RoundUpdate | None:
+        """The update clipped and masked, once the PS named the round's members (None: it never did)."""
+        job = json.loads(task.job_config)
+        delta = await asyncio.to_thread(unpack, update.delta)
+        if job.get("update_clip", 0) > 0:  # the PS cannot clip what it cannot see: the member does
+            delta, _ = await asyncio.to_thread(clip_update, delta, job["update_clip"])
+        try:
+            await asyncio.wait_for(session.members_known.wait(), job.get("round_timeout_s", 120.0))
+        except TimeoutError:
+            self.log.warning("secagg_members_never_came", job=task.job, round=task.round, session=task.session)
+            return None
+        self.device.faults.hit("secagg_masked", task.round)
+        y = await asyncio.to_thread(session.member.mask, delta)
+        return update.model_copy(update={"delta": masked_update(y), "secagg": SecAggReply(
+            session=task.session, phase="masked")})
+
+    async def on_secagg(self, task: SecAggTask, nbytes: int) -> None:
+        """A phase of secure aggregation from the PS: send the shares, learn the members, or reveal."""
+        session = self.sessions.get(task.session)
+        if session is None or task.job != session.base["job"] or task.round != session.base["round"]:
+            self.bus.reject("secagg_session", f"secagg {task.phase} for round {task.round}", task.session)
+            return
+        m = session.member
+        try:
+            if task.phase == "share":
+                keys = {u: (k.c_pk, k.s_pk) for u, k in task.keys.items()}
+                sealed = await asyncio.to_thread(m.share, keys, task.threshold)
+                out = SecAggReply(session=task.session, phase="shares", ciphertexts=sealed)
+            elif task.phase == "mask":
+                await asyncio.to_thread(m.receive, task.ciphertexts, task.members)
+                session.members_known.set()
+                return
+            else:
+                b, s = m.reveal(task.members, task.dropped)
+                out = SecAggReply(session=task.session, phase="reveal", b_shares=b, s_shares=s)
+        except WireError as e:  # a PS asking what the protocol forbids gets nothing
+            self.bus.reject(e.reason, f"secagg {task.phase} for round {task.round}", str(e))
+            return
+        await self.bus.publish(session.reply, RoundUpdate(**session.base, secagg=out))
 
     async def on_roundcast(self, task: RoundTask, nbytes: int) -> None:
         """A round published once for all its workers: take part if this worker is named in it."""
@@ -48,7 +159,8 @@ class Methods:
         """Split learning: this worker is the client; run its half of the step off the event loop."""
         self.device.faults.hit("split", task.step)
         try:
-            reply = await asyncio.to_thread(self.split.run, task)
+            tok = await self.fetch(task.tokenizer_bundle)
+            reply = await asyncio.to_thread(self.split.run, task, tok)
         except Exception as e:  # the PS hears why, and the step is not half-applied silently
             self.log.warning("split_step_failed", job=task.job, step=task.step, phase=task.phase, error=repr(e))
             reply = SplitReply(job=task.job, epoch=task.epoch, step=task.step, phase=task.phase,

@@ -26,7 +26,12 @@ class WorkerSettings(BaseSettings):
     threads: int = Field(1, ge=1)  # torch intra-op threads for the GEMMs
     profile: str = ""  # declared device, "flops=..,down=..,up=..,latency=..,memory=..": the worker paces itself
     probe_every_s: float = Field(60.0, gt=0)  # re-measure the links this often (measured profiles only)
-    data: Path | None = None  # this client's own data for fedavg/diloco (never leaves it); None = the job's
+    data: str | None = None  # this client's own data source (a data spec): it trains the round methods and split
+    # learning on it, declares only its size, never its path or content; None = the job's data
+    model_cache: Path = Path("~/.cache/cleave/models")  # base weights and tokenizers fetched from the PS, by hash
+    round_memory_bytes: int = Field(0, ge=0)  # what a round's model, optimizer and activations may take; 0: the
+    # machine's available memory. A job that needs more is refused with the numbers, before anything is built
+    lie_weight: float = 0.0  # testing knob: claim this aggregation weight in every round update (a lying member)
     corrupt: float = 0.0  # testing knob: add this to one element of every block (a lying worker)
     fail_at: str = ""  # fault injection for tests: "tile:3" dies on receiving the first tile of step 3
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once

@@ -4,6 +4,9 @@ Per step the PS asks for the forward half (the client answers with the activatio
 labels), then sends the gradient at the cut (the client finishes backward, clips with the global norm
 and steps its own AdamW). The client half and its optimizer live only here.
 
+It reads the job's data (or its own, `cleave worker --data`) with the job's tokenizer, fetched from the PS's
+bundle (`cleave.models.bundles`).
+
 The state is kept per job (not per PS incarnation), with a copy of it from before the last step applied: a
 PS that restarts resumes at its last committed step + 1, which is the client's next step or the one it
 has just applied; in that case the client goes back one step, and the run goes on exactly as if the PS had
@@ -15,12 +18,14 @@ from __future__ import annotations
 import copy
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
 from cleave import codec
+from cleave.errors import JobRefused
 from cleave.methods import split
 from cleave.methods.common import make_adamw, shard_batch, val_batches
 from cleave.models import build_model
@@ -28,6 +33,7 @@ from cleave.schemas import SplitReply, SplitTask
 from cleave.train.data import Corpus
 from cleave.train.job import JobConfig
 from cleave.train.schedule import set_lr
+from cleave_worker.local_rounds import job_for_worker
 
 
 @dataclass
@@ -71,19 +77,22 @@ class SplitRunner:
         self.worker_id, self.data = worker_id, data
         self.state: dict[str, ClientState] = {}
 
-    def _client(self, task: SplitTask) -> ClientState:
+    def _client(self, task: SplitTask, tokenizer: Path | None) -> ClientState:
         key = f"{task.job}.{hashlib.sha256(task.job_config.encode()).hexdigest()[:16]}"
         if key not in self.state:
             if task.step != 0 or task.phase != "forward":
                 raise RuntimeError(f"this client holds no state for job {task.job}: it cannot join at step {task.step}")
-            job = JobConfig.model_validate_json(task.job_config)
+            job: JobConfig = job_for_worker(task.job_config, None, tokenizer)
+            if job.own_data and not self.data:
+                raise JobRefused(f"job {job.job_id!r} trains only on its client's own data and this worker declared "
+                              "none (cleave worker --data SOURCE)")
             half, _ = split.split_model(build_model(job.arch(), seed=job.seed), task.split_layers)
             client = split.SplitClient(half, make_adamw(half.parameters(), job), job.grad_clip)
-            self.state = {key: ClientState(job, client, Corpus(self.data or job.data, job.val_fraction))}
+            self.state = {key: ClientState(job, client, Corpus.for_job(job, source=self.data))}
         return self.state[key]
 
-    def run(self, task: SplitTask) -> SplitReply:
-        st = self._client(task)
+    def run(self, task: SplitTask, tokenizer: Path | None = None) -> SplitReply:
+        st = self._client(task, tokenizer)
         base = dict(job=task.job, epoch=task.epoch, step=task.step, phase=task.phase, worker_id=self.worker_id)
         if task.phase == "eval":  # the validation batches after this step, concatenated: (n*B, T, C)
             x, y = (torch.cat(t) for t in zip(*val_batches(st.corpus, st.job, task.step), strict=True))

@@ -113,7 +113,10 @@ function renderCharts() {
 // ---- panels -------------------------------------------------------------------------------------------
 function renderCards() {
   const pts = S.series, last = pts[pts.length - 1], t = S.status ? S.status.totals : null;
-  $("c-step").textContent = last ? `${last.step + 1} (${pts.length} seen)` : "–";
+  // the metrics' own number (the progress line's, the logs' and the exports'); a round method's steps are rounds
+  const unit = last && ["diloco", "fedavg"].includes(last.method) ? "round" : "step";
+  $("c-step-k").textContent = unit;
+  $("c-step").textContent = last ? `${last.step} (${pts.length} seen)` : "–";
   $("c-loss").textContent = last && last.loss !== null ? last.loss.toFixed(4) : "–";
   $("c-steptime").textContent = secs(median(pts.slice(-10).map((p) => p.step_time_s)));
   $("c-tps").textContent = last ? si(last.tokens_per_s) : "–";
@@ -181,6 +184,21 @@ function renderEvents() {
   }
 }
 
+function renderQueue() {
+  const q = S.status && S.status.queue ? S.status.queue : [], body = $("queue").tBodies[0];
+  $("queue-panel").hidden = q.length === 0;
+  $("queue-count").textContent = `${q.length}`;
+  body.replaceChildren();
+  for (const j of q.slice().reverse()) {
+    const tr = node("tr", { class: "job", "data-job": j.job_id }, body);
+    node("td", {}, tr, j.job_id);
+    node("span", { class: "state " + j.state }, node("td", {}, tr), j.state);
+    for (const k of ["submitted_at", "started_at", "ended_at"]) node("td", {}, tr, j[k] ? clock(j[k]) : "–");
+    node("td", {}, tr, String(j.runs));
+    node("td", {}, tr, j.reason || "");
+  }
+}
+
 function renderJobs() {
   const sel = $("job");
   sel.replaceChildren();
@@ -190,7 +208,7 @@ function renderJobs() {
 
 function render() {
   S.timer = null;
-  renderJobs(); renderCards(); renderCharts(); renderPlan(); renderFleet(); renderEvents();
+  renderJobs(); renderCards(); renderCharts(); renderPlan(); renderFleet(); renderQueue(); renderEvents();
 }
 
 function schedule() {
@@ -200,7 +218,7 @@ function schedule() {
 // ---- live updates -------------------------------------------------------------------------------------
 function onSnapshot(snap) {
   S.jobs = snap.jobs; S.events = snap.events;
-  S.status = { now: snap.now, fleet: snap.fleet, plan: snap.plan, totals: snap.totals };
+  S.status = { now: snap.now, fleet: snap.fleet, plan: snap.plan, totals: snap.totals, queue: snap.queue };
   if (S.follow || S.job === null || !S.jobs.some((j) => j.job === S.job)) { S.job = snap.job; S.series = snap.series; }
   else refetchSeries();
   schedule();

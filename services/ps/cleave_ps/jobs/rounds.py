@@ -9,6 +9,19 @@ nothing. The reported loss is the mean, over the workers, of their first local s
 the validation loss of the PS's model after the round. Every worker whose update will not come (it left the
 plan, the round timed out, or it answered with an error) is a recovery event in the round's metrics line.
 
+Every worker is untrusted: an update counts only from a member of the round it names (the workers it was
+dealt to), weighted by the tokens the PS dealt it (never by what it claims), its L2 norm clipped to
+`update_clip`; with `own_data` only from a member that trains on data of its own. A member that refuses the
+job (no own data, not enough memory) is not dealt it again. A round in which no update was accepted is not
+a round: its number, the data and the learning rate stay, it runs again (after 2 s, then 4, 8, ...: time for
+a fleet that flapped to come back), and after `max_empty_rounds` in a row the job fails (`RoundsFailed`,
+exit status 4) with what the PS saw.
+
+The job's base weights and tokenizer are published to the workers once (`cleave.models.bundles`); the
+round tasks name them. With `secagg` a round's updates arrive masked and only their sum is recovered
+(`cleave_ps.jobs.secure`); with `dp_noise` the FedAvg server adds calibrated Gaussian noise to each round's sum
+and every metrics line carries the epsilon spent so far (`cleave.methods.privacy`).
+
 The global weights, the round and DiLoCo's outer momentum are committed to JetStream after every
 `persist_every` rounds (`cleave_ps.state.persist`): a PS killed mid-round comes back at the first round not
 committed, and the workers' data shards and seeds depend only on the round, so the run goes on as if the PS
@@ -18,6 +31,7 @@ had never died.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import statistics
 import time
 
@@ -26,11 +40,14 @@ import torch
 
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
-from cleave.errors import WireError
+from cleave.errors import RoundsFailed, WireError
+from cleave.methods.aggregate import clip_update
 from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
-from cleave.methods.lora import attach_lora
+from cleave.methods.lora import attach_for_job
+from cleave.methods.privacy import epsilon
+from cleave.models import bundles
 from cleave.runtime.faults import Faults
 from cleave.schemas import (
     PLAN_KEY,
@@ -48,10 +65,12 @@ from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
 from cleave_ps.fleet.plans import PlanWatch, first_of
 from cleave_ps.jobs.lifecycle import Listen
+from cleave_ps.jobs.secure import SecureRound
 from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
+DEFAULT_EMPTY_BACKOFF_S = 2.0  # before the first rerun of a round that accepted nothing; doubled each time after
 
 
 class Rounds:
@@ -66,13 +85,19 @@ class Rounds:
         self.epoch = 0  # claimed before `build`
         self.news = asyncio.Event()  # an update arrived or the plan changed: the round may close
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
-        self.failed: set[str] = set()  # workers that answered this round with an error
+        self.failed: dict[str, str] = {}  # workers that answered this round with an error, and the error
+        self.refused: dict[str, str] = {}  # workers that refused the job, and why: not dealt it again
+        self.members: dict[int, frozenset[str]] = {}  # round -> the workers it was dealt to
+        self.rejected: dict[str, int] = {}  # this round's refused updates, by reason
+        self.bundles = {"model": "", "tokenizer": ""}  # the job's published base weights and tokenizer
+        self.secure: SecureRound | None = None  # the round in flight's secure aggregation (secagg)
+        # every member's weight: the tokens the PS deals it per round (what it claims is ignored)
+        self.weight = float(job.local_steps * job.batch_size * job.seq)
         self.raw_bytes = self.bytes_up = self.dropped = 0
 
     def _build(self) -> None:
         self.trainer = Trainer(self.job)
-        if self.job.lora_rank:
-            attach_lora(self.trainer.model, self.job.lora_rank, self.job.lora_alpha, seed=self.job.seed)
+        attach_for_job(self.trainer.model, self.job)
         params = trainable(self.trainer.model)
         j = self.job
         common = dict(rule=j.aggregate, max_staleness=j.max_staleness, min_updates=max(1, j.min_updates))
@@ -80,7 +105,8 @@ class Rounds:
             self.server = DilocoServer(params, DilocoConfig(
                 inner_steps=j.local_steps, outer_lr=j.outer_lr, outer_momentum=j.outer_momentum, **common))
         else:
-            self.server = FedAvgServer(params, FedAvgConfig(local_steps=j.local_steps, **common))
+            self.server = FedAvgServer(params, FedAvgConfig(local_steps=j.local_steps, dp_noise=j.dp_noise,
+                                                            clip=j.update_clip, **common))
 
     @property
     def outer_opt(self) -> torch.optim.Optimizer | None:
@@ -90,9 +116,12 @@ class Rounds:
         """Nothing to agree on before the epoch."""
 
     async def build(self, epoch: int, plans: PlanWatch) -> None:
-        """The model and the DiLoCo or FedAvg server, for this epoch."""
+        """The model and the DiLoCo or FedAvg server, for this epoch; the base weights and tokenizer published."""
         self.epoch, self.plan = epoch, plans
         await asyncio.to_thread(self._build)
+        files = await asyncio.to_thread(bundles.job_files, self.job.init_from, self.job.tokenizer)
+        for kind, paths in files.items():
+            self.bundles[kind] = await bundles.publish(self.bus, kind, paths)
 
     async def resume(self) -> int:
         """Restore the last committed round; the first round to run."""
@@ -109,29 +138,59 @@ class Rounds:
     async def on_plan(self, plan: Plan) -> None:
         self.news.set()  # a worker may have left: the round stops waiting for it
 
+    def refuse(self, reason: str, msg: RoundUpdate, detail: str = "") -> None:
+        self.dropped += 1
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self.bus.reject(reason, f"update from {msg.worker_id} for round {msg.round}", detail)
+
     async def on_update(self, msg: RoundUpdate, nbytes: int) -> None:
         self.bytes_up += nbytes
-        if msg.job != self.job.job_id or msg.epoch != self.epoch or msg.error or msg.delta is None:
+        if msg.job != self.job.job_id or msg.epoch != self.epoch:
             self.dropped += 1
-            if msg.error and msg.round == self.server.round:  # it answered: the round does not wait for it
-                self.failed.add(msg.worker_id)
+            return
+        if msg.worker_id not in self.members.get(msg.round, ()):
+            return self.refuse("not_member", msg, "it was not dealt that round")
+        if msg.error:
+            self.dropped += 1
+            if msg.refused and msg.worker_id not in self.refused:
+                self.refused[msg.worker_id] = msg.error
+                log.warning("round_member_refused", worker_id=msg.worker_id, reason=msg.error[:300])
+            if msg.round == self.server.round:  # it answered: the round does not wait for it
+                self.failed[msg.worker_id] = msg.error
                 self.news.set()
                 log.warning("round_update_failed", worker_id=msg.worker_id, round=msg.round, error=msg.error[:200])
             return
+        if self.job.own_data and msg.data_tokens <= 0 and (msg.secagg is None or msg.secagg.phase == "masked"):
+            return self.refuse("no_own_data", msg, "the job trains on its members' own data")
+        if self.job.secagg:
+            return self.on_secure(msg)
+        if msg.delta is None:
+            return self.refuse("no_delta", msg)
         try:
             delta = await asyncio.to_thread(unpack, msg.delta)
         except WireError as e:
-            self.dropped += 1
-            self.bus.reject(e.reason, f"update from {msg.worker_id}", str(e))
-            return
-        verdict = self.server.submit(msg.worker_id, msg.round, delta, msg.weight)
+            return self.refuse(e.reason, msg, str(e))
+        if self.job.update_clip > 0:
+            delta, before = await asyncio.to_thread(clip_update, delta, self.job.update_clip)
+            if before > self.job.update_clip:
+                log.info("update_clipped", worker_id=msg.worker_id, round=msg.round, norm=round(before, 6))
+        verdict = self.server.submit(msg.worker_id, msg.round, delta, self.weight)
         if verdict != "accepted":
-            self.dropped += 1
-            return
+            return self.refuse(f"update_{verdict}", msg)
         self.raw_bytes += msg.raw_bytes
         if msg.losses:
             self.losses[msg.worker_id] = msg.losses[0]
         self.news.set()
+
+    def on_secure(self, msg: RoundUpdate) -> None:
+        """A phase message of secure aggregation, for the round in flight only."""
+        why = self.secure.on_update(msg) if self.secure is not None and msg.round == self.secure.r else "secagg_round"
+        if why is not None:
+            return self.refuse(why, msg)
+        if msg.secagg is not None and msg.secagg.phase == "masked":
+            self.raw_bytes += msg.raw_bytes
+            if msg.losses:
+                self.losses[msg.worker_id] = msg.losses[0]
 
     async def deal(self, r: int, expected: set[str]) -> int:
         """Publish round `r`'s global weights once for every expected worker (each named with its data shard;
@@ -141,17 +200,25 @@ class Rounds:
         task = RoundTask(job=self.job.job_id, epoch=self.epoch, method=self.job.method, round=r,
                          job_config=self.job.model_dump_json(), weights=PackedTensors(tensors=packed),
                          reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id="{worker_id}"),
-                         shards={w: shard for shard, w in enumerate(sorted(expected))})
+                         shards={w: shard for shard, w in enumerate(sorted(expected))},
+                         base_bundle=self.bundles["model"], tokenizer_bundle=self.bundles["tokenizer"])
+        if self.job.secagg:  # a fresh session (and fresh keys) for every attempt at the round
+            self.secure = SecureRound(self, r, secrets.token_hex(8))
+            task = task.model_copy(update={"session": self.secure.session})
+        self.members[r] = frozenset(expected)
+        for old in [k for k in self.members if k < r - self.job.max_staleness]:
+            del self.members[old]
         return await self.bus.publish(SUBJECT_ROUNDCAST.format(job=self.job.job_id), task)
 
     def closes(self, expected: set[str]) -> bool:
         """Every expected worker answered (or failed), or `min_updates` updates of this round arrived."""
         got = self.server.collector.senders()
-        return expected - self.failed <= got or 0 < self.job.min_updates <= len(got)
+        return expected - set(self.failed) <= got or 0 < self.job.min_updates <= len(got)
 
     async def collect(self, r: int, expected: set[str], t0: float) -> list[Event]:
         """Wait until the round closes (`closes`, or the timeout); a recovery event per worker lost in it."""
         lost: list[Event] = []
+        expected = set(expected)  # (the caller's stays whole: it reports who was dealt the round)
         deadline = time.monotonic() + self.job.round_timeout_s
         while not self.stop.is_set() and time.monotonic() < deadline:
             self.news.clear()
@@ -163,7 +230,7 @@ class Rounds:
                 break
             await first_of(self.news, self.stop, timeout_s=max(0.0, deadline - time.monotonic()))
         else:
-            missing = sorted(expected - self.failed - self.server.collector.senders())
+            missing = sorted(expected - set(self.failed) - self.server.collector.senders())
             if missing and not self.stop.is_set():
                 log.warning("round_timed_out", round=r, missing=missing, timeout_s=self.job.round_timeout_s)
                 lost += [self.lost(r, w, "round_timeout", t0) for w in missing]
@@ -179,21 +246,68 @@ class Rounds:
                                                 "redone": "nothing: the round closes with the other updates"})
 
     async def step(self, r: int) -> StepMetrics | None:
-        """Run round `r`; None if the PS is stopping (nothing applied: the round runs again after a restart)."""
+        """Run round `r` until an update is accepted (at most `max_empty_rounds` tries); None if the PS is
+        stopping (nothing applied: the round runs again after a restart)."""
+        seen: list[str] = []
+        while True:
+            m = await self.attempt(r, len(seen))
+            if m is None or isinstance(m, StepMetrics):
+                return m
+            seen.append(m)
+            log.warning("round_empty", round=r, attempt=len(seen), reason=m)
+            if len(seen) >= self.job.max_empty_rounds:
+                raise RoundsFailed(f"{len(seen)} rounds in a row (round {r}) ended with no accepted update "
+                                   f"(max_empty_rounds={self.job.max_empty_rounds}): " + "; ".join(seen))
+            # a fleet that flapped (heartbeats late on a loaded machine) gets time to come back before the rerun
+            backoff = min(self.job.round_timeout_s, DEFAULT_EMPTY_BACKOFF_S * 2 ** (len(seen) - 1))
+            await first_of(self.stop, timeout_s=backoff)
+
+    def why_empty(self, expected: set[str], lost: list[Event], silent: bool = True) -> str:
+        """What the PS saw in a round that accepted nothing (`silent`: name the members that sent nothing)."""
+        parts = [f"{ev.worker_id} {ev.cause.replace('_', ' ')}" for ev in lost if ev.cause != "update_failed"]
+        if not expected:
+            parts.append("no worker to deal it to" + (f" ({len(self.refused)} refused the job: " + "; ".join(
+                f"{w}: {e[:200]}" for w, e in sorted(self.refused.items())) + ")" if self.refused else ""))
+        parts += [f"{w} failed: {e[:200]}" for w, e in sorted(self.failed.items())]
+        if self.rejected:
+            parts.append("updates refused: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.rejected.items())))
+        quiet = expected - set(self.failed) - {ev.worker_id for ev in lost}
+        if silent and quiet and not self.rejected:
+            parts.append(f"no update from {', '.join(sorted(quiet))} within round_timeout_s="
+                         f"{self.job.round_timeout_s}")
+        return "; ".join(parts) or "nothing arrived"
+
+    async def attempt(self, r: int, tried: int) -> StepMetrics | str | None:
+        """Deal round `r` and close it: its metrics line, or (nothing accepted) what the PS saw, or None."""
         t0 = time.perf_counter()
-        expected = set(await self.plan.some_workers(self.stop))
+        expected = set(await self.plan.some_workers(self.stop)) - set(self.refused)
         bytes_down = await self.deal(r, expected)
         self.faults.hit("in_round", r)
-        lost = await self.collect(r, expected, t0)
+        if self.secure is not None:
+            total, survivors, lost, why = await self.secure.run(expected, t0)
+            bytes_down += self.secure.bytes_down
+        else:
+            lost, why = await self.collect(r, expected, t0), None
         if self.stop.is_set():
             return None
-        report = self.server.close_round()
+        if self.secure is not None:
+            report = self.server.close_with_sum(total, survivors)
+        else:
+            report = self.server.close_round()
+        if not report.senders:
+            why = "; ".join(x for x in (why, self.why_empty(expected, lost, silent=why is None)) if x)
+        losses = [self.losses[w] for w in report.senders if w in self.losses]
+        self.losses.clear()
+        self.failed.clear()
+        self.rejected.clear()
+        if why is not None:
+            self.raw_bytes = self.bytes_up = self.dropped = 0
+            return why
         closed = time.perf_counter()
         lost = [ev.model_copy(update={"complete_s": closed - t0 - ev.detect_s}) for ev in lost]
         val = None
         if self.job.val_every and (r + 1) % self.job.val_every == 0:
             val = await asyncio.to_thread(self.trainer.val_loss, r)
-        losses = [self.losses[w] for w in report.senders if w in self.losses]
         m = StepMetrics(job=self.job.job_id, method=self.job.method, step=r,
                         loss=statistics.fmean(losses) if losses else float("nan"), val_loss=val,
                         step_time_s=time.perf_counter() - t0, workers=len(report.senders), bytes_down=bytes_down,
@@ -202,12 +316,12 @@ class Rounds:
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
                         * self.job.batch_size * self.job.seq, lr=lr_at(self.job, r * self.job.local_steps), recoveries=len(lost),
                         recovery=tuple(lost), applied=report.applied, updates_late=report.late_folded,
+                        dp_epsilon=epsilon(self.job.dp_noise, r + 1, self.job.dp_delta) if self.job.dp_noise else None,
                         at=time.time())
-        self.losses.clear()
-        self.failed.clear()
         self.raw_bytes = self.bytes_up = self.dropped = 0
         log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers, val_loss=m.val_loss,
-                 step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up)
+                 step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up,
+                 empty_before=tried)
         return m
 
     async def commit(self, m: StepMetrics) -> None:

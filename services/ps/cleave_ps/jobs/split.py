@@ -1,7 +1,7 @@
 """The PS's side of split learning: it runs every block after the cut, the head and the loss.
 
 One worker of the plan becomes the client for the whole job (it holds the embedding, the first k blocks,
-their optimizer and the data). Each step: ask the client for the activations at the cut, run the server
+their optimizer and the data: the job's, or its own with `own_data`; the job's tokenizer is published for it). Each step: ask the client for the activations at the cut, run the server
 half, send back the gradient at the cut, and apply the server's AdamW with the clip coefficient the client
 computed from the global gradient norm, exactly as one process would. With `val_every`, the client then
 sends the cut of the validation batches and the PS reports the whole model's validation loss.
@@ -23,7 +23,7 @@ from cleave.bus import Bus
 from cleave.errors import ClientLost, StepAborted
 from cleave.methods import split
 from cleave.methods.common import make_adamw
-from cleave.models import build_model
+from cleave.models import build_model, bundles
 from cleave.runtime.faults import Faults
 from cleave.schemas import (
     PLAN_KEY,
@@ -59,6 +59,7 @@ class SplitJob:
         self.reply = ""
         self.first = 0
         self.client = ""
+        self.tokenizer = ""  # the job's tokenizer, published for the client (cleave.models.bundles)
         self.waiting: dict[tuple[int, str], asyncio.Future] = {}
         self.bytes_down = self.bytes_up = 0
 
@@ -70,10 +71,12 @@ class SplitJob:
         """Nothing to agree on before the epoch."""
 
     async def build(self, epoch: int, plans: PlanWatch) -> None:
-        """The server half and its AdamW, for this epoch."""
+        """The server half and its AdamW, for this epoch, and the job's tokenizer published for the client."""
         self.epoch, self.plan = epoch, plans
         self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=epoch, worker_id="*")  # subscribed
         await asyncio.to_thread(self._build)
+        files = (await asyncio.to_thread(bundles.job_files, None, self.job.tokenizer)).get("tokenizer")
+        self.tokenizer = await bundles.publish(self.bus, "tokenizer", files) if files else ""
 
     async def resume(self) -> int:
         """Restore the last committed step; the first step to run."""
@@ -136,7 +139,7 @@ class SplitJob:
                      first=self.first)
         t0 = time.perf_counter()
         base = dict(job=self.job.job_id, epoch=self.epoch, step=s, job_config=self.job.model_dump_json(),
-                    split_layers=self.job.split_layers,
+                    split_layers=self.job.split_layers, tokenizer_bundle=self.tokenizer,
                     reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id=self.client))
         fwd = await self.ask(SplitTask(**base, phase="forward"))
         if fwd.activations is None or fwd.targets is None:

@@ -10,6 +10,12 @@ checkpoint it names readable: both objects are written first under new names, th
 manifest, with its SHA-256) is switched last. On load every chunk is checked as it streams in; a truncated
 or corrupted checkpoint is rejected with a logged reason and the previous committed head is tried instead.
 The epoch counter fences off an older PS that is still alive.
+
+A job is its job id: a PS started under an id that has state resumes it, whatever its run dir, as long as the
+job is still the same model on the same data order (`IDENTITY`); its other settings (`steps`, the learning
+rate and its schedule, timeouts, ...) may change from one run to the next. A changed identity is refused once
+(`JobChanged`, exit 4: not restarted). The metrics file is only ever appended to: a job's lines from every run,
+once per step; a new job finding another job's lines there sets that file aside (renamed, never deleted).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import resource
 import time
 
@@ -27,7 +34,7 @@ from torch import nn
 
 from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
-from cleave.errors import CleaveError, ConfigError, Conflict, CorruptCheckpoint, Fenced, WireError
+from cleave.errors import CleaveError, Conflict, CorruptCheckpoint, Fenced, JobChanged, WireError
 from cleave.runtime.faults import Faults
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import (
@@ -51,7 +58,28 @@ DEFAULT_PUT_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with Ad
 KEEP_CHECKPOINTS = 2
 CHECKPOINT_BUDGET = 0.05  # persist_every=0: commit when the last commit cost <= 5% of the training since
 STAGING_SHARE = 0.5  # checkpoint_staging=auto: a staged copy may take at most this share of the free memory
-__all__ = ["Fenced", "Persister", "Progress", "read_checkpoint", "snapshot", "write_checkpoint"]
+__all__ = ["Fenced", "Persister", "Progress", "identity_changes", "read_checkpoint", "snapshot", "write_checkpoint"]
+# what makes a job the job it is: its model and the order of its data. Any other setting may change on resume.
+IDENTITY = ("method", "preset", "init_from", "seq_len", "split_layers", "lora_rank", "lora_alpha", "seed", "data",
+            "tokenizer", "batch_size", "val_fraction")
+
+
+def _fields(config: str) -> dict:
+    """A job description's settings (JSON), each one that is absent at its default."""
+    raw = json.loads(config)
+    return {name: raw.get(name, f.default) for name, f in JobConfig.model_fields.items()}
+
+
+def identity_changes(before: str, after: str) -> list[str]:
+    """The settings of `IDENTITY` that differ between two job descriptions (JSON), as 'name: old -> new'."""
+    old, new = _fields(before), _fields(after)
+    return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in IDENTITY if old[k] != new[k]]
+
+
+def other_changes(before: str, after: str) -> dict[str, str]:
+    """The other settings that differ (free to change on resume): name -> 'old -> new'."""
+    old, new = _fields(before), _fields(after)
+    return {k: f"{old[k]!r} -> {new[k]!r}" for k in old if k not in IDENTITY and old[k] != new[k]}
 
 
 
@@ -146,9 +174,13 @@ class Persister:
         heads = await self._heads()
         if not heads:
             return None
+        changed = identity_changes(heads[0].job_config, self.job_config)
+        if changed:
+            raise JobChanged(f"job {self.job_id!r} already has state (up to step {heads[0].step}) of another model "
+                             f"or data order: {'; '.join(changed)}. Resume it with those settings as they were "
+                             "(steps, the learning rate and the other settings may change), or use a new job id")
         if heads[0].job_config != self.job_config:
-            raise ConfigError(f"job {self.job_id!r} already has state from a different job description; "
-                              "use a new job_id or the same job file")
+            log.info("job_settings_changed", job=self.job_id, **other_changes(heads[0].job_config, self.job_config))
         reasons = []
         for head in heads:
             try:
@@ -246,6 +278,7 @@ class Progress:
         event); the first step (or round) to run: 0 for a new job."""
         head = await self.persister.load(model, opt)
         if head is None:
+            await asyncio.to_thread(self.set_aside)
             return 0
         await self.report(head.metrics)  # lines that were committed but not written before a crash
         first = head.step + 1
@@ -253,6 +286,12 @@ class Progress:
         await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job_id, step=first, cause="restart",
                                   detail={"epoch": self.epoch}))
         return first
+
+    def set_aside(self) -> None:
+        """A new job: lines already in its metrics file are another job's; that file is renamed, never deleted."""
+        kept = self.out.set_aside(self.job_id)
+        if kept is not None:
+            log.warning("metrics_set_aside", job=self.job_id, metrics=str(self.out.path), kept=str(kept))
 
     def due(self, step: int) -> bool:
         """Commit after `step`? Every `persist_every` steps and after the last; with persist_every = 0, when

@@ -1,0 +1,48 @@
+"""Jobs submitted from anywhere to the hub's runner: the submission, and the record the runner keeps of each job.
+
+`cleave submit` publishes a `JobSubmission` on `cleave.jobs.submit.<job>` (JetStream stream CLEAVE_JOBS: stored
+on the hub until the runner takes it). The runner answers in the KV bucket `cleave-jobs`, key `<job>`, with a
+`JobRecord`: the job's state and the verdict on the latest submission (named by its nonce), which `cleave submit`
+and `cleave status` read. Only the runner writes that bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from cleave.schemas.base import Wire
+from cleave.schemas.limits import MAX_JOB_BYTES
+
+JOB_STATES = ("queued", "running", "done", "failed")  # a job's life on the hub, in order
+JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # as JobConfig.job_id: one subject token, one KV key
+NONCE_PATTERN = r"^[0-9a-f]{16,64}$"
+MAX_MIN_WORKERS = 100_000
+
+
+class JobSubmission(Wire):
+    """One job for the hub: its description as `cleave submit` built it (the runner validates it again)."""
+
+    job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig as JSON
+    nonce: str = Field(pattern=NONCE_PATTERN)  # names this submission: the runner's verdict carries it back
+    submitted_at: float
+    min_workers: int = Field(0, ge=0, le=MAX_MIN_WORKERS)  # start once this many workers are registered (or later)
+
+
+class JobRecord(Wire):
+    """What the hub's runner knows of one job: its state, its description and how its last submission went."""
+
+    job_id: str = Field(pattern=JOB_ID_PATTERN)
+    job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig (JSON) it runs, or last ran
+    state: Literal[JOB_STATES]  # type: ignore[valid-type]
+    submitted_at: float
+    min_workers: int = Field(0, ge=0, le=MAX_MIN_WORKERS)
+    started_at: float | None = None  # when its PS was last started
+    ended_at: float | None = None
+    exit_code: int | None = None  # of its PS, once done or failed
+    reason: str = Field("", max_length=4096)  # why it failed, in the words of the PS's error
+    runs: int = Field(0, ge=0)  # PS processes started for it (restarts and resumes included)
+    nonce: str = ""  # the latest submission's nonce, accepted or refused
+    verdict: Literal["accepted", "refused"] = "accepted"
+    verdict_reason: str = Field("", max_length=4096)  # why that submission was refused

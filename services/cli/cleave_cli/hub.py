@@ -1,0 +1,157 @@
+"""The hub of a deployment (`cleave up --listen HOST --auth DIR`): where its nats-server listens, with which
+users and TLS, and the credential each of its services logs in with.
+
+- NATS: clients on HOST:4222 and the sites' leaf nodes on HOST:7422, both with TLS when DIR holds a certificate
+  (`cleave auth init --tls --host HOST`). Its users are DIR's credentials (every role, each site, the admin),
+  derived again from their seeds each time, so the server always matches DIR. Monitoring stays on 127.0.0.1.
+- Services log in with their role's seed and DIR's CA (the PS job runner as the PS).
+- Without DIR nothing listens beyond this machine: `--listen` off the loopback needs `--auth`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cleave import auth
+from cleave.bus import SERVER_LIMITS
+from cleave.errors import ConfigError
+from cleave_cli import auth_cmd, serverconf
+from cleave_cli.natsconf import free_port
+
+DEFAULT_CLIENT_PORT = 4222
+DEFAULT_LEAF_PORT = 7422
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::", "")
+DEFAULT_LOGIN_TIMEOUT_S = 10.0
+LOGIN_ROLES = {"runner": "ps"}  # a process role -> the credential it logs in with, where they differ
+PLAIN_CONFIG = """\
+listen: "{listen}"
+http: 127.0.0.1:{monitor_port}
+max_payload: {max_payload}
+{limits}
+jetstream {{
+  store_dir: "{store}"
+}}
+leafnodes {{
+  listen: "{leaf}"
+}}
+"""
+
+
+def split_listen(listen: str, default_port: int) -> tuple[str, int]:
+    """HOST or HOST:PORT ([v6]:PORT) -> (host, port); port 0 picks a free one."""
+    host, sep, port = listen.rpartition(":") if listen.count(":") == 1 or listen.startswith("[") else ("", "", "")
+    if not sep:
+        host, port = listen, str(default_port)
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--listen {listen!r}: expected HOST or HOST:PORT")
+    return host, int(port) or free_port()
+
+
+@dataclass
+class HubConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_CLIENT_PORT
+    leaf_port: int = DEFAULT_LEAF_PORT
+    auth_dir: Path | None = None
+    creds: list[auth.Credential] = field(default_factory=list)  # every user of the server (from auth_dir)
+
+    @classmethod
+    def of(cls, listen: str | None, auth_dir: Path | None, leaf_port: int = DEFAULT_LEAF_PORT) -> HubConfig:
+        host, port = split_listen(listen or "127.0.0.1:0", DEFAULT_CLIENT_PORT)  # no --listen: free ports
+        if auth_dir is None and host not in LOOPBACK:
+            raise ConfigError(f"--listen {host} opens NATS beyond this machine: it needs credentials (--auth DIR, "
+                              "written by `cleave auth init --tls --host NAME`)")
+        hub = cls(host, port, (leaf_port if listen else 0) or free_port(), auth_dir)
+        if auth_dir is not None:
+            hub.creds = users(auth_dir)
+        return hub
+
+    @property
+    def tls(self) -> bool:
+        return self.auth_dir is not None and (self.auth_dir / auth_cmd.TLS_DIR / auth_cmd.CERT_NAME).is_file()
+
+    @property
+    def url(self) -> str:
+        """Where the hub's own services dial (the loopback for a wildcard address)."""
+        host = "127.0.0.1" if self.host in WILDCARD else self.host
+        return f"{'tls' if self.tls else 'nats'}://{_bracket(host)}:{self.port}"
+
+    @property
+    def leaf_url(self) -> str:
+        """What `cleave site --hub` takes (for a wildcard address, with this machine's name in it)."""
+        import socket
+
+        host = socket.gethostname() if self.host in WILDCARD else self.host
+        return f"{'tls' if self.tls else 'nats-leaf'}://{_bracket(host)}:{self.leaf_port}"
+
+    def server_config(self, store: str, monitor_port: int, max_payload: int) -> str:
+        listen, leaf = f"{_bracket(self.host)}:{self.port}", f"{_bracket(self.host)}:{self.leaf_port}"
+        if self.auth_dir is None:
+            return PLAIN_CONFIG.format(listen=listen, monitor_port=monitor_port, max_payload=max_payload,
+                                       limits=SERVER_LIMITS, store=store, leaf=leaf)
+        tls = self.auth_dir.resolve() / auth_cmd.TLS_DIR
+        opts = serverconf.ServerOptions(
+            listen=listen, http=f"127.0.0.1:{monitor_port}", store_dir=store, max_payload=max_payload,
+            tls_cert=str(tls / auth_cmd.CERT_NAME) if self.tls else None,
+            tls_key=str(tls / auth_cmd.KEY_NAME) if self.tls else None, leaf_listen=leaf)
+        return serverconf.server_config(self.creds, opts)
+
+    def env(self, role: str) -> dict[str, str]:
+        """The CLEAVE_<ROLE>_* variables a process of `role` logs in with (none without credentials)."""
+        if self.auth_dir is None:
+            return {}
+        return auth_cmd.role_env(self.auth_dir, LOGIN_ROLES.get(role, role))
+
+    def check_login(self) -> None:
+        """Log in once as the PS: a certificate that does not name the address, or a credential the server does
+        not know, is said now rather than by every service retrying forever."""
+        if self.auth_dir is None:
+            return
+        import logging
+
+        import nats
+
+        logging.getLogger("asyncio").setLevel(logging.ERROR)  # its note on a TLS connection's end
+
+        async def attempt() -> None:
+            nc = await nats.connect(self.url, connect_timeout=DEFAULT_LOGIN_TIMEOUT_S, max_reconnect_attempts=0,
+                                    allow_reconnect=False, **auth_cmd.client_options(self.auth_dir, "ps"))
+            await nc.close()
+
+        try:
+            asyncio.run(asyncio.wait_for(attempt(), DEFAULT_LOGIN_TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001 - what nats-py raises varies: say it with the likely cause
+            raise ConfigError(f"the hub's own services cannot log in at {self.url} ({e!r}): does the certificate "
+                              f"in {self.auth_dir} name {self.host}? (`cleave auth init --tls --host {self.host}`)") from None
+
+
+def users(folder: Path) -> list[auth.Credential]:
+    """Every credential `cleave auth init` wrote into `folder` (roles, workers, sites, the admin's key)."""
+    creds = []
+    for path in sorted(folder.glob("*.env")):
+        name = path.stem
+        role = "worker" if name.startswith("worker") else name
+        if role not in auth.ROLES:
+            continue
+        creds.append(auth_cmd.credential(folder, name, role))
+    for path in sorted((folder / auth_cmd.SITES_DIR).glob(f"*/{auth_cmd.SITE_ENV}")):
+        creds.append(_site(path))
+    admin = folder / auth_cmd.ADMIN_NAME
+    if admin.is_file():
+        creds.append(auth.admin_credential(admin.read_text().strip()))
+    if not any(c.role == "ps" for c in creds):
+        raise ConfigError(f"{folder} holds no credentials of `cleave auth init` (ps.env is missing)")
+    return creds
+
+
+def _site(path: Path) -> auth.Credential:
+    cred = auth_cmd.credential(path.parent, path.stem, auth.SITE)
+    return auth.Credential(f"{auth.SITE}-{path.parent.name}", auth.SITE, cred.seed, cred.public, cred.permissions)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,277 @@
+"""The hub's PS job runner (`cleave runner`; `cleave up` and compose's hub start it): jobs submitted to JetStream
+from anywhere run here, one at a time unless the operator allows more (`--max-running`).
+
+- Taking a job: a durable consumer of the stream CLEAVE_JOBS hands over each submission once. The runner checks
+  it (a valid job description; a job that is running is not replaced; a job that has state keeps its model and
+  data order, `cleave_ps.state.persist.identity_changes`), writes its verdict into the job's record (KV bucket
+  `cleave-jobs`, key: the job id) and only then acknowledges it, so no submission is lost between the two.
+- The queue is that bucket: `queued` jobs start in the order they were submitted, each once `min_workers`
+  workers are registered (or after JOIN_WAIT_S). A runner that starts again finds `queued` and `running` jobs
+  there and runs them; each PS resumes from its last commit, as the job id names its state.
+- Supervision, as `cleave up` supervises its processes: a PS that dies is started again (and resumes); one that
+  exits with a status of NOT_RESTARTED or EXIT_ERROR stays down: 0 with every step committed is `done`,
+  anything else `failed`, with the PS's error as the reason. One that exits 0 short of its last step (stopped
+  from outside) is started again.
+- On the hub's disk: `<run-dir>/jobs/<job>/job.json` and `metrics.jsonl` (appended over the job's runs),
+  `<run-dir>/logs/ps-<job>.log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import nats
+import structlog
+from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from cleave import auth, codec
+from cleave import bus as busmod
+from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, WireError
+from cleave.runtime.lifecycle import run as run_until_stopped
+from cleave.runtime.lifecycle import wait_for_stop
+from cleave.runtime.logs import configure
+from cleave.schemas import (
+    JOBS_BUCKET,
+    JOBS_STREAM,
+    MAX_CONTROL_BYTES,
+    MAX_JOB_BYTES,
+    REGISTRY_BUCKET,
+    STATE_BUCKET,
+    SUBJECT_JOB_SUBMIT_ALL,
+    JobRecord,
+    JobSubmission,
+    StateHead,
+)
+from cleave.train.job import JobConfig
+from cleave_cli.stack import Proc, Stack
+from cleave_ps.settings import PsSettings
+from cleave_ps.state.persist import identity_changes
+
+log = structlog.get_logger("runner")
+DEFAULT_MAX_RUNNING = 1  # jobs at once: several PSs share one fleet, so one unless the operator says otherwise
+DEFAULT_TICK_S = 0.5  # how often submissions are taken and the PS processes looked after
+JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then starts with those there
+CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
+ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died) is handed over again
+FINAL = (*NOT_RESTARTED, EXIT_ERROR)  # a PS ending with these stays down (EXIT_ERROR: a wrong setting or input)
+REASON_BYTES = 64 * 1024  # of a PS's log read back for the reason it failed
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("runner", help="the hub's PS job runner: run jobs submitted with `cleave submit`")
+    p.add_argument("--nats", help="NATS URL (default: the PS's setting, CLEAVE_PS_NATS_URL)")
+    p.add_argument("--run-dir", type=Path, default=Path("runs") / "runner", help="jobs' files and PS logs")
+    p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="jobs run at once (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure("runner")
+    settings = PsSettings(**({"nats_url": args.nats} if args.nats else {}))  # it logs in as the PS
+    if args.max_running < 1:
+        raise CleaveError(f"--max-running must be at least 1, got {args.max_running}")
+    return run_until_stopped(lambda stop: serve(settings, args.run_dir, args.max_running, stop))
+
+
+async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Event) -> int:
+    bus = await busmod.connect(s.nats_url, "cleave-runner", **auth.connect_options(s, "ps"))
+    stack = Stack(run_dir)
+    stack.nats_url = s.nats_url
+    stack.stays_down = {"ps": FINAL}
+    try:
+        await bus.setup()
+        runner = Runner(bus, stack, run_dir, max_running)
+        await runner.open()
+        log.info("runner_started", nats=s.nats_url, run_dir=str(run_dir), max_running=max_running,
+                 queued=sum(r.state == "queued" for r in runner.records.values()))
+        while not stop.is_set():
+            try:
+                await runner.take()
+                await runner.tick()
+            except (nats.errors.Error, TimeoutError, ConnectionError) as e:  # the bus is away: its PSs go on
+                log.warning("runner_retrying", error=repr(e)[:200])
+                await wait_for_stop(stop, DEFAULT_TICK_S)
+    finally:
+        await asyncio.to_thread(stack.stop_all)  # each PS drains; its job stays `running` and resumes next time
+        await bus.close()
+    return 0
+
+
+class Runner:
+    def __init__(self, bus: busmod.Bus, stack: Stack, run_dir: Path, max_running: int) -> None:
+        self.bus, self.stack, self.run_dir, self.max_running = bus, stack, run_dir, max_running
+        self.records: dict[str, JobRecord] = {}  # this runner writes them: its copy is the bucket's
+        self.waiting: dict[str, float] = {}  # job -> since when it waits for its workers
+        self.restarts: dict[str, int] = {}  # job -> restarts of its PS already counted in its record's runs
+
+    async def open(self) -> None:
+        await jobs_stream(self.bus)
+        self.kv = await self.bus.kv(JOBS_BUCKET)
+        self.state = await self.bus.kv(STATE_BUCKET, history=5)
+        self.registry = await self.bus.kv(REGISTRY_BUCKET, ttl_s=busmod.DEFAULT_REGISTRY_TTL_S)
+        for job_id in await _keys(self.kv):
+            got = await self.bus.kv_get(self.kv, job_id, JobRecord)
+            if got is not None:
+                rec = got[0]
+                if rec.state == "running":  # the runner that ran it is gone: it runs again, and resumes
+                    rec = await self.put(rec.model_copy(update={"state": "queued"}))
+                self.records[job_id] = rec
+        self.sub = await asyncio.wait_for(self.bus.js.pull_subscribe(
+            SUBJECT_JOB_SUBMIT_ALL, durable=CONSUMER, stream=JOBS_STREAM,
+            config=ConsumerConfig(ack_wait=ACK_WAIT_S)), busmod.DEFAULT_TIMEOUT_S)
+
+    async def put(self, rec: JobRecord) -> JobRecord:
+        await self.bus.kv_put(self.kv, rec.job_id, rec)
+        self.records[rec.job_id] = rec
+        return rec
+
+    # ---- submissions ---------------------------------------------------------------------------------
+    async def take(self) -> None:
+        """Judge the submissions waiting in CLEAVE_JOBS, recording each verdict before acknowledging it."""
+        try:
+            msgs = await self.sub.fetch(8, timeout=DEFAULT_TICK_S)
+        except TimeoutError:
+            return
+        for m in msgs:
+            job_id = m.subject.rsplit(".", 1)[-1]
+            try:
+                sub = codec.decode(m.data, JobSubmission, MAX_CONTROL_BYTES)
+            except WireError as e:  # nothing to answer: the submitter's nonce is in what could not be read
+                log.warning("submission_rejected", job=job_id, reason=e.reason, detail=str(e)[:200])
+            else:
+                await self.accept(job_id, sub)
+            await m.ack()
+
+    async def accept(self, job_id: str, sub: JobSubmission) -> JobRecord:
+        old = self.records.get(job_id)
+        if old is not None and old.nonce == sub.nonce:  # handed over again (its acknowledgement was lost): judged
+            return old
+        job, why = await self.judge(job_id, sub, old)
+        if why:
+            log.warning("job_refused", job=job_id, reason=why)
+            verdict = {"nonce": sub.nonce, "verdict": "refused", "verdict_reason": why[:4096]}
+            if old is not None:
+                return await self.put(old.model_copy(update=verdict))
+            return await self.put(JobRecord(job_id=job_id, job=sub.job[:MAX_JOB_BYTES], state="failed",
+                                            submitted_at=sub.submitted_at, reason=why[:4096], **verdict))
+        log.info("job_accepted", job=job_id, min_workers=sub.min_workers, again=old is not None)
+        return await self.put(JobRecord(job_id=job_id, job=job.model_dump_json(), state="queued",
+                                        submitted_at=sub.submitted_at, min_workers=sub.min_workers,
+                                        runs=old.runs if old else 0, nonce=sub.nonce, verdict="accepted"))
+
+    async def judge(self, job_id: str, sub: JobSubmission, old: JobRecord | None) -> tuple[JobConfig | None, str]:
+        """The job, or why this submission is refused."""
+        try:
+            job = JobConfig.build(**json.loads(sub.job))
+        except (CleaveError, ValueError, TypeError) as e:
+            return None, f"not a valid job: {e}"
+        if job.job_id != job_id:
+            return None, f"the job names itself {job.job_id!r} but was submitted as {job_id!r}"
+        if old is not None and old.state == "running":
+            return None, f"job {job_id!r} is running; submit it again once it has ended (`cleave status`)"
+        got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
+        changed = identity_changes(got[0].job_config, job.model_dump_json()) if got else []
+        if changed:
+            return None, (f"job {job_id!r} already has state (up to step {got[0].step}) of another model or data "
+                          f"order: {'; '.join(changed)}. Resume it with those settings (steps, the learning rate "
+                          "and the other settings may change), or use a new job id")
+        return job, ""
+
+    # ---- the queue and the PS processes --------------------------------------------------------------
+    async def tick(self) -> None:
+        for proc in self.stack.supervise():  # the PSs that ended for good (FINAL) or were held down
+            await self.ended(proc)
+        for rec in [r for r in self.records.values() if r.state == "running"]:
+            proc = self.stack.procs.get(_ps_name(rec.job_id))
+            seen = self.restarts.get(rec.job_id, 0)
+            if proc is not None and proc.restarts > seen:  # restarted since: say so in its record
+                self.restarts[rec.job_id] = proc.restarts
+                await self.put(rec.model_copy(update={"runs": rec.runs + proc.restarts - seen}))
+        running = sum(r.state == "running" for r in self.records.values())
+        queued = sorted((r for r in self.records.values() if r.state == "queued"), key=lambda r: r.submitted_at)
+        for rec in queued[: max(0, self.max_running - running)]:
+            if not await self.workers_ready(rec):
+                break  # first come, first served: the next job waits behind it
+            await self.start(rec)
+
+    async def workers_ready(self, rec: JobRecord) -> bool:
+        if rec.min_workers <= len(await _keys(self.registry)):
+            return True
+        since = self.waiting.setdefault(rec.job_id, time.monotonic())
+        if time.monotonic() - since < JOIN_WAIT_S:
+            return False
+        log.info("job_starts_without_its_workers", job=rec.job_id, min_workers=rec.min_workers, waited_s=JOIN_WAIT_S)
+        return True
+
+    async def start(self, rec: JobRecord) -> None:
+        folder = self.run_dir / "jobs" / rec.job_id
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "job.json").write_text(json.dumps(json.loads(rec.job), indent=2))
+        self.waiting.pop(rec.job_id, None)
+        self.restarts[rec.job_id] = 0  # a new process: its restarts count from 0
+        self.stack.service(_ps_name(rec.job_id), "ps", ["--job", str(folder / "job.json"),
+                                                        "--metrics-out", str(folder / "metrics.jsonl")])
+        log.info("job_started", job=rec.job_id, run=rec.runs + 1)
+        await self.put(rec.model_copy(update={"state": "running", "started_at": time.time(), "ended_at": None,
+                                              "exit_code": None, "reason": "", "runs": rec.runs + 1}))
+
+    async def ended(self, proc: Proc) -> None:
+        job_id = proc.name.removeprefix("ps-")
+        rec, code = self.records.get(job_id), proc.popen.returncode
+        if rec is None or rec.state != "running":
+            return
+        if code == 0:
+            got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
+            steps = JobConfig.build(**json.loads(rec.job)).steps
+            if got is None or got[0].step + 1 < steps:  # stopped from outside, not finished: it goes on
+                log.warning("job_restarted", job=job_id, reason="its PS stopped before the last step")
+                self.stack.restart(proc.name)
+                return
+        state, reason = ("done", "") if code == 0 else ("failed", failure_reason(self.stack, proc))
+        (log.info if code == 0 else log.warning)(f"job_{state}", job=job_id, exit_code=code, reason=reason)
+        await self.put(rec.model_copy(update={"state": state, "ended_at": time.time(), "exit_code": code,
+                                              "reason": reason[:4096]}))
+
+
+async def jobs_stream(bus: busmod.Bus) -> None:
+    """CLEAVE_JOBS: each submission kept on the hub until the runner has recorded it (a work queue)."""
+    try:
+        await asyncio.wait_for(bus.js.stream_info(JOBS_STREAM), busmod.DEFAULT_TIMEOUT_S)
+        return
+    except NotFoundError:
+        pass
+    config = StreamConfig(name=JOBS_STREAM, subjects=[SUBJECT_JOB_SUBMIT_ALL], retention=RetentionPolicy.WORK_QUEUE,
+                          storage=StorageType.FILE, max_msg_size=MAX_CONTROL_BYTES, num_replicas=bus.replicas)
+    try:
+        await asyncio.wait_for(bus.js.add_stream(config), busmod.DEFAULT_TIMEOUT_S)
+    except Exception:  # created concurrently (a second runner): use that one
+        await asyncio.wait_for(bus.js.stream_info(JOBS_STREAM), busmod.DEFAULT_TIMEOUT_S)
+
+
+def failure_reason(stack: Stack, proc: Proc) -> str:
+    """Why a PS failed, in its own words: its last `cleave: error:` line, else its last line."""
+    path = stack.run_dir / "logs" / f"{proc.name}.log"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(proc.log_offset, path.stat().st_size - REASON_BYTES))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        lines = []
+    said = [x.removeprefix("cleave: error: ") for x in lines if x.startswith("cleave: error: ")]
+    last = said[-1] if said else (lines[-1] if lines else "")
+    return f"its PS exited with {proc.popen.returncode}" + (f": {last}" if last else f"; see {path}")
+
+
+def _ps_name(job_id: str) -> str:
+    return f"ps-{job_id}"
+
+
+async def _keys(kv) -> list[str]:  # noqa: ANN001 - a nats-py KeyValue
+    try:
+        return await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
+    except Exception:  # nats-py raises NoKeysError for an empty bucket
+        return []

@@ -1,0 +1,263 @@
+"""A hub and a site's leaf node as `cleave up --auth` and `cleave site` configure them (TLS, credentials), on real
+nats-servers, and the hub's job runner judging submissions, with no training in sight (fast).
+
+- a worker behind the site's leaf node gets its tiles, answers the PS's link checks and delivers its results;
+- a hostile site, running its own leaf node with no local login, still crosses the link with nothing but what
+  a worker may send and receive: no tiles, state, events, jobs or other replies of the PS's go in, no results,
+  heartbeats or replies of others come out;
+- a site's credential is no client login; the submitter submits and reads but cannot write a job's record;
+- the runner records a verdict for each submission: accepted, or refused with the reason (invalid, another
+  job's name, a changed identity of a job that has state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from cleave import auth, codec
+from cleave import bus as busmod
+from cleave.schemas import (
+    JOBS_BUCKET,
+    STATE_BUCKET,
+    SUBJECT_JOB_SUBMIT,
+    JobRecord,
+    JobSubmission,
+    LinkCheck,
+    LinkCheckAck,
+    StateHead,
+    TileResult,
+)
+from cleave.train.job import JobConfig
+from cleave_cli import auth_cmd, serverconf
+from cleave_cli.hub import HubConfig
+from cleave_cli.natsconf import free_port, nats_server_binary
+from cleave_cli.runner import Runner
+from cleave_cli.stack import Stack
+from cleave_cli.topology import wait_leaf_connected
+
+pytestmark = pytest.mark.timeout(120)
+READY_TIMEOUT_S = 20.0
+OP_TIMEOUT_S = 10.0
+
+
+def start(conf: Path, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while "Server is ready" not in log.read_text(errors="replace"):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+        time.sleep(0.02)
+    return proc
+
+
+class Deployment:
+    """`cleave auth init --tls --sites s1`, the hub's server as `cleave up --auth` writes it, leaf nodes."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.auth = tmp, tmp / "auth"
+        parser = argparse.ArgumentParser()
+        auth_cmd.register(parser.add_subparsers(dest="command"))
+        auth_cmd.init(parser.parse_args(["auth", "init", "--out", str(self.auth), "--tls", "--sites", "s1",
+                                         "--store-dir", str(tmp / "unused")]))
+        self.hub = HubConfig.of("127.0.0.1:0", self.auth, leaf_port=0)
+        conf = tmp / "hub.conf"
+        conf.write_text(self.hub.server_config(str(tmp / "js"), free_port(), 8 * 1024 * 1024))
+        self.procs = [start(conf, tmp / "hub.log")]
+
+    def leaf(self, name: str, local_login: bool = True) -> str:
+        """A leaf node logged in as site s1 (a hostile one: `local_login=False`, anyone may connect to it)."""
+        folder = self.auth / "sites" / "s1"
+        site, worker = auth_cmd.credential(folder, "site", auth.SITE), auth_cmd.credential(folder, "worker", "worker")
+        port, monitor = free_port(), free_port()
+        opts = serverconf.LeafOptions(name=name, listen=f"127.0.0.1:{port}", http=f"127.0.0.1:{monitor}",
+                                      hubs=(f"tls://127.0.0.1:{self.hub.leaf_port}",),
+                                      ca_file=str(auth_cmd.ca_file(folder)))
+        text = serverconf.leaf_config(site, worker, opts)
+        if not local_login:
+            head, _, rest = text.partition("authorization {")
+            text = head + rest.split("\n}\n", 1)[1]
+        (self.tmp / f"{name}.conf").write_text(text)
+        self.procs.append(start(self.tmp / f"{name}.conf", self.tmp / f"{name}.log"))
+        wait_leaf_connected(f"http://127.0.0.1:{monitor}", READY_TIMEOUT_S)
+        return f"nats://127.0.0.1:{port}"
+
+    async def connect(self, role: str, url: str | None = None, worker_id: str | None = None) -> busmod.Bus:
+        folder = self.auth / "sites" / "s1" if (url and role == "worker") or role == auth.SITE else self.auth
+        opts = auth_cmd.client_options(folder, role)
+        if worker_id:
+            opts["inbox_prefix"] = auth.inbox_prefix(role, worker_id)
+        return await busmod.connect(url or self.hub.url, f"test-{role}", **opts)
+
+    async def admin(self) -> busmod.Bus:
+        """The operators' unrestricted credential, on the hub."""
+        seed = (self.auth / auth_cmd.ADMIN_NAME).read_text().strip()
+        tls = ssl.create_default_context(cafile=str(self.auth / auth_cmd.TLS_DIR / auth_cmd.CA_NAME))
+        return await busmod.connect(self.hub.url, "test-admin", nkeys_seed_str=seed, tls=tls)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+            p.wait(timeout=10)
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
+    d = Deployment(tmp_path)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+class Seen:
+    """Subjects one connection received, until a sentinel subject arrives (published last, so anything sent
+    before it that was to arrive has arrived: one connection, one link, in order)."""
+
+    def __init__(self) -> None:
+        self.subjects: list[str] = []
+        self.done = asyncio.Event()
+
+    def watch(self, sentinel: str):  # noqa: ANN201
+        async def cb(msg) -> None:  # noqa: ANN001
+            self.subjects.append(msg.subject)
+            if msg.subject == sentinel:
+                self.done.set()
+        return cb
+
+
+async def until(what, timeout_s: float = OP_TIMEOUT_S):  # noqa: ANN001, ANN201
+    """`what()` retried until it returns (interest crossing a leaf link takes a moment to arrive)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await what()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
+async def test_a_worker_behind_a_site_works_and_a_hostile_site_crosses_with_nothing_more(deployment) -> None:
+    worker_url, hostile_url = deployment.leaf("s1"), deployment.leaf("s1-hostile", local_login=False)
+    ps = await deployment.connect("ps")
+    worker = await deployment.connect("worker", worker_url, worker_id="s1-w1")
+    hostile = await busmod.connect(hostile_url, "test-hostile")
+    admin = await deployment.admin()
+    try:
+        tiles: asyncio.Queue = asyncio.Queue()
+        await worker.nc.subscribe("cleave.tile.s1-w1", cb=tiles.put)
+
+        async def ack(msg: LinkCheck) -> LinkCheckAck:
+            return LinkCheckAck(worker_id="s1-w1")
+
+        await worker.serve("cleave.check.s1-w1", LinkCheck, ack)
+        check = LinkCheck(job="j", epoch=1, sent_at=time.time(), payload=bytes(64))
+        got = await until(lambda: ps.request("cleave.check.s1-w1", check, LinkCheckAck, timeout_s=2))
+        assert got.worker_id == "s1-w1"  # the answer crossed the site's link under _INBOX.ps.w.
+        await ps.nc.publish("cleave.tile.s1-w1", b"tile")
+        assert (await asyncio.wait_for(tiles.get(), OP_TIMEOUT_S)).data == b"tile"
+        results: asyncio.Queue = asyncio.Queue()
+        await ps.nc.subscribe("cleave.result.j.1.*", cb=results.put)
+        await ps.nc.flush()
+        result = TileResult(job="j", epoch=1, step=0, op=0, gemm=0, tile=0, attempt=0, worker_id="s1-w1")
+        await until(lambda: _deliver(worker, results, result))
+
+        # in: a hostile site publishes what no worker may; only the allowed sentinel reaches the hub
+        inward = Seen()
+        await admin.nc.subscribe(">", cb=inward.watch("cleave.hb.sentinel"))
+        await admin.nc.flush()
+        forbidden_in = ["cleave.tile.victim", "cleave.fan.j.1.g", "$KV.cleave-state.j.head", "$O.cleave-state-objects.x",
+                        "cleave.events.metrics", "cleave.jobs.submit.j", "$JS.API.STREAM.NAMES", "_INBOX.ps.abc.def",
+                        "_INBOX.scheduler.x", "cleave.roundcast.j", "$KV.cleave-plans.current"]
+        for subject in forbidden_in:
+            await hostile.nc.publish(subject, b"x")
+        await until(lambda: _sentinel(hostile, "cleave.hb.sentinel", inward))
+        assert not set(inward.subjects) & set(forbidden_in), inward.subjects
+
+        # out: the hub publishes what no worker may receive; only the allowed sentinel reaches the hostile site
+        outward = Seen()
+        await hostile.nc.subscribe(">", cb=outward.watch("cleave.tile.sentinel"))
+        await hostile.nc.flush()
+        forbidden_out = ["cleave.result.j.1.other", "cleave.hb.other", "cleave.update.j.1.other", "_INBOX.ps.abc.def",
+                         "_INBOX.scheduler.x", "cleave.events.metrics", "cleave.jobs.submit.j", "cleave.probe"]
+        for subject in forbidden_out:
+            await admin.nc.publish(subject, b"x")
+        await until(lambda: _sentinel(admin, "cleave.tile.sentinel", outward))
+        assert not set(outward.subjects) & set(forbidden_out), outward.subjects
+    finally:
+        for b in (ps, worker, hostile, admin):
+            await b.close()
+
+
+async def _deliver(worker: busmod.Bus, results: asyncio.Queue, result: TileResult) -> None:
+    await worker.publish("cleave.result.j.1.s1-w1", result)
+    msg = await asyncio.wait_for(results.get(), 0.5)
+    assert codec.decode(msg.data, TileResult).worker_id == "s1-w1"
+
+
+async def _sentinel(bus: busmod.Bus, subject: str, seen: Seen) -> None:
+    await bus.nc.publish(subject, b"sentinel")
+    await asyncio.wait_for(seen.done.wait(), 0.5)
+
+
+async def test_a_site_credential_is_no_client_login(deployment) -> None:
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    opts = auth_cmd.client_options(deployment.auth / "sites" / "s1", auth.SITE)
+    with pytest.raises(Exception):  # noqa: B017 - nats-py's own error once the server closed the connection
+        await nats.connect(deployment.hub.url, allow_reconnect=False, max_reconnect_attempts=0, error_cb=on_error,
+                           connect_timeout=OP_TIMEOUT_S, **opts)
+    assert any("authorization violation" in e.lower() for e in errors), errors
+
+
+async def test_the_runner_judges_each_submission_and_only_it_writes_the_records(deployment, tmp_path) -> None:
+    ps, submitter = await deployment.connect("ps"), await deployment.connect(auth.SUBMITTER)
+    try:
+        await ps.setup()
+        runner = Runner(ps, Stack(tmp_path / "runner"), tmp_path / "runner", max_running=1)
+        await runner.open()
+        seed0 = JobConfig.build(job_id="old", preset="tiny", steps=4).model_dump_json()
+        head = StateHead(job="old", step=3, epoch=1, object="x", sha256="0" * 64, size=0, job_config=seed0)
+        await ps.kv_put(await ps.kv(STATE_BUCKET, history=5), "old.head", head)
+        submissions = {
+            "fresh": JobConfig.build(job_id="fresh", preset="tiny", steps=4).model_dump_json(),
+            "old": JobConfig.build(job_id="old", preset="tiny", steps=8, seed=1).model_dump_json(),
+            "more": JobConfig.build(job_id="other", preset="tiny").model_dump_json(),
+            "bad": json.dumps({"job_id": "bad", "preset": "no-such-model"}),
+        }
+        for i, (job_id, text) in enumerate(submissions.items()):
+            sub = JobSubmission(job=text, nonce=f"{i:016x}", submitted_at=time.time())
+            await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job=job_id), codec.encode(sub))
+        while len(runner.records) < len(submissions):
+            await runner.take()
+        kv = await submitter.js.key_value(JOBS_BUCKET)
+        recs = {k: (await submitter.kv_get(kv, k, JobRecord))[0] for k in submissions}
+        assert (recs["fresh"].state, recs["fresh"].verdict) == ("queued", "accepted")
+        assert recs["old"].verdict == "refused" and "seed: 0 -> 1" in recs["old"].verdict_reason
+        assert recs["more"].verdict == "refused" and "names itself 'other'" in recs["more"].verdict_reason
+        assert recs["bad"].verdict == "refused" and "no-such-model" in recs["bad"].verdict_reason
+        steps8 = JobConfig.build(job_id="old", preset="tiny", steps=8).model_dump_json()  # more steps: resumes
+        await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job="old"),
+                                   codec.encode(JobSubmission(job=steps8, nonce="f" * 16, submitted_at=time.time())))
+        while runner.records["old"].nonce != "f" * 16:
+            await runner.take()
+        assert (runner.records["old"].state, runner.records["old"].verdict) == ("queued", "accepted")
+        with pytest.raises(Exception):  # noqa: B017 - the server refuses (a permissions violation: no ack)
+            await asyncio.wait_for(kv.put("fresh", b"forged"), 3)
+        assert (await submitter.kv_get(kv, "fresh", JobRecord))[0].state == "queued"
+    finally:
+        await ps.close()
+        await submitter.close()

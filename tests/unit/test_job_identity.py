@@ -1,0 +1,45 @@
+"""What a job is, for resuming it: its model and its data order. Any other setting may change between runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cleave.runtime.metrics_file import MetricsFile
+from cleave.schemas import StepMetrics
+from cleave.train.job import JobConfig
+from cleave_ps.state.persist import IDENTITY, identity_changes, other_changes
+
+
+def job(**kw) -> str:
+    return JobConfig.build(**{"job_id": "j", "preset": "tiny", **kw}).model_dump_json()
+
+
+def test_steps_the_learning_rate_and_timeouts_may_change() -> None:
+    before = job(steps=10)
+    after = job(steps=40, lr=1e-3, warmup_steps=2, val_every=5, grad_clip=0.5)
+    assert identity_changes(before, after) == []
+    assert set(other_changes(before, after)) == {"steps", "lr", "warmup_steps", "val_every", "grad_clip"}
+
+
+def test_the_model_and_the_data_order_may_not() -> None:
+    base = job()
+    for change, field in (({"seed": 1}, "seed"), ({"batch_size": 4}, "batch_size"), ({"preset": "tiny-llama"}, "preset"),
+                          ({"seq_len": 32}, "seq_len"), ({"val_fraction": 0.2}, "val_fraction")):
+        changed = identity_changes(base, job(**change))
+        assert [c.split(":")[0] for c in changed] == [field], changed
+    assert identity_changes(base, job(seed=2)) == ["seed: 0 -> 2"]
+    assert set(IDENTITY) <= set(JobConfig.model_fields)
+
+
+def test_a_description_written_before_a_setting_existed_reads_it_at_its_default() -> None:
+    assert identity_changes('{"job_id": "j", "preset": "tiny"}', job()) == []
+
+
+def test_a_new_job_sets_another_jobs_metrics_aside_and_never_deletes_them(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    out = MetricsFile(path)
+    assert out.set_aside("new") is None  # nothing there
+    out.write(StepMetrics(step=0, loss=1.0, step_time_s=0.1, workers=1))
+    kept = out.set_aside("new")
+    assert kept is not None and kept.name.startswith("metrics.before-new-") and kept.suffix == ".jsonl"
+    assert not path.exists() and '"step": 0' in kept.read_text()
