@@ -42,6 +42,7 @@ JOBS = {  # the mission's batches, and the PS's memory budget on this 24 GB, 2-c
     "llama3-1b": dict(batch_size=4, seq_len=1024),
 }
 BUDGET_GB = {"gpt2-medium": 16.0, "llama3-1b": 22.0}
+KIB_GB = 1024 / 1e9  # /proc and rusage count KiB; GB here are 1e9 bytes, as the preflight counts
 
 
 def free_gb() -> float:
@@ -61,7 +62,7 @@ class PeakWatch(threading.Thread):
         while not self.done.wait(0.1):
             for name in self.peak_kb:
                 proc = self.fleet.stack.procs.get(name)
-                if proc is not None and proc.popen.poll() is None:
+                if proc is not None and proc.popen is not None and proc.popen.poll() is None:  # (None: stopped)
                     self.peak_kb[name] = max(self.peak_kb[name], _hwm_kb(proc.popen.pid))
             if self.low is None and free_gb() < MIN_FREE_GB:
                 self.low = f"stopped: the machine's free memory fell to {free_gb():.1f} GB"
@@ -84,7 +85,7 @@ def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if peak <= before:
         raise CleaveError("the reference's peak RSS is hidden by an earlier, larger child; run one model at a time")
-    return [json.loads(line) for line in out.read_text().splitlines()], peak / 1e6  # KB -> GB
+    return [json.loads(line) for line in out.read_text().splitlines()], peak * KIB_GB
 
 
 def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
@@ -105,7 +106,7 @@ def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
         watch.done.set()
         fleet.stop()
     log = (tmp / "dist" / "logs" / "ps.log").read_text()
-    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] / 1e6, "nats_gb": watch.peak_kb["nats"] / 1e6,
+    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] * KIB_GB, "nats_gb": watch.peak_kb["nats"] * KIB_GB,
             "ps_restarts": len(re.findall(r"ps_resumed", log)),
             "peak_rss_at_step_end_mb": [float(x) for x in re.findall(r"step_done.*?peak_rss_mb=([0-9.]+)", log)]}
 
