@@ -1,15 +1,18 @@
 """The mission's models through Cleave beside `--reference`, on this machine: memory, step time, checkpoints.
 
-For each model: the preflight's estimate first (a job it refuses is reported as refused, not run); then the
-single-process reference (`cleave train --reference`, its peak RSS from the kernel's rusage of the child),
-then the same job through a local stack with WORKERS workers (the PS's peak RSS read from /proc as it
-runs, VmHWM). Prints and records, side by side from the one run: PS peak RSS / reference peak RSS, median
-step time / the reference's, checkpoint seconds per step (the streamed commits, `checkpoint_s`), and
-whether the losses are equal. Writes benchmarks/results/models.json.
+Each model trains at its real batch (GPT-2 Medium 8 x 1024, Llama 3.2 1B 4 x 1024) with the PS given a
+memory budget (`BUDGET_GB`: what its peak must stay under on this 24 GB machine): the preflight decides
+`recompute` against it, as the PS would (`cleave.train.preflight.resolve`), and its estimate is recorded (a
+job it refuses is reported as refused, not run). Then the single-process reference with the same options
+(`cleave train --reference`, its peak RSS from the kernel's rusage of the child), then the same job through a
+local stack with WORKERS workers (the PS's peak RSS read from /proc as it runs, VmHWM). Prints and records,
+side by side from the one run: the PS's peak RSS against the budget and against the preflight's estimate,
+the reference's peak, median step time / the reference's, checkpoint seconds per step (the streamed
+commits, `checkpoint_s`), and whether the losses are equal. Writes benchmarks/results/models.json.
 
 The machine is shared: this checks `MemAvailable` first and stops a run when it falls under MIN_FREE_GB.
 
-    nice -n 10 .venv/bin/python benchmarks/models.py [--models gpt2-medium,llama3-1b] [--steps 3]
+    nice -n 10 .venv/bin/python benchmarks/models.py [--models gpt2-medium,llama3-1b] [--steps 2]
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from cleave.train.job import JobConfig
 
 RESULTS = Path(__file__).parent / "results" / "models.json"
 WORKERS = 2
-MIN_FREE_GB = 4.0
-JOBS = {  # batch and seq this 24 GiB, 2-core machine holds
-    "gpt2-medium": dict(batch_size=1, seq_len=128),
-    "llama3-1b": dict(batch_size=1, seq_len=128),
+MIN_FREE_GB = 0.5  # the machine's memory left to everything else while a model trains (else the PS is stopped)
+JOBS = {  # the mission's batches, and the PS's memory budget on this 24 GB, 2-core machine
+    "gpt2-medium": dict(batch_size=8, seq_len=1024),
+    "llama3-1b": dict(batch_size=4, seq_len=1024),
 }
+BUDGET_GB = {"gpt2-medium": 16.0, "llama3-1b": 22.0}
+KIB_GB = 1024 / 1e9  # /proc and rusage count KiB; GB here are 1e9 bytes, as the preflight counts
 
 
 def free_gb() -> float:
@@ -57,7 +62,7 @@ class PeakWatch(threading.Thread):
         while not self.done.wait(0.1):
             for name in self.peak_kb:
                 proc = self.fleet.stack.procs.get(name)
-                if proc is not None and proc.popen.poll() is None:
+                if proc is not None and proc.popen is not None and proc.popen.poll() is None:  # (None: stopped)
                     self.peak_kb[name] = max(self.peak_kb[name], _hwm_kb(proc.popen.pid))
             if self.low is None and free_gb() < MIN_FREE_GB:
                 self.low = f"stopped: the machine's free memory fell to {free_gb():.1f} GB"
@@ -80,18 +85,19 @@ def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if peak <= before:
         raise CleaveError("the reference's peak RSS is hidden by an earlier, larger child; run one model at a time")
-    return [json.loads(line) for line in out.read_text().splitlines()], peak / 1e6  # KB -> GB
+    return [json.loads(line) for line in out.read_text().splitlines()], peak * KIB_GB
 
 
-def distributed(job: JobConfig, tmp: Path) -> dict:
-    """The job through a local stack: its lines, peak RSS of the PS and nats-server, what the PS logged."""
+def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
+    """The job through a local stack, its PS held to `budget` (CLEAVE_PS_MEMORY_BYTES): its lines, peak RSS of
+    the PS and nats-server, what the PS logged."""
     fleet = LocalFleet(tmp / "dist", WORKERS)
     watch = PeakWatch(fleet)
     lines, stopped = [], None
     try:
         fleet.start()
         watch.start()
-        fleet.start_ps(job, tmp / "dist.jsonl")
+        fleet.start_ps(job, tmp / "dist.jsonl", ps_env={"CLEAVE_PS_MEMORY_BYTES": str(budget.host)})
         lines = fleet.wait_ps(tmp / "dist.jsonl", timeout_s=3600)
     except CleaveError as e:
         stopped = watch.low or str(e)
@@ -100,17 +106,21 @@ def distributed(job: JobConfig, tmp: Path) -> dict:
         watch.done.set()
         fleet.stop()
     log = (tmp / "dist" / "logs" / "ps.log").read_text()
-    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] / 1e6, "nats_gb": watch.peak_kb["nats"] / 1e6,
+    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] * KIB_GB, "nats_gb": watch.peak_kb["nats"] * KIB_GB,
             "ps_restarts": len(re.findall(r"ps_resumed", log)),
             "peak_rss_at_step_end_mb": [float(x) for x in re.findall(r"step_done.*?peak_rss_mb=([0-9.]+)", log)]}
 
 
 def one(name: str, steps: int) -> dict:
-    job = JobConfig(job_id=f"bench-{name}", preset=name, steps=steps, **JOBS[name])
-    est = preflight.estimate(job, WORKERS)
+    budget = preflight.Memory(int(BUDGET_GB[name] * 1e9))
+    job, est = preflight.resolve(JobConfig(job_id=f"bench-{name}", preset=name, steps=steps, **JOBS[name]), budget,
+                                 WORKERS)
     row = {"model": name, "batch_size": job.batch_size, "seq_len": job.seq, "steps": steps, "workers": WORKERS,
-           "estimate_gb": round(est.total / 1e9, 2), "free_gb_before": round(free_gb(), 1)}
+           "budget_gb": BUDGET_GB[name], "recompute": job.recompute, "micro_batches": job.micro_batches,
+           "head_chunks": est.layout.head_chunks, "estimate_gb": round(est.total / 1e9, 2),
+           "estimate_at": est.peak_phase, "free_gb_before": round(free_gb(), 1)}
     try:
+        preflight.check(job, est, budget)
         preflight.check(job, est, int((free_gb() - MIN_FREE_GB) * 1e9))
     except CleaveError as e:
         return {**row, "refused": str(e)}
@@ -118,10 +128,12 @@ def one(name: str, steps: int) -> dict:
         tmp = Path(d)
         (tmp / "job.json").write_text(job.model_dump_json())
         ref, ref_gb = reference(tmp / "job.json", tmp)
-        dist = distributed(job, tmp)
+        dist = distributed(job, tmp, budget)
     lines = dist["lines"]
     ref_step = statistics.median(m["step_time_s"] for m in ref)
-    row = {**row, "ps_peak_rss_gb": round(dist["ps_gb"], 2), "reference_peak_rss_gb": round(ref_gb, 2),
+    row = {**row, "ps_peak_rss_gb": round(dist["ps_gb"], 2), "under_budget": dist["ps_gb"] < BUDGET_GB[name],
+           "estimate_over_measured": round(est.total / 1e9 / dist["ps_gb"], 3) if dist["ps_gb"] else None,
+           "reference_peak_rss_gb": round(ref_gb, 2),
            "rss_ratio": round(dist["ps_gb"] / ref_gb, 3), "nats_peak_rss_gb": round(dist["nats_gb"], 2),
            "ps_restarts": dist["ps_restarts"],
            "ps_peak_rss_at_step_end_mb": dist["peak_rss_at_step_end_mb"], "reference_step_s": round(ref_step, 2),
@@ -141,7 +153,7 @@ def one(name: str, steps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-medium,llama3-1b")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2, help="2: the second step holds AdamW's moments, the peak")
     args = p.parse_args()
     rows = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
     for name in args.models.split(","):

@@ -17,7 +17,7 @@ NON_DEFAULT = {"split_layers": 2, "local_steps": 3, "outer_lr": 0.5, "outer_mome
                "compress": "int8", "lora_rank": 4, "lora_alpha": 8.0, "round_timeout_s": 30.0, "max_staleness": 2,
                "min_updates": 1, "init_from": "some/dir", "precision": "bf16", "lora_targets": ("c_attn",),
                "own_data": True, "update_clip": 1.0, "max_empty_rounds": 5, "secagg": True, "dp_noise": 1.0,
-               "dp_delta": 1e-6}
+               "dp_delta": 1e-6, "recompute": True, "micro_batches": 2, "logits_bytes": 1024}
 # what a setting needs besides its method to apply at all
 NEEDS = {"lora_alpha": {"lora_rank": 4}, "lora_targets": {"lora_rank": 4}, "dp_noise": {"update_clip": 1.0},
          "dp_delta": {"dp_noise": 1.0, "update_clip": 1.0}}

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cleave.errors import ConfigError
 from cleave.train import preflight
@@ -45,3 +46,57 @@ def test_train_dry_run_prints_the_estimate_and_refuses_what_cannot_fit(tmp_path)
     assert ok.returncode == 0 and "PS peak" in ok.stdout and "activations" in ok.stdout and "fits" in ok.stdout
     refused = dry(5 * 10**8)
     assert refused.returncode == 2 and "lower batch_size (now 64)" in refused.stderr, refused.stderr
+
+
+def test_recomputation_and_micro_batches_shrink_what_a_forward_keeps() -> None:
+    plain = preflight.estimate(JobConfig(preset="small", batch_size=8, seq_len=128, recompute=False), workers=2)
+    again = preflight.estimate(JobConfig(preset="small", batch_size=8, seq_len=128, recompute=True), workers=2)
+    micro = preflight.estimate(JobConfig(preset="small", batch_size=8, seq_len=128, micro_batches=4), workers=2)
+    acts = preflight.activations(JobConfig(preset="small", batch_size=8, seq_len=128), plain.layout)
+    assert again.activations == acts.outside + 4 * acts.block_input + acts.block < plain.activations
+    assert acts.block_input == 8 * 128 * 128 * 4  # a block keeps its float32 input (B, T, C)
+    assert 3.5 < plain.activations / micro.activations < 4.5
+    fwd = "the end of a forward"  # micro-batches after the first hold the earlier ones' gradients
+    assert micro.phases[fwd][0] == micro.grads + micro.activations + micro.head
+    assert plain.phases[fwd][0] == plain.activations + plain.head
+
+
+def test_recompute_is_turned_on_only_when_the_job_does_not_fit_without_it() -> None:
+    job = JobConfig(preset="small", batch_size=64)
+    plain = preflight.estimate(job.model_copy(update={"recompute": False}), workers=2)
+    again = preflight.estimate(job.model_copy(update={"recompute": True}), workers=2)
+    assert again.total < plain.total
+    roomy, est = preflight.resolve(job, preflight.Memory(plain.total), workers=2)
+    assert roomy.recompute is False and est == plain
+    tight, est = preflight.resolve(job, preflight.Memory(plain.total - 1), workers=2)
+    assert tight.recompute is True and est == again
+    mine, _ = preflight.resolve(job.model_copy(update={"recompute": False}), preflight.Memory(1), workers=2)
+    assert mine.recompute is False  # what the job says is kept (and refused by check if it cannot fit)
+    with pytest.raises(ConfigError, match="set recompute=true"):
+        preflight.check(mine, plain, again.total)
+
+
+def test_a_gpu_ps_is_checked_against_the_gpus_free_memory_and_the_host_for_the_rest() -> None:
+    job = JobConfig(preset="small", batch_size=8)
+    est = preflight.estimate(job, workers=2)
+    preflight.check(job, est, preflight.Memory(host=est.host_bytes, gpu=est.model_bytes, gpu_name="GPU 0"))
+    with pytest.raises(ConfigError, match=r"on its GPU \(GPU 0\) .* but .* GB are available"):
+        preflight.check(job, est, preflight.Memory(host=10**12, gpu=est.model_bytes - 1, gpu_name="GPU 0"))
+    with pytest.raises(ConfigError, match="on the PS"):
+        preflight.check(job, est, preflight.Memory(host=est.host_bytes - 1, gpu=10**12, gpu_name="GPU 0"))
+    assert preflight.ps_memory(job.model_copy(update={"device": "cpu"})).gpu is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_a_gpu_ps_reads_the_gpus_free_memory() -> None:
+    memory = preflight.ps_memory(JobConfig(preset="tiny", device="cuda"))
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < memory.gpu <= total and abs(memory.gpu - free) < 0.05 * total and memory.gpu_name
+
+
+def test_the_thinnest_tile_is_checked_against_the_largest_declared_budget() -> None:
+    job = JobConfig(preset="small", batch_size=1, seq_len=64)
+    est = preflight.estimate(job, workers=2)
+    preflight.check(job, est, 10**12, [est.smallest_tile - 1, est.smallest_tile])  # one worker can hold it
+    with pytest.raises(ConfigError, match="over every worker's memory_bytes"):
+        preflight.check(job, est, 10**12, [est.smallest_tile - 1])

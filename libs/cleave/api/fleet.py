@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ def reference_steps(job: JobConfig, metrics_out: Path) -> Iterator[dict]:
         loss = trainer.step(step)
         val = trainer.val_loss(step) if job.val_every and (step + 1) % job.val_every == 0 else None
         m = StepMetrics(job=job.job_id, step=step, loss=loss, step_time_s=time.perf_counter() - t0, workers=0,
-                        tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val)
+                        tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val,
+                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         out.write(m)
         yield m.model_dump(exclude=EXCLUDED)
 

@@ -8,6 +8,8 @@ each one `backend.gemm(a, bt, name)` call computing a · btᵀ. A backend that c
 by the end of the backward pass. Under a low precision (`cleave.train.precision`)
 the inputs of each GEMM are cast to it (and saved for backward in it), the backend returns the product in it,
 and the gradients go back to the float32 input and master weight: torch.autocast's semantics.
+A layer whose product a block's recomputation does not need (`cleave.models.recompute`) skips its GEMM
+while recomputing: it only saves its input again for its own backward.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from cleave.gemm import tiles
 from cleave.models import linear_layers
+from cleave.models.recompute import recompute_free, recomputing
 
 
 class GemmBackend(Protocol):
@@ -112,12 +115,18 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 class _TiledLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, backend: GemmBackend, name: str, dtype: torch.dtype | None,  # noqa: ANN001
-                late: LateGrads | None):
+                late: LateGrads | None, skip: bool):
         x2 = _cast(x.reshape(-1, x.shape[-1]), dtype).contiguous()  # (B, T, K) -> (B*T, K)
-        y = backend.gemm(x2, _cast(weight.detach(), dtype).contiguous(), name + ".fwd")  # X·Wᵀ
-        if bias is not None:
+        if skip:  # a recomputation that needs only what this layer saves: no product (its value is unused)
+            y = x2.new_empty(x2.shape[0], weight.shape[0])
+        else:
+            y = backend.gemm(x2, _cast(weight.detach(), dtype).contiguous(), name + ".fwd")  # X·Wᵀ
+        if bias is not None and not skip:
             y = y + _cast(bias, dtype)
         ctx.save_for_backward(x2, weight)
+        # the Parameter itself: under recomputation (cleave.models.recompute) the saved tensors come back as
+        # detached aliases, and a deferred gradient set on one of those would never reach the parameter
+        ctx.param = weight
         ctx.backend, ctx.name, ctx.x_shape, ctx.has_bias = backend, name, x.shape, bias is not None
         ctx.dtype, ctx.x_dtype, ctx.late = dtype, x.dtype, late
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -135,14 +144,14 @@ class _TiledLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw_at = submit(dy2.t().contiguous(), x2.t().contiguous(), ctx.name + ".dw", priority=1)  # dYᵀ·X
             if ctx.late is not None:
-                ctx.late.add(weight, dw_at)
+                ctx.late.add(ctx.param, dw_at)
             else:
                 dw = dw_at.result().to(weight.dtype)
         if dx_at is not None:
             dx = dx_at.result().view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class TiledLinear(nn.Linear):
@@ -152,10 +161,11 @@ class TiledLinear(nn.Linear):
     gemm_name: str
     gemm_dtype: torch.dtype | None  # the GEMMs' low precision; None: as the inputs come (float32)
     late_grads: LateGrads | None  # where deferred weight gradients wait (None: computed in the backward)
+    recompute_free: bool  # a recomputation of its block skips its product (cleave.models.recompute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _TiledLinearFn.apply(x, self.weight, self.bias, self.backend, self.gemm_name, self.gemm_dtype,
-                                    self.late_grads)
+                                    self.late_grads, self.recompute_free and recomputing())
 
 
 def install(model: nn.Module, backend: GemmBackend, dtype: torch.dtype | None = None,
@@ -163,7 +173,9 @@ def install(model: nn.Module, backend: GemmBackend, dtype: torch.dtype | None = 
     """Route every linear layer of `model` through `backend`, keeping its parameters and keys; `dtype`: the
     precision its GEMMs take their inputs and give their products in (None: the inputs' own); `late`: defer
     the weight gradients there (the backend must have `submit`)."""
+    free = recompute_free(model)
     for name, lin in linear_layers(model).items():
         lin.__class__ = TiledLinear  # same storage, same Parameter objects: tied weights stay tied
         lin.backend, lin.gemm_name, lin.gemm_dtype, lin.late_grads = backend, name, dtype, late
+        lin.recompute_free = name in free
     return model

@@ -13,14 +13,17 @@ import zlib
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cleave.errors import WireError
 from cleave.gemm import tiled
+from cleave.gemm.head import head_loss
+from cleave.models import head_chunks
+from cleave.models.gemms import head_slices
 from cleave.train import precision as amp
 from cleave.train.data import Corpus
 from cleave.train.job import JobConfig
+from cleave.train.trainer import make_adamw as make_adamw  # the round methods' workers train as the PS does
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # token ids (B, T) and next-token targets (B, T)
 State = dict[str, torch.Tensor]
@@ -28,12 +31,16 @@ SHARD_SEED_STRIDE = 1_000_003  # distinct batch streams per data shard; shard 0 
 MAX_SHARDS = 1 << 20  # keeps (seed + shard * stride) * 1_000_003 + step inside torch's int64 seed
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
-    """Mean next-token cross-entropy (targets of -100 are skipped); the forward under the job's autocast."""
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "fp32",
+            grad_scale: float = 1.0) -> torch.Tensor:
+    """Mean next-token cross-entropy (targets of -100 are skipped), as the PS's Trainer computes it: the forward
+    under the job's autocast, then the head and loss in chunks of tokens (`cleave.gemm.head`), so that a round
+    trains as the same-precision reference does, sum for sum; its backward is to be given `grad_scale`."""
+    cfg = model.config
     with amp.autocast(precision, x.device):
-        logits = model(x)  # (B, T, vocab)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
-
+        h = model.hidden(x)  # (B, T, C)
+    return head_loss(model.lm_head, h.reshape(-1, h.size(-1)), y.reshape(-1), head_chunks(cfg, y.numel()),
+                     head_slices(cfg), grad_scale)
 
 def use_precision(model: nn.Module, precision: str) -> nn.Module:
     """Under bf16 or fp16, every linear layer's GEMMs as the reference computes them (`cleave.train.precision`).
@@ -44,18 +51,6 @@ def use_precision(model: nn.Module, precision: str) -> nn.Module:
     return model
 
 
-def make_adamw(params: Iterable[nn.Parameter], job: JobConfig) -> torch.optim.AdamW:
-    """AdamW as the Trainer builds it: weight decay on matrices only."""
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": job.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=job.lr,
-        betas=(job.beta1, job.beta2),
-        foreach=False,
-    )
-
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, grad_clip: float = 0.0,
                precision: str = "fp32") -> float:
@@ -63,10 +58,11 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, grad_
     fp16 scales the loss and skips the step on an overflow, as the Trainer does (its scale lives in `opt`)."""
     x, y = batch
     model.train()
-    loss = lm_loss(model, x, y, precision)
     scaler = amp.LossScaler(opt) if precision == "fp16" else None
+    scale = float(torch.tensor(scaler.value if scaler else 1.0))  # as backward gets it (float32)
     opt.zero_grad(set_to_none=True)
-    (scaler.scale(loss) if scaler else loss).backward()
+    loss = lm_loss(model, x, y, precision, scale)
+    loss.backward(torch.full_like(loss, scale))  # the head's gradients were computed scaled, as the Trainer's
     finite = True
     if scaler is not None:
         finite = scaler.unscale()

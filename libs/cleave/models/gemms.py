@@ -1,5 +1,13 @@
 """A model's GEMMs: the shapes of every linear layer's forward and backward products per training step, read
-off the model itself, and the order a step runs them in."""
+off the model itself, and the order a step runs them in.
+
+How a step runs them (`StepLayout`) changes the set: micro-batches run every GEMM once per micro-batch on
+its share of the tokens; recomputation (`cleave.models.recompute`) runs each block's forward products again
+in the backward (`<kind>.refwd`, all but the block's last projection); the head in chunks of tokens
+(`cleave.gemm.head`) runs the head's three products once per chunk, the weight gradient's inner dimension
+being the chunk's tokens (its dW comes back once per chunk), and the input gradient as a sum of products
+over slices of the vocabulary (`<kind>.dx` and, for an unequal last slice, `<kind>.rest.dx`).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,42 @@ from torch import nn
 
 from cleave.models.config import ModelConfig
 from cleave.models.presets import build_model
+from cleave.models.recompute import recompute_free
+
+HEAD = "lm_head"  # the output head's linear layer (not in a block)
+DEFAULT_LOGITS_BYTES = 256 * 1024 * 1024  # float32 logits of one chunk of the head at most (a chunk of 1,024
+# tokens for GPT-2's 50,257-token vocabulary, 512 for Llama 3's 128,256): what the head and loss hold at once
+HEAD_SLICE: int | None = None  # the head's input gradient sums products over slices of at most this much of the
+# vocabulary; None: the model's MLP width, so that its tiles carry no more input than those of a block's widest GEMM
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How a training step runs its GEMMs; the default is one pass over the whole batch."""
+
+    recompute: bool = False  # each block's forward products again in the backward (activation checkpointing)
+    micro_batches: int = 1  # the batch in this many equal parts, gradients accumulated
+    head_chunks: int = 1  # the head and loss of each micro-batch in this many pieces of tokens
+    head_slices: int = 1  # the head's input gradient as the sum over this many slices of the vocabulary
+
+
+def head_slices(cfg: ModelConfig) -> int:
+    """Slices of the vocabulary that the head's input gradient is summed over (`HEAD_SLICE` each at most)."""
+    return -(-cfg.vocab_size // (HEAD_SLICE or cfg.mlp_width))
+
+
+def spans(n: int, pieces: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each of `pieces` pieces of n, cut as `torch.chunk` cuts them (the last may be smaller)."""
+    size = -(-n // max(1, pieces))
+    return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
+def head_chunks(cfg: ModelConfig, tokens: int, logits_bytes: int = DEFAULT_LOGITS_BYTES) -> int:
+    """The fewest equal pieces of `tokens` whose float32 logits each take at most `logits_bytes` (each token
+    alone when even one exceeds it)."""
+    per_token = cfg.vocab_size * 4
+    return next((c for c in range(1, tokens + 1) if not tokens % c and tokens // c * per_token <= logits_bytes),
+                tokens)
 
 
 @dataclass(frozen=True)
@@ -33,32 +77,47 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 @functools.lru_cache(maxsize=32)
-def _linear_kinds(cfg: ModelConfig) -> tuple[tuple[str, int, int, int], ...]:
-    """(kind, in_features, out_features, count) of the model's linear layers; building even a meta model
-    takes a second or so for the big presets, hence the cache (configs are frozen, so hashable)."""
-    counts: dict[tuple[str, int, int], int] = {}
-    for name, lin in linear_layers(build_model(cfg, device="meta")).items():
+def _linear_kinds(cfg: ModelConfig) -> tuple[tuple[str, int, int, int, bool], ...]:
+    """(kind, in_features, out_features, count, recomputed) of the model's linear layers (recomputed: a
+    recomputation of its block runs its product); building even a meta model takes a second or so for the
+    big presets, hence the cache (configs are frozen, so hashable)."""
+    counts: dict[tuple[str, int, int, bool], int] = {}
+    model = build_model(cfg, device="meta")
+    free = recompute_free(model)
+    for name, lin in linear_layers(model).items():
         kind = ".".join(
             p for p in name.split(".") if not p.isdigit() and p not in ("transformer", "h", "layers")
         )
-        key = (kind, lin.in_features, lin.out_features)
+        key = (kind, lin.in_features, lin.out_features, kind != HEAD and name not in free)
         counts[key] = counts.get(key, 0) + 1
-    return tuple((kind, K, N, count) for (kind, K, N), count in counts.items())
+    return tuple((kind, K, N, count, again) for (kind, K, N, again), count in counts.items())
 
 
-def gemm_shapes(cfg: ModelConfig, batch: int, seq: int) -> list[GemmShape]:
-    """Forward Y=X·Wᵀ and backward dX=dY·W, dW=dYᵀ·X of every linear layer, grouped by kind.
+def gemm_shapes(cfg: ModelConfig, batch: int, seq: int, layout: StepLayout | None = None) -> list[GemmShape]:
+    """Forward Y=X·Wᵀ and backward dX=dY·W, dW=dYᵀ·X of every linear layer, grouped by kind, for a step of
+    `batch` x `seq` tokens run as `layout` says (None: the default, one pass).
 
     Read off the model itself (built on the meta device, so even billion-parameter shapes are free).
     """
-    M = batch * seq
+    lay = layout or StepLayout()
+    micro = lay.micro_batches
+    M = batch * seq // micro
     shapes = []
-    for kind, K, N, count in _linear_kinds(cfg):
+    for kind, K, N, count, again in _linear_kinds(cfg):
+        m, times = (M, count * micro) if kind != HEAD else (M // lay.head_chunks, count * micro * lay.head_chunks)
+        dx = [GemmShape(f"{kind}.dx", m, K, N, times)]  # dX = dY·W
+        if kind == HEAD and lay.head_slices > 1:  # (the sum over slices of the vocabulary)
+            sizes = [hi - lo for lo, hi in spans(N, lay.head_slices)]
+            rest = [s for s in sizes if s != sizes[0]]
+            dx = [GemmShape(f"{kind}.dx", m, K, sizes[0], times * (len(sizes) - len(rest)))]
+            dx += [GemmShape(f"{kind}.rest.dx", m, K, s, times) for s in rest]
         shapes += [
-            GemmShape(f"{kind}.fwd", M, N, K, count),  # Y = X·Wᵀ
-            GemmShape(f"{kind}.dx", M, K, N, count),  # dX = dY·W
-            GemmShape(f"{kind}.dw", N, K, M, count),  # dW = dYᵀ·X
+            GemmShape(f"{kind}.fwd", m, N, K, times),  # Y = X·Wᵀ
+            *dx,
+            GemmShape(f"{kind}.dw", N, K, m, times),  # dW = dYᵀ·X
         ]
+        if lay.recompute and again:
+            shapes.append(GemmShape(f"{kind}.refwd", m, N, K, times))  # Y = X·Wᵀ again, in the backward
     return shapes
 
 

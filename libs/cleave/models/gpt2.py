@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cleave.models.config import ModelConfig
+from cleave.models.embed import embed
+from cleave.models.recompute import run_block
 
 
 class CausalSelfAttention(nn.Module):
@@ -38,6 +40,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    RECOMPUTE_FREE = ("mlp.c_proj",)  # its product only feeds the residual sum (cleave.models.recompute)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
@@ -54,6 +58,7 @@ class GPT2(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.recompute = False  # checkpoint every block (cleave.models.recompute): keep its input, redo its forward
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
@@ -81,11 +86,15 @@ class GPT2(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
+        return self.lm_head(self.hidden(idx))
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the final norm's output (B, T, C), what the head turns into logits."""
         B, T = idx.shape
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size={self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = embed(self.transformer.wte, idx) + self.transformer.wpe(pos)  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
+            x = run_block(block, x, recompute=self.recompute)
+        return self.transformer.ln_f(x)

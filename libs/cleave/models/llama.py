@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cleave.models.config import ModelConfig
+from cleave.models.embed import embed
+from cleave.models.recompute import run_block
 
 
 def rope_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -83,6 +85,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    RECOMPUTE_FREE = ("mlp.down_proj",)  # its product only feeds the residual sum (cleave.models.recompute)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -99,6 +103,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.recompute = False  # checkpoint every block (cleave.models.recompute): keep its input, redo its forward
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
@@ -111,11 +116,15 @@ class Llama(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
+        return self.lm_head(self.hidden(idx))
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the final norm's output (B, T, C), what the head turns into logits."""
         B, T = idx.shape
         if idx.size(1) > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size={self.config.block_size}")
         cos, sin = rope_tables(self.config, T, idx.device)
-        x = self.embed_tokens(idx)  # (B, T, C)
+        x = embed(self.embed_tokens, idx)  # (B, T, C)
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+            x = run_block(layer, x, cos, sin, recompute=self.recompute)
+        return self.norm(x)

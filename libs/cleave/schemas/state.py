@@ -60,6 +60,7 @@ class StepMetrics(Wire):
     checkpoint_s: float = 0.0  # seconds spent after this step streaming the state to JetStream (0: not due)
     replica_wait_s: float = 0.0  # PS replicas: waiting for the slowest replica's backward (a barrier)
     allreduce_s: float = 0.0  # PS replicas: the gradient all-reduce itself
+    peak_rss_bytes: int = 0  # the PS's (or the reference's) peak resident memory so far (0: not measured)
     at: float = 0.0
 
 

@@ -10,7 +10,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cleave.errors import ConfigError
-from cleave.models import PRESETS, ModelConfig, get_preset
+from cleave.models import PRESETS, ModelConfig, StepLayout, get_preset, head_chunks
+from cleave.models.gemms import DEFAULT_LOGITS_BYTES, head_slices
 from cleave.models.hf import read_hf_config
 from cleave.runtime import config_file
 
@@ -39,6 +40,9 @@ METHOD_SETTINGS: dict[str, tuple[str, ...]] = {
     "min_updates": ROUND_METHODS,
     "init_from": ("cleave", *ROUND_METHODS),
     "precision": ("cleave", *ROUND_METHODS),  # split's client runs its own layers in fp32
+    "recompute": ("cleave",),  # the PS's activation memory (the round methods' models live on the workers)
+    "micro_batches": ("cleave",),
+    "logits_bytes": ("cleave",),
     "own_data": (*ROUND_METHODS, "split"),
     "update_clip": ROUND_METHODS,
     "max_empty_rounds": ROUND_METHODS,
@@ -94,6 +98,12 @@ class JobConfig(BaseModel):
     preset: str | None = None  # a name from cleave.models.PRESETS; None: init_from's config.json, else "tiny"
     steps: int = Field(20, ge=1)
     batch_size: int = Field(8, ge=1)
+    # activation checkpointing per layer: keep each block's input, run its forward again (its GEMMs dealt again)
+    # in the backward; None: on only when the batch would not fit the PS's memory without it (the preflight)
+    recompute: bool | None = None
+    micro_batches: int = Field(1, ge=1)  # the batch in this many equal parts, gradients accumulated
+    logits_bytes: int = Field(DEFAULT_LOGITS_BYTES, ge=1)  # the head and loss run in chunks of tokens whose
+    # float32 logits take at most this (cleave.gemm.head); smaller: less memory, the head's dW sent back more often
     seq_len: int | None = Field(None, ge=2)  # None = the preset's block_size
     lr: float = Field(2e-3, gt=0)  # the peak learning rate (cleave.train.schedule)
     lr_schedule: Literal["cosine", "constant"] = "cosine"  # cosine: linear warmup, then cosine decay to lr_min
@@ -131,6 +141,8 @@ class JobConfig(BaseModel):
             raise ValueError(str(e)) from None
         if self.seq_len is not None and self.seq_len > block:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={block}")
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"micro_batches={self.micro_batches} must divide batch_size={self.batch_size}")
         if self.compress != "none":
             from cleave.compression import get_compressor  # noqa: PLC0415 - compression imports torch
 
@@ -178,6 +190,14 @@ class JobConfig(BaseModel):
     @property
     def seq(self) -> int:
         return self.seq_len or self.arch().block_size
+
+    def layout(self, replicas: int = 1) -> StepLayout:
+        """How one PS (of `replicas`, each with its share of the batch) runs a step's GEMMs; `recompute`
+        still undecided (None) counts as off."""
+        tokens = self.batch_size // replicas // self.micro_batches * self.seq
+        return StepLayout(recompute=bool(self.recompute), micro_batches=self.micro_batches,
+                          head_chunks=head_chunks(self.arch(), tokens, self.logits_bytes),
+                          head_slices=head_slices(self.arch()))
 
     @classmethod
     def load(cls, path: str | Path, **overrides: object) -> JobConfig:

@@ -1,12 +1,21 @@
 """Preflight: will a job fit? The PS's peak memory and each worker's largest tile, estimated before it starts.
 
-The PS holds the fp32 weights, their gradients and AdamW's two moments (4 copies of the parameters), the
-activations autograd saves for the backward at batch x seq (counted exactly by running the model's forward
-on the meta device, which allocates nothing), the largest GEMM's inputs and output as they travel (the bus
-buffers) and those of the weight-gradient GEMMs deferred beside it (`deferred_gemms`: copies of dYᵀ and Xᵀ
-and the product, for the largest such GEMMs), the streamed checkpoint's few in-flight chunks, and the Python/torch runtime. A job whose
-estimate exceeds the memory the PS may use is refused at once, with the numbers and the knob to turn,
-instead of being killed by the OOM killer later. `cleave train --dry-run` prints the estimate.
+The PS holds the fp32 weights and AdamW's two moments throughout (its fused step allocates nothing more),
+and at the peak of a step one of:
+- the end of a micro-batch's forward: the activations autograd saves for its backward (counted by running
+  the PS's own model, linear layers and precision on fake tensors, which allocate nothing: with
+  `recompute`, each block's input and one block's saved tensors, as its recomputation holds them), the
+  head's chunk of logits and its weight gradient (`cleave.gemm.head`), the gradients of the micro-batches
+  before it, and the largest GEMM's inputs and output as they travel (the bus buffers, with those of the
+  weight-gradient GEMMs deferred beside it: `deferred_gemms`);
+- the end of the backward: every gradient (the embedding's added in place: `cleave.models.embed`) and the
+  bus buffers;
+plus the streamed checkpoint's few in-flight chunks and the Python/torch runtime. A job whose estimate
+exceeds the memory the PS may use is refused at once, with the numbers and the knob to turn, instead of
+being killed by the OOM killer later; `recompute` left undecided (None) is turned on when, and only when,
+the job does not fit without it (`resolve`). Where the PS trains on a GPU, the model's part is checked
+against the GPU's free memory (`torch.cuda.mem_get_info`) and the rest against the host's. `cleave train
+--dry-run` prints the estimate.
 """
 
 from __future__ import annotations
@@ -17,15 +26,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cleave.errors import ConfigError
+from cleave.gemm import tiled
 from cleave.gemm.ledger import DEFAULT_DEFERRED
 from cleave.gemm.tiles import MIN_BLOCK
-from cleave.models import GemmShape, build_model, gemm_shapes
+from cleave.models import GemmShape, StepLayout, build_model, gemm_shapes
+from cleave.models.gemms import HEAD
 from cleave.plan.costmodel import tile_memory_bytes
 from cleave.plan.planner import _even_blocks  # the even split the planner falls back to
+from cleave.train import precision
 from cleave.train.job import JobConfig
+from cleave.train.trainer import resolve_device
 
 RUNTIME_BYTES = 256 * 1024 * 1024  # Python, torch, nats-py and cleave imported (248 MB measured, /usr/bin/time)
 CHECKPOINT_BUFFER_BYTES = 3 * 16 * 1024 * 1024  # a hash chunk and the Object Store's chunks in flight
@@ -34,77 +47,167 @@ GB = 1e9
 
 
 @dataclass(frozen=True)
+class Activations:
+    """What one micro-batch's forward keeps for its backward, in bytes."""
+
+    outside: int  # outside the blocks (embedding, final norm)
+    block: int  # by one block
+    block_input: int  # one block's input (what a recomputed block keeps)
+    n_layer: int
+
+    def saved(self, recompute: bool) -> int:
+        if recompute:
+            return self.outside + self.n_layer * self.block_input + self.block
+        return self.outside + self.n_layer * self.block
+
+
+@dataclass(frozen=True)
 class Estimate:
     params: int
     weights: int  # bytes
     grads: int
     optimizer: int
-    activations: int
+    activations: int  # saved by one micro-batch's forward
+    head: int  # the head and loss of one chunk: logits, their gradient, Wᵀ, the chunk's dW and the sum of them
     bus: int
     checkpoint: int
     runtime: int
+    layout: StepLayout
     largest_tile: tuple[str, int, int, int, int]  # GEMM kind, rows, cols, K, bytes (an even split)
     smallest_tile: int  # bytes of the thinnest tile the dealer cuts (MIN_BLOCK x MIN_BLOCK) of the largest K
 
     @property
+    def phases(self) -> dict[str, tuple[int, int]]:
+        """What a step holds besides the weights, AdamW, the checkpoint's chunks and the runtime, at each of
+        its peaks: (on the PS's device, in host memory)."""
+        before = self.grads if self.layout.micro_batches > 1 else 0  # earlier micro-batches' gradients
+        return {"the end of a forward": (before + self.activations + self.head, self.bus),
+                "the end of the backward": (self.grads, self.bus)}
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p]))
+
+    @property
+    def model_bytes(self) -> int:
+        """At most on the PS's device (a GPU's memory when it trains there)."""
+        return self.weights + self.optimizer + max(d for d, _ in self.phases.values())
+
+    @property
+    def host_bytes(self) -> int:
+        """At most in host memory whatever the device: the bus buffers, checkpoint chunks, runtime."""
+        return self.checkpoint + self.runtime + max(h for _, h in self.phases.values())
+
+    @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.activations + self.bus + self.checkpoint
-                + self.runtime)
+        """The peak of a PS that trains on the CPU."""
+        return self.weights + self.optimizer + self.checkpoint + self.runtime + sum(self.phases[self.peak_phase])
 
     def lines(self) -> list[str]:
         name, rows, cols, k, tile = self.largest_tile
+        lay = self.layout
+        how = (f"{lay.micro_batches} micro-batches, " if lay.micro_batches > 1 else "") + (
+            "recomputed: each block's input and one block" if lay.recompute else "every block")
         return [
             f"parameters   {self.params / 1e6:10.1f} M",
             f"weights      {self.weights / GB:10.2f} GB  (fp32)",
             f"gradients    {self.grads / GB:10.2f} GB",
             f"optimizer    {self.optimizer / GB:10.2f} GB  (AdamW: two moments)",
-            f"activations  {self.activations / GB:10.2f} GB  (saved for the backward at batch x seq)",
+            f"activations  {self.activations / GB:10.2f} GB  (saved for the backward: {how})",
+            f"head         {self.head / GB:10.2f} GB  (the head and loss in {lay.head_chunks} chunk(s) of tokens: "
+            f"logits, their gradient, dW)",
             f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output, and deferred dW's)",
             f"checkpoint   {self.checkpoint / GB:10.2f} GB  (streamed: chunks in flight)",
             f"runtime      {self.runtime / GB:10.2f} GB  (Python, torch)",
-            f"PS peak      {self.total / GB:10.2f} GB",
+            f"PS peak      {self.total / GB:10.2f} GB  (at {self.peak_phase})",
             f"worker tile  {tile / GB:10.3f} GB  ({name}: {rows} x {cols}, K={k}, split evenly)",
         ]
 
 
-def activation_bytes(job: JobConfig) -> int:
-    """Bytes autograd saves in one forward and loss at the job's batch and seq (meta device: nothing runs)."""
-    model = build_model(job.arch(), device="meta")
-    own = {id(t) for t in (*model.parameters(), *model.buffers())}
-    saved: dict[int, int] = {}
-    keep = []
+class _NoProducts:
+    """A GEMM backend on fake tensors: the product's shape and dtype, nothing computed."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(t) not in own and id(base) not in own:
-            saved[id(t)] = t.numel() * t.element_size()
-            keep.append(t)  # ids stay unique while the graph lives
-        return t
-
-    x = torch.zeros(job.batch_size, job.seq, dtype=torch.long, device="meta")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(x)  # (B, T, vocab)
-        F.cross_entropy(logits.view(-1, logits.size(-1)), x.view(-1))
-    return sum(saved.values()) + logits.numel() * logits.element_size()
+    def gemm(self, a: torch.Tensor, bt: torch.Tensor, name: str) -> torch.Tensor:
+        return a.new_empty(a.shape[0], bt.shape[0])
 
 
-def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = DEFAULT_DEFERRED) -> Estimate:
+def activations(job: JobConfig, layout: StepLayout, replicas: int = 1) -> Activations:
+    """Bytes autograd saves in one micro-batch's forward on the PS: its model with its linear layers and
+    precision, on fake tensors (nothing allocated, nothing computed; the CPU's kernels choose what to save,
+    as a GPU's fused attention does)."""
     cfg = job.arch()
+    batch = job.batch_size // replicas // layout.micro_batches
+    with FakeTensorMode():
+        model = build_model(cfg)
+        tiled.install(model, _NoProducts(), precision.dtype_of(job.precision))
+        own = {id(t) for t in (*model.parameters(), *model.buffers())}
+        blocks = list(getattr(model, "layers", None) or model.transformer.h)
+        where, saved, inputs, keep = [None], {}, {}, []
+
+        def enter(i: int):  # noqa: ANN202
+            def hook(_mod, args) -> None:  # noqa: ANN001
+                where[0] = i
+                inputs[i] = args[0].numel() * args[0].element_size()
+            return hook
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(t) not in own and id(base) not in own and id(base) not in saved:
+                saved[id(base)] = (where[0], base.numel() * base.element_size())
+                keep.append(base)  # ids stay unique while the graph lives
+            return t
+
+        handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+        handles += [b.register_forward_hook(lambda *_: where.__setitem__(0, None)) for b in blocks]
+        x = torch.zeros(batch, job.seq, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                precision.autocast(job.precision, torch.device("cpu")):
+            model.hidden(x)
+        for h in handles:
+            h.remove()
+    per = {i: sum(b for w, b in saved.values() if w == i) for i in range(len(blocks))}
+    return Activations(outside=sum(b for w, b in saved.values() if w is None), block=max(per.values()),
+                       block_input=max(inputs.values()), n_layer=len(blocks))
+
+
+def activation_bytes(job: JobConfig) -> int:
+    """Bytes one plain forward and loss of the whole batch saves, as a round method's worker trains: every
+    block's saved tensors and the whole batch's float32 logits with their log-softmax."""
+    logits = job.batch_size * job.seq * job.arch().vocab_size * 4
+    return activations(job, StepLayout()).saved(recompute=False) + 2 * logits
+
+
+def head_bytes(job: JobConfig, layout: StepLayout, tokens: int, wire_bytes: int) -> int:
+    """The head and loss of one chunk at their peak: its float32 logits, their gradient and its transposed
+    copy for the weight gradient's GEMM, Wᵀ for the input gradient's, the chunk's dW and the running sum."""
+    cfg = job.arch()
+    chunk = tokens // layout.head_chunks * cfg.vocab_size
+    return 3 * chunk * 4 + cfg.vocab_size * cfg.n_embd * (wire_bytes + 4 + 4)
+
+
+def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = DEFAULT_DEFERRED,
+             replicas: int = 1) -> Estimate:
+    cfg = job.arch()
+    layout = job.layout(replicas)
     meta = build_model(cfg, device="meta")
     params = sum(p.numel() for p in meta.parameters())
-    shapes = gemm_shapes(cfg, job.batch_size, job.seq)
+    shapes = gemm_shapes(cfg, job.batch_size // replicas, job.seq, layout)
+    tokens = job.batch_size // replicas // layout.micro_batches * job.seq
 
     def buffers(g: GemmShape) -> int:
         return (g.m * g.k + g.k * g.n) * tile_bytes + g.m * g.n * 4
 
-    dws = sorted((buffers(g) for g in shapes if g.name.endswith(".dw") for _ in range(g.count_per_step)), reverse=True)
+    dws = sorted((buffers(g) for g in shapes if g.name.endswith(".dw") and not g.name.startswith(HEAD)
+                  for _ in range(g.count_per_step)), reverse=True)  # (the head's are not deferred: cleave.gemm.head)
     bus = max(buffers(g) for g in shapes) + sum(dws[:deferred])
     largest = max((_largest_block(g, workers, tile_bytes) for g in shapes), key=lambda t: t[-1])
     kmax = max(g.k for g in shapes)
     thin = int(tile_memory_bytes(np.array([MIN_BLOCK]), np.array([MIN_BLOCK]), kmax, tile_bytes)[0])
     return Estimate(params=params, weights=4 * params, grads=4 * params, optimizer=8 * params,
-                    activations=activation_bytes(job), bus=bus, checkpoint=CHECKPOINT_BUFFER_BYTES,
-                    runtime=RUNTIME_BYTES, largest_tile=largest, smallest_tile=thin)
+                    activations=activations(job, layout, replicas).saved(layout.recompute),
+                    head=head_bytes(job, layout, tokens, tile_bytes), bus=bus, checkpoint=CHECKPOINT_BUFFER_BYTES,
+                    runtime=RUNTIME_BYTES, layout=layout, largest_tile=largest,
+                    smallest_tile=thin)
 
 
 def _largest_block(g: GemmShape, workers: int, b: int) -> tuple[str, int, int, int, int]:
@@ -131,29 +234,86 @@ def available_memory() -> int:
     return limit if limit is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _knobs(job: JobConfig, est: Estimate, memory: int) -> list[str]:
+@dataclass(frozen=True)
+class Memory:
+    """What the PS may use: host memory, and a GPU's free memory where it trains on one."""
+
+    host: int
+    gpu: int | None = None  # None: the PS trains on the CPU
+    gpu_name: str = ""
+
+    def lines(self) -> list[str]:
+        out = [f"available    {self.host / GB:10.2f} GB  (host memory)"]
+        if self.gpu is not None:
+            out.append(f"available    {self.gpu / GB:10.2f} GB  (free on {self.gpu_name})")
+        return out
+
+
+def ps_memory(job: JobConfig, memory_bytes: int = 0) -> Memory:
+    """The memory the PS of `job` may use on this machine: `memory_bytes` (CLEAVE_PS_MEMORY_BYTES) or the
+    host's available memory, and where it trains on CUDA the GPU's free memory."""
+    host = memory_bytes or available_memory()
+    device = resolve_device(job.device)
+    if device.type != "cuda":
+        return Memory(host)
+    free, _total = torch.cuda.mem_get_info(device)
+    return Memory(host, int(free), torch.cuda.get_device_name(device))
+
+
+def fits(est: Estimate, memory: Memory) -> bool:
+    if memory.gpu is None:
+        return est.total <= memory.host
+    return est.model_bytes <= memory.gpu and est.host_bytes <= memory.host
+
+
+def resolve(job: JobConfig, memory: Memory, workers: int, **kw: object) -> tuple[JobConfig, Estimate]:
+    """`job` with `recompute` decided (when left None: on only if the job does not fit without it) and its
+    estimate."""
+    if job.recompute is not None:
+        return job, estimate(job, workers, **kw)
+    plain = job.model_copy(update={"recompute": False})
+    est = estimate(plain, workers, **kw)
+    if fits(est, memory):
+        return plain, est
+    again = job.model_copy(update={"recompute": True})
+    return again, estimate(again, workers, **kw)
+
+
+def _knobs(job: JobConfig, est: Estimate, room: int) -> list[str]:
     """What to change, the knob that frees most first."""
     knobs = []
-    per_token = est.activations + est.bus
-    if per_token >= est.total - memory or per_token > 0.25 * est.total:
-        knobs.append(f"lower batch_size (now {job.batch_size}) or seq_len (now {job.seq}): activations and "
-                     f"bus buffers take {per_token / GB:.2f} GB and scale with both")
-    if est.weights + est.grads + est.optimizer + est.runtime > memory or not knobs:
+    per_token = est.activations + est.head + est.bus
+    if not est.layout.recompute and est.activations > 0.1 * est.total:
+        knobs.append("set recompute=true (--recompute: each block keeps only its input and runs its forward "
+                     f"again in the backward; activations now {est.activations / GB:.2f} GB)")
+    if per_token >= est.total - room or per_token > 0.25 * est.total:
+        knobs.append(f"raise micro_batches (now {job.micro_batches}: the batch in equal parts, gradients "
+                     f"accumulated) or lower batch_size (now {job.batch_size}) or seq_len (now {job.seq}): "
+                     f"activations, the head and bus buffers take {per_token / GB:.2f} GB and scale with them")
+    if est.weights + est.grads + est.optimizer + est.runtime > room or not knobs:
         knobs.append("choose a smaller model (preset) or give the PS more memory (a larger machine, or "
                      "CLEAVE_PS_MEMORY_BYTES if the detected amount is wrong)")
     return knobs
 
 
-def check(job: JobConfig, est: Estimate, ps_memory: int, worker_memory: int = DEFAULT_WORKER_MEMORY) -> None:
-    """Refuse a job that cannot fit, with the numbers and the knob to change."""
-    if est.total > ps_memory:
+def check(job: JobConfig, est: Estimate, memory: Memory | int,
+          worker_memory: int | list[int] = DEFAULT_WORKER_MEMORY) -> None:
+    """Refuse a job that cannot fit, with the numbers and the knob to change; `worker_memory`: the workers'
+    declared budgets (the registry's), or one assumed for all."""
+    memory = memory if isinstance(memory, Memory) else Memory(memory)
+    if not fits(est, memory):
+        where, need, room = ((f"its GPU ({memory.gpu_name})", est.model_bytes, memory.gpu)
+                             if memory.gpu is not None and est.model_bytes > memory.gpu else
+                             ("the PS", est.total if memory.gpu is None else est.host_bytes, memory.host))
         raise ConfigError(
-            f"job {job.job_id!r} needs about {est.total / GB:.2f} GB on the PS (weights {est.weights / GB:.2f}, "
+            f"job {job.job_id!r} needs about {need / GB:.2f} GB on {where} (weights {est.weights / GB:.2f}, "
             f"gradients {est.grads / GB:.2f}, AdamW {est.optimizer / GB:.2f}, activations "
-            f"{est.activations / GB:.2f}, bus {est.bus / GB:.2f}, runtime {est.runtime / GB:.2f}) but "
-            f"{ps_memory / GB:.2f} GB are available; to fit, " + "; or ".join(_knobs(job, est, ps_memory)))
-    if est.smallest_tile > worker_memory:
+            f"{est.activations / GB:.2f}, head {est.head / GB:.2f}, bus {est.bus / GB:.2f}, runtime "
+            f"{est.runtime / GB:.2f}; peak at {est.peak_phase}) but {room / GB:.2f} GB are available; to fit, "
+            + "; or ".join(_knobs(job, est, room)))
+    budgets = worker_memory if isinstance(worker_memory, list) else [worker_memory]
+    if budgets and est.smallest_tile > max(budgets):
         raise ConfigError(
-            f"the thinnest tile of job {job.job_id!r} needs {est.smallest_tile / GB:.3f} GB on a worker, over "
-            f"its memory_bytes {worker_memory / GB:.3f} GB; give workers more memory (CLEAVE_WORKER_MEMORY_BYTES) "
-            f"or use a smaller model (preset)")
+            f"the thinnest tile of job {job.job_id!r} needs {est.smallest_tile / 2**20:.2f} MiB on a worker, over "
+            f"every worker's memory_bytes (at most {max(budgets) / 2**20:.2f} MiB); give workers more memory "
+            f"(CLEAVE_WORKER_MEMORY_BYTES) or use a smaller model (preset)")

@@ -1,18 +1,24 @@
 """One training step, identical for the reference run and the PS: model, data, loss, AdamW.
 
-The only difference between the two is the GEMM backend installed into the linear layers.
+The only difference between the two is the GEMM backend installed into the linear layers. A step runs the
+job's micro-batches one after another, each a forward, the head and loss in chunks of tokens
+(`cleave.gemm.head`) and a backward whose gradients add up in `.grad`, then clips and steps once; with
+`recompute` every block keeps only its input and runs its forward again in the backward
+(`cleave.models.recompute`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from cleave.errors import ConfigError
 from cleave.gemm import tiled
-from cleave.models import ModelConfig, build_model
+from cleave.gemm.head import head_loss
+from cleave.models import ModelConfig, build_model, head_chunks
 from cleave.models.hf import check_state_dict, load_hf, our_shapes
 from cleave.train import precision, schedule
 from cleave.train.data import Corpus, check_vocab
@@ -45,6 +51,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def make_adamw(params: Iterable[nn.Parameter], job: JobConfig) -> torch.optim.AdamW:
+    """AdamW as every trainer of a job builds it (the PS, the reference, the round methods' workers): weight decay
+    on matrices only, the trainable parameters only; fused, one kernel per step (the single-tensor step holds two
+    temporaries the size of a parameter: 2.1 GB for Llama 3's embedding)."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": job.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=job.lr, betas=(job.beta1, job.beta2), fused=True,
+    )
+
+
 class Trainer:
     """`group` (a PS replica's `cleave_ps.jobs.replicas.ReplicaGroup`): train on its share of each global batch and
     average the gradients over the group before the optimizer step (`last_sync`: its wait and all-reduce s)."""
@@ -58,6 +77,8 @@ class Trainer:
         if job.init_from is not None:
             load_init(self.model, self.cfg, job)
         self.model.to(self.device)
+        self.layout = job.layout(1 if group is None else group.replicas)
+        self.model.recompute = self.layout.recompute
         self.dtype = precision.dtype_of(job.precision)
         if backend is None and self.dtype is not None:
             backend = precision.LocalGemm()  # the reference's GEMMs in the job's precision
@@ -68,19 +89,31 @@ class Trainer:
             tiled.install(self.model, backend, self.dtype, self.late)
         self.corpus = corpus or Corpus.for_job(job)
         check_vocab(self.corpus, self.cfg.vocab_size, job.model_name)
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": job.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=job.lr, betas=(job.beta1, job.beta2), foreach=False,
-        )
+        self.opt = make_adamw(self.model.parameters(), job)
         self.scaler = precision.LossScaler(self.opt) if job.precision == "fp16" else None
         self.skipped = 0  # fp16 steps skipped for an overflow in the gradients
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, x: torch.Tensor, y: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+        """The mean loss over the tokens of x (B, T) against y; its backward is to be given `grad_scale`."""
         with precision.autocast(self.job.precision, self.device):
-            logits = self.model(x)  # (B, T, vocab)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            h = self.model.hidden(x)  # (B, T, C)
+        return head_loss(self.model.lm_head, h.view(-1, h.size(-1)), y.view(-1), head_chunks(self.cfg, y.numel(), self.job.logits_bytes), self.layout.head_slices, grad_scale)
+
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the mean loss (the gradients are the mean's)."""
+        k = self.layout.micro_batches
+        scale = float(torch.tensor((self.scaler.value if self.scaler else 1.0) / k))  # as backward gets it
+        total = torch.zeros((), device=self.device)
+        for xs, ys in zip(x.chunk(k), y.chunk(k), strict=True):
+            loss = self.loss(xs, ys, scale)
+            try:  # (deferred weight gradients are in place when backward returns)
+                loss.backward(torch.full_like(loss, scale))
+            except BaseException:
+                if self.late is not None:
+                    self.late.cancel()
+                raise
+            total += loss.detach()
+        return total / k
 
     def step(self, step: int) -> float:
         """Run training step `step` (its batch is fixed by the seed and the step number)."""
@@ -89,14 +122,8 @@ class Trainer:
             x, y = self.group.share(x), self.group.share(y)
         x, y = x.to(self.device), y.to(self.device)
         self.model.train()
-        loss = self.loss(x, y)
         self.opt.zero_grad(set_to_none=True)
-        try:  # (deferred weight gradients are in place when backward returns)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-        except BaseException:
-            if self.late is not None:
-                self.late.cancel()
-            raise
+        loss = self._backward(x, y)
         if self.group is not None:  # the global batch's mean gradient and loss, on every replica (so that
             value, *sync = self.group.average(self.model, loss)  # all take the same loss-scale decision)
             self.last_sync = tuple(sync)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import secrets
@@ -10,7 +11,8 @@ import statistics
 import time
 from pathlib import Path
 
-from cleave.api import jobs
+from cleave import bus as busmod
+from cleave.api import credentials, jobs
 from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.errors import ConfigError, Stopped
 from cleave.runtime import config_file
@@ -22,36 +24,68 @@ from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args, new_job_id
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import ProgressBar, unit_of
+from cleave_ps.jobs.pretrain import worker_budgets
 from cleave_ps.settings import PsSettings
+from cleave_worker.settings import WorkerSettings
 
 
-def check_fits(job: JobConfig, workers: int, dry_run: bool) -> None:
-    """The preflight (cleave.train.preflight): print the estimate for --dry-run; raise ConfigError if it cannot fit."""
+def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = None, replicas: int = 1,
+               auth: Path | None = None) -> JobConfig:
+    """The preflight (cleave.train.preflight): print the estimate for --dry-run; raise ConfigError if it cannot
+    fit; the job with `recompute` decided. The workers' memory budgets: the registry's on a running stack
+    (`nats`), else what a local stack's workers get (CLEAVE_WORKER_MEMORY_BYTES or their default)."""
     if job.method != "cleave":
         if dry_run:
             print(f"no preflight estimate for method {job.method!r} yet")
-        return
+        return job
     ps = PsSettings()
-    est = preflight.estimate(job, workers, deferred=ps.deferred_gemms)
-    memory = ps.memory_bytes or preflight.available_memory()
+    memory = preflight.ps_memory(job, ps.memory_bytes)
+    job, est = preflight.resolve(job, memory, workers, deferred=ps.deferred_gemms, replicas=replicas)
+    budgets = registry_budgets(nats, auth) if nats else [WorkerSettings().memory_bytes]
     if dry_run:
+        lay = est.layout
         print(f"preflight of job {job.job_id} ({job.model_name}, batch {job.batch_size} x seq {job.seq}, "
-              f"{workers} workers):")
-        print("\n".join("  " + line for line in est.lines()))
-        print(f"  available    {memory / 1e9:10.2f} GB")
-    preflight.check(job, est, memory)
+              f"{workers} workers; recompute {'on' if lay.recompute else 'off'}, {lay.micro_batches} micro-batch(es), "
+              f"the head in {lay.head_chunks} chunk(s)):")
+        print("\n".join("  " + line for line in est.lines() + memory.lines()))
+        print("  " + workers_line(budgets, nats is not None))
+    preflight.check(job, est, memory, budgets or preflight.DEFAULT_WORKER_MEMORY)
     if dry_run:
         print("fits")
+    return job
+
+
+def workers_line(budgets: list[int], registry: bool) -> str:
+    if not budgets:
+        return "workers      none registered yet: the default memory_bytes assumed"
+    low, high = min(budgets) / 2**20, max(budgets) / 2**20
+    return (f"workers      {len(budgets)}, memory_bytes " + (f"{low:.2f}" if low == high else f"{low:.2f}-{high:.2f}")
+            + " MiB" + (" (the registry's)" if registry else " (a local stack's workers)"))
+
+
+def registry_budgets(nats: str, auth: Path | None = None) -> list[int]:
+    """The memory budgets the workers of a running stack declared (its registry); `auth`: log in as the PS."""
+    async def read() -> list[int]:
+        bus = await busmod.connect(nats, "cleave-preflight", **credentials.client_options(auth, "ps"))
+        try:
+            return await worker_budgets(bus)
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
 
 
 def train(args: argparse.Namespace) -> int:
     job = job_from_args(args)
     if args.config:  # the local stack's services read their tables of the same file ([ps], [worker], ...)
         os.environ[config_file.CONFIG_ENV] = str(args.config.resolve())
-    if args.ps_replicas < 1 or job.batch_size % args.ps_replicas or (args.ps_replicas > 1 and job.method != "cleave"):
+    if args.ps_replicas < 1 or job.batch_size % (args.ps_replicas * job.micro_batches) or (
+            args.ps_replicas > 1 and job.method != "cleave"):
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
-                          f"it (the job has method {job.method}, batch size {job.batch_size})")
-    check_fits(job, args.workers, args.dry_run)
+                          f"it times --micro-batches (the job has method {job.method}, batch size {job.batch_size}, "
+                          f"micro-batches {job.micro_batches})")
+    job = check_fits(job, args.workers, args.dry_run, args.nats if not args.reference else None, args.ps_replicas,
+                     args.auth)
     if args.dry_run:
         return 0
     run_dir = args.run_dir or jobs.run_dir_of(job)  # the job's own: the same --job-id finds its state again

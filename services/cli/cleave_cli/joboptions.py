@@ -61,6 +61,11 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-delta", type=float, help="fedavg with --dp-noise: the delta epsilon is reported at (1e-5)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="the GEMMs' precision (autocast "
                    "semantics; fp16 with loss scaling); --reference runs the same precision")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
+    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="activation checkpointing: each block keeps only its input and runs its forward again "
+                        "(its GEMMs dealt again) in the backward (default: only when the batch does not fit)")
+    p.add_argument("--micro-batches", type=int, help="split each batch in N equal parts, gradients accumulated")
 
 
 def new_job_id(kind: str) -> str:
@@ -81,7 +86,8 @@ def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN20
                   min_updates=args.min_updates, val_every=args.val_every, precision=args.precision,
                   lora_alpha=args.lora_alpha, sampling=args.sampling, own_data=args.own_data,
                   update_clip=args.update_clip, max_empty_rounds=args.max_empty_rounds, secagg=args.secagg,
-                  dp_noise=args.dp_noise, dp_delta=args.dp_delta,
+                  dp_noise=args.dp_noise, dp_delta=args.dp_delta, seq_len=args.seq_len, recompute=args.recompute,
+                  micro_batches=args.micro_batches,
                   lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
                   if args.lora_targets else None)
     fields = {k: v for k, v in fields.items() if v is not None}

@@ -2,6 +2,7 @@
 
     cleave plan --model NAME --fleet FILE|synthetic:N --batch-size B --seq-len S [--precision fp32|bf16|fp16]
                 [--ps-bandwidth BYTES_PER_S] [--seed S] [--json] [--no-assignments]
+                [--recompute] [--micro-batches N] [--head-chunks N]
 
 Without --json it prints one line per GEMM kind and the totals; with --json the document described in
 docs/planning.md (the `ModelPlan` JSON plus the job's parameters and the even-split baseline).
@@ -15,7 +16,7 @@ import sys
 from typing import Any, TextIO
 
 from cleave.errors import ConfigError
-from cleave.models import PRESETS, gemm_shapes, get_preset
+from cleave.models import PRESETS, StepLayout, gemm_shapes, get_preset
 from cleave.plan.fleet import fleet_from_spec
 from cleave.plan.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
 
@@ -42,6 +43,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--no-assignments", action="store_true", help="leave the per-device blocks out of the JSON"
     )
+    p.add_argument("--recompute", action="store_true",
+                   help="the job recomputes each block's forward in the backward (its GEMMs dealt again)")
+    p.add_argument("--micro-batches", type=int, default=1, help="the batch in N equal parts (every GEMM N times)")
+    p.add_argument("--head-chunks", type=int, default=1,
+                   help="the head and loss of each micro-batch in N chunks of tokens (a job's dry run says how many)")
     p.set_defaults(func=run)
     return p
 
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         as_json=args.json,
         assignments=not args.no_assignments,
+        layout=StepLayout(recompute=args.recompute, micro_batches=args.micro_batches, head_chunks=args.head_chunks),
     )
 
 
@@ -72,12 +79,19 @@ def plan_command(
     as_json: bool = False,
     assignments: bool = True,
     out: TextIO | None = None,
+    layout: StepLayout | None = None,
 ) -> int:
     """Plan `model` on `fleet` and print the result to `out` (stdout); raises CleaveError on bad input."""
     out = out or sys.stdout
     cfg = _check_job(model, batch, seq, dtype, ps_bandwidth)
+    layout = layout or StepLayout()
+    if layout.micro_batches < 1 or batch % layout.micro_batches:
+        raise ConfigError(f"--micro-batches must divide --batch {batch}, got {layout.micro_batches}")
+    if layout.head_chunks < 1 or batch // layout.micro_batches * seq % layout.head_chunks:
+        raise ConfigError(f"--head-chunks must divide a micro-batch's {batch // layout.micro_batches * seq} tokens, "
+                          f"got {layout.head_chunks}")
     devices = fleet_from_spec(fleet, seed)
-    shapes = gemm_shapes(cfg, batch, seq)
+    shapes = gemm_shapes(cfg, batch, seq, layout)
     plan = plan_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth)
     even = even_split_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth)
     if as_json:
@@ -88,6 +102,9 @@ def plan_command(
             "dtype": dtype,
             "fleet": fleet,
             "seed": seed,
+            "recompute": layout.recompute,
+            "micro_batches": layout.micro_batches,
+            "head_chunks": layout.head_chunks,
             **plan.to_dict(assignments),
             "even_split_step_s": even.predicted_step_s,
             "even_split_ratio": even.predicted_step_s / plan.predicted_step_s,

@@ -166,7 +166,9 @@ class Dispatcher:
         started = waited = self.clock()
         try:
             await self.post(self.dealer.begin(work, started, priority))
-            while not self.dealer.is_complete(seq) or run.checks:
+            # done: every tile's block is in `out` (`_maybe_done`, after its copy); the ledger alone says
+            # complete while the last block may still be on its way into `out` in a thread
+            while run.spoiled or not run.done.is_set():
                 if self.stopping:
                     raise StepAborted("the parameter server is stopping")
                 if run.spoiled:

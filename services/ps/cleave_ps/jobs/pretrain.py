@@ -4,6 +4,7 @@ as tiles; a step is committed and reported once, with replicas (`replicas.py`) a
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import resource
 import statistics
 import time
@@ -23,9 +24,11 @@ from cleave.schemas import (
     COMPUTE_DTYPE_BYTES,
     PLAN_BUCKET,
     PLAN_KEY,
+    REGISTRY_BUCKET,
     REPLICA_PLAN_KEY,
     SHAPES_KEY,
     SUBJECT_RESULTS,
+    DeviceRecord,
     GemmSpec,
     JobShapes,
     Plan,
@@ -46,6 +49,32 @@ from cleave_ps.state.persist import Progress
 
 log = structlog.get_logger("ps")
 OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (median)
+MAX_BUDGETS_READ = 10_000  # registry entries the preflight reads for the workers' memory budgets
+MMAP_THRESHOLD_BYTES = 1 << 20  # glibc: every allocation from 1 MiB up mapped on its own, unmapped when freed
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def return_freed_memory() -> None:
+    """Have glibc give freed tensors back to the OS at once. Under its default, growing threshold (up to 32 MiB)
+    the PS's many short-lived tensors of a few MB (input blocks, encoded frames, products) stayed in its heap
+    when freed: gpt2-medium at 2 x 1024 held 1.2 GB more than it used at its peak. Elsewhere: nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):  # not glibc
+        log.info("malloc_threshold_unset")
+
+
+async def worker_budgets(bus: busmod.Bus) -> list[int]:
+    """The memory budgets (`memory_bytes`) the workers in the registry declared; empty when there are none
+    or the registry cannot be read (logged: the preflight then assumes the worker's default)."""
+    try:
+        kv = await bus.kv(REGISTRY_BUCKET)
+        keys = await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
+        found = await asyncio.gather(*(bus.kv_get(kv, k, DeviceRecord) for k in keys[:MAX_BUDGETS_READ]))
+    except Exception as e:  # nats-py raises NoKeysError for an empty bucket
+        log.info("worker_budgets_unread", reason=repr(e))
+        return []
+    return [f[0].profile.memory_bytes for f in found if f is not None]
 
 
 def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatcher, before: dict,
@@ -60,10 +89,15 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
         tiles_dropped=c.dropped - before["dropped"],
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
         bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val,
-        recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(),
+        recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(), peak_rss_bytes=peak_rss_bytes(),
         gemm_s=c.gemm_s - before["gemm_s"], predicted_gemm_s=planned,
         predicted_step_s=None if planned is None or ps_own_s is None else planned + ps_own_s,
     )
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (the kernel's VmHWM)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def snapshot_counters(d: Dispatcher) -> dict:
@@ -79,6 +113,7 @@ class Pretrain:
     commits and reports for all."""
 
     def __init__(self, s: PsSettings, job: JobConfig, bus: busmod.Bus) -> None:
+        return_freed_memory()
         self.s, self.job, self.bus = s, job, bus
         self.group = replica_group(s, job)
         # each replica deals under its own job name and epoch, fenced on its own (the workers keep one per job)
@@ -101,7 +136,8 @@ class Pretrain:
         self.epoch = epoch
         self.dispatcher = Dispatcher(self.bus, self.wire_id, epoch, self.s)
         self.backend = FleetGemm(asyncio.get_running_loop(), self.dispatcher, self.faults)
-        await asyncio.to_thread(self.preflight)
+        budgets = await worker_budgets(self.bus)
+        await asyncio.to_thread(self.preflight, budgets)
         self.trainer = await asyncio.to_thread(Trainer, self.job, self.backend, None, self.group)
         if self.s.replica == 0:
             await self.describe_job()
@@ -131,16 +167,21 @@ class Pretrain:
     async def on_plan(self, plan: Plan) -> None:
         await self.dispatcher.set_plan(plan)
 
-    def preflight(self) -> None:
-        """Refuse a job whose estimated peak memory exceeds what this PS may use (ConfigError, exit 2)."""
+    def preflight(self, budgets: list[int] | None = None) -> None:
+        """Refuse a job whose estimated peak memory exceeds what this PS may use, or whose thinnest tile no
+        registered worker can hold (ConfigError, exit 2); decide `recompute` if the job left it open."""
         if self.job.precision != "fp32" and self.s.tile_dtype != "fp32":
             raise ConfigError(f"CLEAVE_PS_TILE_DTYPE={self.s.tile_dtype} is the approximate mode of an fp32 job; "
                               f"with precision={self.job.precision} the tiles already travel in 2 bytes: unset it")
-        est = preflight.estimate(self.job, workers=1, tile_bytes=self.wire_bytes, deferred=self.s.deferred_gemms)
-        memory = self.s.memory_bytes or preflight.available_memory()
-        preflight.check(self.job, est, memory)
+        memory = preflight.ps_memory(self.job, self.s.memory_bytes)
+        self.job, est = preflight.resolve(self.job, memory, workers=max(1, len(budgets or ())), tile_bytes=self.wire_bytes,
+                                          deferred=self.s.deferred_gemms, replicas=self.s.replicas)
+        budgets = budgets or []
+        preflight.check(self.job, est, memory, budgets or preflight.DEFAULT_WORKER_MEMORY)
         log.info("preflight_passed", job=self.job.job_id, ps_peak_gb=round(est.total / 1e9, 2),
-                 available_gb=round(memory / 1e9, 2))
+                 available_gb=round(memory.host / 1e9, 2), gpu_free_gb=memory.gpu and round(memory.gpu / 1e9, 2),
+                 recompute=self.job.recompute, micro_batches=self.job.micro_batches,
+                 head_chunks=est.layout.head_chunks, workers_declared=len(budgets))
 
     @property
     def wire_bytes(self) -> int:
@@ -152,7 +193,8 @@ class Pretrain:
         precision both ways (a bf16 or fp16 job's results are rounded by their workers; the approximate
         `tile_dtype` mode's come back in float32, so it is planned at 4 bytes) and take float32 in memory."""
         specs = tuple(GemmSpec(name=g.name, m=g.m, n=g.n, k=g.k, count_per_step=g.count_per_step)
-                      for g in gemm_shapes(self.trainer.cfg, self.job.batch_size // self.s.replicas, self.job.seq))
+                      for g in gemm_shapes(self.trainer.cfg, self.job.batch_size // self.s.replicas, self.job.seq,
+                                           self.trainer.layout))
         kv = await self.bus.kv(PLAN_BUCKET)
         await self.bus.kv_put(kv, SHAPES_KEY, JobShapes(job=self.job.job_id, gemms=specs,
                                                         dtype_bytes=4 if self.job.precision == "fp32" else 2,
@@ -179,8 +221,7 @@ class Pretrain:
             m = m.model_copy(update={"replica_wait_s": wait, "allreduce_s": allreduce})
         self.own_s.append(m.step_time_s - m.gemm_s)
         log.info("step_done", step=step, loss=round(loss, 5), step_time_s=round(m.step_time_s, 3),
-                 workers=m.workers, tiles=m.tiles, resent=m.tiles_resent,
-                 peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+                 workers=m.workers, tiles=m.tiles, resent=m.tiles_resent, peak_rss_mb=round(m.peak_rss_bytes / 2**20, 1))
         if self.group is not None:  # the line reports the whole job (the log above: this replica's part)
             m = m.model_copy(update=await asyncio.to_thread(self.group.job_totals, m))
         return m
@@ -208,8 +249,9 @@ def replica_group(s: PsSettings, job: JobConfig) -> ReplicaGroup | None:
     """This PS's replica group (None: the only PS of its job); its share of the batch must be whole."""
     if s.replicas == 1:
         return None
-    if job.batch_size % s.replicas:
-        raise ConfigError(f"replicas={s.replicas} needs a batch_size divisible by it (the job has {job.batch_size})")
+    if job.batch_size % (s.replicas * job.micro_batches):
+        raise ConfigError(f"replicas={s.replicas} needs a batch_size divisible by it times micro_batches "
+                          f"(the job has batch_size {job.batch_size}, micro_batches {job.micro_batches})")
     backend = "nccl" if job.device != "cpu" and torch.cuda.is_available() else "gloo"
     return ReplicaGroup(s.replica, s.replicas, s.replica_addr, s.replica_port, s.replica_join_timeout_s,
                         s.replica_step_timeout_s, backend)
