@@ -3,11 +3,12 @@ on this machine) and hold its losses against the same job in plain PyTorch.
 
     .venv/bin/python examples/python_api.py
 
-It prints one line per step and writes runs/api-example/ (metrics, logs, the job's state) and
-runs/api-example-reference/.
+It prints one line per step, writes runs/api-example/ (metrics, logs, the job's state) and
+runs/api-example-reference/, and exports the trained model to runs/api-example/model (a Hugging Face model
+directory: `transformers.AutoModelForCausalLM.from_pretrained` loads it).
 """
 
-from cleave import Job, metrics, run
+from cleave import Job, export, metrics, run
 
 job = Job(job_id="api-example", preset="tiny", steps=4, batch_size=4, seed=1)
 
@@ -21,3 +22,6 @@ gap = max(abs(a - b) for a, b in zip(on_the_fleet, in_pytorch, strict=True))
 print(f"largest loss difference against plain PyTorch: {gap:.1e}")
 assert gap < 1e-4, "the fleet's step must be the step one machine would take"
 assert [m["loss"] for m in metrics("runs/api-example")] == on_the_fleet  # what the run dir kept
+
+done = export("runs/api-example/model", run_dir="runs/api-example")
+print(f"exported {done.job.job_id} after step {done.head.step} to {done.out}")

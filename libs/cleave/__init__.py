@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 API = {  # the names offered here -> their module in cleave.api
-    "Job": "jobs", "load_job": "jobs", "run": "jobs", "metrics": "jobs", "run_dir_of": "jobs",
+    "Job": "jobs", "load_job": "jobs", "run": "jobs", "metrics": "jobs", "run_dir_of": "jobs", "export": "jobs",
     "submit": "hub", "status": "hub", "follow": "hub",
 }
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from cleave import Job, follow, run, status, submit
 
@@ -23,6 +24,9 @@ def test_the_documented_example_runs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("workers 2") == 4 and "largest loss difference" in out.stdout
     assert (tmp_path / "runs" / "api-example" / "metrics.jsonl").is_file()
+    assert "exported api-example after step 3" in out.stdout
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "api-example" / "model")
+    assert model.config.n_layer == Job(preset="tiny").arch().n_layer
 
 
 def alive(pid: int) -> bool:

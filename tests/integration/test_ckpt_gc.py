@@ -19,10 +19,11 @@ from torch import nn
 from cleave import bus as busmod
 from cleave.runtime.faults import Faults
 from cleave.schemas import STATE_OBJECTS, StepMetrics
+from cleave.train.checkpoint import read_checkpoint
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_ps.settings import PsSettings
-from cleave_ps.state.persist import Persister, Progress, read_checkpoint, snapshot
+from cleave_ps.state.persist import Persister, Progress, snapshot
 from tests.integration.test_persist_stream import persister
 
 KILLED = textwrap.dedent("""

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cleave.api import state
 from cleave.api.stack import Stack
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
@@ -43,8 +44,8 @@ def export(run_dir: Path, out: Path, *extra: str) -> None:
 
 def checkpoint_model(run_dir: Path) -> tuple[int, torch.nn.Module]:
     """Our model with the run's last committed checkpoint, read straight from its JetStream store."""
-    with export_cmd.state_server(run_dir) as url:
-        head, _, _, model = asyncio.run(export_cmd.read_state(url, JOB_ID))
+    with state.state_server(run_dir) as url:
+        head, _, _, model = asyncio.run(state.read_state(url, JOB_ID))
     return head.step, model
 
 
@@ -99,7 +100,7 @@ def test_export_from_the_running_stack(run_dir: Path, tmp_path: Path) -> None:
     stack = Stack(run_dir)
     stack.start_nats()  # the run's store served again, recorded in stack.json as a live stack would be
     try:
-        assert export_cmd.running_nats(run_dir) == stack.nats_url
+        assert state.running_nats(run_dir) == stack.nats_url
         export(run_dir, tmp_path / "hf", "--job-id", JOB_ID, "--dtype", "bfloat16")
     finally:
         stack.stop_all()

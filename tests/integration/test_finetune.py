@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cleave.api import state
 from cleave.api.fleet import LocalFleet
 from cleave.train.job import JobConfig
-from cleave_cli import export_cmd
 from tests.integration.test_export import export
 
 transformers = pytest.importorskip("transformers")
@@ -188,5 +188,5 @@ def test_fine_tune_lora_and_its_peft_adapter(world):
 def _ps_model(run_dir: Path, job_id: str):
     import asyncio
 
-    with export_cmd.state_server(run_dir) as url:
-        return asyncio.run(export_cmd.read_state(url, job_id))
+    with state.state_server(run_dir) as url:
+        return asyncio.run(state.read_state(url, job_id))

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from cleave import bus as busmod
+from cleave.api import state
 from cleave.api.fleet import LocalFleet
 from cleave.compression import unpack
 from cleave.methods import secagg
 from cleave.schemas import RoundUpdate
 from cleave.train.job import JobConfig
-from cleave_cli import export_cmd
 from tests.integration.fleet import assert_same
 
 pytestmark = pytest.mark.slow  # each test runs the same job twice (~40-60 s)
@@ -67,8 +67,8 @@ def run(run_dir, job: JobConfig, env: dict[str, dict[str, str]] | None = None) -
         received = spy.stop()
     finally:
         fleet.stop()
-    with export_cmd.state_server(run_dir) as url:
-        _, _, _, model = asyncio.run(export_cmd.read_state(url, job.job_id))
+    with state.state_server(run_dir) as url:
+        _, _, _, model = asyncio.run(state.read_state(url, job.job_id))
     return lines, received, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cleave.errors import ConfigError, CorruptCheckpoint
+from cleave.train.checkpoint import Decoder, Encoder, encode, restore, snapshot, targets
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.state.checkpoint import Decoder, Encoder, encode, restore, snapshot, targets
 
 CHUNK = 4096  # small, so that the tiny model's stream has many chunks
 

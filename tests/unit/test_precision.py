@@ -101,7 +101,7 @@ def test_the_ps_refuses_the_approximate_tile_dtype_with_a_precision():
 
 
 def test_the_loss_scale_survives_the_streamed_checkpoint():
-    from cleave_ps.state.checkpoint import encode, restore, snapshot  # noqa: PLC0415 - the PS's checkpoint format
+    from cleave.train.checkpoint import encode, restore, snapshot  # noqa: PLC0415 - the PS's checkpoint format
 
     job = JobConfig(preset="tiny", batch_size=2, seq_len=16, precision="fp16")
     src, dst = Trainer(job), Trainer(job)

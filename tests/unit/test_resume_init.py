@@ -14,9 +14,9 @@ from cleave.models.hf import export_hf, load_hf
 from cleave.models.tokenizer import ByteTokenizer
 from cleave.schemas import CheckpointManifest
 from cleave.train import sources
+from cleave.train.checkpoint import encode, restore, snapshot
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.state.checkpoint import encode, restore, snapshot
 
 STEPS = 6
 

@@ -7,9 +7,9 @@ import math
 import pytest
 
 from cleave.train import schedule
+from cleave.train.checkpoint import encode, restore, snapshot
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.state.checkpoint import encode, restore, snapshot
 
 
 def test_warmup_then_cosine_to_the_floor() -> None:

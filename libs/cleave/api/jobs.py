@@ -14,13 +14,19 @@ stack's JetStream store, which `cleave export --run-dir` reads and the same job 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from cleave.api import credentials
+from cleave import codec
+from cleave.api import credentials, state
 from cleave.api.fleet import LocalFleet, reference_steps
+from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import ConfigError
+from cleave.methods import export as methods_export
 from cleave.runtime.metrics_file import MetricsFile
+from cleave.schemas import StateHead
 from cleave.train.job import JobConfig
 
 Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small", steps=200, method="diloco", ...)
@@ -76,3 +82,35 @@ def metrics(run_dir: str | Path) -> list[dict]:
     """The committed steps' metrics of the job a run dir holds (each step once, in step order), e.g. after
     `train` or `cleave train` ended, or while it runs."""
     return MetricsFile(Path(run_dir) / "metrics.jsonl").lines()
+
+
+@dataclass(frozen=True)
+class Exported:
+    out: Path  # the Hugging Face model directory (a LoRA job's adapters merged)
+    adapter: Path | None  # a LoRA job's PEFT adapter directory, else None
+    job: JobConfig
+    head: StateHead  # the checkpoint exported: its step (from 0) and epoch
+
+
+def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | None = None,
+           auth: str | Path | None = None, job_id: str | None = None, precision: str = "fp32",
+           adapter_out: str | Path | None = None) -> Exported:
+    """Write a job's model, as of its last committed checkpoint, as a Hugging Face model directory `out` (and a
+    LoRA job's PEFT adapter, by default in `out/adapter`), as `cleave export` does: from a run dir (`run_dir`;
+    the job in its job.json unless `job_id` names another) or from any NATS holding the job's state (`nats`,
+    `job_id` required; `auth`: the directory with the submitter's credential). `precision`: fp32, bf16 or fp16."""
+    if (run_dir is None) == (nats is None):
+        raise ConfigError("export needs exactly one of run_dir (a local run) and nats (a NATS holding the state)")
+    if precision not in EXPORT_PRECISIONS:
+        raise ConfigError(f"precision={precision!r}: choose fp32, bf16 or fp16")
+    if nats is not None:
+        if not job_id:
+            raise ConfigError("export from nats= needs job_id= (`cleave status --nats URL` lists the hub's jobs)")
+        head, job, cfg, model = asyncio.run(state.read_state(nats, job_id, Path(auth) if auth else None))
+    else:
+        with state.state_server(Path(run_dir)) as url:
+            head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.job_id_of(Path(run_dir))))
+    dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
+    written, *adapter = methods_export.export(model, job, cfg, Path(out), dtype,
+                                              Path(adapter_out) if adapter_out else None)
+    return Exported(written, adapter[0] if adapter else None, job, head)

@@ -3,7 +3,7 @@ Pretraining commits its model and AdamW after steps, DiLoCo and FedAvg their glo
 outer momentum) after rounds, split learning its server half and AdamW after steps; `Progress` reports each
 step's line once, after the state it led to.
 
-A checkpoint is two objects (`cleave_ps.state.checkpoint`): the tensors' raw bytes, streamed one tensor after
+A checkpoint is two objects (`cleave.train.checkpoint`): the tensors' raw bytes, streamed one tensor after
 another straight from the live model (no copy of the model is built), and a small manifest with each
 tensor's key and shape and each chunk's SHA-256. A crash at any point leaves the previous head and the
 checkpoint it names readable: both objects are written first under new names, the head (naming the
@@ -46,26 +46,23 @@ from cleave.runtime.faults import Faults
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
-    MAX_MANIFEST_BYTES,
     STATE_BUCKET,
     STATE_OBJECTS,
-    CheckpointManifest,
     Event,
     StateHead,
     StepMetrics,
 )
-from cleave.train import preflight
+from cleave.train import checkpoint, preflight
+from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
-from cleave_ps.state import checkpoint, sweep
-from cleave_ps.state.checkpoint import Snapshot, snapshot
+from cleave_ps.state import sweep
 
 log = structlog.get_logger("ps")
-DEFAULT_PUT_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
 KEEP_CHECKPOINTS = 2
 CHECKPOINT_BUDGET = 0.05  # persist_every=0: commit when the last commit cost <= 5% of the training since
 STAGING_SHARE = 0.5  # checkpoint_staging=auto: a staged copy may take at most this share of the free memory
-__all__ = ["Fenced", "Persister", "Progress", "identity_changes", "read_checkpoint", "snapshot", "write_checkpoint"]
+__all__ = ["Fenced", "Persister", "Progress", "identity_changes", "snapshot", "write_checkpoint"]
 # what makes a job the job it is: its model and the order of its data. Any other setting may change on resume.
 IDENTITY = ("method", "preset", "init_from", "seq_len", "split_layers", "lora_rank", "lora_alpha", "seed", "data",
             "tokenizer", "batch_size", "val_fraction")
@@ -94,37 +91,10 @@ async def write_checkpoint(bus: Bus, store, snap: Snapshot, name: str, on_read=N
     """Stream `snap` into `<name>.data`, then its manifest into `<name>`; the manifest's bytes and the data size."""
     enc = checkpoint.Encoder(snap, on_read=on_read)
     meta = ObjectMeta(name=f"{name}.data", options=ObjectMetaOptions(max_chunk_size=bus.max_payload))
-    await asyncio.wait_for(store.put(f"{name}.data", enc, meta=meta), DEFAULT_PUT_TIMEOUT_S)
+    await asyncio.wait_for(store.put(f"{name}.data", enc, meta=meta), DEFAULT_TRANSFER_TIMEOUT_S)
     manifest = await asyncio.to_thread(codec.encode, enc.manifest(f"{name}.data"))
     await asyncio.wait_for(store.put(name, manifest), DEFAULT_TIMEOUT_S)
     return manifest, enc.size
-
-
-async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.optim.Optimizer | None,  # noqa: ANN001
-                          skip_optimizer: bool = False) -> CheckpointManifest:
-    """Stream the checkpoint `head` names into `model` (in place) and `opt`; raises CleaveError when it
-    is missing, truncated or corrupted (the model may then hold part of it: load another checkpoint)."""
-    try:
-        got = await asyncio.wait_for(store.get(head.object), DEFAULT_TIMEOUT_S)
-    except Exception as e:
-        raise CorruptCheckpoint(f"manifest {head.object} is unreadable ({type(e).__name__})") from None
-    if hashlib.sha256(got.data).hexdigest() != head.sha256:
-        raise CorruptCheckpoint(f"manifest {head.object} does not match its head record (sha256)")
-    try:
-        m = codec.decode(got.data, CheckpointManifest, MAX_MANIFEST_BYTES)
-    except WireError as e:
-        raise CorruptCheckpoint(f"manifest {head.object} is malformed: {e}") from None
-    dests = checkpoint.targets(model, opt, m, skip_optimizer)
-    dec = checkpoint.Decoder(m, dests)
-    try:
-        await asyncio.wait_for(store.get(m.data_object, writeinto=dec), DEFAULT_PUT_TIMEOUT_S)
-    except CleaveError:
-        raise
-    except Exception as e:  # nats-py: not found, or its own digest over the whole object
-        raise CorruptCheckpoint(f"data {m.data_object} is unreadable ({type(e).__name__})") from None
-    dec.finish()
-    await asyncio.to_thread(checkpoint.apply, model, None if skip_optimizer else opt, m, dests)
-    return m
 
 
 class Persister:

@@ -5,11 +5,13 @@ place, so no copy of the model is ever built, and it hashes every `chunk_bytes` 
 Its `manifest()` (a small `CheckpointManifest`) names each tensor's key, dtype and shape and each chunk's
 hash. `Decoder` is the writer `get` pushes into: it copies the bytes straight into their destinations (the
 model's own parameters, fresh optimizer tensors) and checks each chunk's hash as soon as it is complete, so
-a truncated or corrupted chunk raises `CorruptCheckpoint` naming the chunk. No NATS here.
+a truncated or corrupted chunk raises `CorruptCheckpoint` naming the chunk. `read_checkpoint` streams a
+committed one from the job's Object Store into a model (the PS resuming, an export).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import math
@@ -21,8 +23,9 @@ import torch
 from torch import nn
 
 from cleave import codec
-from cleave.errors import ConfigError, CorruptCheckpoint
-from cleave.schemas import DTYPE_SIZES, CheckpointManifest, TensorEntry
+from cleave.bus import DEFAULT_TIMEOUT_S
+from cleave.errors import CleaveError, ConfigError, CorruptCheckpoint, WireError
+from cleave.schemas import DTYPE_SIZES, MAX_MANIFEST_BYTES, CheckpointManifest, StateHead, TensorEntry
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # hashed unit of the stream: a bad chunk is named, not just "bad"
 
@@ -224,3 +227,33 @@ def encode(snap: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[byte
     enc = Encoder(snap, chunk_bytes)
     data = enc.read()
     return data, enc.manifest("memory")
+
+
+DEFAULT_TRANSFER_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
+
+
+async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.optim.Optimizer | None,  # noqa: ANN001
+                          skip_optimizer: bool = False) -> CheckpointManifest:
+    """Stream the checkpoint `head` names into `model` (in place) and `opt`; raises CleaveError when it
+    is missing, truncated or corrupted (the model may then hold part of it: load another checkpoint)."""
+    try:
+        got = await asyncio.wait_for(store.get(head.object), DEFAULT_TIMEOUT_S)
+    except Exception as e:
+        raise CorruptCheckpoint(f"manifest {head.object} is unreadable ({type(e).__name__})") from None
+    if hashlib.sha256(got.data).hexdigest() != head.sha256:
+        raise CorruptCheckpoint(f"manifest {head.object} does not match its head record (sha256)")
+    try:
+        m = codec.decode(got.data, CheckpointManifest, MAX_MANIFEST_BYTES)
+    except WireError as e:
+        raise CorruptCheckpoint(f"manifest {head.object} is malformed: {e}") from None
+    dests = targets(model, opt, m, skip_optimizer)
+    dec = Decoder(m, dests)
+    try:
+        await asyncio.wait_for(store.get(m.data_object, writeinto=dec), DEFAULT_TRANSFER_TIMEOUT_S)
+    except CleaveError:
+        raise
+    except Exception as e:  # nats-py: not found, or its own digest over the whole object
+        raise CorruptCheckpoint(f"data {m.data_object} is unreadable ({type(e).__name__})") from None
+    dec.finish()
+    await asyncio.to_thread(apply, model, None if skip_optimizer else opt, m, dests)
+    return m

@@ -1,0 +1,129 @@
+"""A job's committed state, read from wherever it lives: a run dir (its NATS while it runs, else a temporary
+nats-server on its JetStream store) or any NATS holding it (a hub, with the submitter's credential). What
+`cleave export` and `cleave.export` read: the job's head record and the model with the checkpoint's weights."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from cleave import bus as busmod
+from cleave.api.hub import DEFAULT_CONNECT_TIMEOUT_S, connect
+from cleave.api.stack import Stack
+from cleave.errors import CleaveError, ConfigError
+from cleave.methods.export import job_model
+from cleave.models import ModelConfig
+from cleave.schemas import STATE_BUCKET, STATE_OBJECTS, StateHead
+from cleave.train.checkpoint import read_checkpoint
+from cleave.train.job import JobConfig
+
+DEFAULT_PROBE_TIMEOUT_S = 1.0  # a run's NATS that does not greet within this is taken for gone
+# the saved weights' precision, named as a job's (fp32, bf16, fp16), or by the wire's names, as they once were
+EXPORT_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32",
+                     "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def job_id_of(run_dir: Path) -> str:
+    path = run_dir / "job.json"
+    try:
+        return json.loads(path.read_text())["job_id"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot read the job id from {path} ({e}); pass --job-id") from None
+
+
+# ---------------------------------------------------------------- reaching the run's state
+
+
+def _answers_as_nats(url: str) -> bool:
+    """True when a NATS server greets us at `url` (its first line is INFO {...})."""
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname, u.port or 4222), timeout=DEFAULT_PROBE_TIMEOUT_S) as s:
+            return s.recv(4).startswith(b"INFO")
+    except OSError:
+        return False
+
+
+def running_nats(run_dir: Path) -> str | None:
+    """The URL of the run's own nats-server if it is still up, else None."""
+    try:
+        stack = json.loads((run_dir / "stack.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    url = stack.get("nats_url") or ""
+    nats = [
+        p for p in stack.get("processes", []) if p.get("role") == "nats" and p.get("running") and p.get("pid")
+    ]
+    if not url or not nats:
+        return None
+    try:
+        os.kill(nats[0]["pid"], 0)
+    except (ProcessLookupError, PermissionError):
+        return None
+    return url if _answers_as_nats(url) else None
+
+
+@contextlib.contextmanager
+def state_server(run_dir: Path) -> Iterator[str]:
+    """A NATS URL serving the run's JetStream state: the live one, or a temporary server on its store."""
+    url = running_nats(run_dir)
+    if url:
+        yield url
+        return
+    store = run_dir / "jetstream"
+    if not store.is_dir():
+        raise ConfigError(f"{run_dir} has no running NATS (stack.json) and no JetStream store ({store})")
+    with tempfile.TemporaryDirectory(prefix="cleave-export-") as tmp:
+        # Stack keeps its store at <dir>/jetstream: point that at the run's store
+        (Path(tmp) / "jetstream").symlink_to(store.resolve(), target_is_directory=True)
+        stack = Stack(Path(tmp))
+        try:
+            yield stack.start_nats()
+        finally:
+            stack.stop_all()
+
+
+async def _jobs_with_state(kv) -> list[str]:  # noqa: ANN001 - a nats-py KeyValue
+    try:
+        keys = await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
+    except Exception:  # nats-py raises NoKeysError for an empty bucket
+        return []
+    return sorted(k.removesuffix(".head") for k in keys if k.endswith(".head"))
+
+
+async def read_state(url: str, job_id: str, auth_dir: Path | None = None
+                     ) -> tuple[StateHead, JobConfig, ModelConfig, torch.nn.Module]:
+    """The job's last committed head record, its job and model config, and the model with the checkpoint's
+    weights (every key, shape and chunk hash checked; the optimizer's state is skipped). `auth_dir`: log in
+    with the submitter's credential found there."""
+    bus = await connect(url, auth_dir) if auth_dir is not None else await asyncio.wait_for(
+        busmod.connect(url, "export"), DEFAULT_CONNECT_TIMEOUT_S)
+    try:
+        try:
+            kv = await asyncio.wait_for(bus.js.key_value(STATE_BUCKET), busmod.DEFAULT_TIMEOUT_S)
+        except Exception as e:
+            raise CleaveError(f"{url} holds no persisted PS state ({type(e).__name__})") from None
+        got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
+        if got is None:
+            jobs = await _jobs_with_state(kv)
+            raise CleaveError(
+                f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}"
+            )
+        head, _ = got
+        job = JobConfig.build(**json.loads(head.job_config))
+        cfg = job.arch()
+        model = job_model(job)  # every weight is overwritten by the checkpoint
+        store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
+        await read_checkpoint(store, head, model, None, skip_optimizer=True)
+        return head, job, cfg, model
+    finally:
+        await bus.close()
