@@ -18,9 +18,9 @@ import pytest
 from cleave import bus as busmod
 from cleave.api.fleet import LocalFleet, run_reference
 from cleave.api.stack import Stack
+from cleave.api.state import read_state
 from cleave.models import gemm_shapes
 from cleave.train.job import JobConfig
-from cleave_cli.export_cmd import read_state
 from tests.integration.fleet import assert_same
 
 JOB_TIMEOUT_S = 300.0

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from cleave import bus as busmod
-from cleave_cli.jobrun import LocalFleet
+from cleave.api.fleet import LocalFleet
 from cleave_ps.jobs.pretrain import worker_budgets
 
 KIB256 = 256 * 1024

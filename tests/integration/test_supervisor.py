@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from cleave.api.stack import Stack
-from cleave_cli.export_cmd import read_state, state_server
+from cleave.api.state import read_state, state_server
 
 READY_TIMEOUT_S = 120.0  # the monitor and the workers import torch first; the machine may be loaded
 GONE_TIMEOUT_S = 30.0

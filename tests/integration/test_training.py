@@ -13,10 +13,10 @@ import torch
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api.state import state_server
 from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_cli.export_cmd import state_server
 from tests.integration.fleet import InProcessPS, assert_same, grads, start_fleet
 
 
