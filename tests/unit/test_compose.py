@@ -8,6 +8,7 @@ list every setting of every service. The hub runs no job of its own: jobs come t
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import inspect
 import re
 import subprocess
@@ -216,3 +217,17 @@ def test_chaos_scripts_cover_every_scenario_and_parse():
     assert "docker kill" in kill and "docker start" in kill  # docker kill bypasses restart policies
     assert "compose up" not in kill  # `up` resets `--scale worker=N` to deploy.replicas (e2e/chaos-check.sh)
     assert "docker pause" in (chaos / "freeze.sh").read_text()
+
+
+def test_every_file_the_image_copies_is_in_its_build_context() -> None:
+    """Each COPY source of the Dockerfile is let through by its .dockerignore (`**` then `!pattern` lines): a
+    source left out fails the build only under docker, minutes into the compose end-to-end run."""
+    dockerfile = (COMPOSE / "Dockerfile").read_text()
+    allowed = [line[1:].strip() for line in (COMPOSE / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.startswith("!")]
+    sources = [src for line in re.findall(r"^COPY (?!--from)(.+)$", dockerfile, re.M) for src in line.split()[:-1]]
+    assert sources
+    for src in sources:
+        assert any(fnmatch.fnmatch(src, p) or fnmatch.fnmatch(f"{src}/x", p) for p in allowed), \
+            f"COPY {src}: excluded by compose/Dockerfile.dockerignore"
+        assert (COMPOSE.parent / src).exists(), src
