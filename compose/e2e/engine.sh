@@ -103,7 +103,7 @@ e2e_pip_config() {  # the host's pip configuration, as files for the image build
 e2e_cleave_image() {  # the Cleave image on the base image, built with the host's pip configuration
   local tag=$1 ctx="$E2E_DIR/ctx" here; here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
   rm -rf "$ctx"; mkdir -p "$ctx/compose"
-  tar -C "$here" --exclude=__pycache__ --exclude='*.pyc' -c pyproject.toml README.md libs services \
+  tar -C "$here" --exclude=__pycache__ --exclude='*.pyc' -c pyproject.toml README.md constraints libs services \
     compose/Dockerfile compose/build-extra | tar -C "$ctx" -x
   e2e_pip_config "$ctx/compose/build-extra"
   docker build -q --network host --build-arg BASE_IMAGE="$E2E_BASE_IMAGE" --build-arg TORCH_INDEX_URL= \

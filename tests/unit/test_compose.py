@@ -231,3 +231,10 @@ def test_every_file_the_image_copies_is_in_its_build_context() -> None:
         assert any(fnmatch.fnmatch(src, p) or fnmatch.fnmatch(f"{src}/x", p) for p in allowed), \
             f"COPY {src}: excluded by compose/Dockerfile.dockerignore"
         assert (COMPOSE.parent / src).exists(), src
+    # the end-to-end run without a registry builds from a context of its own (compose/e2e/engine.sh's tar)
+    engine = (COMPOSE / "e2e" / "engine.sh").read_text().replace("\\\n", " ")
+    tar = re.search(r'tar -C "\$here"[^|]*? -c ([^|]+)\|', engine)
+    assert tar, "compose/e2e/engine.sh builds its context with tar"
+    packed = tar.group(1).split()
+    for src in sources:
+        assert any(src == p or src.startswith(p + "/") for p in packed), f"COPY {src}: not in engine.sh's context"
