@@ -189,3 +189,14 @@ def test_one_class_per_name() -> None:
                 where.setdefault(node.name, []).append(module)
     twice = {name: mods for name, mods in where.items() if len(mods) > 1}
     assert not twice, f"classes of the same name: {twice}"
+
+
+def test_every_package_is_installed() -> None:
+    """A non-editable install (the compose image, a wheel) ships only the packages pyproject.toml lists: every
+    folder of ours with an __init__.py is there."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    ours = {".".join([pkg, *p.parent.relative_to(folder).parts]) for pkg, folder in PACKAGES.items()
+            for p in folder.rglob("__init__.py")}
+    assert ours - listed == set(), "packages missing from pyproject.toml's [tool.setuptools] packages"
