@@ -55,7 +55,7 @@ def test_honest_blocks_pass_far_below_the_tolerance(kind: str, shape: tuple[int,
         blocks["fp16"] = (a @ bt.T).half()
     for how, block in blocks.items():
         worst = max(verdict(a, bt, block).worst for _ in range(5))  # a fresh random vector each time
-        assert worst < 0.25, (how, worst)  # measured: at most 0.18 (bf16 rounding), 0.03 (float32 sums)
+        assert worst < 0.25, (how, worst)  # measured: at most 0.19 (bf16 rounding), 0.02 (float32 sums)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -16,15 +16,20 @@ from cleave_ps.fleet.runs import GemmRun
 
 def examine(run: GemmRun, t: Tile, block: np.ndarray, dtype: str, check: bool = True) -> tuple[str, float, float]:
     """(why the block is refused, '' if it is not; its worst residual over the tolerance; the CPU seconds
-    Freivalds' check took) for `block` (as `frames.block` reads it) of tile `t` of `run`."""
-    if not frames.finite(block, dtype):
-        return ("" if not inputs_finite(run, t) else "not_finite"), 0.0, 0.0
-    if not check:
-        return "", 0.0, 0.0
+    Freivalds' check took) for `block` (as `frames.block` reads it) of tile `t` of `run`. A block that passes
+    the check is finite (a value that is not fails it), so its values are read for finiteness only without
+    the check or when it fails."""
     start = time.thread_time()
-    verdict = freivalds.check(run.norms, t.r0, t.r1, t.c0, t.c1, freivalds.block_float32(block, dtype), dtype)
-    wrong = not verdict.passed and inputs_finite(run, t)  # a product of infinities cannot be checked
-    return ("wrong_block" if wrong else ""), verdict.worst, time.thread_time() - start
+    verdict = freivalds.check(run.norms, t.r0, t.r1, t.c0, t.c1, freivalds.block_float32(block, dtype), dtype) \
+        if check else None
+    cpu = time.thread_time() - start if check else 0.0
+    if verdict is not None and verdict.passed:
+        return "", verdict.worst, cpu
+    worst = verdict.worst if verdict is not None else 0.0
+    if not frames.finite(block, dtype):
+        return ("not_finite" if inputs_finite(run, t) else ""), worst, cpu
+    wrong = verdict is not None and inputs_finite(run, t)  # a product of infinities cannot be checked
+    return ("wrong_block" if wrong else ""), worst, cpu
 
 
 def inputs_finite(run: GemmRun, t: Tile) -> bool:
