@@ -108,6 +108,18 @@ async def two_workers(**settings) -> tuple[Wire, Dispatcher, list[float]]:
     return wire, d, clock
 
 
+async def one_tile_each() -> tuple[Wire, Dispatcher, list[float], torch.Tensor, torch.Tensor, asyncio.Task,
+                                  TileTask, TileTask]:
+    """Two workers and a GEMM of two tiles under way, one dealt to each: (wire, dispatcher, clock, a, bt, the
+    GEMM's task, a's tile, b's tile)."""
+    wire, d, clock = await two_workers()
+    a, bt = torch.randn(4, 8), torch.randn(8, 8)
+    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    (_, t_a), (_, t_b) = sorted(wire.tasks)
+    return wire, d, clock, a, bt, gemm, t_a, t_b
+
+
 def block_of(d: Dispatcher, task: TileTask, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
     t = d.dealer.deal().ledger.tiles[task.tile]
     return (a @ bt.T)[t.r0 : t.r1, t.c0 : t.c1]
@@ -137,11 +149,7 @@ async def test_a_worker_beaten_by_a_copy_of_its_tile_is_tallied_when_its_block_c
     """A worker whose tile an idle worker's copy finished first is tallied when its own block comes after all:
     what the PS reports to the scheduler counts it, so an overclaimer too slow to ever win against the copies
     of its tiles is still corrected."""
-    wire, d, clock = await two_workers()
-    a, bt = torch.randn(4, 8), torch.randn(8, 8)
-    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
-    await wire.wait_for(2)
-    (_, t_a), (_, t_b) = sorted(wire.tasks)
+    wire, d, clock, a, bt, gemm, t_a, t_b = await one_tile_each()
     await d.on_result(result(t_b, "b", block_of(d, t_b, a, bt)), 0)
     clock[0] = 0.5  # a's tile runs alone past speculate_min_s, within its deadline: copied to idle b
     await d._tick()
@@ -162,11 +170,7 @@ async def test_a_worker_beaten_by_a_copy_of_its_tile_is_tallied_when_its_block_c
 async def test_a_wrong_block_expels_its_worker_and_the_tile_is_redone_elsewhere():
     """Freivalds' check refuses a block that is not the product of its inputs: its worker is excluded (never
     dealt to, its results dropped) and its tile goes to another worker, within the same GEMM."""
-    wire, d, clock = await two_workers()
-    a, bt = torch.randn(4, 8), torch.randn(8, 8)
-    gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
-    await wire.wait_for(2)
-    (_, t_a), (_, t_b) = sorted(wire.tasks)
+    wire, d, clock, a, bt, gemm, t_a, t_b = await one_tile_each()
     await d.on_result(result(t_b, "b", block_of(d, t_b, a, bt)), 0)
     lie = block_of(d, t_a, a, bt).clone()
     lie[1, 2] += 1000.0
