@@ -5,10 +5,12 @@ Pure: everything here builds keys, permissions and option dicts; `cleave auth in
 `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), the
-  base weights and tokenizers of its jobs (Object Store `cleave-models`), its job's GEMM shapes (the plans
-  bucket's `shapes` key only) and what it observed of the workers; subscribe to results. The hub's job runner
-  logs in as the PS: it also takes submissions and writes the job records.
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), its
+  job's GEMM shapes (the plans bucket's `shapes` key only) and what it observed of the workers; subscribe to
+  results and to the workers' requests for its jobs' base weights and tokenizers (`cleave.models.*`), which it
+  answers under the workers' inboxes (`_INBOX.worker.>`), only ever on the requester's own
+  (`reply_refusal`). The hub's job runner logs in as the PS: it also takes submissions and writes the job
+  records.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and to what the PS
   observed of the workers. Probes are answered by a credential of its own (`scheduler-probe`, its seed in
   scheduler.env beside the scheduler's), which may subscribe to probe requests and publish to the workers'
@@ -24,11 +26,12 @@ Roles and what they may do (anything not listed is refused by nats-server):
   PS's requests to them (`_INBOX.ps.w.>`, `cleave.schemas.WORKER_REPLY_TOKEN`: a leaf node cannot use
   `allow_responses`).
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
-  carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
-  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes;
-  of JetStream only reading the Object Store `cleave-models` (a job's base weights and tokenizer). With
-  `worker_id`, tiles, results, round updates, heartbeats, probes and probe replies are pinned to that id (each
-  on a per-worker subject); the shared worker credential gets a `*` (or `>`) in place of the id.
+  carry no secret of other workers: every worker may be sent any block), publish results, heartbeats, probe
+  requests and requests for a job's base weights and tokenizer (`cleave.models.<id>`, answered by the PS),
+  answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its requests; no
+  JetStream at all. With `worker_id`, tiles, results, round updates, heartbeats, probes, model requests and
+  their replies are pinned to that id (each on a per-worker subject); the shared worker credential gets a `*`
+  (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
