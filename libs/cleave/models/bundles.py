@@ -54,6 +54,7 @@ DEFAULT_WINDOW = 4  # a worker's requests in flight (one part each, at most max_
 DEFAULT_PART_TIMEOUT_S = 60.0  # one request's answer (a window of 1 MB parts on a 1 Mbit/s link: 32 s)
 DEFAULT_TRIES = 4  # of one request, 0.5 s, 1 s, 2 s apart, before `BundleUnavailable`
 PART_ENVELOPE = 1024  # bytes of an answer that are not the object's (its fields and the codec's header)
+MAX_REQUEST_BYTES = 4096  # a request (`ModelsGet`, ~130 bytes) as the PS decodes it
 MANIFEST = ".bundle"  # the manifest, kept in the cached directory beside the files
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
@@ -114,7 +115,7 @@ class Shelf:
         self.manifests[bundle_id] = data
         if self.sub is None:
             self.sub = await bus.serve(SUBJECT_MODELS_GET_ALL, ModelsGet, partial(self.answer, bus.max_payload),
-                                       max_bytes=4096, reply_ok=partial(reply_refusal, SUBJECT_MODELS_GET))
+                                       max_bytes=MAX_REQUEST_BYTES, reply_ok=partial(reply_refusal, SUBJECT_MODELS_GET))
         log.info("bundle_published", kind=kind, bundle=bundle_id[:16], files=len(files),
                  bytes=sum(f.size for f in bundle.files))
         return bundle_id
