@@ -85,6 +85,7 @@ async def test_a_worker_fetches_with_its_own_credential_and_no_jetstream(tmp_pat
         ps_c = await connect(server.settings("ps"), "ps")
         w_c = await connect(server.settings("worker", "worker-w1"), "worker")
         ps, worker = busmod.Bus(ps_c.nc, "ps"), busmod.Bus(w_c.nc, "worker")
+        assert worker.max_payload < CHUNK // 4  # the weights file travels in 14 parts, 4 at a time
         paths, shelf = files(tmp_path), bundles.Shelf()
         async with asyncio.timeout(6 * OP_TIMEOUT_S):
             await ps.setup()
