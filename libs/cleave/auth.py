@@ -5,10 +5,12 @@ Pure: everything here builds keys, permissions and option dicts; `cleave auth in
 `cleave.schemas`, so a renamed subject or bucket changes the permissions with it.
 
 Roles and what they may do (anything not listed is refused by nats-server):
-- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), the
-  base weights and tokenizers of its jobs (Object Store `cleave-models`), its job's GEMM shapes (the plans
-  bucket's `shapes` key only) and what it observed of the workers; subscribe to results. The hub's job runner
-  logs in as the PS: it also takes submissions and writes the job records.
+- ps: publish tiles, fan-out blocks, joins and link checks, events and its own state (KV + Object Store), its
+  job's GEMM shapes (the plans bucket's `shapes` key only) and what it observed of the workers; subscribe to
+  results and to the workers' requests for its jobs' base weights and tokenizers (`cleave.models.*`), which it
+  answers under the workers' inboxes (`_INBOX.worker.>`), only ever on the requester's own
+  (`reply_refusal`). The hub's job runner logs in as the PS: it also takes submissions and writes the job
+  records.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and to what the PS
   observed of the workers. Probes are answered by a credential of its own (`scheduler-probe`, its seed in
   scheduler.env beside the scheduler's), which may subscribe to probe requests and publish to the workers'
@@ -24,11 +26,12 @@ Roles and what they may do (anything not listed is refused by nats-server):
   PS's requests to them (`_INBOX.ps.w.>`, `cleave.schemas.WORKER_REPLY_TOKEN`: a leaf node cannot use
   `allow_responses`).
 - worker: subscribe to its tiles, its control subject and the fan-out subjects (shared input blocks, which
-  carry no secret of other workers: every worker may be sent any block), publish results, heartbeats and
-  probe requests, answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its probes;
-  of JetStream only reading the Object Store `cleave-models` (a job's base weights and tokenizer). With
-  `worker_id`, tiles, results, round updates, heartbeats, probes and probe replies are pinned to that id (each
-  on a per-worker subject); the shared worker credential gets a `*` (or `>`) in place of the id.
+  carry no secret of other workers: every worker may be sent any block), publish results, heartbeats, probe
+  requests and requests for a job's base weights and tokenizer (`cleave.models.<id>`, answered by the PS),
+  answer the PS's fan-out joins and link checks (`allow_responses`), read the replies to its requests; no
+  JetStream at all. With `worker_id`, tiles, results, round updates, heartbeats, probes, model requests and
+  their replies are pinned to that id (each on a per-worker subject); the shared worker credential gets a `*`
+  (or `>`) in place of the id.
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -47,7 +50,6 @@ from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
     JOBS_STREAM,
-    MODELS_OBJECTS,
     PLAN_BUCKET,
     REGISTRY_BUCKET,
     SHAPES_KEY,
@@ -59,6 +61,8 @@ from cleave.schemas import (
     SUBJECT_HEARTBEAT,
     SUBJECT_JOB_SUBMIT_ALL,
     SUBJECT_LINKCHECK,
+    SUBJECT_MODELS_GET,
+    SUBJECT_MODELS_GET_ALL,
     SUBJECT_OBSERVED,
     SUBJECT_OBSERVED_ALL,
     SUBJECT_PROBE_ALL,
@@ -132,15 +136,6 @@ def _js_read(stream: str) -> list[str]:
     ]
 
 
-def _js_fetch(stream: str) -> list[str]:
-    """Read an Object Store's objects and nothing more: its info, messages and ephemeral consumers (and the
-    stream names, by which nats-py finds the stream of an object's chunks)."""
-    api = "$JS.API"
-    return [f"{api}.STREAM.NAMES", f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}", f"{api}.DIRECT.GET.{stream}",
-            f"{api}.DIRECT.GET.{stream}.>", f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
-            f"$JS.FC.{stream}.>"]
-
-
 def _kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.>", f"$JS.API.STREAM.PURGE.{_kv(bucket)}"]
 
@@ -161,16 +156,17 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         pub = [_wild(SUBJECT_TILES), _wild(SUBJECT_FANOUT), _wild(SUBJECT_CONTROL), _wild(SUBJECT_LINKCHECK),
                _wild(SUBJECT_ROUNDS), _wild(SUBJECT_SECAGG), _wild(SUBJECT_OBSERVED),
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
-               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS), *_obj_write(MODELS_OBJECTS)]
-        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
+               *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS),
+               f"{inbox_prefix('worker')}.>"]  # its answers to the workers' model requests (`reply_refusal`)
+        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
             pub += _js_create(s)
-        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS), _obj(MODELS_OBJECTS)):
+        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
             pub += _js_read(s)
         # the hub's job runner runs as the PS: it takes submitted jobs and keeps their records
         for s in (JOBS_STREAM, _kv(JOBS_BUCKET)):
             pub += [*_js_create(s), *_js_read(s)]
         pub += [*_kv_write(JOBS_BUCKET), f"$KV.{PLAN_BUCKET}.{SHAPES_KEY}"]  # and its job's GEMM shapes, planned
-        return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES)])
+        return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_MODELS_GET_ALL])
     if role == SUBMITTER:  # submits jobs; reads their records, metrics and checkpoints; writes nothing else
         pub = [SUBJECT_JOB_SUBMIT_ALL, f"$JS.API.STREAM.INFO.{JOBS_STREAM}"]
         for s in (_kv(JOBS_BUCKET), EVENTS_STREAM, _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
@@ -197,7 +193,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         return Permissions(
             publish=(SUBJECT_RESULTS.format(job="*", epoch="*", worker_id=wid),
                      SUBJECT_UPDATES.format(job="*", epoch="*", worker_id=wid), SUBJECT_HEARTBEAT.format(worker_id=wid),
-                     SUBJECT_PROBE_FROM.format(worker_id=wid), *_js_fetch(_obj(MODELS_OBJECTS))),
+                     SUBJECT_PROBE_FROM.format(worker_id=wid), SUBJECT_MODELS_GET.format(worker_id=wid)),
             subscribe=(SUBJECT_TILES.format(worker_id=wid), _wild(SUBJECT_FANOUT), SUBJECT_CONTROL.format(worker_id=wid),
                        SUBJECT_LINKCHECK.format(worker_id=wid),
                        SUBJECT_ROUNDS.format(worker_id=wid), SUBJECT_ROUNDCAST_ALL, SUBJECT_SPLIT.format(worker_id=wid),
@@ -215,6 +211,28 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
 def probe_permissions() -> Permissions:
     """The probe echo's credential (`PROBE_ECHO`): probe requests in, answers to the workers' inboxes only."""
     return Permissions(publish=(f"{inbox_prefix('worker')}.>",), subscribe=(SUBJECT_PROBE_ALL,))
+
+
+def requester(pattern: str, subject: str) -> str:
+    """The worker id that `subject` names where `pattern` (e.g. `SUBJECT_PROBE_FROM`) ends in `{worker_id}`
+    ('' when it names none)."""
+    prefix = pattern.split("{", 1)[0]
+    worker = subject[len(prefix):] if subject.startswith(prefix) else ""
+    return "" if any(c in worker for c in ".*>") else worker
+
+
+def reply_refusal(pattern: str, subject: str, reply: str) -> str:
+    """Why a worker's request on `subject` (a `pattern` ending in `{worker_id}`) must not be answered on
+    `reply` ('' when it may). A request names its own reply subject and the answer goes out with the
+    answering connection's rights, so it goes only under the requester's own inbox `_INBOX.worker.<id>.`: the
+    only one its credential may read, and where no bucket, stream or service listens."""
+    worker = requester(pattern, subject)
+    if not worker:
+        return "no worker id in the subject"
+    own = inbox_prefix("worker", worker) + "."
+    if not reply.startswith(own) or len(reply) == len(own) or "*" in reply or ">" in reply:
+        return f"reply is not {worker}'s own inbox"
+    return ""
 
 
 def check_worker_id(worker_id: str) -> str:

@@ -56,6 +56,10 @@ class CorruptBundle(CleaveError):
     """A published model or tokenizer bundle does not match its id or its manifest (a chunk's hash, a length)."""
 
 
+class BundleUnavailable(CleaveError):
+    """No PS answered a worker's requests for a bundle (or the one that did could not send it)."""
+
+
 # ---- planning and the fleet --------------------------------------------------------------------------
 class PlanError(CleaveError):
     """No plan exists for this input (empty fleet, a GEMM no device can hold, ...); the message says why."""

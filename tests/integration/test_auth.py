@@ -33,6 +33,7 @@ from cleave.schemas import (
     STATE_OBJECTS,
     SUBJECT_EVENTS_ALL,
     SUBJECT_HEARTBEAT,
+    SUBJECT_MODELS_GET,
     SUBJECT_PROBE,
     SUBJECT_PROBE_ALL,
     SUBJECT_PROBE_FROM,
@@ -319,6 +320,8 @@ async def test_pinned_worker_credential_covers_only_its_own_id(pinned_server: Au
     assert "subscription" in await w1.violation(SUBJECT_TILES.format(worker_id="w2"))
     await w1.nc.subscribe("_INBOX.worker.w2.>")  # or w2's probe replies
     assert "subscription" in await w1.violation("_INBOX.worker.w2.>")
+    await w1.nc.publish(SUBJECT_MODELS_GET.format(worker_id="w2"), b"{}", reply="_INBOX.worker.w2.x.1")  # asking the
+    assert "publish" in await w1.violation(SUBJECT_MODELS_GET.format(worker_id="w2"))  # PS for models as w2
 
 
 async def test_pinned_worker_publishes_results_only_as_itself(pinned_server: AuthServer, connect) -> None:
@@ -426,8 +429,9 @@ async def test_the_admin_credential_manages_streams(server: AuthServer, connect)
 
 async def test_a_stolen_worker_credential_cannot_touch_jetstream(server: AuthServer, connect) -> None:
     hostile = await connect(server.settings("worker"), "worker")
-    await hostile.nc.publish(f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}", b"")
-    assert "publish" in await hostile.violation(f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}")
+    for subject in (f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}", "$JS.API.STREAM.NAMES", "$JS.API.INFO"):
+        await hostile.nc.publish(subject, b"")
+        assert "publish" in await hostile.violation(subject)
 
 
 # ---- TLS ---------------------------------------------------------------------------------------------

@@ -1,20 +1,20 @@
-"""Base weights and tokenizers over the bus (`cleave.models.bundles`) against a real nats-server: published once
-by the PS, fetched once by a worker, every chunk verified, cached by id; a worker credential may read the
-models store and write nothing to it."""
+"""Base weights and tokenizers over the bus (`cleave.models.bundles`) against a real nats-server: served by the
+PS from its own disk, fetched once by a worker in parts on its own subject and inbox, every chunk verified,
+cached by id; a missing PS is a clear error; a worker needs no JetStream for any of it."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 
+from cleave import auth
 from cleave import bus as busmod
-from cleave.errors import CorruptBundle
+from cleave.errors import BundleUnavailable, CorruptBundle
 from cleave.models import bundles
-from cleave.schemas import MODELS_OBJECTS
+from cleave.schemas import SUBJECT_MODELS_GET, ModelsGet, ModelsPart
 from tests.integration.test_auth import OP_TIMEOUT_S, connect, launch  # noqa: F401 - connect is a fixture
 
 CHUNK = 256 * 1024  # several chunks per file in the test
@@ -25,55 +25,80 @@ def files(tmp_path: Path) -> list[Path]:
     d.mkdir()
     (d / "config.json").write_text('{"model_type": "gpt2"}')
     (d / "model.safetensors").write_bytes(os.urandom(3 * CHUNK + 1000))
-    return [d / "config.json", d / "model.safetensors"]
+    (d / "empty.txt").write_bytes(b"")
+    return [d / "config.json", d / "model.safetensors", d / "empty.txt"]
 
 
-async def test_published_once_fetched_once_and_verified(nats_url, tmp_path):
-    ps = await busmod.connect(nats_url, "ps")
-    worker = await busmod.connect(nats_url, "worker")
+async def as_worker(url: str, worker_id: str) -> busmod.Bus:
+    """A worker's connection without credentials: its replies under its own inbox, as `connect_options` sets."""
+    return await busmod.connect(url, f"worker-{worker_id}", inbox_prefix=auth.inbox_prefix("worker", worker_id))
+
+
+async def test_served_by_the_ps_fetched_once_and_verified(nats_url, tmp_path):
+    ps = await busmod.connect(nats_url, "ps", inbox_prefix=auth.inbox_prefix("ps"))
+    worker = await as_worker(nats_url, "w1")
     try:
-        paths = files(tmp_path)
-        bid = await bundles.publish(ps, "model", paths, CHUNK)
-        assert await bundles.publish(ps, "model", paths, CHUNK) == bid  # the same files: the same id, nothing sent
-        cache = bundles.BundleCache(tmp_path / "cache")
+        paths, shelf = files(tmp_path), bundles.Shelf()
+        bid = await shelf.publish(ps, "model", paths, CHUNK)
+        assert await shelf.publish(ps, "model", paths, CHUNK) == bid  # the same files: the same id
+        cache = bundles.BundleCache(tmp_path / "cache", "w1")
         got = await cache.fetch(worker, bid)
         for p in paths:
             assert (got / p.name).read_bytes() == p.read_bytes()
         assert cache.fetched == sum(p.stat().st_size for p in paths)
-        again = bundles.BundleCache(tmp_path / "cache")  # a restarted worker: checked on disk, not fetched
-        assert await again.fetch(worker, bid) == got and again.fetched == 0
+        sent = shelf.sent
+        again = bundles.BundleCache(tmp_path / "cache", "w1")  # a restarted worker: checked on disk, not fetched
+        assert await again.fetch(worker, bid) == got and again.fetched == 0 and shelf.sent == sent
         (got / "model.safetensors").write_bytes(b"tampered")  # a damaged cache is fetched again
-        third = bundles.BundleCache(tmp_path / "cache")
+        third = bundles.BundleCache(tmp_path / "cache", "w1")
         await third.fetch(worker, bid)
         assert third.fetched > 0 and (got / "model.safetensors").read_bytes() == paths[1].read_bytes()
-        # a store whose file object was replaced: the first bad chunk is refused, nothing lands in the cache
-        store = await ps.object_store(MODELS_OBJECTS)
-        digest = hashlib.sha256(paths[1].read_bytes()).hexdigest()
-        await store.put(bundles.FILE_PREFIX + digest, os.urandom(paths[1].stat().st_size))
+        # a range past a file's end is answered with an error, not silence
+        ask = ModelsGet(kind="file", sha256=bundles.describe_file(paths[1]).sha256, offset=10 * CHUNK, length=10)
+        part = await worker.request(SUBJECT_MODELS_GET.format(worker_id="w1"), ask, ModelsPart)
+        assert "past the end" in part.error and not part.data
+        # the PS's file changed under it: the first bad chunk is refused by name, nothing lands in the cache
+        paths[1].write_bytes(os.urandom(paths[1].stat().st_size))
         with pytest.raises(CorruptBundle, match="chunk 0 of model.safetensors"):
-            await bundles.BundleCache(tmp_path / "other").fetch(worker, bid)
+            await bundles.BundleCache(tmp_path / "other", "w1").fetch(worker, bid)
         assert not (tmp_path / "other" / bid).exists()
         with pytest.raises(CorruptBundle, match="not a bundle id"):
             await cache.fetch(worker, "../../etc")
+        # a bundle no PS holds: every PS stays silent, the worker says so after its tries
+        quick = bundles.BundleCache(tmp_path / "quick", "w1", timeout_s=0.3, tries=2)
+        with pytest.raises(BundleUnavailable, match=f"bundle {'ab' * 8}: no PS answered for its manifest"):
+            await quick.fetch(worker, "ab" * 32)
     finally:
         await ps.close()
+    try:  # no PS at all: the server tells the worker that nobody listens, the error names the bundle
+        with pytest.raises(BundleUnavailable, match=f"bundle {bid[:16]}: no PS answered.*PS running"):
+            await bundles.BundleCache(tmp_path / "gone", "w1", tries=2).fetch(worker, bid)
+    finally:
         await worker.close()
 
 
-async def test_a_worker_credential_reads_the_models_store_and_writes_nothing(tmp_path, connect):  # noqa: F811
-    for server in launch(tmp_path, worker_ids="w1"):
+async def test_a_worker_fetches_with_its_own_credential_and_no_jetstream(tmp_path, connect):  # noqa: F811
+    """Per-worker credentials, a small max_payload (so every file travels in several parts, a window of them
+    in flight): the worker fetches the bundle on `cleave.models.w1` and its inbox, with no permission violation;
+    it may use no JetStream API (the old models store's included) and may not ask as another worker."""
+    for server in launch(tmp_path, worker_ids="w1,w2", max_payload=64 * 1024):
         ps_c = await connect(server.settings("ps"), "ps")
         w_c = await connect(server.settings("worker", "worker-w1"), "worker")
         ps, worker = busmod.Bus(ps_c.nc, "ps"), busmod.Bus(w_c.nc, "worker")
+        assert worker.max_payload < CHUNK // 4  # the weights file travels in 14 parts, 4 at a time
+        paths, shelf = files(tmp_path), bundles.Shelf()
         async with asyncio.timeout(6 * OP_TIMEOUT_S):
             await ps.setup()
-            bid = await bundles.publish(ps, "model", files(tmp_path), CHUNK)
+            bid = await shelf.publish(ps, "model", paths, CHUNK)
             try:
-                got = await bundles.BundleCache(tmp_path / "cache").fetch(worker, bid)
-            except TimeoutError:
-                raise AssertionError(w_c.errors) from None
-        assert (got / "config.json").is_file() and w_c.errors == [] and ps_c.errors == []
-        for subject in (f"$O.{MODELS_OBJECTS}.C.forged", f"$JS.API.STREAM.PURGE.OBJ_{MODELS_OBJECTS}",
-                        f"$JS.API.CONSUMER.DELETE.OBJ_{MODELS_OBJECTS}.x"):
-            await w_c.nc.publish(subject, b"forged")
+                got = await bundles.BundleCache(tmp_path / "cache", "w1").fetch(worker, bid)
+            except BundleUnavailable:
+                raise AssertionError(w_c.errors, ps_c.errors) from None
+        assert [(got / p.name).read_bytes() for p in paths] == [p.read_bytes() for p in paths]
+        assert shelf.sent == sum(p.stat().st_size for p in paths) + len((got / bundles.MANIFEST).read_bytes())
+        assert w_c.errors == [] and ps_c.errors == [] and ps.rejected == {}
+        for subject in ("$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.OBJ_cleave-models",
+                        "$JS.API.CONSUMER.CREATE.OBJ_cleave-models", "$JS.API.DIRECT.GET.OBJ_cleave-models",
+                        "$O.cleave-models.C.forged", SUBJECT_MODELS_GET.format(worker_id="w2")):
+            await w_c.nc.publish(subject, b"{}", reply="_INBOX.worker.w1.x.1")
             assert "publish" in await w_c.violation(subject)

@@ -12,7 +12,8 @@ The attacks (docs/security.md lists each defence with its test):
   chunk frames;
 - as a verifier: silence, errors, cache misses, NaN;
 - a profile claiming 100x the FLOPS it delivers;
-- consumers on the models store (which workers may read) delivering onto the buckets and the JetStream API.
+- the JetStream API (consumers on the old models store), and model requests whose answers would go to another
+  worker's subjects, the buckets or the JetStream API.
 """
 
 from __future__ import annotations
@@ -479,57 +480,71 @@ async def test_a_profile_claiming_far_more_than_it_delivers_is_corrected(hub: Hu
             await c.close()
 
 
-async def test_consumers_a_worker_creates_on_the_models_store_reach_no_bucket(hub: Hub) -> None:
-    """A worker reads a job's base weights through consumers it creates on the models store, and nats-server
-    lets it name any delivery subject. Aimed at the plan key, the registry, and the JetStream API's purge and
-    delete, they change nothing (no subscriber listens there: a bucket is no subscription). Aimed at a subject
-    a service listens on, the store's bytes do arrive: measured and printed here, listed as not defended in
-    docs/security.md."""
-    from cleave.schemas import MODELS_OBJECTS, SUBJECT_RESULTS
+async def test_a_worker_gets_no_jetstream_and_model_answers_only_in_its_own_inbox(hub: Hub, tmp_path: Path) -> None:
+    """A worker fetches a job's base weights from the PS by request, and the PS answers only on the requester's
+    own inbox. The attacker's JetStream calls (consumers and message gets on the old models store, which an
+    older hub may still hold, and any other API) are refused by the server; its model requests whose reply
+    names another worker's result subject or inbox, the plan key, the registry's purge, the PS's replies or a
+    look-alike of its own inbox are refused by the PS (`reply_refused`), which delivers nothing there, changes no
+    bucket and goes on serving."""
+    from cleave.models import bundles
+    from cleave.schemas import SUBJECT_MODELS_GET, SUBJECT_RESULTS, ModelsGet, ModelsPart
 
     ps = await hub.bus("ps")
     await ps.setup()
-    store = await ps.object_store(MODELS_OBJECTS)
-    await store.put("base.bin", bytes(range(256)) * 4096)  # 1 MiB: 8 chunks of 128 KiB and its info
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    shelf = bundles.Shelf()
+    bid = await shelf.publish(ps, "model", [base / "model.safetensors"])
     hub.admin = await nats.connect(hub.url, nkeys_seed_str=(hub.out / auth_cmd.ADMIN_NAME).read_text().strip())
     js = hub.admin.jetstream()
+    await (await js.create_object_store("cleave-models")).put("base.bin", bytes(range(256)) * 4096)
     await (await js.key_value(PLAN_BUCKET)).put(PLAN_KEY, b"the plan")
     await (await js.key_value(REGISTRY_BUCKET)).put("honest", b"a record")
-    stream = f"OBJ_{MODELS_OBJECTS}"
-    total = (await js.stream_info(stream)).state.messages
-    buckets = [f"KV_{PLAN_BUCKET}", f"KV_{REGISTRY_BUCKET}"]
+    buckets = [f"KV_{PLAN_BUCKET}", f"KV_{REGISTRY_BUCKET}", "OBJ_cleave-models"]
     before = {b: (await js.stream_info(b)).state for b in buckets}
     attacker = await Attacker().connect(hub)
-    results = await hub.admin.subscribe(SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="honest"))
-    sink = await attacker.bus.nc.subscribe("_INBOX.worker.attacker.sink")
-    await hub.admin.flush()
-    aimed = [f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", f"$KV.{REGISTRY_BUCKET}.ghost",
-             f"$JS.API.STREAM.PURGE.KV_{REGISTRY_BUCKET}", f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}",
-             SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="honest"), "_INBOX.worker.attacker.sink"]
-    names = []
     try:
-        for deliver in aimed:  # the sink last: once it holds every message, the others were pushed before
-            body = {"stream_name": stream, "config": {"deliver_subject": deliver, "deliver_policy": "all",
-                                                       "ack_policy": "none"}}
-            reply = await attacker.bus.nc.request(f"$JS.API.CONSUMER.CREATE.{stream}", json.dumps(body).encode(),
-                                                  timeout=WAIT_S)
-            created = json.loads(reply.data)
-            assert "error" not in created, created  # (the hole: nothing checks where a consumer delivers)
-            names.append(created["name"])
-        async with asyncio.timeout(WAIT_S):
-            while sink.pending_msgs < total:
-                await attacker.bus.nc.flush()
-                await asyncio.sleep(0.02)  # (polling a count; the pushes carry nothing to await)
-        delivered = {d: (await js.consumer_info(stream, n)).delivered.consumer_seq for d, n in zip(aimed, names, strict=True)}
-        print(f"\nmodels-store consumers: {total} messages in the store; delivered per aimed subject: {delivered}; "
-              f"the PS's result subject received {results.pending_msgs} messages, {results.pending_bytes} bytes")
+        # 1. the JetStream API: refused by the server, whatever the call and the stream
+        stream, created = "OBJ_cleave-models", json.dumps({"stream_name": "OBJ_cleave-models", "config": {
+            "deliver_subject": SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="honest"), "deliver_policy": "all",
+            "ack_policy": "none"}}).encode()
+        for subject in (f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.c1.$O.cleave-models.C.>",
+                        f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.STREAM.INFO.{stream}",
+                        "$JS.API.STREAM.NAMES", "$JS.API.INFO", f"$JS.API.STREAM.PURGE.KV_{REGISTRY_BUCKET}"):
+            await attacker.publish(subject, created, reply="_INBOX.worker.attacker.js.1")
+            await attacker.refused(subject)
+        # 2. model requests answered elsewhere than its own inbox: nothing arrives there
+        aimed = [SUBJECT_RESULTS.format(job="j", epoch=1, worker_id="honest"), f"$KV.{PLAN_BUCKET}.{PLAN_KEY}",
+                 f"$JS.API.STREAM.PURGE.KV_{REGISTRY_BUCKET}", f"$JS.API.STREAM.DELETE.KV_{PLAN_BUCKET}",
+                 "_INBOX.worker.honest.x.1", "_INBOX.ps.w.abc.def", "_INBOX.worker.attackerX.1", "_INBOX.worker.attacker"]
+        watches = [await hub.admin.subscribe(a) for a in aimed]
+        await hub.admin.flush()
+        own = SUBJECT_MODELS_GET.format(worker_id="attacker")
+        for kind, sha in (("bundle", bid), ("file", bundles.describe_file(base / "model.safetensors").sha256)):
+            ask = codec.encode(ModelsGet(kind=kind, sha256=sha, length=64 * 1024), compress=False)
+            for reply in aimed:
+                await attacker.publish(own, ask, reply=reply)
+        await attacker.publish(own, b"not a request", reply="_INBOX.worker.attacker.junk.1")  # refused as malformed
+        # ... and it is still served on its own inbox, after all of them (one subscription, in order)
+        part = await attacker.bus.request(own, ModelsGet(kind="bundle", sha256=bid, length=1024), ModelsPart,
+                                          timeout_s=WAIT_S)
+        assert part.size > 0 and part.data
+        await hub.admin.flush()
+        assert [w.pending_msgs for w in watches] == [0] * len(aimed)
+        assert ps.rejected == {"reply_refused": 2 * len(aimed), "bad_magic": 1}, ps.rejected
+        # 3. the honest worker fetches the whole bundle; nothing of the buckets changed
+        honest = await hub.bus("worker", "worker-honest", "honest")
+        got = await bundles.BundleCache(tmp_path / "cache", "honest").fetch(honest, bid)
+        assert (got / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
         for b in buckets:
             state = (await js.stream_info(b)).state
             assert (state.messages, state.bytes, state.last_seq) == (before[b].messages, before[b].bytes,
                                                                      before[b].last_seq), b
+            assert (await js.stream_info(b)).state.consumer_count == 0, b
         assert (await (await js.key_value(PLAN_BUCKET)).get(PLAN_KEY)).value == b"the plan"
         assert set(await (await js.key_value(REGISTRY_BUCKET)).keys()) == {"honest"}
-        assert attacker.violations == []
     finally:
         for c in hub.clients:
             await c.close()

@@ -1,7 +1,8 @@
 """A hub and a site's leaf node as `cleave up --auth` and `cleave site` configure them (TLS, credentials), on real
 nats-servers, and the hub's job runner judging submissions, with no training in sight (fast).
 
-- a worker behind the site's leaf node gets its tiles, answers the PS's link checks and delivers its results;
+- a worker behind the site's leaf node gets its tiles, answers the PS's link checks, fetches a job's base
+  weights from the PS and delivers its results;
 - a hostile site, running its own leaf node with no local login, still crosses the link with nothing but what
   a worker may send and receive: no tiles, state, events, jobs or other replies of the PS's go in, no results,
   heartbeats or replies of others come out;
@@ -31,16 +32,20 @@ from cleave.api import credentials
 from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.api.stack import Stack
 from cleave.api.topology import wait_leaf_connected
+from cleave.models import bundles
 from cleave.schemas import (
     JOBS_BUCKET,
     STATE_BUCKET,
     SUBJECT_JOB_SUBMIT,
+    SUBJECT_MODELS_GET,
     SUBJECT_PROBE_ALL,
     SUBJECT_PROBE_FROM,
     JobRecord,
     JobSubmission,
     LinkCheck,
     LinkCheckAck,
+    ModelsGet,
+    ModelsPart,
     Probe,
     StateHead,
     TileResult,
@@ -169,6 +174,14 @@ async def test_a_worker_behind_a_site_works_and_a_hostile_site_crosses_with_noth
         check = LinkCheck(job="j", epoch=1, sent_at=time.time(), payload=bytes(64))
         got = await until(lambda: ps.request("cleave.check.s1-w1", check, LinkCheckAck, timeout_s=2))
         assert got.worker_id == "s1-w1"  # the answer crossed the site's link under _INBOX.ps.w.
+        # the job's base weights: asked for across the link, answered on the worker's own inbox at the site
+        base = deployment.tmp / "base.bin"
+        base.write_bytes(bytes(range(256)) * 4096)
+        bid = await bundles.Shelf().publish(ps, "model", [base])
+        ask = ModelsGet(kind="bundle", sha256=bid, length=1024)
+        await until(lambda: worker.request(SUBJECT_MODELS_GET.format(worker_id="s1-w1"), ask, ModelsPart, timeout_s=2))
+        fetched = await bundles.BundleCache(deployment.tmp / "cache", "s1-w1").fetch(worker, bid)
+        assert (fetched / "base.bin").read_bytes() == base.read_bytes()
         await ps.nc.publish("cleave.tile.s1-w1", b"tile")
         assert (await asyncio.wait_for(tiles.get(), OP_TIMEOUT_S)).data == b"tile"
         results: asyncio.Queue = asyncio.Queue()

@@ -14,7 +14,7 @@ from cleave import auth
 from cleave.api import credentials
 from cleave.api.natsconf import nats_server_binary
 from cleave.errors import ConfigError
-from cleave.schemas import MODELS_OBJECTS, PLAN_BUCKET, STATE_BUCKET
+from cleave.schemas import PLAN_BUCKET, STATE_BUCKET
 from cleave_cli import auth_cmd, serverconf
 from cleave_cli.hub import HubConfig
 from cleave_ps.settings import PsSettings
@@ -36,18 +36,20 @@ def test_only_the_owner_publishes_tiles_plans_and_state() -> None:
 
 
 def test_a_worker_gets_no_jetstream_and_only_its_own_replies() -> None:
-    """Of JetStream a worker may only read the models Object Store (a job's base weights and tokenizer)."""
-    models = f"OBJ_{MODELS_OBJECTS}"
+    """A worker gets no JetStream at all: it asks the PS for a job's base weights and tokenizer on its own
+    subject (`cleave.models.<id>`) and reads the answers in its own inbox."""
     for perms in (auth.permissions("worker"), auth.permissions("worker", "w-1")):
         for subject in perms.publish + perms.subscribe:
-            assert subject.startswith(("cleave.", "_INBOX.worker.")) or subject == "$JS.API.STREAM.NAMES" or (
-                models in subject and ".DELETE." not in subject and ".PURGE." not in subject
-                and not subject.startswith("$O.")), subject
+            assert subject.startswith(("cleave.", "_INBOX.worker.")), subject
         assert perms.allow_responses  # it answers the PS's fan-out joins, once per request it received
     pinned = auth.permissions("worker", "w-1")
     assert set(pinned.subscribe) == {"cleave.tile.w-1", "cleave.ctl.w-1", "cleave.check.w-1", "cleave.fan.*.*.*", "cleave.round.w-1",
                                       "cleave.roundcast.*", "cleave.split.w-1", "cleave.secagg.w-1", "_INBOX.worker.w-1.>"}
     assert "cleave.hb.w-1" in pinned.publish and "cleave.hb.*" not in pinned.publish
+    assert "cleave.models.w-1" in pinned.publish and "cleave.models.*" not in pinned.publish
+    assert "cleave.models.*" in auth.permissions("worker").publish  # the shared credential: any id
+    ps = auth.permissions("ps")  # the PS answers them, under the workers' inboxes
+    assert "cleave.models.*" in ps.subscribe and "_INBOX.worker.>" in ps.publish
 
 
 def test_each_service_reads_replies_under_its_own_prefix_only() -> None:
@@ -163,10 +165,9 @@ def test_a_site_links_exactly_what_its_workers_may_and_the_answers_to_the_ps_req
     assert set(site.subscribe) == set(worker.subscribe)
     assert set(site.publish) == {*worker.publish, "_INBOX.ps.w.>"}  # never another reply of the PS's
     assert not site.allow_responses  # it does not cross a leaf node: the answers are listed instead
-    # of JetStream only what a worker reads: a job's base weights and tokenizer (the models store), nothing written
-    js = [s for s in site.publish + site.subscribe if s.startswith(("$JS", "$KV", "$O", "cleave.events"))]
-    assert all(s == "$JS.API.STREAM.NAMES" or MODELS_OBJECTS in s for s in js), js
-    assert not [s for s in js if any(w in s for w in (".PURGE.", ".DELETE.", ".UPDATE.", "STREAM.CREATE", "$KV"))]
+    # no JetStream at all: its workers ask the PS for a job's base weights and tokenizer, the answers come back
+    assert not [s for s in site.publish + site.subscribe if s.startswith(("$JS", "$KV", "$O", "cleave.events"))]
+    assert "cleave.models.*" in site.publish and "_INBOX.worker.>" in site.subscribe
 
 
 def test_the_submitter_submits_and_reads_and_writes_nothing_else() -> None:

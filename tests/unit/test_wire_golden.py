@@ -122,6 +122,9 @@ INSTANCES: dict[str, Wire] = {
                                      chunk_sha256=("ab" * 32,)),
     "Bundle": schemas.Bundle(kind="model", files=(schemas.BundleFile(name="config.json", size=2, sha256="cd" * 32,
                                                                       chunk_bytes=16 << 20, chunk_sha256=("cd" * 32,)),)),
+    "ModelsGet": schemas.ModelsGet(kind="file", sha256="ab" * 32, offset=1 << 20, length=1 << 20),
+    "ModelsPart": schemas.ModelsPart(sha256="ab" * 32, offset=1 << 20, size=3 << 20, data=b"\x05" * 16,
+                                     error=""),
     "TensorEntry": schemas.TensorEntry(key="model.h.0.w", dtype="float32", shape=(2, 3)),
     "CheckpointManifest": schemas.CheckpointManifest(
         job="j", step=3, epoch=1, created_at=1700000003.0, data_object="j.3.data", size=24, chunk_bytes=16 << 20,

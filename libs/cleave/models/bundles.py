@@ -1,18 +1,22 @@
-"""Base weights and tokenizers over the bus: the PS publishes the files, a worker fetches them once and keeps them.
+"""Base weights and tokenizers over the bus: the PS serves the files, a worker fetches them once and keeps them.
 
 A job that starts from a Hugging Face directory (`init_from`) or uses a tokenizer from files needs them on every
-worker, and a worker is not the PS's machine. So the PS publishes them (`publish`): each file once into the
-Object Store `cleave-models` under its SHA-256 (`file.<sha256>`, chunked at the bus's payload size), and a
-manifest (`cleave.schemas.Bundle`: every file's name, size, SHA-256 and the SHA-256 of each of its
-`DEFAULT_CHUNK_BYTES`) under the SHA-256 of the manifest's own bytes: the bundle id the round and split tasks
-carry. A file already there (the same base for another job) is not sent again.
+worker, and a worker is not the PS's machine. So the PS publishes them (`Shelf.publish`): it describes the files
+in a manifest (`cleave.schemas.Bundle`: every file's name, size, SHA-256 and the SHA-256 of each of its
+`DEFAULT_CHUNK_BYTES`), whose own SHA-256 is the bundle id the round and split tasks carry, and from then on
+answers the workers' requests for them (`ModelsGet` on `cleave.models.<worker id>`: the manifest by bundle id,
+a byte range of a file by its SHA-256), reading the files from its own disk in a thread. It answers only on the
+requesting worker's own inbox (`cleave.auth.reply_refusal`; any other reply subject is refused and logged,
+`reply_refused`), and stays silent about what it does not hold: several PS processes (several jobs on a hub)
+each answer for their own bundles.
 
-A worker (`BundleCache.fetch`) reads the manifest, checks it against the id, streams each file into its cache
-directory checking every chunk's hash as it arrives (a bad chunk is refused by name, not written on), and
-renames the finished directory into place: `<cache>/<bundle id>/` then holds the files under their own names,
-which `load_hf` and `load_tokenizer` read like any local directory. A bundle already in the cache is checked
-once per process against its manifest (sizes and SHA-256s) and used without touching the bus. No NATS
-permission beyond reading this one Object Store is needed.
+A worker (`BundleCache.fetch`) asks for the manifest, checks it against the id, streams each file into its cache
+directory (`DEFAULT_WINDOW` requests in flight, each retried `DEFAULT_TRIES` times; then `BundleUnavailable`)
+checking every chunk's hash as it arrives (a bad chunk is refused by name, not written on), and renames the
+finished directory into place: `<cache>/<bundle id>/` then holds the files under their own names, which
+`load_hf` and `load_tokenizer` read like any local directory. A bundle already in the cache is checked once per
+process against its manifest (sizes and SHA-256s) and used without touching the bus. A worker needs no
+JetStream for this: it publishes its requests on its own subject and reads the answers in its own inbox.
 """
 
 from __future__ import annotations
@@ -21,23 +25,36 @@ import asyncio
 import hashlib
 import shutil
 import time
+from collections import deque
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import structlog
-from nats.js.api import ObjectMeta, ObjectMetaOptions
 
 from cleave import codec
-from cleave.bus import DEFAULT_TIMEOUT_S, Bus
-from cleave.errors import ConfigError, CorruptBundle, WireError
+from cleave.auth import reply_refusal
+from cleave.bus import TRANSIENT, Bus
+from cleave.errors import BundleUnavailable, ConfigError, CorruptBundle, WireError
 from cleave.models.hf import model_files
 from cleave.models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-from cleave.schemas import MODELS_OBJECTS, Bundle, BundleFile
+from cleave.schemas import (
+    MAX_MODELS_PART_BYTES,
+    SUBJECT_MODELS_GET,
+    SUBJECT_MODELS_GET_ALL,
+    Bundle,
+    BundleFile,
+    ModelsGet,
+    ModelsPart,
+)
 
 log = structlog.get_logger("cleave.bundles")
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # hashed unit of a file: a corrupted chunk is named
-DEFAULT_FETCH_TIMEOUT_S = 3600.0  # one file of a bundle (a multi-GB shard on a slow link)
-FILE_PREFIX = "file."
-BUNDLE_PREFIX = "bundle."
+DEFAULT_WINDOW = 4  # a worker's requests in flight (one part each, at most max_payload)
+DEFAULT_PART_TIMEOUT_S = 60.0  # one request's answer (a window of 1 MB parts on a 1 Mbit/s link: 32 s)
+DEFAULT_TRIES = 4  # of one request, 0.5 s, 1 s, 2 s apart, before `BundleUnavailable`
+PART_ENVELOPE = 1024  # bytes of an answer that are not the object's (its fields and the codec's header)
+MAX_REQUEST_BYTES = 4096  # a request (`ModelsGet`, ~130 bytes) as the PS decodes it
 MANIFEST = ".bundle"  # the manifest, kept in the cached directory beside the files
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
@@ -73,34 +90,56 @@ def job_files(init_from: str | None, tokenizer: str) -> dict[str, list[Path]]:
     return out
 
 
-async def _has(store, name: str, size: int) -> bool:  # noqa: ANN001 - a nats-py ObjectStore
-    try:
-        info = await asyncio.wait_for(store.get_info(name), DEFAULT_TIMEOUT_S)
-    except Exception:  # not found (or unreadable: it is written again)
-        return False
-    return not info.deleted and info.size == size
+def _read(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
 
 
-async def publish(bus: Bus, kind: str, files: list[Path], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
-    """Put the files (those not there yet) and their manifest into the models store; the bundle id."""
-    store = await bus.object_store(MODELS_OBJECTS)
-    bundle = await asyncio.to_thread(describe, kind, files, chunk_bytes)
-    t0, sent = time.perf_counter(), 0
-    for entry, path in zip(bundle.files, files, strict=True):
-        name = FILE_PREFIX + entry.sha256
-        if await _has(store, name, entry.size):
-            continue
-        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=bus.max_payload))
-        with open(path, "rb") as f:  # noqa: ASYNC230 - the store reads it in a thread
-            await asyncio.wait_for(store.put(name, f, meta=meta), DEFAULT_FETCH_TIMEOUT_S)
-        sent += entry.size
-    data = codec.encode(bundle, compress=False)
-    bundle_id = hashlib.sha256(data).hexdigest()
-    if not await _has(store, BUNDLE_PREFIX + bundle_id, len(data)):
-        await asyncio.wait_for(store.put(BUNDLE_PREFIX + bundle_id, data), DEFAULT_TIMEOUT_S)
-    log.info("bundle_published", kind=kind, bundle=bundle_id[:16], files=len(files),
-             bytes=sum(f.size for f in bundle.files), sent=sent, seconds=round(time.perf_counter() - t0, 3))
-    return bundle_id
+class Shelf:
+    """What one PS serves its workers: manifests by bundle id, files by SHA-256 (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.manifests: dict[str, bytes] = {}  # bundle id -> the manifest's bytes
+        self.files: dict[str, tuple[Path, int]] = {}  # a file's SHA-256 -> its path on this disk, its size
+        self.sub = None  # the subscription to the workers' requests, from the first publish on
+        self.sent = 0  # bytes of objects sent (tests and logs)
+
+    async def publish(self, bus: Bus, kind: str, files: list[Path], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+        """Describe the files and serve them from now on; the bundle id."""
+        bundle = await asyncio.to_thread(describe, kind, files, chunk_bytes)
+        data = codec.encode(bundle, compress=False)
+        bundle_id = hashlib.sha256(data).hexdigest()
+        for entry, path in zip(bundle.files, files, strict=True):
+            self.files[entry.sha256] = (path, entry.size)
+        self.manifests[bundle_id] = data
+        if self.sub is None:
+            self.sub = await bus.serve(SUBJECT_MODELS_GET_ALL, ModelsGet, partial(self.answer, bus.max_payload),
+                                       max_bytes=MAX_REQUEST_BYTES, reply_ok=partial(reply_refusal, SUBJECT_MODELS_GET))
+        log.info("bundle_published", kind=kind, bundle=bundle_id[:16], files=len(files),
+                 bytes=sum(f.size for f in bundle.files))
+        return bundle_id
+
+    async def answer(self, max_payload: int, req: ModelsGet) -> ModelsPart | None:
+        """The part a request asks for; None (silence) for an object this PS does not hold."""
+        manifest = self.manifests.get(req.sha256) if req.kind == "bundle" else None
+        path, size = self.files.get(req.sha256, (None, 0)) if req.kind == "file" else (None, len(manifest or b""))
+        if manifest is None and path is None:
+            return None
+        if req.offset >= size:
+            return ModelsPart(sha256=req.sha256, offset=req.offset, size=size,
+                              error=f"offset {req.offset} is past the end ({size} bytes)")
+        n = min(req.length, max_payload - PART_ENVELOPE, size - req.offset)
+        if manifest is not None:
+            data = manifest[req.offset:req.offset + n]
+        else:
+            try:
+                data = await asyncio.to_thread(_read, path, req.offset, n)
+            except OSError as e:
+                log.warning("bundle_file_unreadable", file=str(path), error=repr(e))
+                return ModelsPart(sha256=req.sha256, offset=req.offset, size=size, error=f"unreadable at the PS: {e}")
+        self.sent += len(data)
+        return ModelsPart(sha256=req.sha256, offset=req.offset, size=size, data=data)
 
 
 class _Verified:
@@ -173,8 +212,10 @@ def _cached(directory: Path, bundle_id: str) -> Bundle | None:
 class BundleCache:
     """A worker's cache of bundles, by id, under `root` (see the module docstring)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root.expanduser()
+    def __init__(self, root: Path, worker_id: str, window: int = DEFAULT_WINDOW,
+                 timeout_s: float = DEFAULT_PART_TIMEOUT_S, tries: int = DEFAULT_TRIES) -> None:
+        self.root, self.worker_id = root.expanduser(), worker_id
+        self.window, self.timeout_s, self.tries = window, timeout_s, tries
         self.verified: set[str] = set()  # checked in this process
         self.locks: dict[str, asyncio.Lock] = {}
         self.fetched = 0  # bytes fetched over the bus (tests and logs)
@@ -197,12 +238,9 @@ class BundleCache:
 
     async def _download(self, bus: Bus, bundle_id: str, directory: Path) -> None:
         t0 = time.perf_counter()
-        store = await asyncio.wait_for(bus.js.object_store(MODELS_OBJECTS), DEFAULT_TIMEOUT_S)
-        got = await asyncio.wait_for(store.get(BUNDLE_PREFIX + bundle_id), DEFAULT_TIMEOUT_S)
-        if hashlib.sha256(got.data).hexdigest() != bundle_id:
-            raise CorruptBundle(f"the manifest of bundle {bundle_id[:16]} does not match its id")
+        manifest = await self._manifest(bus, bundle_id)
         try:
-            bundle = codec.decode(got.data, Bundle, MAX_MANIFEST_BYTES)
+            bundle = codec.decode(manifest, Bundle, MAX_MANIFEST_BYTES)
         except WireError as e:
             raise CorruptBundle(f"the manifest of bundle {bundle_id[:16]} is unreadable: {e}") from None
         part = self.root / f"{bundle_id}.part"
@@ -211,16 +249,92 @@ class BundleCache:
         for entry in bundle.files:
             out = _Verified(part / entry.name, entry)
             try:
-                if entry.size:
-                    await asyncio.wait_for(store.get(FILE_PREFIX + entry.sha256, writeinto=out),
-                                           DEFAULT_FETCH_TIMEOUT_S)
+                ask = ModelsGet(kind="file", sha256=entry.sha256, length=self._step(bus))
+                await self._stream(bus, bundle_id, entry.name, ask, 0, entry.size, partial(asyncio.to_thread, out.write))
             except BaseException:
                 out.abort()
                 raise
             out.finish()
             self.fetched += entry.size
-        (part / MANIFEST).write_bytes(got.data)
+        (part / MANIFEST).write_bytes(manifest)
         await asyncio.to_thread(shutil.rmtree, directory, True)
         part.rename(directory)
         log.info("bundle_fetched", bundle=bundle_id[:16], kind=bundle.kind, files=len(bundle.files),
                  bytes=sum(f.size for f in bundle.files), seconds=round(time.perf_counter() - t0, 3))
+
+    async def _manifest(self, bus: Bus, bundle_id: str) -> bytes:
+        """The manifest's bytes, checked against the bundle id."""
+        what = "its manifest"
+        ask = ModelsGet(kind="bundle", sha256=bundle_id, length=self._step(bus))
+        first = await self._part(bus, bundle_id, what, ask)
+        if first.size > MAX_MANIFEST_BYTES:
+            raise CorruptBundle(f"the manifest of bundle {bundle_id[:16]} is {first.size} bytes, over {MAX_MANIFEST_BYTES}")
+        got = bytearray(first.data)
+
+        async def keep(data: bytes) -> None:
+            got.extend(data)
+
+        await self._stream(bus, bundle_id, what, ask, len(got), first.size, keep)
+        if hashlib.sha256(got).hexdigest() != bundle_id:
+            raise CorruptBundle(f"the manifest of bundle {bundle_id[:16]} does not match its id")
+        return bytes(got)
+
+    def _step(self, bus: Bus) -> int:
+        return max(1, min(bus.max_payload - PART_ENVELOPE, MAX_MODELS_PART_BYTES))
+
+    async def _stream(self, bus: Bus, bundle_id: str, what: str, ask: ModelsGet, start: int, size: int,
+                      write: Callable) -> None:
+        """Bytes `start` to `size` of the object `ask` names, in order, into `write` (awaited), with up to
+        `window` requests in flight."""
+        step = self._step(bus)
+        starts = iter(range(start, size, step))
+        inflight: deque[asyncio.Task[bytes]] = deque()
+
+        def more() -> None:
+            at = next(starts, None)
+            if at is not None:
+                inflight.append(asyncio.create_task(self._range(bus, bundle_id, what, ask, at, min(step, size - at))))
+
+        try:
+            for _ in range(self.window):
+                more()
+            while inflight:
+                data = await inflight.popleft()
+                more()
+                await write(data)
+        finally:
+            for task in inflight:
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def _range(self, bus: Bus, bundle_id: str, what: str, ask: ModelsGet, at: int, length: int) -> bytes:
+        """`length` bytes from `at` (in several answers when the PS sends less at once)."""
+        out = bytearray()
+        while len(out) < length:
+            req = ask.model_copy(update={"offset": at + len(out), "length": length - len(out)})
+            part = await self._part(bus, bundle_id, what, req)
+            if not part.data:
+                raise CorruptBundle(f"{what} of bundle {bundle_id[:16]} ends at byte {req.offset} at the PS")
+            out += part.data
+        return bytes(out)
+
+    async def _part(self, bus: Bus, bundle_id: str, what: str, req: ModelsGet) -> ModelsPart:
+        """One request's answer, tried `tries` times; `BundleUnavailable` when no PS answers."""
+        subject, delay, why = SUBJECT_MODELS_GET.format(worker_id=self.worker_id), 0.5, ""
+        for attempt in range(self.tries):
+            if attempt:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 4.0)
+            try:
+                part = await bus.request(subject, req, ModelsPart, timeout_s=self.timeout_s,
+                                         max_bytes=MAX_MODELS_PART_BYTES + PART_ENVELOPE)
+            except (*TRANSIENT, WireError) as e:
+                why = str(e) or type(e).__name__
+                continue
+            if part.error:
+                raise BundleUnavailable(f"bundle {bundle_id[:16]}: the PS cannot send {what}: {part.error}")
+            if part.sha256 != req.sha256 or part.offset != req.offset or len(part.data) > req.length:
+                raise CorruptBundle(f"bundle {bundle_id[:16]}: the answer for {what} is not the part asked for")
+            return part
+        raise BundleUnavailable(f"bundle {bundle_id[:16]}: no PS answered for {what} on {subject} ({self.tries} "
+                                f"tries, the last: {why}); is the job's PS running?")

@@ -14,4 +14,5 @@ MAX_LINKCHECK_BYTES = 1024 * 1024
 MAX_ROUND_WORKERS = 100_000  # workers named in one broadcast round
 MAX_PS_REPLICAS = 64  # PS replicas of one job (JobShapes.replicas)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # a checkpoint's manifest object
+MAX_MODELS_PART_BYTES = 64 * 1024 * 1024  # bytes of a bundle's object in one answer (nats-server's largest max_payload)
 MAX_JOB_BYTES = 64 * 1024  # a submitted job's description (its JobConfig as JSON)

@@ -24,6 +24,11 @@ SUBJECT_PROBE = PREFIX + ".probe"  # an older worker's probes: not answered (the
 # credentials may publish only there); answered only on that worker's own inbox `_INBOX.worker.<id>.`
 SUBJECT_PROBE_FROM = PREFIX + ".probe.{worker_id}"
 SUBJECT_PROBE_ALL = PREFIX + ".probe.*"
+# worker -> PS (request/reply): a part of a job's base weights or tokenizer (`ModelsGet`), on the worker's own
+# subject (per-worker credentials may publish only there); answered only on that worker's own inbox
+# `_INBOX.worker.<id>.`, by the PS that holds the object (the others stay silent)
+SUBJECT_MODELS_GET = PREFIX + ".models.{worker_id}"
+SUBJECT_MODELS_GET_ALL = PREFIX + ".models.*"
 SUBJECT_OBSERVED = PREFIX + ".observed.{job}"  # PS -> scheduler: what the workers delivered (`Observed`)
 SUBJECT_OBSERVED_ALL = PREFIX + ".observed.*"
 # a request to a worker (the PS's fan-out joins and link checks) is answered on <inbox prefix>.w.<random>: a
@@ -45,4 +50,3 @@ SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
 REPLICA_PLAN_KEY = PLAN_KEY + ".r{replica}"  # key in PLAN_BUCKET: PS replica r's part of the fleet (--ps-replicas)
 STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
-MODELS_OBJECTS = "cleave-models"  # base weights and tokenizers the PS publishes to its workers (Object Store)

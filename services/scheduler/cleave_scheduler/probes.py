@@ -4,8 +4,9 @@ A request names its own reply subject, and the answer goes out with the answerin
 probe whose reply named a plan key or a JetStream API subject once made the scheduler overwrite the plan or
 purge the registry. So a probe arrives on its worker's own subject (`cleave.probe.<id>`, the only one a
 per-worker credential may publish probes on) and is answered only on that worker's own inbox
-(`_INBOX.worker.<id>.…`, the only one its credential may read), from a connection whose credential may
-publish nowhere else (`scheduler-probe` of `cleave auth init`). Each worker id may draw at most
+(`_INBOX.worker.<id>.…`, the only one its credential may read: `cleave.auth.reply_refusal`, which the PS's
+answers to model requests obey too), from a connection whose credential may publish nowhere else
+(`scheduler-probe` of `cleave auth init`). Each worker id may draw at most
 `DEFAULT_BURST_BYTES` of echoes at once, refilled at `DEFAULT_RATE_BYTES_PER_S` (a measurement takes ~11 MB:
 growing probes up to 4 MiB each way): past it, its probes go unanswered and it measures a slow link.
 """
@@ -14,29 +15,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from cleave.auth import inbox_prefix
+from cleave.auth import reply_refusal, requester
 from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE_FROM, Probe
 
 DEFAULT_BURST_BYTES = 32 * 1024 * 1024  # echo bytes one worker may draw at once (three measurements)
 DEFAULT_RATE_BYTES_PER_S = 1024 * 1024  # ... and per second after
 MAX_TRACKED = 100_000  # worker ids whose budget is remembered (the least recently seen are forgotten)
-PROBE_PREFIX = SUBJECT_PROBE_FROM.split("{", 1)[0]  # "cleave.probe."
 
 
 def prober(subject: str) -> str:
     """The worker id a probe subject names ('' when it names none)."""
-    return subject[len(PROBE_PREFIX):] if subject.startswith(PROBE_PREFIX) else ""
+    return requester(SUBJECT_PROBE_FROM, subject)
 
 
 def refusal(subject: str, reply: str) -> str:
     """Why a probe on `subject` must not be answered on `reply` ('' when it may): only its sender's inbox."""
-    worker = prober(subject)
-    if not worker or "." in worker or "*" in worker or ">" in worker:
-        return "no worker id in the probe subject"
-    own = inbox_prefix("worker", worker) + "."
-    if not reply.startswith(own) or len(reply) == len(own) or "*" in reply or ">" in reply:
-        return f"reply is not {worker}'s own inbox"
-    return ""
+    return reply_refusal(SUBJECT_PROBE_FROM, subject, reply)
 
 
 class ProbeDesk:

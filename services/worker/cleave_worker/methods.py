@@ -63,7 +63,7 @@ class Methods:
         self.device, self.s, self.bus, self.log = device, device.s, bus, device.log
         self.rounds = RoundRunner(self.s.worker_id, self.s.data, self.s.round_memory_bytes, self.s.lie_weight)
         self.split = SplitRunner(self.s.worker_id, self.s.data)
-        self.bundles = BundleCache(self.s.model_cache)
+        self.bundles = BundleCache(self.s.model_cache, self.s.worker_id)
         self.sessions: dict[str, Session] = {}
 
     async def fetch(self, bundle_id: str) -> Path | None:

@@ -17,8 +17,8 @@ a round: its number, the data and the learning rate stay, it runs again (after 2
 a fleet that flapped to come back), and after `max_empty_rounds` in a row the job fails (`RoundsFailed`,
 exit status 4) with what the PS saw.
 
-The job's base weights and tokenizer are published to the workers once (`cleave.models.bundles`); the
-round tasks name them. With `secagg` a round's updates arrive masked and only their sum is recovered
+The job's base weights and tokenizer are served to the workers from this PS's disk (`cleave.models.bundles`);
+the round tasks name them. With `secagg` a round's updates arrive masked and only their sum is recovered
 (`cleave_ps.jobs.secure`); with `dp_noise` the FedAvg server adds calibrated Gaussian noise to each round's sum
 and every metrics line carries the epsilon spent so far (`cleave.methods.privacy`).
 
@@ -90,6 +90,7 @@ class Rounds:
         self.members: dict[int, frozenset[str]] = {}  # round -> the workers it was dealt to
         self.rejected: dict[str, int] = {}  # this round's refused updates, by reason
         self.bundles = {"model": "", "tokenizer": ""}  # the job's published base weights and tokenizer
+        self.shelf = bundles.Shelf()  # ... served to the workers from this PS's disk
         self.secure: SecureRound | None = None  # the round in flight's secure aggregation (secagg)
         # every member's weight: the tokens the PS deals it per round (what it claims is ignored)
         self.weight = float(job.local_steps * job.batch_size * job.seq)
@@ -121,7 +122,7 @@ class Rounds:
         await asyncio.to_thread(self._build)
         files = await asyncio.to_thread(bundles.job_files, self.job.init_from, self.job.tokenizer)
         for kind, paths in files.items():
-            self.bundles[kind] = await bundles.publish(self.bus, kind, paths)
+            self.bundles[kind] = await self.shelf.publish(self.bus, kind, paths)
 
     async def resume(self) -> int:
         """Restore the last committed round; the first round to run."""

@@ -60,6 +60,7 @@ class SplitJob:
         self.first = 0
         self.client = ""
         self.tokenizer = ""  # the job's tokenizer, published for the client (cleave.models.bundles)
+        self.shelf = bundles.Shelf()  # ... and served to it from this PS's disk
         self.waiting: dict[tuple[int, str], asyncio.Future] = {}
         self.bytes_down = self.bytes_up = 0
 
@@ -76,7 +77,7 @@ class SplitJob:
         self.reply = SUBJECT_UPDATES.format(job=self.job.job_id, epoch=epoch, worker_id="*")  # subscribed
         await asyncio.to_thread(self._build)
         files = (await asyncio.to_thread(bundles.job_files, None, self.job.tokenizer)).get("tokenizer")
-        self.tokenizer = await bundles.publish(self.bus, "tokenizer", files) if files else ""
+        self.tokenizer = await self.shelf.publish(self.bus, "tokenizer", files) if files else ""
 
     async def resume(self) -> int:
         """Restore the last committed step; the first step to run."""
