@@ -22,13 +22,15 @@ SHAPES = [(64, 64, 64), (256, 256, 1024), (1024, 1024, 4096)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def verdict(norms: freivalds.Norms, block: torch.Tensor) -> freivalds.Verdict:
+def verdict(a: torch.Tensor, bt: torch.Tensor, block: torch.Tensor) -> freivalds.Verdict:
+    """The check of `block` as the first of a new GEMM run: with a random vector of its own."""
     dtype = codec.dtype_name(block.dtype)
     raw = (block.view(torch.int16) if block.dtype == torch.bfloat16 else block).numpy()
-    return freivalds.check(norms, 0, block.shape[0], 0, block.shape[1], freivalds.block_float32(raw, dtype), dtype)
+    return freivalds.check(freivalds.Norms(a, bt), 0, block.shape[0], 0, block.shape[1],
+                           freivalds.block_float32(raw, dtype), dtype)
 
 
-def caught_from(norms: freivalds.Norms, block: torch.Tensor, tries: int) -> float:
+def caught_from(a: torch.Tensor, bt: torch.Tensor, block: torch.Tensor, tries: int) -> float:
     """The smallest δ / rms that every one of `tries` checks catches (one element, the middle row)."""
     rms = float(block.float().pow(2).mean().sqrt())
     r, c = block.shape[0] // 2, block.shape[1] - 1
@@ -36,7 +38,7 @@ def caught_from(norms: freivalds.Norms, block: torch.Tensor, tries: int) -> floa
     def caught(rel: float) -> bool:
         lie = block.clone()
         lie[r, c] = (lie[r, c].float() + rel * rms).to(block.dtype)
-        return lie[r, c] != block[r, c] and not any(verdict(norms, lie).passed for _ in range(tries))
+        return lie[r, c] != block[r, c] and not any(verdict(a, bt, lie).passed for _ in range(tries))
 
     lo, hi = 0.0, 1.0
     while not caught(hi):
@@ -55,13 +57,12 @@ def main() -> None:
     print(f"{'tile':>22} {'dtype':>9} {'honest worst / tolerance':>25} {'one wrong element caught from (x rms)':>38}")
     for rows, cols, k in SHAPES:
         a, bt = torch.randn(rows, k, generator=g), torch.randn(cols, k, generator=g)
-        norms = freivalds.Norms(a, bt)
         product = a @ bt.T
         for dtype in DTYPES:
             block = product.to(dtype)
-            honest = max(verdict(norms, block).worst for _ in range(args.tries))
+            honest = max(verdict(a, bt, block).worst for _ in range(args.tries))
             print(f"{f'{rows} x {cols}, K = {k}':>22} {codec.dtype_name(dtype):>9} {honest:>25.3f} "
-                  f"{caught_from(norms, block, args.tries):>38.3g}")
+                  f"{caught_from(a, bt, block, args.tries):>38.3g}")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def test_honest_blocks_pass_far_below_the_tolerance(kind: str, shape: tuple[int,
         blocks["fp16"] = (a @ bt.T).half()
     for how, block in blocks.items():
         worst = max(verdict(a, bt, block).worst for _ in range(5))  # a fresh random vector each time
-        assert worst < 0.25, (how, worst)  # measured: at most 0.19 (bf16 rounding), 0.02 (float32 sums)
+        assert worst < 0.25, (how, worst)  # measured: at most 0.19 (bf16 rounding), 0.04 (float32 sums)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -121,3 +121,20 @@ def test_the_check_costs_a_small_fraction_of_the_tile() -> None:
     product = cpu(lambda: a @ bt.T)
     check = cpu(lambda: freivalds.check(norms, 0, 1024, 0, 1024, block.numpy()))
     assert check < 0.25 * product, (check, product)
+
+
+def test_a_strip_draws_its_vector_once_per_gemm_run_and_each_block_is_judged_alone() -> None:
+    """The blocks of one column strip share x and Btᵀ·x (drawn by the strip's first check); another GEMM run
+    draws its own. A lie in one block of a strip fails that block only, and is named by its row."""
+    g = torch.Generator().manual_seed(5)
+    a, bt = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)
+    norms = freivalds.Norms(a, bt).ready()
+    first = norms.strip(0, 32)
+    assert norms.strip(0, 32) is first and norms.strip(0, 16) is not first
+    assert not np.array_equal(freivalds.Norms(a, bt).ready().strip(0, 32).x, first.x)
+    product = (a @ bt.T).numpy()
+    lie = product[32:].copy()
+    lie[5, 7] += 0.01 * float(np.sqrt((product**2).mean()))
+    assert freivalds.check(norms, 0, 32, 0, 32, product[:32].copy()).passed
+    v = freivalds.check(norms, 32, 64, 0, 32, lie)
+    assert not v.passed and v.row == 5

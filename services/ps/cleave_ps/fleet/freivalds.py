@@ -1,10 +1,11 @@
 """Freivalds' check of every result block on the PS (pure numpy, no I/O): a worker's block C for the tile
-A·Btᵀ (A: rows x K of `a`, Bt: cols x K of `bt`) is compared as `C·x` against `A·(Btᵀ·x)` for a fresh
-random vector x, in O(rows·K + cols·K + rows·cols) instead of the tile's O(rows·cols·K).
+A·Btᵀ (A: rows x K of `a`, Bt: cols x K of `bt`) is compared as `C·x` against `A·(Btᵀ·x)` for a random
+vector x, in O(rows·K + cols·K + rows·cols) instead of the tile's O(rows·cols·K).
 
 x has a random sign and a magnitude in [1, 2) in every entry, drawn from the operating system's randomness
-for each block (no worker can predict it): a wrong element δ moves its row's residual by at least |δ|, and
-several wrong elements cancel only by chance. Honest blocks differ from the exact product by float rounding;
+for each column strip of each GEMM run (`Strip`: the blocks of one strip share x and Btᵀ·x, computed once);
+it never leaves the PS, so no worker can predict it or learn it from another block: a wrong element δ moves
+its row's residual by at least |δ|, and several wrong elements cancel only by chance. Honest blocks differ from the exact product by float rounding;
 the tolerance of each row bounds that rounding under the usual model (each operation rounds by at most the
 unit roundoff u, independently; the random signs of x make the sum over a row's columns a random walk), times
 `DEFAULT_Z`, for any order of summation a worker may use (sequential sums are the worst):
@@ -12,11 +13,12 @@ unit roundoff u, independently; the random signs of x make the sum over a row's 
 - the worker's float32 accumulation over K: u·√K·‖aᵢ‖·‖x∘‖bⱼ‖‖ (Cauchy-Schwarz bounds Σₖ|aᵢₖ·bⱼₖ| by
   ‖aᵢ‖·‖bⱼ‖);
 - the PS's own sums: y = Btᵀ·x in float64 (u₆₄·cols·‖aᵢ‖·Σⱼ|xⱼ|·‖bⱼ‖, next to nothing), y rounded to
-  float32 and A·y summed over K in float32 (u·(√K + 1)·‖aᵢ‖·‖y‖), and C·x in float32 (u·√cols·Σⱼ|cᵢⱼ·xⱼ|);
+  float32 and A·y summed over K in float32 (u·(√K + 1)·‖aᵢ‖·‖y‖), and C·x in float32 (u·√cols·Σⱼ|cᵢⱼ·xⱼ|,
+  bounded by u·√cols·‖cᵢ‖·‖x‖, or by u·cols·‖cᵢ∘x‖ for a half-precision block, which needs that norm anyway);
 - a bf16 or fp16 block's rounding to its dtype: u_out·‖cᵢ∘x‖.
 
-The norms of `a`'s and `bt`'s rows are computed once per GEMM run (`Norms`); nothing else is read but the
-tile's inputs and its block, once each. `tests/unit/test_freivalds.py`
+The norms of `a`'s and `bt`'s rows are computed once per GEMM run (`Norms`), Btᵀ·x once per strip; a block's
+own check reads its rows of A and the block itself. `tests/unit/test_freivalds.py`
 measures how far honest blocks stay below the tolerance and which lies it catches; `benchmarks/step.py`
 what the checks cost the PS per step.
 """
@@ -67,6 +69,7 @@ class Norms:
         self.a, self.bt = a.detach(), bt.detach()  # (a weight requires grad; its values are all a check reads)
         self._lock = threading.Lock()
         self.a_norm = self.bt_norm = None  # ‖aᵢ‖ per row of a, ‖bⱼ‖ per row of bt (float64)
+        self.strips: dict[tuple[int, int], Strip] = {}  # (c0, c1) -> its random vector and Btᵀ·x
         # float32 inputs as numpy views, once (half-precision ones are converted a tile's slice at a time)
         self.a32 = self.a.numpy() if self.a.dtype == torch.float32 else None
         self.bt32 = self.bt.numpy() if self.bt.dtype == torch.float32 else None
@@ -77,6 +80,44 @@ class Norms:
                 self.bt_norm = row_norms(self.bt32 if self.bt32 is not None else as_float32(self.bt))
                 self.a_norm = row_norms(self.a32 if self.a32 is not None else as_float32(self.a))
         return self
+
+
+    def strip(self, c0: int, c1: int) -> Strip:
+        """Column strip [c0, c1)'s random vector and what follows from it (drawn by its first check)."""
+        with self._lock:
+            got = self.strips.get((c0, c1))
+        if got is None:
+            got = Strip.draw(self.bt32[c0:c1] if self.bt32 is not None else as_float32(self.bt[c0:c1]),
+                             self.bt_norm[c0:c1])
+            with self._lock:
+                got = self.strips.setdefault((c0, c1), got)  # (a strip drawn twice at once: the first one kept)
+        return got
+
+
+@dataclass(frozen=True)
+class Strip:
+    """A column strip's random vector x (float32 and float64), y = Btᵀ·x (float64 and rounded to float32), and
+    the norms of the tolerance: ‖x∘‖bⱼ‖‖, Σⱼ|xⱼ|·‖bⱼ‖, ‖y‖ and ‖x‖."""
+
+    x: np.ndarray
+    x64: np.ndarray
+    y64: np.ndarray
+    y: np.ndarray
+    xb: float
+    xb1: float
+    yn: float
+    xn: float
+
+    @staticmethod
+    def draw(bt: np.ndarray, bt_norm: np.ndarray) -> Strip:
+        x = random_vector(bt.shape[0])
+        x64 = x.astype(np.float64)
+        with np.errstate(all="ignore"):
+            y64 = np.einsum("j,jk->k", x64, bt)  # Btᵀ·x in float64: its rounding is next to nothing
+            y = y64.astype(np.float32)  # (inf where it exceeds float32: the check then decides in float64)
+        terms = np.abs(x64) * bt_norm
+        return Strip(x, x64, y64, y, math.sqrt(float(terms @ terms)), float(terms.sum()),
+                     math.sqrt(float(y64 @ y64)), math.sqrt(float(x64 @ x64)))
 
 
 def row_norms(m: np.ndarray) -> np.ndarray:
@@ -112,29 +153,25 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
     """Whether `c` (float32, `block_float32`) is a[r0:r1] · bt[c0:c1]ᵀ, its elements rounded to `dtype`,
     within float rounding (see the module docstring). A block with a value that is not finite fails."""
     n = norms.ready()
-    a, bt = n.a32[r0:r1] if n.a32 is not None else as_float32(n.a[r0:r1]), \
-        n.bt32[c0:c1] if n.bt32 is not None else as_float32(n.bt[c0:c1])
-    rows, cols, k = a.shape[0], bt.shape[0], a.shape[1]
+    a = n.a32[r0:r1] if n.a32 is not None else as_float32(n.a[r0:r1])
+    rows, cols, k = a.shape[0], c1 - c0, a.shape[1]
     if rows == 0 or cols == 0:
         return Verdict(True, 0.0, 0)
-    x = random_vector(cols)
-    x64 = x.astype(np.float64)
+    st = n.strip(c0, c1)
     u_out = UNIT_ROUNDOFF.get(dtype, 0.0)
     with np.errstate(all="ignore"):  # overflow: the float64 path below decides
-        y64 = np.einsum("j,jk->k", x64, bt)  # Btᵀ·x in float64: its rounding is next to nothing
-        y = y64.astype(np.float32)
-        residual = np.abs(mv(c, x) - mv(a, y))
-        c_abs_x = mv(np.abs(c), np.abs(x))
-        c_sq_x = mv(np.square(c), np.square(x)) if u_out else None
-        if not (np.isfinite(residual).all() and np.isfinite(c_abs_x).all()
-                and (c_sq_x is None or np.isfinite(c_sq_x).all())):  # float32 sums overflowed: again in float64
+        residual = np.abs(mv(c, st.x) - mv(a, st.y))
+        # Σⱼ|cᵢⱼ·xⱼ|, bounded from one pass over the block
+        c_sq_x = mv(np.square(c), np.square(st.x)) if u_out else None
+        c_abs_x = math.sqrt(cols) * np.sqrt(c_sq_x) if u_out else np.sqrt(np.einsum("ij,ij->i", c, c)) * st.xn
+        if not (np.isfinite(residual).all() and np.isfinite(c_abs_x).all()):  # float32 overflowed: in float64
             a, c = a.astype(np.float64), c.astype(np.float64)
-            residual = np.abs(mv(c, x64) - mv(a, y64))
-            c_abs_x, c_sq_x = mv(np.abs(c), np.abs(x64)), mv(np.square(c), np.square(x64)) if u_out else None
-        xb_terms = np.abs(x64) * n.bt_norm[c0:c1]
-        xb, xb1, yn = math.sqrt(float(xb_terms @ xb_terms)), float(xb_terms.sum()), math.sqrt(float(y64 @ y64))
-        bound = U32 * ((math.sqrt(k) * xb + (math.sqrt(k) + 1) * yn) * n.a_norm[r0:r1] + math.sqrt(cols) * c_abs_x) \
-            + U64 * cols * xb1 * n.a_norm[r0:r1]
+            residual = np.abs(mv(c, st.x64) - mv(a, st.y64))
+            c_sq_x = mv(np.square(c), np.square(st.x64)) if u_out else None
+            c_abs_x = math.sqrt(cols) * np.sqrt(c_sq_x) if u_out else np.sqrt(np.einsum("ij,ij->i", c, c)) * st.xn
+        a_norm = n.a_norm[r0:r1]
+        bound = U32 * ((math.sqrt(k) * st.xb + (math.sqrt(k) + 1) * st.yn) * a_norm + math.sqrt(cols) * c_abs_x) \
+            + U64 * cols * st.xb1 * a_norm
         if c_sq_x is not None:
             bound += u_out * np.sqrt(c_sq_x)
         ratio = residual / (z * bound + FLOOR * (k + 1) * cols)  # (> 0: a residual of NaN or inf fails)
