@@ -199,6 +199,7 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) 
         "step_over_floor": d["step_s"] / floor, "ps_cpu_s_per_step": d["ps_cpu_per_step"],
         "worker_idle_fraction": d["worker_idle_fraction"], "tiles_per_step": d["tiles_per_step"],
         "losses": [m["loss"] for m in d["lines"]], "losses_equal_reference": [m["loss"] for m in d["lines"]] == ref_losses,
+        "max_rel_loss_diff": max(abs(m["loss"] - r) / abs(r) for m, r in zip(d["lines"], ref_losses, strict=True)),
         "verify_cpu_s_per_step": d["verify_cpu_s_per_step"], "verify_share_of_step": d["verify_cpu_s_per_step"] / d["step_s"],
         "verified_blocks": d["verified_blocks"],
     }
@@ -212,7 +213,8 @@ def report(r: dict) -> str:
             f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
             f"{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with {r['bus_pairs']} pairs, GEMMs "
             f"{r['gemm_s_all_threads']:.3f}s at {r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s) -> step/floor "
-            f"{r['step_over_floor']:.2f}; losses equal to the reference: {r['losses_equal_reference']}"
+            f"{r['step_over_floor']:.2f}; losses equal to the reference: {r['losses_equal_reference']} "
+            f"(largest relative difference {r['max_rel_loss_diff']:.1e})"
             f"\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
             f"worker idle {r['worker_idle_fraction']:.0%}"
             f"\n        Freivalds' check of every block: {r['verify_cpu_s_per_step']:.4f}s of PS CPU per step, "
