@@ -159,8 +159,6 @@ class Dispatcher:
         run = self.runs[seq] = GemmRun(seq, step, op, name, a, bt, torch.empty(m, n, dtype=want if rounded else
                                        torch.float32, pin_memory=pin), expected_s=expected_s, rounded=rounded)
         self.c.concurrent = max(self.c.concurrent, len(self.runs))
-        if self.s.freivalds:  # the checks' row norms, made while the first tiles travel, not by the first check
-            self.track(asyncio.to_thread(run.norms.ready))
         itemsize = run.out.element_size()
         self.block_cap = max(self.block_cap, max((t.rows * t.cols * itemsize for t in grid), default=0))
         split, shared = fanout.layout(grid, owners, a_key, b_key, self._chunks) if self.s.fanout else (None, None)
@@ -263,10 +261,7 @@ class Dispatcher:
         dealt = [(s, self.runs[s.seq]) for s in sends if s.seq in self.runs]  # (looked up here: a GEMM may end
         if not dealt:  # on the loop while the thread encodes)
             return
-        if any(frames.unmade(run, s) for s, run in dealt):  # blocks to slice and copy: in a thread
-            encoded = await asyncio.to_thread(self._frames, dealt)
-        else:  # every block already made for an earlier tile: a thread hop would cost more than the messages
-            encoded = self._frames(dealt)
+        encoded = await asyncio.to_thread(self._frames, dealt)
         for worker, subject, frame, send, run in encoded:
             try:
                 sent = await self.bus.publish_pieces(subject, frame)

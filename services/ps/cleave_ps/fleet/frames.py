@@ -41,11 +41,6 @@ def encode(job: str, epoch: int, run: GemmRun, s: Send, reply: str) -> list[tupl
     return out
 
 
-def unmade(run: GemmRun, s: Send) -> bool:
-    """Whether a block whose bytes `s` carries or publishes is still to be made (`ref`) for this GEMM run."""
-    return any((leaf.data or leaf.publish) and leaf.id not in run.blocks for blk in (s.a, s.b) for leaf in blk.leaves())
-
-
 def ref(run: GemmRun, blk: BlockSend, src: torch.Tensor, data: bool = False) -> BlockRef:
     """How a block is named in a message: its segments, its id alone (cached, or coming from its group), or
     with its bytes."""
