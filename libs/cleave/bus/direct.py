@@ -25,7 +25,6 @@ from cleave.codec import Piece
 log = structlog.get_logger("cleave.bus")
 DIRECT_BYTES = 64 * 1024  # a message this large goes to the socket as its pieces; smaller ones (which nats-py
 # batches into one write with others), and pieces smaller than this, are joined
-QUEUED_BYTES = 8 * 1024 * 1024  # a publisher waits for the socket only past this many bytes not yet sent
 _PLAIN_SUBJECT = re.compile(r"[!-~]+")  # printable ASCII, no white space: safe in a PUB line as it is
 _CRLF = b"\r\n"
 
@@ -64,9 +63,6 @@ async def put(nc: Client, subject: str, message: list[Piece], size: int, timeout
     transport.write(line)
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += size
-    writer = getattr(transport, "_io_writer", None)
-    if writer is not None and writer.transport.get_write_buffer_size() <= QUEUED_BYTES:
-        return  # the event loop sends it as the socket takes it; meanwhile the caller goes on
     try:
         await asyncio.wait_for(transport.drain(), timeout_s)
     except TimeoutError:  # queued all the same, as nats-py leaves a message whose flush timed out
