@@ -177,7 +177,7 @@ def classify(frame) -> str | None:  # noqa: ANN001
             return "copies" if name in ("tensor_to_data", "data_to_tensor") else "serialisation"
         if any(s in path for s in SERIAL):
             return "serialisation"
-        if "/nats/" in path or path.endswith("cleave/bus.py"):
+        if "/nats/" in path or "cleave/bus/" in path:
             return "bus"
         if path.endswith("cleave_ps/fleet/dispatcher.py") and name == "<lambda>":  # casts, checks, assembly
             return "copies"

@@ -102,17 +102,18 @@ class Wire:
         self.down: Counter = Counter()  # message size -> bytes moved in messages of that size
         self.up: Counter = Counter()
         self.on = False
-        publish = bus.publish_frame
+        publish = bus.publish_pieces  # what publish_frame calls too
         cap = bus.max_payload
 
-        async def publish_frame(subject: str, frame: bytes) -> int:
+        async def publish_pieces(subject: str, pieces: list) -> int:
             if self.on:
-                for start in range(0, len(frame), cap):  # as codec.split cuts it (to within its header)
-                    part = min(cap, len(frame) - start)
+                size = sum(len(p) for p in pieces)
+                for start in range(0, size, cap):  # as codec.split cuts it (to within its header)
+                    part = min(cap, size - start)
                     self.down[part] += part
-            return await publish(subject, frame)
+            return await publish(subject, pieces)
 
-        bus.publish_frame = publish_frame
+        bus.publish_pieces = publish_pieces
 
     def seen(self, nbytes: int, cap: int) -> None:
         if self.on:
@@ -159,9 +160,9 @@ PROFILE_GROUPS = (
     ("idle", (("floors.py", "CpuSampler"),)),
     ("encode: tensor bytes copied", (("cleave/codec.py", "tensor_to_data"),)),
     ("encode: msgpack", (("msgpack/__init__.py", ""), ("cleave/codec.py", "encode"))),
-    ("encode: chunks copied", (("cleave/codec.py", "split"),)),
+    ("encode: chunks copied", (("cleave/codec.py", "split"),)),  # split and split_pieces
     ("publish: nats-py PUB framing copy", (("protocol/command.py", "pub_cmd"), ("aio/client.py", "Client._send_command"))),
-    ("publish: join and socket write", (("asyncio/transports.py", "WriteTransport.writelines"),
+    ("publish: join and socket write", (("cleave/bus/direct.py", "put"), ("asyncio/transports.py", "WriteTransport.writelines"),
                                         ("asyncio/selector_events.py", "_SelectorSocketTransport.write"),
                                         ("asyncio/selector_events.py", "_SelectorSocketTransport._write_ready"))),
     ("receive: socket read", (("asyncio/selector_events.py", "_SelectorSocketTransport._read_ready"),

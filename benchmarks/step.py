@@ -68,11 +68,11 @@ class Recorder:
     def __init__(self, bus: busmod.Bus) -> None:
         self.bus, self.down, self.up = bus, [], []
         self.beats: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        publish, subscribe = bus.publish_frame, bus.subscribe
+        publish, subscribe = bus.publish_pieces, bus.subscribe  # publish_frame calls publish_pieces
 
-        async def publish_frame(subject: str, frame: bytes) -> int:
-            self.down.append((time.time(), len(frame)))
-            return await publish(subject, frame)
+        async def publish_pieces(subject: str, pieces: list) -> int:
+            self.down.append((time.time(), sum(len(p) for p in pieces)))
+            return await publish(subject, pieces)
 
         async def sub(subject: str, schema, handler, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
             if not subject.startswith(SUBJECT_RESULTS.split("{", 1)[0]):
@@ -84,7 +84,7 @@ class Recorder:
 
             return await subscribe(subject, schema, seen, *args, **kw)
 
-        bus.publish_frame, bus.subscribe = publish_frame, sub
+        bus.publish_pieces, bus.subscribe = publish_pieces, sub
 
     async def on_beat(self, hb: Heartbeat, nbytes: int) -> None:
         self.beats[hb.worker_id].append((time.time(), hb.busy_s))

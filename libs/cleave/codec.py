@@ -37,6 +37,12 @@ DEFAULT_ZSTD_MAX_RATIO = 0.85  # compress only when a sample shrinks to this fra
 DEFAULT_MAX_ITEMS = 1 << 18  # array and map entries in one message (a Plan for 10,000 workers has ~100k)
 DEFAULT_MAX_STR = 64 * 1024  # no wire string is longer: ids, subjects, error texts
 DEFAULT_PER_SENDER = 8  # partial chunked messages one sender (subject) may have at once (a worker uploads a few)
+DEFAULT_PIECE_BYTES = 64 * 1024  # `encode_pieces`: a bytes value at least this long is a piece of its own
+_BIN_HEADS = ((0xFF, struct.Struct(">BB"), 0xC4), (0xFFFF, struct.Struct(">BH"), 0xC5),
+              (0xFFFFFFFF, struct.Struct(">BI"), 0xC6))  # msgpack's bin 8, 16 and 32 headers
+_STAND_IN = struct.Struct("<12sI")  # `encode_pieces`: a random tag and the value's index
+
+Piece = bytes | bytearray | memoryview  # one piece of a frame: `encode_pieces`, `split_pieces`
 
 T = TypeVar("T", bound=Wire)
 
@@ -126,6 +132,43 @@ def encode(msg: Wire, compress: bool = True) -> bytes:
     return packer.bytes()
 
 
+def encode_pieces(msg: Wire, min_bytes: int = DEFAULT_PIECE_BYTES) -> list[Piece]:
+    """`encode(msg, compress=False)` as pieces whose concatenation is that very frame, each bytes value of at
+    least `min_bytes` (a tensor's data) a piece of its own, not copied: the bus writes the pieces one after
+    the other, so a tile's blocks go from the bytes the PS made once per GEMM to the socket.
+
+    The message is packed with a random 16-byte stand-in for each such value; each stand-in (16 bytes in
+    msgpack's bin 8) is then replaced by the header msgpack writes for the value's length, and the value."""
+    values: list[Piece] = []
+    tag = os.urandom(12)
+
+    def stand_in(obj: object) -> object:
+        if isinstance(obj, dict):
+            return {k: stand_in(v) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return [stand_in(v) for v in obj]
+        if isinstance(obj, bytes | bytearray | memoryview) and len(obj) >= min_bytes:
+            values.append(obj)
+            return _STAND_IN.pack(tag, len(values) - 1)
+        return obj
+
+    tree = stand_in(msg.model_dump())
+    if not values:
+        return [encode(msg, compress=False)]
+    packer = msgpack.Packer(use_bin_type=True)
+    packed = _PLAIN_HEAD + packer.pack(tree)
+    found = sorted((packed.index(b"\xc4\x10" + _STAND_IN.pack(tag, i)), i) for i in range(len(values)))
+    pieces: list[Piece] = []
+    at = 0
+    for pos, i in found:
+        n = len(values[i])
+        _, head, code = next(h for h in _BIN_HEADS if n <= h[0])
+        pieces += [packed[at:pos] + head.pack(code, n), values[i]]
+        at = pos + 2 + _STAND_IN.size
+    pieces.append(packed[at:])
+    return pieces
+
+
 def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES,
            compressed: bool = True) -> T:
     """Bytes from the wire to a validated message, or WireError; never anything half-checked. `compressed=False`
@@ -205,6 +248,41 @@ def split(frame: bytes, max_payload: int) -> list[bytes]:
         head + _CHUNK.pack(msg_id, i, count, len(body)) + body[i * room : (i + 1) * room]
         for i in range(count)
     ]
+
+
+def split_pieces(pieces: list[Piece], max_payload: int) -> list[list[Piece]]:
+    """`split` of the frame that `pieces` make, without joining them: each message as its pieces (slices of
+    the large ones, not copies)."""
+    total = sum(len(p) for p in pieces)
+    if total <= max_payload:
+        return [pieces]
+    room = max_payload - CHUNK_OVERHEAD
+    if room <= 0:
+        raise WireError("bad_limit", f"max_payload {max_payload} leaves no room for a chunk")
+    first = bytes(pieces[0][: _HEAD.size]) if len(pieces[0]) >= _HEAD.size else b"".join(pieces)[: _HEAD.size]
+    _, _, flags = _HEAD.unpack_from(first)
+    body, skip = [], _HEAD.size  # the pieces after the frame's own header, as memoryviews
+    for p in pieces:
+        view = memoryview(p)[skip:]
+        skip = max(0, skip - len(p))
+        if len(view):
+            body.append(view)
+    count = -(-(total - _HEAD.size) // room)
+    msg_id = os.urandom(16)
+    head = _HEAD.pack(MAGIC, VERSION, flags | FLAG_CHUNK)
+    out: list[list[Piece]] = []
+    for i in range(count):
+        message: list[Piece] = [head + _CHUNK.pack(msg_id, i, count, total - _HEAD.size)]
+        want = room
+        while want and body:
+            take = body[0][:want]
+            message.append(take)
+            want -= len(take)
+            body[0] = body[0][len(take) :]
+            if not len(body[0]):
+                body.pop(0)
+        out.append(message)
+    return out
 
 
 @dataclass

@@ -7,7 +7,7 @@ import zstandard
 
 from cleave import codec
 from cleave.errors import TooLarge, WireError
-from cleave.schemas import BlockRef, Event, Heartbeat, TensorData, TileResult, TileTask
+from cleave.schemas import BlockPart, BlockRef, Event, Heartbeat, TensorData, TileResult, TileTask
 
 
 def result(t: torch.Tensor) -> TileResult:
@@ -49,6 +49,31 @@ def test_chunking_at_the_size_limit(extra):
     r = codec.Reassembler()
     outs = [r.feed(p) for p in parts]
     assert outs[:-1] == [None] * (len(parts) - 1) and outs[-1] == frame
+
+
+def _tile(a_rows: int, b_rows: int, k: int) -> TileTask:
+    part = BlockPart(id="b.0", tensor=codec.tensor_to_data(torch.randn(b_rows, k)))
+    return TileTask(job="j", epoch=1, step=0, op=1, tile=2, a=BlockRef(id="a", tensor=codec.tensor_to_data(torch.randn(a_rows, k))),
+                    b=BlockRef(id="b", parts=(part, BlockPart(id="b.1"), BlockPart(id="b.2", tensor=codec.tensor_to_data(torch.ones(1, k))))),
+                    reply="r")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3), (64, 4, 256), (32, 32, 512), (1, 1, 16384), (1, 1, 16383), (300, 200, 300)])
+def test_pieces_are_the_frame(shape):
+    """`encode_pieces` makes `encode`'s very bytes (every bin header size: 8, 16 and 32 bits), its large values
+    uncopied; `split_pieces` cuts them as `split` cuts the frame, chunk for chunk."""
+    task = _tile(*shape)
+    frame = codec.encode(task, compress=False)
+    pieces = codec.encode_pieces(task, min_bytes=1024)
+    assert b"".join(pieces) == frame
+    big = [v.tensor.data for v in (task.a, *task.b.parts) if v.tensor is not None and len(v.tensor.data) >= 1024]
+    assert [p for p in pieces if any(p is d for d in big)] == big
+    for limit in (256, 4096, 65536, len(frame) - 1, len(frame)):
+        whole, cut = codec.split(frame, limit), [b"".join(m) for m in codec.split_pieces(pieces, limit)]
+        assert [len(c) for c in cut] == [len(w) for w in whole] and max(len(c) for c in cut) <= limit
+        assert [c[:4] + c[20:] for c in cut] == [w[:4] + w[20:] for w in whole]  # all but the random message id
+        r = codec.Reassembler()
+        assert [r.feed(c) for c in cut][-1] == frame
 
 
 def test_chunks_out_of_order_and_duplicated():

@@ -24,7 +24,8 @@ class Wire:
         self.published = asyncio.Event()
         self.rejected: list[str] = []
 
-    async def publish_frame(self, subject, frame):
+    async def publish_pieces(self, subject, pieces):
+        frame = b"".join(pieces)
         self.tasks.append((subject.rsplit(".", 1)[1], codec.decode(frame, TileTask)))
         self.published.set()
         return len(frame)

@@ -73,7 +73,8 @@ class Wire:
         self.pushed: set[str] = set()  # ids of the blocks published to a group, just before their tile
         self.published = asyncio.Event()
 
-    async def publish_frame(self, subject, frame):
+    async def publish_pieces(self, subject, pieces):
+        frame = b"".join(pieces)
         if subject.startswith("cleave.fan."):
             self.pushed.add(codec.decode(frame, BlockPush).block.id)
             return len(frame)

@@ -264,7 +264,7 @@ class Dispatcher:
         encoded = await asyncio.to_thread(self._frames, dealt)
         for worker, subject, frame, send, run in encoded:
             try:
-                sent = await self.bus.publish_frame(subject, frame)
+                sent = await self.bus.publish_pieces(subject, frame)
                 self.c.bytes_down += sent
                 run.bytes_down += sent
             except Exception as e:  # disconnected: the deadline check will hand the tile to someone else
@@ -272,7 +272,7 @@ class Dispatcher:
             if send is not None and send.seq in self.runs:  # its clock starts when it leaves, not when dealt
                 self.dealer.departed(send.tile.index, send.attempt, self.clock(), send.seq)
 
-    def _frames(self, dealt: list[tuple[Send, GemmRun]]) -> list[tuple[str, str, bytes, Send | None, GemmRun]]:
+    def _frames(self, dealt: list[tuple[Send, GemmRun]]) -> list[tuple[str, str, list[codec.Piece], Send | None, GemmRun]]:
         """(worker, subject, encoded message, send, its GEMM) for each send (runs off the event loop)."""
         return [(*frame, run) for s, run in dealt
                 for frame in frames.encode(self.job_id, self.epoch, run, s, self.reply_to(s.worker))]

@@ -1,5 +1,6 @@
 """The bytes of the dispatcher's messages: a dealt tile as the frames that carry it (its shared blocks
-published to their fan-out group first, then the `TileTask`), and a result's block read back without a copy.
+published to their fan-out group first, then the `TileTask`, each as pieces that leave the blocks' bytes
+uncopied), and a result's block read back without a copy.
 
 Each input block is encoded once per GEMM run (`GemmRun.blocks`) and shared by every worker that gets it;
 a block that goes as its segments is a `BlockRef` of `BlockPart`s. numpy has no bfloat16: a bf16 block is
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from cleave import codec
+from cleave.codec import Piece
 from cleave.gemm.dealer import BlockSend, Send
 from cleave.schemas import SUBJECT_FANOUT, SUBJECT_TILES, BlockPart, BlockPush, BlockRef, TensorData, TileTask
 from cleave_ps.fleet.runs import GemmRun
@@ -21,20 +23,21 @@ from cleave_ps.fleet.runs import GemmRun
 BF16_EXPONENT = 0x7F80  # all ones: an infinity or a NaN
 
 
-def encode(job: str, epoch: int, run: GemmRun, s: Send, reply: str) -> list[tuple[str, str, bytes, Send | None]]:
-    """(worker, subject, frame, the send or None for a fan-out push) for one dealt tile."""
+def encode(job: str, epoch: int, run: GemmRun, s: Send, reply: str) -> list[tuple[str, str, list[Piece], Send | None]]:
+    """(worker, subject, frame, the send or None for a fan-out push) for one dealt tile, each frame as its
+    pieces (`codec.encode_pieces`: the blocks' bytes are not copied into it)."""
     out = []
     for blk, src in ((s.a, run.a), (s.b, run.bt)):
         for leaf in blk.leaves():
             if leaf.publish:
                 push = BlockPush.model_construct(job=job, epoch=epoch, gemm=run.seq, block=ref(run, leaf, src, data=True))
                 subject = SUBJECT_FANOUT.format(job=job, epoch=epoch, group=leaf.fanout)
-                out.append((s.worker, subject, codec.encode(push, compress=False), None))
+                out.append((s.worker, subject, codec.encode_pieces(push), None))
     task = TileTask.model_construct(
         job=job, epoch=epoch, step=run.step, op=run.op, gemm=run.seq, tile=s.tile.index, attempt=s.attempt,
         a=ref(run, s.a, run.a), b=ref(run, s.b, run.bt), reply=reply, sent_at=time.time(), rounded=run.rounded,
     )
-    out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode(task, compress=False), s))
+    out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode_pieces(task), s))
     return out
 
 

@@ -32,6 +32,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from cleave import codec
+from cleave.bus import direct
 from cleave.errors import CleaveError, Conflict, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
@@ -118,11 +119,12 @@ class Bus:
         return await self.publish_frame(subject, codec.encode(msg, compress))
 
     async def publish_frame(self, subject: str, frame: bytes) -> int:
-        sent = 0
-        for part in codec.split(frame, self.max_payload):
-            await self.nc.publish(subject, part)
-            sent += len(part)
-        return sent
+        return await self.publish_pieces(subject, [frame])
+
+    async def publish_pieces(self, subject: str, pieces: list[codec.Piece]) -> int:
+        """Publish the frame that `pieces` make (`codec.encode_pieces`) in chunks of at most `max_payload`,
+        never joined (`direct.publish`); returns the bytes put on the wire."""
+        return await direct.publish(self.nc, subject, pieces, self.max_payload, DEFAULT_TIMEOUT_S)
 
     def reject(self, reason: str, subject: str, detail: str = "") -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1

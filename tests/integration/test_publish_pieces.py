@@ -1,0 +1,61 @@
+"""Messages published as their pieces (`Bus.publish_pieces`: large ones written to the socket piece by piece,
+`cleave.bus.direct`) arrive whole, in the order they were published, beside small ones nats-py queues itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from cleave import bus as busmod
+from cleave import codec
+from cleave.bus import direct
+from cleave.schemas import BlockRef, TileTask
+
+TIMEOUT_S = 30.0
+
+
+def task(tile: int, rows: int) -> TileTask:
+    data = codec.tensor_to_data(torch.arange(rows * 256, dtype=torch.float32).reshape(rows, 256) + tile)
+    return TileTask(job="j", epoch=1, step=0, op=1, tile=tile, a=BlockRef(id=f"a{tile}", tensor=data), b=BlockRef(id="b"),
+                    reply="r")
+
+
+async def test_pieces_arrive_whole_and_in_order(nats_url):
+    pub, sub = await busmod.connect(nats_url, "pieces-pub"), await busmod.connect(nats_url, "pieces-sub")
+    got: list[TileTask] = []
+    all_in = asyncio.Event()
+    # a row is 1 KiB: below DIRECT_BYTES (nats-py publishes it), above it, and above the server's max_payload
+    # (1 MiB by default: chunks, each written directly)
+    rows = [1, 2 * direct.DIRECT_BYTES // 1024, 3 * pub.max_payload // 1024]
+    sent = [task(i, rows[i % len(rows)]) for i in range(12)]
+
+    async def on_task(msg: TileTask, nbytes: int) -> None:
+        got.append(msg)
+        if len(got) == len(sent):
+            all_in.set()
+
+    try:
+        await sub.subscribe("pieces.t", TileTask, on_task, max_bytes=64 << 20)
+        await sub.nc.flush()
+        direct_before = pub.nc.stats["out_msgs"]
+        through_nats_py: list[int] = []  # sizes of the messages nats-py published
+        publish = pub.nc.publish
+
+        async def spy(subject: str, payload: bytes = b"", **kw) -> None:
+            through_nats_py.append(len(payload))
+            await publish(subject, payload, **kw)
+
+        pub.nc.publish = spy
+        for t in sent:
+            await pub.publish_pieces("pieces.t", codec.encode_pieces(t))
+            if t.tile % 4 == 1:  # one that nats-py queues (its own path) just before a large one
+                await pub.nc.publish("pieces.other", b"x")
+        await asyncio.wait_for(all_in.wait(), TIMEOUT_S)
+        assert [m.tile for m in got] == [t.tile for t in sent]
+        assert got == sent
+        assert pub.nc.stats["out_msgs"] > direct_before + len(sent)  # chunks counted as messages
+        assert through_nats_py and max(through_nats_py) < direct.DIRECT_BYTES  # the large ones went directly
+    finally:
+        await pub.close()
+        await sub.close()
