@@ -440,7 +440,7 @@ async def test_a_profile_claiming_far_more_than_it_delivers_is_corrected(hub: Hu
     """The attacker claims 1 TFLOP/s and 10 GB/s links and delivers each block 0.3 s late: the cost-aware plan
     gives it the largest share, the PS reports what it delivered, and the scheduler plans it, from then on, at
     that (`profile_corrected`); the honest job's steps before and after are printed."""
-    job = JobConfig(preset="tiny", steps=12)
+    job = JobConfig(preset="tiny", steps=40)  # a bound: it stops 3 steps after the correction
     await honest_fleet(hub, ("honest",))
     claim = PROFILE.model_copy(update={"flops": 1e12, "downlink_bytes_per_s": 1e10, "uplink_bytes_per_s": 1e10,
                                        "latency_s": 0.0})

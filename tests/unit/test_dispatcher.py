@@ -168,6 +168,25 @@ async def test_a_worker_beaten_by_a_copy_of_its_tile_is_tallied_when_its_block_c
     assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
 
 
+async def test_a_beaten_worker_whose_block_never_comes_is_tallied_when_its_gemm_ends():
+    """A worker beaten by a copy of its tile whose own block has not come when the GEMM ends is tallied as
+    delivering it then (it took at least that long): an overclaimer whose blocks come after their GEMM, or
+    never, is still corrected."""
+    wire, d, clock, a, bt, gemm, t_a, t_b = await one_tile_each()
+    own = block_of(d, t_a, a, bt)
+    await d.on_result(result(t_b, "b", block_of(d, t_b, a, bt)), 0)
+    clock[0] = 0.5
+    await d._tick()
+    await wire.wait_for(3)
+    _, copy = wire.tasks[2]
+    clock[0] = 0.6
+    await d.on_result(result(copy, "b", block_of(d, copy, a, bt)), 0)
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+    assert d.throughput.by["a"].tiles == 1 and d.throughput.by["a"].busy_s == pytest.approx(0.6)
+    await d.on_result(result(t_a, "a", own), 0)  # its block after the GEMM: not counted again
+    assert d.throughput.by["a"].tiles == 1
+
+
 async def test_a_wrong_block_expels_its_worker_and_the_tile_is_redone_elsewhere():
     """Freivalds' check refuses a block that is not the product of its inputs: its worker is excluded (never
     dealt to, its results dropped) and its tile goes to another worker, within the same GEMM."""

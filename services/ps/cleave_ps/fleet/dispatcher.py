@@ -188,6 +188,7 @@ class Dispatcher:
             del self.runs[seq]
             if not self.runs:
                 self.c.gemm_s += self.clock() - self._busy_from
+            self.throughput.unanswered(seq, self.clock())
             self._observed()
         wall = self.clock() - started
         log.debug("gemm_done", step=step, gemm=name, m=m, n=n, k=k, tiles=len(grid), wall_s=round(wall, 4),

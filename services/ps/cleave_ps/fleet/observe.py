@@ -5,8 +5,10 @@ the cost model predicted for them on the profile it was planned with; reported t
 A tile's busy time runs from when it left the PS, or from the worker's previous result if that came later
 (a worker with several tiles in flight is busy with one at a time): for a worker that streams its tiles this
 is the time between its results, for an idle one its round trip. A worker whose tile another worker's copy
-finished first (`beaten`) is tallied when its own block comes after all (`late`), so a worker too slow to
-ever win a race against the copies of its tiles is still seen for what it delivers.
+finished first (`beaten`) is tallied when its own block comes after all (`late`), or, if it has not come when
+the GEMM ends, as delivered then (`unanswered`: its tile kept it busy at least that long), so a worker too
+slow to ever win a race against the copies of its tiles is still seen for what it delivers, even when its
+blocks come after their GEMM or never.
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ class Throughput:
         got = self.beaten_by.pop(attempt, None)
         if got is not None and got[0] == worker:
             self.accepted(worker, got[1], now, got[2], got[3])
+
+    def unanswered(self, seq: int, now: float) -> None:
+        """GEMM `seq` (the first element of its attempts' names) ended at `now`: its beaten attempts whose own
+        blocks have not come are tallied as delivered now, a lower bound on what they took."""
+        for attempt in [a for a in self.beaten_by if a[0] == seq]:
+            worker, sent_at, predicted_s, flops = self.beaten_by.pop(attempt)
+            self.accepted(worker, sent_at, now, predicted_s, flops)
 
     def forget(self, worker: str) -> None:
         self.by.pop(worker, None)
