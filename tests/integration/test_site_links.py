@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import ssl
 import subprocess
@@ -277,7 +278,10 @@ async def test_a_sites_probes_are_answered_on_its_workers_inboxes_and_nowhere_el
             await b.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_a_site_credential_is_no_client_login(deployment) -> None:
+    """(nats-py leaves the TLS transport of a refused connection unclosed: collected here, where its warning is
+    expected, and not during a later test, which it failed.)"""
     errors: list[str] = []
 
     async def on_error(e: Exception) -> None:
@@ -288,6 +292,7 @@ async def test_a_site_credential_is_no_client_login(deployment) -> None:
         await nats.connect(deployment.hub.url, allow_reconnect=False, max_reconnect_attempts=0, error_cb=on_error,
                            connect_timeout=OP_TIMEOUT_S, **opts)
     assert any("authorization violation" in e.lower() for e in errors), errors
+    gc.collect()
 
 
 async def test_the_runner_judges_each_submission_and_only_it_writes_the_records(deployment, tmp_path) -> None:
