@@ -161,14 +161,11 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
     u_out = UNIT_ROUNDOFF.get(dtype, 0.0)
     with np.errstate(all="ignore"):  # overflow: the float64 path below decides
         residual = np.abs(mv(c, st.x) - mv(a, st.y))
-        # Σⱼ|cᵢⱼ·xⱼ|, bounded from one pass over the block
-        c_sq_x = mv(np.square(c), np.square(st.x)) if u_out else None
-        c_abs_x = math.sqrt(cols) * np.sqrt(c_sq_x) if u_out else np.sqrt(np.einsum("ij,ij->i", c, c)) * st.xn
+        c_sq_x, c_abs_x = _block_sums(c, st.x, st.xn, u_out)
         if not (np.isfinite(residual).all() and np.isfinite(c_abs_x).all()):  # float32 overflowed: in float64
             a, c = a.astype(np.float64), c.astype(np.float64)
             residual = np.abs(mv(c, st.x64) - mv(a, st.y64))
-            c_sq_x = mv(np.square(c), np.square(st.x64)) if u_out else None
-            c_abs_x = math.sqrt(cols) * np.sqrt(c_sq_x) if u_out else np.sqrt(np.einsum("ij,ij->i", c, c)) * st.xn
+            c_sq_x, c_abs_x = _block_sums(c, st.x64, st.xn, u_out)
         a_norm = n.a_norm[r0:r1]
         bound = U32 * ((math.sqrt(k) * st.xb + (math.sqrt(k) + 1) * st.yn) * a_norm + math.sqrt(cols) * c_abs_x) \
             + U64 * cols * st.xb1 * a_norm
@@ -178,3 +175,11 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
         worst = int(np.argmax(ratio))
         top = float(ratio[worst])
     return Verdict(top < 1.0, top, worst)
+
+
+def _block_sums(c: np.ndarray, x: np.ndarray, xn: float, u_out: float) -> tuple[np.ndarray | None, np.ndarray]:
+    """(‖cᵢ∘x‖² for a half-precision block, else None; a bound on Σⱼ|cᵢⱼ·xⱼ|), from one pass over the block."""
+    if u_out:
+        c_sq_x = mv(np.square(c), np.square(x))
+        return c_sq_x, math.sqrt(c.shape[1]) * np.sqrt(c_sq_x)
+    return None, np.sqrt(np.einsum("ij,ij->i", c, c)) * xn
