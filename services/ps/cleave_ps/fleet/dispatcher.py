@@ -44,7 +44,7 @@ from cleave.schemas import (
     TileResult,
 )
 from cleave.train import precision
-from cleave_ps.fleet import frames, joins, linkcheck
+from cleave_ps.fleet import frames, freivalds, joins, linkcheck
 from cleave_ps.fleet.examine import examine
 from cleave_ps.fleet.observe import Throughput
 from cleave_ps.fleet.runs import Check, Counters, GemmRun, recovery_event
@@ -88,6 +88,8 @@ class Dispatcher:
         self._joining: asyncio.Task | None = None  # telling the workers their fan-out groups
         self._last_join: dict[str, list[str]] = {}  # worker -> the groups it last confirmed
         self._sent_bytes = self.tile_dtype.itemsize if self.tile_dtype else 4  # bytes per element that travel
+        if s.freivalds:
+            freivalds.one_blas_thread()
 
     @property
     def workers(self) -> dict:
