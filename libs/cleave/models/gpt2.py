@@ -11,12 +11,24 @@ from cleave.models.embed import embed
 from cleave.models.recompute import run_block
 
 
+class Linear(nn.Linear):
+    """nn.Linear computed as the PS computes its layers (`cleave.gemm.tiled`): the product, then the bias added.
+    nn.Linear's own forward is one addmm, whose rounding depends on the CPU's kernel: MKL on AVX-512 CPUs starts
+    the sum of a product with few rows from the bias (measured: one float32 ulp from the product plus the
+    bias for GPT-2's layers at 128 rows, equal at 512), so the single-process reference would differ from the
+    fleet by the machine it runs on. The bias's gradient is the sum of dY over the rows either way."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one GEMM
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one GEMM
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -31,9 +43,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
+        self.c_fc = Linear(cfg.n_embd, cfg.mlp_width, bias=cfg.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
-        self.c_proj = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(cfg.mlp_width, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.gelu(self.c_fc(x)))
