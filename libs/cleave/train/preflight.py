@@ -68,8 +68,9 @@ class Estimate:
     grads: int
     optimizer: int
     activations: int  # saved by one micro-batch's forward
-    head: int  # the head and loss of one chunk: logits, their gradient, Wᵀ, the chunk's dW and the sum of them
+    head: int  # the head and loss of one chunk at their peak: the sum of dW and the largest phase (`head_bytes`)
     bus: int
+    deferred: tuple[int, int]  # the PS's deferred_gemms, and the bytes of the bus buffers their GEMMs hold
     checkpoint: int
     runtime: int
     layout: StepLayout
@@ -115,7 +116,7 @@ class Estimate:
             f"optimizer    {self.optimizer / GB:10.2f} GB  (AdamW: two moments)",
             f"activations  {self.activations / GB:10.2f} GB  (saved for the backward: {how})",
             f"head         {self.head / GB:10.2f} GB  (the head and loss in {lay.head_chunks} chunk(s) of tokens: "
-            f"logits, their gradient, dW)",
+            f"logits, their gradient, dW and its running sum)",
             f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output, and deferred dW's)",
             f"checkpoint   {self.checkpoint / GB:10.2f} GB  (streamed: chunks in flight)",
             f"runtime      {self.runtime / GB:10.2f} GB  (Python, torch)",
@@ -178,11 +179,23 @@ def activation_bytes(job: JobConfig) -> int:
 
 
 def head_bytes(job: JobConfig, layout: StepLayout, tokens: int, wire_bytes: int) -> int:
-    """The head and loss of one chunk at their peak: its float32 logits, their gradient and its transposed
-    copy for the weight gradient's GEMM, Wᵀ for the input gradient's, the chunk's dW and the running sum."""
+    """The head and loss of one chunk at their peak (`cleave.gemm.head`, which holds one phase's buffers at a
+    time): the running sum of dW over the chunks (float32), and beside it the largest phase: the chunk's logits
+    with their float32 copy and softmax (the loss, then its gradient); the gradient and its transposed copy
+    dYᵀ; dYᵀ and the chunk's dW; dYᵀ with two of the input gradient's slices in flight (their Wᵀ and dYᵀ
+    slices and products)."""
     cfg = job.arch()
-    chunk = tokens // layout.head_chunks * cfg.vocab_size
-    return 3 * chunk * 4 + cfg.vocab_size * cfg.n_embd * (wire_bytes + 4 + 4)
+    rows = tokens // layout.head_chunks
+    chunk, vd = rows * cfg.vocab_size, cfg.vocab_size * cfg.n_embd
+    out = 4 if job.precision == "fp32" else 2  # the products' bytes (a bf16/fp16 job's come back rounded)
+    width = -(-cfg.vocab_size // layout.head_slices)
+    phases = (
+        chunk * (out + (4 if out != 4 else 0) + 4),  # logits, their float32 copy, the softmax
+        chunk * (4 + wire_bytes),  # the gradient and dYᵀ
+        chunk * wire_bytes + vd * out,  # dYᵀ and the chunk's dW
+        chunk * wire_bytes + 2 * width * (cfg.n_embd + rows) * wire_bytes + 2 * rows * cfg.n_embd * 4,  # slices
+    )
+    return vd * 4 + max(phases)
 
 
 def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = DEFAULT_DEFERRED,
@@ -205,7 +218,8 @@ def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = 
     thin = int(tile_memory_bytes(np.array([MIN_BLOCK]), np.array([MIN_BLOCK]), kmax, tile_bytes)[0])
     return Estimate(params=params, weights=4 * params, grads=4 * params, optimizer=8 * params,
                     activations=activations(job, layout, replicas).saved(layout.recompute),
-                    head=head_bytes(job, layout, tokens, tile_bytes), bus=bus, checkpoint=CHECKPOINT_BUFFER_BYTES,
+                    head=head_bytes(job, layout, tokens, tile_bytes), bus=bus,
+                    deferred=(deferred, sum(dws[:deferred])), checkpoint=CHECKPOINT_BUFFER_BYTES,
                     runtime=RUNTIME_BYTES, layout=layout, largest_tile=largest,
                     smallest_tile=thin)
 
@@ -290,6 +304,10 @@ def _knobs(job: JobConfig, est: Estimate, room: int) -> list[str]:
         knobs.append(f"raise micro_batches (now {job.micro_batches}: the batch in equal parts, gradients "
                      f"accumulated) or lower batch_size (now {job.batch_size}) or seq_len (now {job.seq}): "
                      f"activations, the head and bus buffers take {per_token / GB:.2f} GB and scale with them")
+    count, held = est.deferred
+    if held and est.total - held <= room:
+        knobs.append(f"lower the PS's deferred_gemms (CLEAVE_PS_DEFERRED_GEMMS, now {count}: the weight gradients "
+                     f"dealt beside the backward hold {held / GB:.2f} GB of bus buffers; 0 deals one GEMM at a time)")
     if est.weights + est.grads + est.optimizer + est.runtime > room or not knobs:
         knobs.append("choose a smaller model (preset) or give the PS more memory (a larger machine, or "
                      "CLEAVE_PS_MEMORY_BYTES if the detected amount is wrong)")
