@@ -13,6 +13,9 @@ commits, `checkpoint_s`), and whether the losses are equal. Writes benchmarks/re
 The machine is shared: this checks `MemAvailable` first and stops a run when it falls under MIN_FREE_GB.
 
     nice -n 10 .venv/bin/python benchmarks/models.py [--models gpt2-medium,llama3-1b] [--steps 2]
+
+The PS's settings come from the environment as for `cleave train`: Llama 3.2 1B fits the 22 GB budget only with
+fewer weight gradients dealt beside the backward, `CLEAVE_PS_DEFERRED_GEMMS=2` (the preflight says which).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from cleave.api.fleet import LocalFleet
 from cleave.errors import CleaveError
 from cleave.train import preflight
 from cleave.train.job import JobConfig
+from cleave_ps.settings import PsSettings
 
 RESULTS = Path(__file__).parent / "results" / "models.json"
 WORKERS = 2
@@ -113,10 +117,11 @@ def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
 
 def one(name: str, steps: int) -> dict:
     budget = preflight.Memory(int(BUDGET_GB[name] * 1e9))
+    deferred = PsSettings().deferred_gemms  # the PS started below reads the same (CLEAVE_PS_DEFERRED_GEMMS)
     job, est = preflight.resolve(JobConfig(job_id=f"bench-{name}", preset=name, steps=steps, **JOBS[name]), budget,
-                                 WORKERS)
+                                 WORKERS, deferred=deferred)
     row = {"model": name, "batch_size": job.batch_size, "seq_len": job.seq, "steps": steps, "workers": WORKERS,
-           "budget_gb": BUDGET_GB[name], "recompute": job.recompute, "micro_batches": job.micro_batches,
+           "budget_gb": BUDGET_GB[name], "deferred_gemms": deferred, "recompute": job.recompute, "micro_batches": job.micro_batches,
            "head_chunks": est.layout.head_chunks, "estimate_gb": round(est.total / 1e9, 2),
            "estimate_at": est.peak_phase, "free_gb_before": round(free_gb(), 1)}
     try:
