@@ -158,7 +158,7 @@ def one(name: str, steps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="gpt2-medium,llama3-1b")
-    p.add_argument("--steps", type=int, default=2, help="2: the second step holds AdamW's moments, the peak")
+    p.add_argument("--steps", type=int, default=2, help="1 measures the peak (AdamW's moments are held from the first step on); 2 also compares a step taken with them")
     args = p.parse_args()
     rows = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
     for name in args.models.split(","):

@@ -33,6 +33,7 @@ def reference_steps(job: JobConfig, metrics_out: Path) -> Iterator[dict]:
     """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer): each step's
     metrics line as it is written to `metrics_out`."""
     trainer = Trainer(job)
+    trainer.hold_optimizer_state()  # its peak from the first step, as the PS's
     out = MetricsFile(metrics_out)
     out.set_aside(job.job_id)  # a fresh run of its own: earlier lines there are kept under another name
     for step in range(job.steps):

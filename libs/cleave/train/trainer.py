@@ -93,6 +93,19 @@ class Trainer:
         self.scaler = precision.LossScaler(self.opt) if job.precision == "fp16" else None
         self.skipped = 0  # fp16 steps skipped for an overflow in the gradients
 
+    def hold_optimizer_state(self) -> None:
+        """Allocate AdamW's moments now, as its first step would (zeros, step 0), unless they exist: the trainer
+        then holds its peak memory from the first step on, not from the second (a job that does not fit fails
+        in its first step, and one step measures the peak). The steps are the same, bit for bit."""
+        if self.opt.state:
+            return
+        sd = self.opt.state_dict()
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        sd["state"] = {i: {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                           "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                       for i, p in enumerate(params)}
+        self.opt.load_state_dict(sd)  # (tensors already of the parameter's dtype and device are kept, not copied)
+
     def loss(self, x: torch.Tensor, y: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
         """The mean loss over the tokens of x (B, T) against y; its backward is to be given `grad_scale`."""
         with precision.autocast(self.job.precision, self.device):
