@@ -134,3 +134,23 @@ def test_a_job_held_over_by_its_deferred_gradients_is_told_to_defer_fewer() -> N
     with pytest.raises(ConfigError, match="lower the PS's deferred_gemms .CLEAVE_PS_DEFERRED_GEMMS, now 8"):
         preflight.check(job, eight, room)
     preflight.check(job, none, room)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_the_trainer_holds_adamws_moments_before_its_first_step_and_steps_the_same(precision: str) -> None:
+    from cleave.train.trainer import Trainer
+
+    job = JobConfig(job_id="hold", preset="tiny", steps=3, batch_size=2, seq_len=32, precision=precision)
+    lazy, held = Trainer(job), Trainer(job)
+    held.hold_optimizer_state()
+    moments = [t for s in held.opt.state.values() for k, t in s.items() if k != "step"]
+    assert sum(t.numel() * t.element_size() for t in moments) == preflight.estimate(job, workers=2).optimizer
+    assert all(not t.any() for t in moments)
+    kept = held.opt.state[held.opt.param_groups[0]["params"][0]]["exp_avg"]
+    held.hold_optimizer_state()  # already held (or restored from a checkpoint): kept as it is
+    assert held.opt.state[held.opt.param_groups[0]["params"][0]]["exp_avg"] is kept
+    assert [lazy.step(s) for s in range(3)] == [held.step(s) for s in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(lazy.model.state_dict().values(), held.model.state_dict().values(), strict=True))
+    for a, b in zip(lazy.opt.state.values(), held.opt.state.values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert held.opt.state[held.opt.param_groups[0]["params"][0]]["exp_avg"] is kept  # updated in place

@@ -1,6 +1,7 @@
 """Preflight: will a job fit? The PS's peak memory and each worker's largest tile, estimated before it starts.
 
-The PS holds the fp32 weights and AdamW's two moments throughout (its fused step allocates nothing more),
+The PS holds the fp32 weights and AdamW's two moments throughout (allocated before the first step,
+`Trainer.hold_optimizer_state`; its fused step allocates nothing more),
 and at the peak of a step one of:
 - the end of a micro-batch's forward: the activations autograd saves for its backward (counted by running
   the PS's own model, linear layers and precision on fake tensors, which allocate nothing: with
