@@ -124,7 +124,7 @@ def test_the_check_costs_a_small_fraction_of_the_tile() -> None:
 
 
 def test_a_strip_draws_its_vector_once_per_gemm_run_and_each_block_is_judged_alone() -> None:
-    """The blocks of one column strip share x and Btᵀ·x (drawn by the strip's first check); another GEMM run
+    """The blocks of one column strip share x and Btᵀ·x (computed by the strip's first check); another GEMM run
     draws its own. A lie in one block of a strip fails that block only, and is named by its row."""
     g = torch.Generator().manual_seed(5)
     a, bt = torch.randn(64, 128, generator=g), torch.randn(32, 128, generator=g)

@@ -3,7 +3,8 @@ A·Btᵀ (A: rows x K of `a`, Bt: cols x K of `bt`) is compared as `C·x` agains
 vector x, in O(rows·K + cols·K + rows·cols) instead of the tile's O(rows·cols·K).
 
 x has a random sign and a magnitude in [1, 2) in every entry, drawn from the operating system's randomness
-for each column strip of each GEMM run (`Strip`: the blocks of one strip share x and Btᵀ·x, computed once);
+for each GEMM run, one entry per column of its output (a block reads the entries of its columns; the blocks of
+one column strip share Btᵀ·x, computed once, `Strip`);
 it never leaves the PS, so no worker can predict it or learn it from another block: a wrong element δ moves
 its row's residual by at least |δ|, and several wrong elements cancel only by chance. Honest blocks differ from the exact product by float rounding;
 the tolerance of each row bounds that rounding under the usual model (each operation rounds by at most the
@@ -12,12 +13,14 @@ unit roundoff u, independently; the random signs of x make the sum over a row's 
 
 - the worker's float32 accumulation over K: u·√K·‖aᵢ‖·‖x∘‖bⱼ‖‖ (Cauchy-Schwarz bounds Σₖ|aᵢₖ·bⱼₖ| by
   ‖aᵢ‖·‖bⱼ‖);
-- the PS's own sums: y = Btᵀ·x in float64 (u₆₄·cols·‖aᵢ‖·Σⱼ|xⱼ|·‖bⱼ‖, next to nothing), y rounded to
+- the PS's own sums: y = Btᵀ·x in float64 (u₆₄·cols·‖aᵢ‖·Σⱼ|xⱼ|·‖bⱼ‖, bounded by u₆₄·cols·√cols·‖aᵢ‖·‖x∘‖bⱼ‖‖: next
+  to nothing), y rounded to
   float32 and A·y summed over K in float32 (u·(√K + 1)·‖aᵢ‖·‖y‖), and C·x in float32 (u·√cols·Σⱼ|cᵢⱼ·xⱼ|,
   bounded by u·√cols·‖cᵢ‖·‖x‖, or by u·cols·‖cᵢ∘x‖ for a half-precision block, which needs that norm anyway);
 - a bf16 or fp16 block's rounding to its dtype: u_out·‖cᵢ∘x‖.
 
-The norms of `a`'s and `bt`'s rows are computed once per GEMM run (`Norms`), Btᵀ·x once per strip; a block's
+The norms of `a`'s and `bt`'s rows are computed once per GEMM run (`Norms`), Btᵀ·x and the tolerance's
+terms that do not depend on the block once per strip (`Strip`); a block's
 own check reads its rows of A and the block itself, once: a float32 block whose residuals are within the tolerance
 less C·x's rounding term (which needs ‖cᵢ‖, a second pass over the block) passes without reading it again (the
 verdict is the same: the tolerance only grows with that term). `tests/unit/test_freivalds.py`
@@ -72,35 +75,40 @@ def one_blas_thread() -> None:
 
 
 class Norms:
-    """Row norms of a GEMM run's inputs, computed once (by the run's first check) and shared by all its
-    checks, which may run in several threads. Computed with numpy on the checking thread: torch's reductions
+    """Row norms of a GEMM run's inputs and its random vector, computed once (by the run's first check) and
+    shared by all its checks, which may run in several threads. Computed with numpy on the checking thread: torch's reductions
     wake its thread pool, which on a busy PS cost 10 to 50 times the pass itself (measured: 12 ms against
     0.3 ms for 1,024 rows of 128)."""
 
     def __init__(self, a: torch.Tensor, bt: torch.Tensor) -> None:
         self.a, self.bt = a.detach(), bt.detach()  # (a weight requires grad; its values are all a check reads)
         self._lock = threading.Lock()
-        self.a_norm = self.bt_norm = None  # ‖aᵢ‖ per row of a, ‖bⱼ‖ per row of bt (float64)
+        self.a_norm = self.bt_sq = None  # ‖aᵢ‖ per row of a, ‖bⱼ‖² per row of bt (float64 upper bounds)
+        self.x = self.x64 = self.x_sq = None  # the random vector, one entry per row of bt; in float64; squared
         self.strips: dict[tuple[int, int], Strip] = {}  # (c0, c1) -> its random vector and Btᵀ·x
         # float32 inputs as numpy views, once (half-precision ones are converted a tile's slice at a time)
         self.a32 = self.a.numpy() if self.a.dtype == torch.float32 else None
         self.bt32 = self.bt.numpy() if self.bt.dtype == torch.float32 else None
 
     def ready(self) -> Norms:
+        if self.a_norm is not None:  # (set last, below: then both are)
+            return self
         with self._lock:
             if self.a_norm is None:
-                self.bt_norm = row_norms(self.bt32 if self.bt32 is not None else as_float32(self.bt))
-                self.a_norm = row_norms(self.a32 if self.a32 is not None else as_float32(self.a))
+                self.x = random_vector(self.bt.shape[0])
+                self.x64 = self.x.astype(np.float64)
+                self.x_sq = self.x64 * self.x64
+                self.bt_sq = row_squares(self.bt32 if self.bt32 is not None else as_float32(self.bt))
+                self.a_norm = np.sqrt(row_squares(self.a32 if self.a32 is not None else as_float32(self.a)))
         return self
 
 
     def strip(self, c0: int, c1: int) -> Strip:
-        """Column strip [c0, c1)'s random vector and what follows from it (drawn by its first check)."""
-        with self._lock:
-            got = self.strips.get((c0, c1))
+        """Column strip [c0, c1)'s part of the random vector and what follows from it (by its first check)."""
+        got = self.strips.get((c0, c1))  # (a dict's get needs no lock)
         if got is None:
-            got = Strip.draw(self.bt32[c0:c1] if self.bt32 is not None else as_float32(self.bt[c0:c1]),
-                             self.bt_norm[c0:c1])
+            got = Strip.of(self.x[c0:c1], self.x64[c0:c1], self.x_sq[c0:c1],
+                           self.bt32[c0:c1] if self.bt32 is not None else as_float32(self.bt[c0:c1]), self.bt_sq[c0:c1])
             with self._lock:
                 got = self.strips.setdefault((c0, c1), got)  # (a strip drawn twice at once: the first one kept)
         return got
@@ -108,38 +116,38 @@ class Norms:
 
 @dataclass(frozen=True)
 class Strip:
-    """A column strip's random vector x (float32 and float64), y = Btᵀ·x (float64 and rounded to float32), and
-    the norms of the tolerance: ‖x∘‖bⱼ‖‖, Σⱼ|xⱼ|·‖bⱼ‖, ‖y‖ and ‖x‖."""
+    """A column strip's part of the random vector x (float32 and float64), y = Btᵀ·x (float64 and rounded to
+    float32), ‖x‖, and the rounding bound's terms that do not depend on the block, per unit of ‖aᵢ‖ (`inputs`:
+    the worker's sums, y's and A·y's)."""
 
     x: np.ndarray
     x64: np.ndarray
     y64: np.ndarray
     y: np.ndarray
-    xb: float
-    xb1: float
-    yn: float
     xn: float
+    inputs: float
 
     @staticmethod
-    def draw(bt: np.ndarray, bt_norm: np.ndarray) -> Strip:
-        x = random_vector(bt.shape[0])
-        x64 = x.astype(np.float64)
+    def of(x: np.ndarray, x64: np.ndarray, x_sq: np.ndarray, bt: np.ndarray, bt_sq: np.ndarray) -> Strip:
+        cols, k = bt.shape
         with np.errstate(all="ignore"):
             y64 = x64 @ bt  # Btᵀ·x in float64: its rounding is next to nothing
             y = y64.astype(np.float32)  # (inf where it exceeds float32: the check then decides in float64)
-        terms = np.abs(x64) * bt_norm
-        return Strip(x, x64, y64, y, math.sqrt(float(terms @ terms)), float(terms.sum()),
-                     math.sqrt(float(y64 @ y64)), math.sqrt(float(x64 @ x64)))
+        xb = math.sqrt(float(x_sq @ bt_sq))  # ‖x∘‖bⱼ‖‖
+        yn = math.sqrt(float(y64 @ y64))
+        inputs = U32 * (math.sqrt(k) * xb + (math.sqrt(k) + 1) * yn) + U64 * cols * math.sqrt(cols) * xb
+        return Strip(x, x64, y64, y, math.sqrt(float(x_sq.sum())), inputs)
 
 
-def row_norms(m: np.ndarray) -> np.ndarray:
-    """An upper bound on ‖mᵢ‖ of every row (float64): squares summed in float32 (four times cheaper than in
-    float64), so enlarged by their rounding, at most K·u relative; in float64 where float32 overflows."""
+def row_squares(m: np.ndarray) -> np.ndarray:
+    """An upper bound on ‖mᵢ‖² of every row (float64): squares summed in float32 by BLAS's dot (`np.vecdot`:
+    twice as fast as einsum, four times float64's), so enlarged by their rounding, at most K·u relative, in any
+    order; in float64 where float32 overflows."""
     with np.errstate(over="ignore", invalid="ignore"):
-        squares = np.einsum("ij,ij->i", m, m)
+        squares = np.vecdot(m, m)
     if squares.size and not math.isfinite(squares.max()):
         squares = np.einsum("ij,ij->i", m, m, dtype=np.float64)
-    return np.sqrt(squares, dtype=np.float64) * math.sqrt(1 + m.shape[1] * U32)
+    return np.multiply(squares, 1 + m.shape[1] * U32, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -174,12 +182,13 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
     u_out = UNIT_ROUNDOFF.get(dtype, 0.0)
     a_norm = n.a_norm[r0:r1]
     floor = FLOOR * (k + 1) * cols
-    # the rounding bound's terms that do not depend on the block: the worker's sums, y's and A·y's
-    inputs_bound = U32 * (math.sqrt(k) * st.xb + (math.sqrt(k) + 1) * st.yn) + U64 * cols * st.xb1
+    inputs_bound = st.inputs
     with np.errstate(all="ignore"):  # overflow: the float64 path below decides
-        residual = np.abs(mv(c, st.x) - mv(a, st.y))
+        residual = mv(c, st.x)
+        residual -= mv(a, st.y)
+        np.abs(residual, out=residual)
         if not u_out:  # float32: within the tolerance less C·x's own rounding, the block need not be read again
-            ratio = residual / (z * inputs_bound * a_norm + floor)  # (NaN or inf: decided below)
+            ratio = residual / (a_norm * (z * inputs_bound) + floor)  # (NaN or inf: decided below)
             worst = int(np.argmax(ratio))
             if ratio[worst] < 1.0:
                 return Verdict(True, float(ratio[worst]), worst)
