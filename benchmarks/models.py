@@ -15,7 +15,8 @@ The machine is shared: this checks `MemAvailable` first and stops a run when it 
     nice -n 10 .venv/bin/python benchmarks/models.py [--models gpt2-medium,llama3-1b] [--steps 2]
 
 The PS's settings come from the environment as for `cleave train`: Llama 3.2 1B fits the 22 GB budget only with
-fewer weight gradients dealt beside the backward, `CLEAVE_PS_DEFERRED_GEMMS=2` (the preflight says which).
+fewer weight gradients dealt beside the backward than the PS's default 8; the preflight lowers them to the most
+that fit (2), as the PS does, and the row records how many (`deferred_gemms`).
 """
 
 from __future__ import annotations
@@ -117,11 +118,11 @@ def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
 
 def one(name: str, steps: int) -> dict:
     budget = preflight.Memory(int(BUDGET_GB[name] * 1e9))
-    deferred = PsSettings().deferred_gemms  # the PS started below reads the same (CLEAVE_PS_DEFERRED_GEMMS)
+    deferred = PsSettings().deferred_gemms  # the most the PS started below defers (CLEAVE_PS_DEFERRED_GEMMS)
     job, est = preflight.resolve(JobConfig(job_id=f"bench-{name}", preset=name, steps=steps, **JOBS[name]), budget,
                                  WORKERS, deferred=deferred)
     row = {"model": name, "batch_size": job.batch_size, "seq_len": job.seq, "steps": steps, "workers": WORKERS,
-           "budget_gb": BUDGET_GB[name], "deferred_gemms": deferred, "recompute": job.recompute, "micro_batches": job.micro_batches,
+           "budget_gb": BUDGET_GB[name], "deferred_gemms": est.deferred[0], "recompute": job.recompute, "micro_batches": job.micro_batches,
            "head_chunks": est.layout.head_chunks, "estimate_gb": round(est.total / 1e9, 2),
            "estimate_at": est.peak_phase, "free_gb_before": round(free_gb(), 1)}
     try:

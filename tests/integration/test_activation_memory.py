@@ -69,3 +69,23 @@ def test_the_ps_recomputes_when_the_batch_would_not_fit_and_equals_the_reference
     log = (tmp_path / "run" / "logs" / "ps.log").read_text()
     assert "recompute=True" in log and "head_chunks=4" in log and "micro_batches=2" in log, log[-2000:]
     assert json.loads((tmp_path / "run" / "job.json").read_text())["recompute"] is True  # decided before the PS
+
+
+@pytest.mark.slow
+def test_the_ps_defers_fewer_weight_gradients_when_all_of_them_would_not_fit(tmp_path):
+    job = JobConfig(job_id="defers", steps=2, **OPTIONS)
+    eight = preflight.estimate(job, workers=2, deferred=8)
+    assert eight.deferring(1).total < eight.deferring(2).total < eight.total
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    common = [sys.executable, "-m", "cleave_cli", "train", "--config", str(tmp_path / "job.json")]
+    env = {**os.environ, "CLEAVE_PS_MEMORY_BYTES": str(eight.deferring(2).total), "CLEAVE_PS_DEFERRED_GEMMS": "8"}
+    dist, ref = tmp_path / "dist.jsonl", tmp_path / "ref.jsonl"
+    out = subprocess.run([*common, "--workers", "2", "--metrics-out", str(dist), "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = (tmp_path / "run" / "logs" / "ps.log").read_text()
+    assert "deferred_gemms_lowered" in log and "deferred_gemms=2" in log, log[-2000:]
+    subprocess.run([*common, "--reference", "--metrics-out", str(ref), "--run-dir", str(tmp_path / "ref")],
+                   check=True, capture_output=True, timeout=120, env=env)
+    assert [json.loads(x)["loss"] for x in dist.read_text().splitlines()] == \
+        [json.loads(x)["loss"] for x in ref.read_text().splitlines()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -45,7 +46,9 @@ def test_train_dry_run_prints_the_estimate_and_refuses_what_cannot_fit(tmp_path)
 
     ok = dry(10**12)
     assert ok.returncode == 0 and "PS peak" in ok.stdout and "activations" in ok.stdout and "fits" in ok.stdout
-    refused = dry(5 * 10**8)
+    fewer = dry(5 * 10**8)  # fits once fewer weight gradients are deferred beside the backward than 8
+    assert fewer.returncode == 0 and re.search(r"and [0-7] deferred dW's", fewer.stdout), fewer.stdout
+    refused = dry(4 * 10**8)
     assert refused.returncode == 2 and "lower batch_size (now 64)" in refused.stderr, refused.stderr
 
 
@@ -134,6 +137,21 @@ def test_a_job_held_over_by_its_deferred_gradients_is_told_to_defer_fewer() -> N
     with pytest.raises(ConfigError, match="lower the PS's deferred_gemms .CLEAVE_PS_DEFERRED_GEMMS, now 8"):
         preflight.check(job, eight, room)
     preflight.check(job, none, room)
+
+
+def test_the_preflight_defers_fewer_weight_gradients_only_as_far_as_the_job_needs() -> None:
+    job = JobConfig(preset="small", batch_size=64, recompute=True)
+    eight = preflight.estimate(job, workers=2, deferred=8)
+    assert eight.deferring(0).total == preflight.estimate(job, workers=2, deferred=0).total
+    assert preflight.resolve(job, preflight.Memory(eight.total), 2, deferred=8)[1] == eight  # fits: all 8 kept
+    three = eight.deferring(3)
+    assert eight.total > three.total > eight.deferring(2).total
+    _, est = preflight.resolve(job, preflight.Memory(three.total), 2, deferred=8)
+    assert est.deferred == three.deferred and est.total == three.total  # the most that fit
+    _, est = preflight.resolve(job, preflight.Memory(eight.deferring(0).total - 1), 2, deferred=8)
+    assert est.deferred[0] == 8  # nothing fits: the estimate as asked, and the refusal names the other knobs
+    with pytest.raises(ConfigError, match="raise micro_batches"):
+        preflight.check(job, est, eight.deferring(0).total - 1)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

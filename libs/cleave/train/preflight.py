@@ -14,7 +14,8 @@ and at the peak of a step one of:
 plus the streamed checkpoint's few in-flight chunks and the Python/torch runtime. A job whose estimate
 exceeds the memory the PS may use is refused at once, with the numbers and the knob to turn, instead of
 being killed by the OOM killer later; `recompute` left undecided (None) is turned on when, and only when,
-the job does not fit without it (`resolve`). Where the PS trains on a GPU, the model's part is checked
+the job does not fit without it, and then the PS defers fewer weight gradients (`deferred_gemms` is its
+most) when, and only as far as, the job does not fit with all of them (`resolve`). Where the PS trains on a GPU, the model's part is checked
 against the GPU's free memory (`torch.cuda.mem_get_info`) and the rest against the host's. `cleave train
 --dry-run` prints the estimate.
 """
@@ -22,7 +23,7 @@ against the GPU's free memory (`torch.cuda.mem_get_info`) and the rest against t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,12 @@ class Estimate:
     layout: StepLayout
     largest_tile: tuple[str, int, int, int, int]  # GEMM kind, rows, cols, K, bytes (an even split)
     smallest_tile: int  # bytes of the thinnest tile the dealer cuts (MIN_BLOCK x MIN_BLOCK) of the largest K
+    dw_buffers: tuple[int, ...] = ()  # the bus buffers of each weight gradient that may be deferred, largest first
+
+    def deferring(self, count: int) -> Estimate:
+        """The same job with `count` weight gradients deferred beside the backward (the largest ones)."""
+        held = sum(self.dw_buffers[:count])
+        return replace(self, bus=self.bus - self.deferred[1] + held, deferred=(count, held))
 
     @property
     def phases(self) -> dict[str, tuple[int, int]]:
@@ -118,7 +125,8 @@ class Estimate:
             f"activations  {self.activations / GB:10.2f} GB  (saved for the backward: {how})",
             f"head         {self.head / GB:10.2f} GB  (the head and loss in {lay.head_chunks} chunk(s) of tokens: "
             f"logits, their gradient, dW and its running sum)",
-            f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output, and deferred dW's)",
+            f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output, and "
+            f"{self.deferred[0]} deferred dW's)",
             f"checkpoint   {self.checkpoint / GB:10.2f} GB  (streamed: chunks in flight)",
             f"runtime      {self.runtime / GB:10.2f} GB  (Python, torch)",
             f"PS peak      {self.total / GB:10.2f} GB  (at {self.peak_phase})",
@@ -222,7 +230,7 @@ def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = 
                     head=head_bytes(job, layout, tokens, tile_bytes), bus=bus,
                     deferred=(deferred, sum(dws[:deferred])), checkpoint=CHECKPOINT_BUFFER_BYTES,
                     runtime=RUNTIME_BYTES, layout=layout, largest_tile=largest,
-                    smallest_tile=thin)
+                    smallest_tile=thin, dw_buffers=tuple(dws))
 
 
 def _largest_block(g: GemmShape, workers: int, b: int) -> tuple[str, int, int, int, int]:
@@ -283,15 +291,21 @@ def fits(est: Estimate, memory: Memory) -> bool:
 
 def resolve(job: JobConfig, memory: Memory, workers: int, **kw: object) -> tuple[JobConfig, Estimate]:
     """`job` with `recompute` decided (when left None: on only if the job does not fit without it) and its
-    estimate."""
-    if job.recompute is not None:
-        return job, estimate(job, workers, **kw)
-    plain = job.model_copy(update={"recompute": False})
-    est = estimate(plain, workers, **kw)
-    if fits(est, memory):
-        return plain, est
-    again = job.model_copy(update={"recompute": True})
-    return again, estimate(again, workers, **kw)
+    estimate; when it still does not fit, with fewer of the PS's weight gradients deferred than `deferred`: the
+    most that fit (the estimate's `deferred` says how many; the PS deals that many)."""
+    if job.recompute is None:
+        plain = job.model_copy(update={"recompute": False})
+        est = estimate(plain, workers, **kw)
+        if fits(est, memory):
+            return plain, est
+        job = job.model_copy(update={"recompute": True})
+    return job, fewer_deferred(estimate(job, workers, **kw), memory)
+
+
+def fewer_deferred(est: Estimate, memory: Memory) -> Estimate:
+    """`est` with the most deferred weight gradients, up to its own count, that fit in `memory` (`est` if
+    none do: the refusal then names what else to change)."""
+    return next((e for e in map(est.deferring, range(est.deferred[0], -1, -1)) if fits(e, memory)), est)
 
 
 def _knobs(job: JobConfig, est: Estimate, room: int) -> list[str]:

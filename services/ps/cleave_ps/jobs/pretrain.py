@@ -179,9 +179,13 @@ class Pretrain:
                                           deferred=self.s.deferred_gemms, replicas=self.s.replicas)
         budgets = budgets or []
         preflight.check(self.job, est, memory, budgets or preflight.DEFAULT_WORKER_MEMORY)
+        if est.deferred[0] < self.s.deferred_gemms:  # the job fits only with fewer weight gradients deferred
+            log.warning("deferred_gemms_lowered", job=self.job.job_id, deferred_gemms=est.deferred[0],
+                        setting=self.s.deferred_gemms, ps_peak_gb=round(est.total / 1e9, 2))
+            self.backend.deferred_gemms = est.deferred[0]
         log.info("preflight_passed", job=self.job.job_id, ps_peak_gb=round(est.total / 1e9, 2),
                  available_gb=round(memory.host / 1e9, 2), gpu_free_gb=memory.gpu and round(memory.gpu / 1e9, 2),
-                 recompute=self.job.recompute, micro_batches=self.job.micro_batches,
+                 recompute=self.job.recompute, micro_batches=self.job.micro_batches, deferred_gemms=est.deferred[0],
                  head_chunks=est.layout.head_chunks, workers_declared=len(budgets))
 
     @property
