@@ -44,10 +44,9 @@ def test_train_dry_run_prints_the_estimate_and_refuses_what_cannot_fit(tmp_path)
              "--dry-run", "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
             env={**os.environ, "CLEAVE_PS_MEMORY_BYTES": str(memory)})
 
-    ok = dry(10**12)
+    ok = dry(5 * 10**8)  # fits once fewer weight gradients are deferred beside the backward than 8
     assert ok.returncode == 0 and "PS peak" in ok.stdout and "activations" in ok.stdout and "fits" in ok.stdout
-    fewer = dry(5 * 10**8)  # fits once fewer weight gradients are deferred beside the backward than 8
-    assert fewer.returncode == 0 and re.search(r"and [0-7] deferred dW's", fewer.stdout), fewer.stdout
+    assert re.search(r"and [0-7] deferred dW's", ok.stdout), ok.stdout
     refused = dry(4 * 10**8)
     assert refused.returncode == 2 and "lower batch_size (now 64)" in refused.stderr, refused.stderr
 
