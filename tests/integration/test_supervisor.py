@@ -152,7 +152,9 @@ def assert_store_reopens(run_dir: Path, before: dict[str, int]) -> None:
         stack.stop_all()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL],
+# SIGINT and SIGHUP go to the same handler as SIGTERM (`cleave.api.supervisor.STOP_SIGNALS`): `-m slow` runs them
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                 pytest.param(signal.SIGHUP, marks=pytest.mark.slow), signal.SIGKILL],
                          ids=lambda s: signal.Signals(s).name)
 def test_up_stops_its_whole_stack(tmp_path, supervisor, sig):
     run_dir = tmp_path / "run"
