@@ -38,6 +38,7 @@ def test_cli_train_matches_reference(tmp_path):
     lines = [json.loads(line) for line in dist.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(20))
     assert all(m["workers"] == 3 and m["tiles"] > 0 and m["bytes_down"] > 0 and m["bytes_up"] > 0 for m in lines)
+    assert all(0 < m["verify_cpu_s"] < m["step_time_s"] for m in lines)  # every block checked, on the PS's CPU
     stack = json.loads((tmp_path / "run" / "stack.json").read_text())
     assert {p["role"] for p in stack["processes"]} >= {"nats", "scheduler", "worker", "ps"}
     ps_log = (tmp_path / "run" / "logs" / "ps.log").read_text()

@@ -61,6 +61,7 @@ class StepMetrics(Wire):
     replica_wait_s: float = 0.0  # PS replicas: waiting for the slowest replica's backward (a barrier)
     allreduce_s: float = 0.0  # PS replicas: the gradient all-reduce itself
     peak_rss_bytes: int = 0  # the PS's (or the reference's) peak resident memory so far (0: not measured)
+    verify_cpu_s: float = 0.0  # the PS's CPU seconds in Freivalds' check of this step's result blocks
     at: float = 0.0
 
 

@@ -90,7 +90,7 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
         rejected=c.rejected - before["rejected"], bytes_down=c.bytes_down - before["bytes_down"],
         bytes_up=c.bytes_up - before["bytes_up"], tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val,
         recoveries=len(recovery), recovery=recovery, resumed=resumed, at=time.time(), peak_rss_bytes=peak_rss_bytes(),
-        gemm_s=c.gemm_s - before["gemm_s"], predicted_gemm_s=planned,
+        gemm_s=c.gemm_s - before["gemm_s"], predicted_gemm_s=planned, verify_cpu_s=c.verify_cpu_s - before["verify_cpu_s"],
         predicted_step_s=None if planned is None or ps_own_s is None else planned + ps_own_s,
     )
 
@@ -104,7 +104,7 @@ def snapshot_counters(d: Dispatcher) -> dict:
     c = d.c
     return dict(tiles=c.tiles, resent=c.resent, copied=c.copied, dropped=c.dropped, rejected=c.rejected, bytes_down=c.bytes_down,
                 bytes_up=c.bytes_up, recoveries=len(c.recoveries), gemm_s=c.gemm_s,
-                planned_gemm_s=c.planned_gemm_s, unplanned=c.unplanned)
+                planned_gemm_s=c.planned_gemm_s, unplanned=c.unplanned, verify_cpu_s=c.verify_cpu_s)
 
 
 class Pretrain:
