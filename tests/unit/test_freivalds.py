@@ -138,3 +138,24 @@ def test_a_strip_draws_its_vector_once_per_gemm_run_and_each_block_is_judged_alo
     assert freivalds.check(norms, 0, 32, 0, 32, product[:32].copy()).passed
     v = freivalds.check(norms, 32, 64, 0, 32, lie)
     assert not v.passed and v.row == 5
+
+
+@pytest.mark.parametrize("cols", [8, 300])  # one conversion; several chunks of CHUNK_ELEMENTS
+def test_transposed_inputs_are_read_in_their_own_layout_with_the_same_products(cols: int) -> None:
+    """dX's Bᵀ is a weight's transposed view and dW's inputs are transposed activations: Btᵀ·x and the row
+    norms come out as from contiguous copies, and the verdicts are the same."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(cols, 384, generator=g), freivalds.random_vector(cols).astype(np.float64)
+    for bt in (w.numpy(), np.asfortranarray(w.numpy()), w.t().contiguous().t().numpy()):
+        np.testing.assert_allclose(freivalds.btx64(bt, x), x @ w.numpy().astype(np.float64), rtol=1e-12)
+        exact = (w.numpy().astype(np.float64) ** 2).sum(1)  # bounded from above whatever the order of the sums
+        assert (freivalds.row_squares(bt) >= exact).all() and (freivalds.row_squares(bt) <= exact * (1 + 1e-4)).all()
+    dy, act = torch.randn(256, cols, generator=g), torch.randn(256, 96, generator=g)
+    for a, bt in ((dy, w.t()), (dy.t(), act.t())):  # dX = dY·W, dW = dYᵀ·X, as the PS deals them (views)
+        norms = freivalds.Norms(a, bt)
+        product = (a @ bt.T).numpy()
+        block = product[:64, :40].copy()
+        assert freivalds.check(norms, 0, 64, 0, 40, block).passed
+        block[3, 5] += 0.01 * float(np.sqrt((product**2).mean()))
+        v = freivalds.check(norms, 0, 64, 0, 40, block)
+        assert not v.passed and v.row == 3

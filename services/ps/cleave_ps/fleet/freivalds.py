@@ -43,6 +43,7 @@ import torch
 DEFAULT_Z = 10.0  # the tolerance in multiples of the rounding bound (honest blocks measured at most 1/4 of it)
 U32 = 2.0**-24  # float32's unit roundoff: workers accumulate in float32 whatever the job's precision
 U64 = 2.0**-53  # float64's
+CHUNK_ELEMENTS = 1 << 15  # of bt converted to float64 at once (256 KiB)
 FLOOR = 1e-30  # absolute slack per term, for blocks of (near) zeros: underflow, not lies
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # of a block's rounding to its dtype
 
@@ -131,7 +132,7 @@ class Strip:
     def of(x: np.ndarray, x64: np.ndarray, x_sq: np.ndarray, bt: np.ndarray, bt_sq: np.ndarray) -> Strip:
         cols, k = bt.shape
         with np.errstate(all="ignore"):
-            y64 = x64 @ bt  # Btᵀ·x in float64: its rounding is next to nothing
+            y64 = btx64(bt, x64)
             y = y64.astype(np.float32)  # (inf where it exceeds float32: the check then decides in float64)
         xb = math.sqrt(float(x_sq @ bt_sq))  # ‖x∘‖bⱼ‖‖
         yn = math.sqrt(float(y64 @ y64))
@@ -139,12 +140,31 @@ class Strip:
         return Strip(x, x64, y64, y, math.sqrt(float(x_sq.sum())), inputs)
 
 
+def btx64(bt: np.ndarray, x64: np.ndarray) -> np.ndarray:
+    """Btᵀ·x in float64 (its rounding is next to nothing), `bt` converted a few rows at a time (at most
+    CHUNK_ELEMENTS, in cache; a strip converted whole is an allocation of its own, page faults and all: 8 times
+    slower for 512 x 4096) and in its own layout (a transposed view, dX's Wᵀ: 5 times faster than numpy's
+    implicit conversion)."""
+    cols, k = bt.shape
+    if cols * k <= CHUNK_ELEMENTS:
+        return x64 @ bt.astype(np.float64)
+    if bt.strides[0] > bt.strides[1]:  # rows contiguous: a few rows at a time, summed
+        step = max(1, CHUNK_ELEMENTS // k)
+        y64 = np.zeros(k)
+        for i in range(0, cols, step):
+            y64 += x64[i:i + step] @ bt[i:i + step].astype(np.float64)
+        return y64
+    step = max(1, CHUNK_ELEMENTS // cols)  # a transposed view: a few of its columns (rows of the tensor) at a time
+    return np.concatenate([bt[:, j:j + step].T.astype(np.float64) @ x64 for j in range(0, k, step)])
+
+
 def row_squares(m: np.ndarray) -> np.ndarray:
-    """An upper bound on ‖mᵢ‖² of every row (float64): squares summed in float32 by BLAS's dot (`np.vecdot`:
-    twice as fast as einsum, four times float64's), so enlarged by their rounding, at most K·u relative, in any
-    order; in float64 where float32 overflows."""
+    """An upper bound on ‖mᵢ‖² of every row (float64): squares summed in float32, by BLAS's dot along contiguous
+    rows (`np.vecdot`: twice as fast as einsum, four times float64's) and by einsum across the rows of a
+    transposed view (dW's inputs, dX's Wᵀ: vecdot there is 50 times slower), so enlarged by their rounding, at
+    most K·u relative, in any order; in float64 where float32 overflows."""
     with np.errstate(over="ignore", invalid="ignore"):
-        squares = np.vecdot(m, m)
+        squares = np.vecdot(m, m) if m.strides[-1] == m.itemsize else np.einsum("ij,ij->i", m, m)
     if squares.size and not math.isfinite(squares.max()):
         squares = np.einsum("ij,ij->i", m, m, dtype=np.float64)
     return np.multiply(squares, 1 + m.shape[1] * U32, dtype=np.float64)
