@@ -159,3 +159,24 @@ def test_transposed_inputs_are_read_in_their_own_layout_with_the_same_products(c
         block[3, 5] += 0.01 * float(np.sqrt((product**2).mean()))
         v = freivalds.check(norms, 0, 64, 0, 40, block)
         assert not v.passed and v.row == 3
+
+
+def test_planned_strips_read_a_once_and_judge_each_block_as_unplanned_ones() -> None:
+    """With the run's column strips known, the first check computes every strip's y and A·[y₁ … y_S] in one
+    product; the blocks' verdicts are those of strips computed one by one, and a lie fails its block only."""
+    g = torch.Generator().manual_seed(11)
+    a, bt = torch.randn(96, 256, generator=g), torch.randn(70, 256, generator=g)
+    strips = ((0, 30), (30, 64), (64, 70))
+    planned, lazy = freivalds.Norms(a, bt, strips).ready(), freivalds.Norms(a, bt).ready()
+    assert planned.ay.shape == (96, 3) and [planned.strip(*s).column for s in strips] == [0, 1, 2]
+    assert lazy.ay is None and lazy.strip(0, 30).column == -1
+    product = (a @ bt.T).numpy()
+    for r0, r1 in ((0, 50), (50, 96)):
+        for c0, c1 in strips:
+            block = product[r0:r1, c0:c1].copy()
+            assert freivalds.check(planned, r0, r1, c0, c1, block).passed
+            assert freivalds.check(lazy, r0, r1, c0, c1, block).passed
+            block[7, 1] += 0.01 * float(np.sqrt((product**2).mean()))
+            v = freivalds.check(planned, r0, r1, c0, c1, block)
+            assert not v.passed and v.row == 7
+    assert freivalds.check(planned, 0, 50, 10, 40, product[:50, 10:40].copy()).passed  # a strip not planned

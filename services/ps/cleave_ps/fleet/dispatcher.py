@@ -159,7 +159,8 @@ class Dispatcher:
         # in its precision, each block rounded once by its worker as the product would be here
         rounded = "" if cast is not None or want == torch.float32 else codec.dtype_name(want)
         run = self.runs[seq] = GemmRun(seq, step, op, name, a, bt, torch.empty(m, n, dtype=want if rounded else
-                                       torch.float32, pin_memory=pin), expected_s=expected_s, rounded=rounded)
+                                       torch.float32, pin_memory=pin), expected_s=expected_s, rounded=rounded,
+                                       strips=tuple(sorted({(t.c0, t.c1) for t in grid})) if self.s.freivalds else ())
         self.c.concurrent = max(self.c.concurrent, len(self.runs))
         itemsize = run.out.element_size()
         self.block_cap = max(self.block_cap, max((t.rows * t.cols * itemsize for t in grid), default=0))
@@ -331,6 +332,8 @@ class Dispatcher:
         else:
             block = frames.block(out, t.rows, t.cols)
             touched = block.nbytes + (t.rows + t.cols) * run.a.shape[1] * run.a.element_size()
+            if run.norms.a_norm is None:  # the GEMM's first check reads all of its inputs
+                touched += (run.a.numel() + run.bt.numel()) * run.a.element_size()
             why, worst, cpu = await self._off_loop(touched, lambda: examine(run, t, block, out.dtype, self.s.freivalds))
             self.c.verify_cpu_s += cpu
             self.c.verified += not why and self.s.freivalds

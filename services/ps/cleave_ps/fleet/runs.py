@@ -61,10 +61,11 @@ class GemmRun:
     expected_s: float = 0.0  # the plan's makespan for this GEMM (0: no prediction)
     rounded: str = ""  # the precision its blocks come back in ("": float32; `TileTask.rounded`)
     bytes_down: int = 0  # what the PS published for it (tiles and fan-out blocks)
+    strips: tuple[tuple[int, int], ...] = ()  # the column ranges of its tiles
     norms: Norms | None = None  # its inputs' row norms, for Freivalds' checks (computed by the first one)
 
     def __post_init__(self) -> None:
-        self.norms = Norms(self.a, self.bt)
+        self.norms = Norms(self.a, self.bt, self.strips)
 
 
 def recovery_event(rec: Recovery, run: GemmRun | None) -> Event:
