@@ -20,8 +20,9 @@ unit roundoff u, independently; the random signs of x make the sum over a row's 
 - a bf16 or fp16 block's rounding to its dtype: u_out·‖cᵢ∘x‖.
 
 The norms of `a`'s and `bt`'s rows are computed once per GEMM run (`Norms`), Btᵀ·x and the tolerance's
-terms that do not depend on the block once per strip (`Strip`); a block's
-own check reads its rows of A and the block itself, once: a float32 block whose residuals are within the tolerance
+terms that do not depend on the block once per strip (`Strip`), and A·y for every strip of the run's tiles in
+one product; a block's own check reads the block itself, once (and its rows of A for a strip the tiles did not
+name): a float32 block whose residuals are within the tolerance
 less C·x's rounding term (which needs ‖cᵢ‖, a second pass over the block) passes without reading it again (the
 verdict is the same: the tolerance only grows with that term). `tests/unit/test_freivalds.py`
 measures how far honest blocks stay below the tolerance and which lies it catches; `benchmarks/step.py`
@@ -79,7 +80,8 @@ class Norms:
     """Row norms of a GEMM run's inputs and its random vector, computed once (by the run's first check) and
     shared by all its checks, which may run in several threads; with the run's column strips known (`planned`,
     from its tiles), also every strip's y and A·[y₁ … y_S] in one product, so that A is read once for all
-    strips and a block's check reads only the block (`ay`; a strip not planned is computed by its first check). Computed with numpy on the checking thread: torch's reductions
+    strips and a block's check reads only the block (`ay`; a strip not planned is computed by its first
+    check). Computed with numpy on the checking thread: torch's reductions
     wake its thread pool, which on a busy PS cost 10 to 50 times the pass itself (measured: 12 ms against
     0.3 ms for 1,024 rows of 128)."""
 
@@ -96,7 +98,7 @@ class Norms:
         self.bt32 = self.bt.numpy() if self.bt.dtype == torch.float32 else None
 
     def ready(self) -> Norms:
-        if self.a_norm is not None:  # (set last, below: then both are)
+        if self.is_ready:  # (a_norm is set last, below)
             return self
         with self._lock:
             if self.a_norm is None:
@@ -113,11 +115,15 @@ class Norms:
                 self.a_norm = np.sqrt(row_squares(a32))
         return self
 
+    @property
+    def is_ready(self) -> bool:
+        """Whether the first check has computed what all checks share (`ready`)."""
+        return self.a_norm is not None
+
     def _strip(self, c0: int, c1: int, column: int = -1) -> Strip:
         return Strip.of(self.x[c0:c1], self.x64[c0:c1], self.x_sq[c0:c1],
                         self.bt32[c0:c1] if self.bt32 is not None else as_float32(self.bt[c0:c1]), self.bt_sq[c0:c1],
                         column)
-
 
     def strip(self, c0: int, c1: int) -> Strip:
         """Column strip [c0, c1)'s part of the random vector and what follows from it (by its first check)."""
