@@ -7,21 +7,24 @@ chunks back together with bounded memory. Nothing here does I/O; `cleave.bus` se
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgpack
 import numpy as np
 import pydantic
-import torch
 import zstandard
 
 from cleave.errors import TooLarge, WireError
 from cleave.schemas import DTYPE_SIZES, DTYPES, MAX_MESSAGE_BYTES, TensorData, Wire
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"CV"
 VERSION = 1
@@ -46,24 +49,32 @@ Piece = bytes | bytearray | memoryview  # one piece of a frame: `encode_pieces`,
 
 T = TypeVar("T", bound=Wire)
 
-_TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # the wire names are torch's own
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 _compressor = zstandard.ZstdCompressor(level=1)
 
 
 # ---- tensors -----------------------------------------------------------------------------------------
+# torch is imported by the first call that handles a tensor: the scheduler and the monitor never do, and start
+# without it (its import is 2 s of CPU on a laptop core)
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch
+
+    by_name = {name: getattr(torch, name) for name in DTYPES}  # the wire names are torch's own
+    return by_name, {v: k for k, v in by_name.items()}
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a wire dtype name ("float32", "bfloat16", ...)."""
-    return _TORCH_DTYPES[name]
+    return _torch_dtypes()[0][name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of a torch dtype (KeyError for one the wire does not carry: `sendable` tells)."""
-    return _DTYPE_NAMES[dtype]
+    return _torch_dtypes()[1][dtype]
 
 
 def sendable(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPE_NAMES
+    return dtype in _torch_dtypes()[1]
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -73,19 +84,23 @@ def numpy_dtype(name: str) -> np.dtype:
 
 def tensor_to_data(t: torch.Tensor) -> TensorData:
     """A CPU tensor as wire data (one copy of its bytes; bf16 travels as its 16-bit pattern)."""
+    import torch
+
     if not sendable(t.dtype):
         raise WireError("bad_dtype", f"cannot send tensors of {t.dtype}")
     t = t.detach().to("cpu").contiguous()
     view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return TensorData.model_construct(dtype=_DTYPE_NAMES[t.dtype], shape=tuple(t.shape), data=view.numpy().tobytes())
+    return TensorData.model_construct(dtype=dtype_name(t.dtype), shape=tuple(t.shape), data=view.numpy().tobytes())
 
 
 def data_to_tensor(d: TensorData, pin: bool = False) -> torch.Tensor:
     """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size); `pin`:
     in page-locked memory, for a non-blocking copy to a GPU (needs CUDA), still one copy of the bytes."""
+    import torch
+
     arr = np.frombuffer(d.data, dtype=numpy_dtype(d.dtype))
     if pin:
-        t = torch.empty(arr.shape, dtype=torch.int16 if d.dtype == "bfloat16" else _TORCH_DTYPES[d.dtype],
+        t = torch.empty(arr.shape, dtype=torch.int16 if d.dtype == "bfloat16" else torch_dtype(d.dtype),
                         pin_memory=True)
         t.numpy()[:] = arr
     else:

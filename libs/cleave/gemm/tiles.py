@@ -7,8 +7,12 @@ row block Bᵀ[c0:c1, :]. The inner dimension k is never split, so a block is fi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:  # (the scheduler plans tiles without torch)
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +125,12 @@ def from_boxes(boxes: list[tuple[int, int, int, int]]) -> list[Tile]:
 
 def check_cover(tiles: list[Tile], m: int, n: int) -> None:
     """Raise ValueError unless the tiles cover [0, m) x [0, n) exactly once."""
-    covered = torch.zeros(m, n, dtype=torch.int32)
+    covered = np.zeros((m, n), dtype=np.int32)
     for t in tiles:
         if not (0 <= t.r0 < t.r1 <= m and 0 <= t.c0 < t.c1 <= n):
             raise ValueError(f"tile {t} outside the {m}x{n} output")
         covered[t.r0 : t.r1, t.c0 : t.c1] += 1
-    if not bool((covered == 1).all()):
+    if not (covered == 1).all():
         raise ValueError("tiles leave a gap or overlap")
 
 
@@ -137,7 +141,7 @@ def compute(a_block: torch.Tensor, bt_block: torch.Tensor) -> torch.Tensor:
 
 def tiled_matmul(a: torch.Tensor, bt: torch.Tensor, tiles: list[Tile]) -> torch.Tensor:
     """Reference single-process execution of a tiling: must equal a @ bt.T up to float rounding."""
-    out = torch.empty(a.shape[0], bt.shape[0], dtype=a.dtype)
+    out = a.new_empty(a.shape[0], bt.shape[0])
     for t in tiles:
         out[t.r0 : t.r1, t.c0 : t.c1] = compute(a[t.r0 : t.r1], bt[t.c0 : t.c1])
     return out

@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from cleave.models.config import ModelConfig
-from cleave.models.presets import build_model
-from cleave.models.recompute import recompute_free
+
+if TYPE_CHECKING:  # (a step's order and pairs are planned without torch: the scheduler never imports it)
+    from torch import nn
 
 HEAD = "lm_head"  # the output head's linear layer (not in a block)
 DEFAULT_LOGITS_BYTES = 256 * 1024 * 1024  # float32 logits of one chunk of the head at most (a chunk of 1,024
@@ -73,6 +73,8 @@ class GemmShape:
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    from torch import nn
+
     return {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
 
 
@@ -81,6 +83,9 @@ def _linear_kinds(cfg: ModelConfig) -> tuple[tuple[str, int, int, int, bool], ..
     """(kind, in_features, out_features, count, recomputed) of the model's linear layers (recomputed: a
     recomputation of its block runs its product); building even a meta model takes a second or so for the
     big presets, hence the cache (configs are frozen, so hashable)."""
+    from cleave.models.presets import build_model
+    from cleave.models.recompute import recompute_free
+
     counts: dict[tuple[str, int, int, bool], int] = {}
     model = build_model(cfg, device="meta")
     free = recompute_free(model)

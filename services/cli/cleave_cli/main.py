@@ -19,7 +19,8 @@ TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "pl
          "submit": "jobs_cmd", "status": "jobs_cmd", "runner": "runner", "site": "site_cmd"}
 # each module: register(sub) adds its subcommands, run(args) runs one
 DISTRIBUTION = "cleave-train"  # the name on the package index (the import names are cleave, cleave_cli, ...)
-LIGHT = ("chaos",)  # parsed alone, so that `cleave chaos kill` signals before torch is ever imported
+LIGHT = ("chaos", "monitor", "scheduler")  # parsed alone, importing no other command: `cleave chaos kill`
+# signals, and the scheduler and the monitor start, without torch (its import is 2 s of CPU on a laptop core)
 
 
 def tool(name: str) -> ModuleType:
@@ -47,6 +48,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cleave", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cleave {version()} (Python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="command", required=True)
+    if only == "scheduler":
+        _scheduler(sub)
+        return parser
     if only in LIGHT:
         tool(only).register(sub)
         return parser
@@ -104,9 +108,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--data", help="this worker's own data (a data spec, as --data of train): the round methods and "
                                   "split learning train on it here; only its size is reported, never path or content")
 
-    p = sub.add_parser("scheduler", help="run the scheduler")
-    _service_args(p)
+    _scheduler(sub)
     return parser
+
+
+def _scheduler(sub: argparse._SubParsersAction) -> None:
+    _service_args(sub.add_parser("scheduler", help="run the scheduler"))
 
 
 def _settings(cls, args: argparse.Namespace, **fields):
