@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import importlib
 import os
 import sys
@@ -157,6 +159,9 @@ def run_service(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    atexit.unregister(gc.freeze)  # (once, however often main runs in one process)
+    atexit.register(gc.freeze)  # the collector's last passes skip what exists at exit: with torch loaded they
+    # took 1.2 s of CPU at the end of every command and service, 0.2 s without (objects are freed as always)
     args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
     try:
         if args.command in ("ps", "worker", "scheduler"):
