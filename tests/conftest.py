@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,6 +13,15 @@ import pytest
 from cleave.api.natsconf import free_port, nats_server_binary
 
 READY_TIMEOUT_S = 20.0
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Our sources byte-compiled once (only those changed since): the tests start hundreds of service processes,
+    and where PYTHONDONTWRITEBYTECODE is set (CI images often set it) each would compile the ~180 modules it
+    imports again, 0.4 s of CPU a process."""
+    for folder in ("libs", "services"):
+        compileall.compile_dir(ROOT / folder, quiet=1)
 
 
 class NatsServer:
