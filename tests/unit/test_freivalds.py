@@ -169,7 +169,8 @@ def test_planned_strips_read_a_once_and_judge_each_block_as_unplanned_ones() -> 
     a, bt = torch.randn(96, 256, generator=g), torch.randn(70, 256, generator=g)
     strips = ((0, 30), (30, 64), (64, 70))
     planned, lazy = freivalds.Norms(a, bt, strips).ready(), freivalds.Norms(a, bt).ready()
-    assert planned.ay.shape == (96, 3) and [planned.strip(*s).column for s in strips] == [0, 1, 2]
+    assert planned.ay.shape == planned.inv_tol.shape == (3, 96)  # a strip a row
+    assert [planned.strip(*s).column for s in strips] == [0, 1, 2]
     assert lazy.ay is None and lazy.strip(0, 30).column == -1
     product = (a @ bt.T).numpy()
     for r0, r1 in ((0, 50), (50, 96)):

@@ -88,7 +88,8 @@ class Norms:
     def __init__(self, a: torch.Tensor, bt: torch.Tensor, planned: tuple[tuple[int, int], ...] = ()) -> None:
         self.a, self.bt = a.detach(), bt.detach()  # (a weight requires grad; its values are all a check reads)
         self.planned = planned
-        self.ay: np.ndarray | None = None  # A·y of each planned strip, a column each (float32)
+        self.ay: np.ndarray | None = None  # A·y of each planned strip, a row each (float32)
+        self.inv_tol: np.ndarray | None = None  # 1 / a float32 block's tolerance less C·x's term, the same layout
         self._lock = threading.Lock()
         self.a_norm = self.bt_sq = None  # ‖aᵢ‖ per row of a, ‖bⱼ‖² per row of bt (float64 upper bounds)
         self.x = self.x64 = self.x_sq = None  # the random vector, one entry per row of bt; in float64; squared
@@ -107,12 +108,16 @@ class Norms:
                 self.x_sq = self.x64 * self.x64
                 self.bt_sq = row_squares(self.bt32 if self.bt32 is not None else as_float32(self.bt))
                 a32 = self.a32 if self.a32 is not None else as_float32(self.a)
+                a_norm = np.sqrt(row_squares(a32))
                 if self.planned:
                     ys = [self._strip(c0, c1, column) for column, (c0, c1) in enumerate(self.planned)]
                     with np.errstate(all="ignore"):  # (inf or NaN where y overflowed: decided in float64)
-                        self.ay = a32 @ np.stack([st.y for st in ys], axis=1)
+                        self.ay = np.stack([st.y for st in ys]) @ a32.T  # a strip's A·y a row, read contiguous
+                        tol = np.multiply.outer([DEFAULT_Z * st.inputs for st in ys], a_norm)
+                        tol += np.array([[floor(a32.shape[1], c1 - c0)] for c0, c1 in self.planned])
+                        self.inv_tol = np.reciprocal(tol, dtype=np.float32)
                     self.strips.update(zip(self.planned, ys, strict=True))
-                self.a_norm = np.sqrt(row_squares(a32))
+                self.a_norm = a_norm
         return self
 
     @property
@@ -139,7 +144,8 @@ class Norms:
 class Strip:
     """A column strip's part of the random vector x (float32 and float64), y = Btᵀ·x (float64 and rounded to
     float32), ‖x‖, and the rounding bound's terms that do not depend on the block, per unit of ‖aᵢ‖ (`inputs`:
-    the worker's sums, y's and A·y's); `column`: its column of `Norms.ay` (-1: none, A·y is computed per block)."""
+    the worker's sums, y's and A·y's); `column`: its row of `Norms.ay` and `Norms.inv_tol` (-1: none, both are
+    computed per block)."""
 
     x: np.ndarray
     x64: np.ndarray
@@ -211,41 +217,56 @@ def random_vector(n: int) -> np.ndarray:
     return np.where(v < 1, -1 - v, v)
 
 
-def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype: str = "float32",
-          z: float = DEFAULT_Z) -> Verdict:
+def floor(k: int, cols: int) -> float:
+    """The tolerance's absolute slack for a row of a block `cols` wide with inner dimension k."""
+    return FLOOR * (k + 1) * cols
+
+
+def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype: str = "float32") -> Verdict:
     """Whether `c` (float32, `block_float32`) is a[r0:r1] · bt[c0:c1]ᵀ, its elements rounded to `dtype`,
     within float rounding (see the module docstring). A block with a value that is not finite fails."""
     n = norms.ready()
-    rows, cols, k = r1 - r0, c1 - c0, n.a.shape[1]
-    if rows <= 0 or cols <= 0:
+    if r1 <= r0 or c1 <= c0:
         return Verdict(True, 0.0, 0)
     st = n.strip(c0, c1)
-    rows_of_a = lambda: n.a32[r0:r1] if n.a32 is not None else as_float32(n.a[r0:r1])  # noqa: E731 - when needed
     u_out = UNIT_ROUNDOFF.get(dtype, 0.0)
-    a_norm = n.a_norm[r0:r1]
-    floor = FLOOR * (k + 1) * cols
-    inputs_bound = st.inputs
     with np.errstate(all="ignore"):  # overflow: the float64 path below decides
-        residual = mv(c, st.x)
-        residual -= n.ay[r0:r1, st.column] if st.column >= 0 else mv(rows_of_a(), st.y)
-        np.abs(residual, out=residual)
-        if not u_out:  # float32: within the tolerance less C·x's own rounding, the block need not be read again
-            ratio = residual / (a_norm * (z * inputs_bound) + floor)  # (NaN or inf: decided below)
-            worst = int(np.argmax(ratio))
-            if ratio[worst] < 1.0:
-                return Verdict(True, float(ratio[worst]), worst)
-        c_sq_x, c_abs_x = _block_sums(c, st.x, st.xn, u_out)
-        if not (np.isfinite(residual).all() and np.isfinite(c_abs_x).all()):  # float32 overflowed: in float64
-            a, c = rows_of_a().astype(np.float64), c.astype(np.float64)
-            residual = np.abs(mv(c, st.x64) - mv(a, st.y64))
-            c_sq_x, c_abs_x = _block_sums(c, st.x64, st.xn, u_out)
-        bound = inputs_bound * a_norm + U32 * math.sqrt(cols) * c_abs_x
-        if c_sq_x is not None:
-            bound += u_out * np.sqrt(c_sq_x)
-        ratio = residual / (z * bound + floor)  # (> 0: a residual of NaN or inf fails)
+        if not u_out and st.column >= 0:  # float32, a planned strip: C·x's rounding term is needed only if
+            # the residuals exceed the tolerance without it (one pass over the block; NaN or inf: decided below)
+            residual = mv(c, st.x)
+            residual -= n.ay[st.column, r0:r1]
+            np.abs(residual, out=residual)
+            residual *= n.inv_tol[st.column, r0:r1]
+            worst = int(residual.argmax())
+            if residual[worst] < 1.0:
+                return Verdict(True, float(residual[worst]), worst)
+        return _check(n, st, r0, r1, c, u_out)
+
+
+def _check(n: Norms, st: Strip, r0: int, r1: int, c: np.ndarray, u_out: float) -> Verdict:
+    rows_of_a = lambda: n.a32[r0:r1] if n.a32 is not None else as_float32(n.a[r0:r1])  # noqa: E731 - when needed
+    a_norm = n.a_norm[r0:r1]
+    slack = floor(n.a.shape[1], c.shape[1])
+    residual = mv(c, st.x)
+    residual -= n.ay[st.column, r0:r1] if st.column >= 0 else mv(rows_of_a(), st.y)
+    np.abs(residual, out=residual)
+    if not u_out and st.column < 0:  # float32: within the tolerance less C·x's own rounding, the block need
+        # not be read again
+        ratio = residual / (a_norm * (DEFAULT_Z * st.inputs) + slack)  # (NaN or inf: decided below)
         worst = int(np.argmax(ratio))
-        top = float(ratio[worst])
-    return Verdict(top < 1.0, top, worst)
+        if ratio[worst] < 1.0:
+            return Verdict(True, float(ratio[worst]), worst)
+    c_sq_x, c_abs_x = _block_sums(c, st.x, st.xn, u_out)
+    if not (np.isfinite(residual).all() and np.isfinite(c_abs_x).all()):  # float32 overflowed: in float64
+        a, c = rows_of_a().astype(np.float64), c.astype(np.float64)
+        residual = np.abs(mv(c, st.x64) - mv(a, st.y64))
+        c_sq_x, c_abs_x = _block_sums(c, st.x64, st.xn, u_out)
+    bound = st.inputs * a_norm + U32 * math.sqrt(c.shape[1]) * c_abs_x
+    if c_sq_x is not None:
+        bound += u_out * np.sqrt(c_sq_x)
+    ratio = residual / (DEFAULT_Z * bound + slack)  # (> 0: a residual of NaN or inf fails)
+    worst = int(np.argmax(ratio))
+    return Verdict(bool(ratio[worst] < 1.0), float(ratio[worst]), worst)
 
 
 def _block_sums(c: np.ndarray, x: np.ndarray, xn: float, u_out: float) -> tuple[np.ndarray | None, np.ndarray]:
