@@ -4,8 +4,6 @@ The presets and the builders import torch when first used (`__getattr__`): a pro
 GEMM shapes and order (the scheduler) starts without it.
 """
 
-import importlib
-
 from cleave.models.config import ModelConfig, RopeScaling
 from cleave.models.gemms import (
     GemmShape,
@@ -34,11 +32,9 @@ __all__ = [
     "step_order",
 ]
 
-_LAZY = {"PRESETS": "cleave.models.presets", "build_model": "cleave.models.presets",
-         "get_preset": "cleave.models.presets"}
-
-
 def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in ("PRESETS", "build_model", "get_preset"):
+        from cleave.models import presets
+
+        return getattr(presets, name)
     raise AttributeError(f"module 'cleave.models' has no attribute {name!r}")
