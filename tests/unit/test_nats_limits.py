@@ -1,12 +1,13 @@
 """Slow-consumer limits: every nats-server config we ship sets max_pending and write_deadline, and the PS
-keeps less than both in flight to one worker (docs/operations.md, "Real links")."""
+keeps less than both in flight to one worker (docs/operations.md, "Real links"); and the ports it listens on."""
 
 import re
+import socket
 from pathlib import Path
 
 from cleave import auth
 from cleave.api import topology
-from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS
+from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, ephemeral_range, free_port
 from cleave.bus import SERVER_LIMITS, SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S
 from cleave.gemm.dealer.model import DEFAULT_INFLIGHT_S
 from cleave_cli import serverconf
@@ -38,3 +39,14 @@ def test_every_shipped_config_sets_the_limits():
 def test_the_ps_keeps_less_than_the_limits_in_flight_to_a_worker():
     assert 0 < PsSettings().max_inflight_bytes < SERVER_MAX_PENDING
     assert DEFAULT_INFLIGHT_S * 10 <= SERVER_WRITE_DEADLINE_S  # 2 s of its downlink, a tenth of the deadline
+
+
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
+    """Outgoing connections take ephemeral ports: a listening port drawn there could be taken between its draw
+    and the server's bind (a cluster node's routes dialling the next node's)."""
+    low, _ = ephemeral_range()
+    ports = [free_port() for _ in range(64)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports)
+    with socket.socket() as s:  # one of them really is free
+        s.bind(("127.0.0.1", ports[0]))
