@@ -164,13 +164,20 @@ class Persister:
         return entry if entry.value else None
 
     async def _heads(self) -> list[StateHead]:
-        """The committed heads of this job, newest first (the KV keeps the last few revisions)."""
+        """The committed heads of this job, newest first: the head itself, read directly, then the revisions
+        before it that the KV keeps (the fallbacks of a damaged head). Those are read with a watch, which
+        nats-py may end before its first entry on a busy machine (its consumer has delivered them all, its
+        callback has not yet counted one): a history that came back empty or short never hides the head."""
+        latest = await self._head_entry()
+        if latest is None:
+            return []
         try:
             entries = await asyncio.wait_for(self.kv.history(self.head_key), DEFAULT_TIMEOUT_S)
-        except Exception:  # nats-py raises NoKeysError for a key never written
-            return []
+        except Exception:  # NoKeysError (a watch ended early, see above) or a timeout: the head alone
+            log.warning("state_history_unread", job=self.job_id, revision=latest.revision)
+            entries = []
         heads, seen = [], set()
-        for entry in reversed(entries):
+        for entry in [latest, *reversed([e for e in entries if e.revision < latest.revision])]:
             if entry.value:
                 try:
                     head = codec.decode(entry.value, StateHead, MAX_CONTROL_BYTES)
@@ -180,8 +187,7 @@ class Persister:
                 if head.object not in seen:  # a claim repeats the checkpoint of the head before it
                     seen.add(head.object)
                     heads.append(head)
-        if entries:
-            self.revision = entries[-1].revision
+        self.revision = latest.revision
         return heads
 
     async def load(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> StateHead | None:
