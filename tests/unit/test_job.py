@@ -77,3 +77,19 @@ def test_job_files_and_the_cli_refuse_them(tmp_path, capsys):
     assert "compress='fp16' does not apply to method='split'" in capsys.readouterr().err
     assert cli(["train", "--preset", "tiny", "--lora", "8", "--reference", "--run-dir", str(tmp_path / "r")]) == 2
     assert "lora_rank=8 does not apply to method='cleave': it needs method diloco or fedavg" in capsys.readouterr().err
+
+
+def test_the_metrics_tail_reads_whole_lines_and_a_file_begun_anew_from_its_start(tmp_path):
+    from cleave.api.fleet import MetricsTail
+
+    path = tmp_path / "m.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read() == []
+    path.write_text('{"step": 0}\n{"step": 1}\n{"st')
+    assert tail.read() == [{"step": 0}, {"step": 1}]  # the torn last line waits for its end
+    with open(path, "a") as f:
+        f.write('ep": 2}\n')
+    assert tail.read() == [{"step": 2}]
+    path.rename(tmp_path / "m.before.jsonl")  # set aside, and a new file begun with longer lines
+    path.write_text('{"step": 0, "loss": 5.25, "pad": "................"}\n')
+    assert tail.read() == [{"step": 0, "loss": 5.25, "pad": "................"}]

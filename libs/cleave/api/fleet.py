@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import time
@@ -58,19 +59,23 @@ def run_reference(job: JobConfig, metrics_out: Path, on_line: Callable[[dict], N
 
 
 class MetricsTail:
-    """Reads the JSON lines the PS appends, one complete line at a time."""
+    """Reads the JSON lines the PS appends, one complete line at a time; a file set aside and begun anew
+    (`MetricsFile.set_aside`, by a PS that found no state of its job) is read again from its start."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.pos, self.buf = path, 0, ""
+        self.path, self.pos, self.buf, self.inode = path, 0, b"", None
 
     def read(self) -> list[dict]:
         if not self.path.exists():
             return []
-        with open(self.path) as f:
+        with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self.inode or st.st_size < self.pos:  # another file now: from its start
+                self.inode, self.pos, self.buf = st.st_ino, 0, b""
             f.seek(self.pos)
-            self.buf += f.read()
-            self.pos = f.tell()
-        *lines, self.buf = self.buf.split("\n")
+            got = f.read()
+        self.pos += len(got)
+        *lines, self.buf = (self.buf + got).split(b"\n")
         return [json.loads(line) for line in lines if line.strip()]
 
 
