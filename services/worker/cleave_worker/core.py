@@ -161,7 +161,7 @@ def measure_flops(n: int | None = None, reps: int = 5, device: torch.device = DE
     if n is None and device.type == "cpu":
         n = FLOPS_N["cpu"]
         while True:
-            flops = _best_flops(n, reps, device)
+            flops = _best_flops(n, reps, device, FLOPS_RUN_S if n < MAX_FLOPS_N else 0.0)
             run_s = 2 * n**3 / flops
             if run_s >= FLOPS_RUN_S or n >= MAX_FLOPS_N:
                 return flops
@@ -169,7 +169,9 @@ def measure_flops(n: int | None = None, reps: int = 5, device: torch.device = DE
     return _best_flops(n or FLOPS_N.get(device.type, FLOPS_N["cpu"]), reps, device)
 
 
-def _best_flops(n: int, reps: int, device: torch.device) -> float:
+def _best_flops(n: int, reps: int, device: torch.device, short_s: float = 0.0) -> float:
+    """The best of `reps` timed n x n products, or of fewer once one lasts less than `short_s` (the size is
+    then too small to be measured: `measure_flops` grows it, and the other runs would change nothing)."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b  # warm-up (on CUDA also the library's handle and the kernel choice)
     _sync(device)
@@ -179,4 +181,6 @@ def _best_flops(n: int, reps: int, device: torch.device) -> float:
         a @ b
         _sync(device)
         best = min(best, time.perf_counter() - start)
+        if best < short_s:
+            break
     return 2 * n**3 / max(best, 1e-9)

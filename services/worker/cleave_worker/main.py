@@ -52,7 +52,7 @@ class Worker:
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
     torch.set_num_threads(settings.threads)
-    return await run_worker(settings, stop, measure_flops())
+    return await run_worker(settings, stop, 0.0 if settings.profile else measure_flops())  # (declared: not measured)
 
 
 async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float,
