@@ -26,8 +26,8 @@ from cleave.api.fleet import LocalFleet
 from cleave.train.job import JobConfig
 from tests.integration.test_export import export
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+transformers = peft = None  # imported by the tests that run (`world`): importing peft takes ~4 s, too much to
+# spend collecting tests that the default run leaves out
 pytestmark = [pytest.mark.slow,  # two fine-tuning jobs on a real stack (~2 min)
               pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")]
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -103,6 +103,8 @@ def site_loss(model_dir: Path, tokenizer_dir: Path, site_a: str, site_b: list[di
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
+    global transformers, peft
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("finetune")
     probe = subprocess.run(hidden([root], ["ls", "-A", str(root)]), capture_output=True, text=True)
     if probe.returncode != 0:
