@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -82,9 +83,9 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
     stack = Stack(run_dir)
     stack.nats_url = s.nats_url
     stack.stays_down = {"ps": FINAL}
+    runner = Runner(bus, stack, run_dir, max_running)
     try:
         await bus.setup()
-        runner = Runner(bus, stack, run_dir, max_running)
         await runner.open()
         log.info("runner_started", nats=s.nats_url, run_dir=str(run_dir), max_running=max_running,
                  queued=sum(r.state == "queued" for r in runner.records.values()))
@@ -97,6 +98,7 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
                 await wait_for_stop(stop, DEFAULT_TICK_S)
     finally:
         await asyncio.to_thread(stack.stop_all)  # each PS drains; its job stays `running` and resumes next time
+        await runner.close()
         await bus.close()
     return 0
 
@@ -107,6 +109,14 @@ class Runner:
         self.records: dict[str, JobRecord] = {}  # this runner writes them: its copy is the bucket's
         self.waiting: dict[str, float] = {}  # job -> since when it waits for its workers
         self.restarts: dict[str, int] = {}  # job -> restarts of its PS already counted in its record's runs
+        self.sub = None  # the pull subscription to submissions (`open`)
+
+    async def close(self) -> None:
+        """Leave the submissions' pull subscription before the bus drains: the answers to a fetch that timed
+        out wait in its queue unread, and a drain waits for them until its timeout (5 s of every stop)."""
+        if self.sub is not None:
+            with contextlib.suppress(Exception):  # (the bus may be away: closing it ends the subscription too)
+                await self.sub.unsubscribe()
 
     async def open(self) -> None:
         await jobs_stream(self.bus)
