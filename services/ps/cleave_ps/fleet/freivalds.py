@@ -13,10 +13,10 @@ unit roundoff u, independently; the random signs of x make the sum over a row's 
 
 - the worker's float32 accumulation over K: u·√K·‖aᵢ‖·‖x∘‖bⱼ‖‖ (Cauchy-Schwarz bounds Σₖ|aᵢₖ·bⱼₖ| by
   ‖aᵢ‖·‖bⱼ‖);
-- the PS's own sums: y = Btᵀ·x in float64 (u₆₄·cols·‖aᵢ‖·Σⱼ|xⱼ|·‖bⱼ‖, bounded by u₆₄·cols·√cols·‖aᵢ‖·‖x∘‖bⱼ‖‖: next
-  to nothing), y rounded to
-  float32 and A·y summed over K in float32 (u·(√K + 1)·‖aᵢ‖·‖y‖), and C·x in float32 (u·√cols·Σⱼ|cᵢⱼ·xⱼ|,
-  bounded by u·√cols·‖cᵢ‖·‖x‖, or by u·cols·‖cᵢ∘x‖ for a half-precision block, which needs that norm anyway);
+- the PS's own sums: y = Btᵀ·x as partial sums of 16 rows in float32 (u·√16·‖aᵢ‖·‖x∘‖bⱼ‖‖) added up in float64
+  (u₆₄·cols·‖aᵢ‖·Σⱼ|xⱼ|·‖bⱼ‖, bounded by u₆₄·cols·√cols·‖aᵢ‖·‖x∘‖bⱼ‖‖: next to nothing), y rounded to float32
+  and A·y summed over K in float32 (u·(√K + 1)·‖aᵢ‖·‖y‖), and C·x in float32 (u·√cols·Σⱼ|cᵢⱼ·xⱼ|, bounded by
+  u·√cols·‖cᵢ‖·‖x‖, or by u·cols·‖cᵢ∘x‖ for a half-precision block, which needs that norm anyway);
 - a bf16 or fp16 block's rounding to its dtype: u_out·‖cᵢ∘x‖.
 
 The norms of `a`'s and `bt`'s rows are computed once per GEMM run (`Norms`), Btᵀ·x and the tolerance's
@@ -45,6 +45,8 @@ DEFAULT_Z = 10.0  # the tolerance in multiples of the rounding bound (honest blo
 U32 = 2.0**-24  # float32's unit roundoff: workers accumulate in float32 whatever the job's precision
 U64 = 2.0**-53  # float64's
 CHUNK_ELEMENTS = 1 << 15  # of bt converted to float64 at once (256 KiB)
+PARTIAL = 16  # rows of bt summed in float32 by BLAS for each of Btᵀ·x's partial sums, which add up in float64
+PRODUCT_ELEMENTS = 1 << 17  # of a multiplied at once by its strips' vectors (512 KiB of float32)
 FLOOR = 1e-30  # absolute slack per term, for blocks of (near) zeros: underflow, not lies
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # of a block's rounding to its dtype
 
@@ -112,7 +114,7 @@ class Norms:
                 if self.planned:
                     ys = [self._strip(c0, c1, column) for column, (c0, c1) in enumerate(self.planned)]
                     with np.errstate(all="ignore"):  # (inf or NaN where y overflowed: decided in float64)
-                        self.ay = np.stack([st.y for st in ys]) @ a32.T  # a strip's A·y a row, read contiguous
+                        self.ay = rows_times(a32, np.stack([st.y for st in ys], axis=1)).T.copy()  # a strip a row
                         tol = np.multiply.outer([DEFAULT_Z * st.inputs for st in ys], a_norm)
                         tol += np.array([[floor(a32.shape[1], c1 - c0)] for c0, c1 in self.planned])
                         self.inv_tol = np.reciprocal(tol, dtype=np.float32)
@@ -160,15 +162,46 @@ class Strip:
            column: int = -1) -> Strip:
         cols, k = bt.shape
         with np.errstate(all="ignore"):
-            y64 = btx64(bt, x64)
+            y64 = btx64(bt, x, x64)
             y = y64.astype(np.float32)  # (inf where it exceeds float32: the check then decides in float64)
         xb = math.sqrt(float(x_sq @ bt_sq))  # ‖x∘‖bⱼ‖‖
         yn = math.sqrt(float(y64 @ y64))
-        inputs = U32 * (math.sqrt(k) * xb + (math.sqrt(k) + 1) * yn) + U64 * cols * math.sqrt(cols) * xb
+        inputs = U32 * ((math.sqrt(k) + math.sqrt(PARTIAL)) * xb + (math.sqrt(k) + 1) * yn) + U64 * cols * math.sqrt(cols) * xb
         return Strip(x, x64, y64, y, math.sqrt(float(x_sq.sum())), inputs, column)
 
 
-def btx64(bt: np.ndarray, x64: np.ndarray) -> np.ndarray:
+def rows_times(a: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """a · ys (rows of a x columns of ys, float32) by BLAS, a few rows of a at a time (at most PRODUCT_ELEMENTS,
+    in cache): one product of a large `a` with a few vectors is several times slower (measured: 150 against
+    55 µs for 1024 x 512 and two vectors, and `ys.T @ a.T` 400)."""
+    step = max(1, PRODUCT_ELEMENTS // a.shape[1])
+    if a.shape[0] <= step:
+        return a @ ys
+    out = np.empty((a.shape[0], ys.shape[1]), np.float32)
+    for i in range(0, a.shape[0], step):
+        np.matmul(a[i:i + step], ys, out=out[i:i + step])
+    return out
+
+
+def btx64(bt: np.ndarray, x: np.ndarray, x64: np.ndarray) -> np.ndarray:
+    """Btᵀ·x in float64: sums of PARTIAL rows each by BLAS in float32 (batched, one call), added up in float64,
+    where bt's rows are contiguous (3 to 4 times faster than converting bt; their rounding, at most
+    u·√PARTIAL·‖x∘‖bⱼ‖‖ in norm under the usual model, is in the tolerance); else, or where a partial sum
+    overflows float32, exactly in float64 (`btx64_exact`)."""
+    cols, k = bt.shape
+    whole = cols - cols % PARTIAL
+    if whole and bt.strides[1] == bt.itemsize and bt.strides[0] == k * bt.itemsize:
+        with np.errstate(all="ignore"):
+            partial = np.matmul(x[:whole].reshape(-1, 1, PARTIAL), bt[:whole].reshape(-1, PARTIAL, k))
+            y64 = partial.sum(axis=0, dtype=np.float64)[0]
+            if whole < cols:
+                y64 += x64[whole:] @ bt[whole:].astype(np.float64)
+        if np.isfinite(y64).all():
+            return y64
+    return btx64_exact(bt, x64)
+
+
+def btx64_exact(bt: np.ndarray, x64: np.ndarray) -> np.ndarray:
     """Btᵀ·x in float64 (its rounding is next to nothing), `bt` converted a few rows at a time (at most
     CHUNK_ELEMENTS, in cache; a strip converted whole is an allocation of its own, page faults and all: 8 times
     slower for 512 x 4096) and in its own layout (a transposed view, dX's Wᵀ: 5 times faster than numpy's
@@ -206,15 +239,18 @@ class Verdict:
     row: int  # of the block, where
 
 
-_rng = np.random.default_rng(secrets.randbits(128))  # seeded from the operating system: no worker can know it
-_rng_lock = threading.Lock()
+_bits = np.random.PCG64(secrets.randbits(128))  # seeded from the operating system: no worker can know it
+_bits_lock = threading.Lock()
 
 
 def random_vector(n: int) -> np.ndarray:
-    """n float32 entries of random sign and magnitude in [1, 2), fresh for every call."""
-    with _rng_lock:
-        v = 2 * _rng.random(n, dtype=np.float32)  # [0, 1): negative, [1, 2): positive
-    return np.where(v < 1, -1 - v, v)
+    """n float32 entries of random sign and magnitude in [1, 2), fresh for every call: 32 random bits an entry
+    give its sign and the 23 bits of its mantissa, under the exponent of 1.0."""
+    with _bits_lock:
+        bits = _bits.random_raw((n + 1) // 2).view(np.uint32)[:n]  # (PCG64: 64 bits a draw)
+    bits &= 0x807FFFFF
+    bits |= 0x3F800000
+    return bits.view(np.float32)
 
 
 def floor(k: int, cols: int) -> float:
