@@ -167,23 +167,46 @@ def test_transposed_inputs_are_read_in_their_own_layout_with_the_same_products(c
         assert not v.passed and v.row == 3
 
 
-def test_planned_strips_read_a_once_and_judge_each_block_as_unplanned_ones() -> None:
+@pytest.mark.parametrize(("dtype", "lie"), [(torch.float32, 0.01), (torch.bfloat16, 2.0)])
+def test_planned_strips_read_a_once_and_judge_each_block_as_unplanned_ones(dtype: torch.dtype, lie: float) -> None:
     """With the run's column strips known, the first check computes every strip's y and A·[y₁ … y_S] in one
-    product; the blocks' verdicts are those of strips computed one by one, and a lie fails its block only."""
+    product; the blocks' verdicts are those of strips computed one by one, and a lie (a multiple of the
+    block's RMS, above what the dtype's rounding hides) fails its block only."""
     g = torch.Generator().manual_seed(11)
-    a, bt = torch.randn(96, 256, generator=g), torch.randn(70, 256, generator=g)
+    a, bt = torch.randn(96, 256, generator=g).to(dtype), torch.randn(70, 256, generator=g).to(dtype)
     strips = ((0, 30), (30, 64), (64, 70))
     planned, lazy = freivalds.Norms(a, bt, strips).ready(), freivalds.Norms(a, bt).ready()
-    assert planned.ay.shape == planned.inv_tol.shape == (3, 96)  # a strip a row
+    assert planned.ay.shape == planned.tol.shape == (3, 96)  # a strip a row
     assert [planned.strip(*s).column for s in strips] == [0, 1, 2]
     assert lazy.ay is None and lazy.strip(0, 30).column == -1
-    product = (a @ bt.T).numpy()
+    name = codec.dtype_name(dtype)
+    exact = a.float() @ bt.float().T
+    product = exact.to(dtype)
+
+    def block_of(t: torch.Tensor) -> np.ndarray:
+        raw = (t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()).numpy()
+        return freivalds.block_float32(raw, name)
+
+    rms = float(exact.pow(2).mean().sqrt())
     for r0, r1 in ((0, 50), (50, 96)):
         for c0, c1 in strips:
-            block = product[r0:r1, c0:c1].copy()
-            assert freivalds.check(planned, r0, r1, c0, c1, block).passed
-            assert freivalds.check(lazy, r0, r1, c0, c1, block).passed
-            block[7, 1] += 0.01 * float(np.sqrt((product**2).mean()))
-            v = freivalds.check(planned, r0, r1, c0, c1, block)
+            block = block_of(product[r0:r1, c0:c1])
+            assert freivalds.check(planned, r0, r1, c0, c1, block, name).passed
+            assert freivalds.check(lazy, r0, r1, c0, c1, block, name).passed
+            wrong = product[r0:r1, c0:c1].clone()
+            wrong[7, 1] += lie * rms
+            v = freivalds.check(planned, r0, r1, c0, c1, block_of(wrong), name)
             assert not v.passed and v.row == 7
-    assert freivalds.check(planned, 0, 50, 10, 40, product[:50, 10:40].copy()).passed  # a strip not planned
+    assert freivalds.check(planned, 0, 50, 10, 40, block_of(product[:50, 10:40]), name).passed  # a strip not planned
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_inputs_convert_to_float32_as_torch_converts_them_in_any_layout(dtype: torch.dtype) -> None:
+    """The check converts half-precision inputs with numpy (not torch's thread pool): bit for bit what
+    `Tensor.float()` gives, signed zeros and infinities included, for transposed views and row slices."""
+    t = torch.randn(37, 53, generator=torch.Generator().manual_seed(2)).to(dtype)
+    t[0, 0], t[1, 1], t[2, 2] = -0.0, float("inf"), float("-inf")
+    for view in (t, t.t(), t[3:9], t.t()[5:20]):
+        got, want = freivalds.as_float32(view), view.float().numpy()
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want))

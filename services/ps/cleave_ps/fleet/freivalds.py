@@ -52,15 +52,20 @@ UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # of
 
 
 def as_float32(t: torch.Tensor) -> np.ndarray:
-    """A float32 numpy view (a copy, for half precision) of a CPU tensor."""
+    """A float32 numpy view (a copy, for half precision) of a CPU tensor, converted by numpy in its own layout
+    (torch's conversion wakes its thread pool: 2 to 3 times the CPU on a busy PS)."""
     t = t.detach()
-    return (t if t.dtype == torch.float32 else t.float()).numpy()
+    if t.dtype == torch.bfloat16:
+        return block_float32(t.view(torch.int16).numpy(), "bfloat16")
+    return t.numpy() if t.dtype == torch.float32 else t.numpy().astype(np.float32)
 
 
 def block_float32(block: np.ndarray, dtype: str) -> np.ndarray:
     """A result block as read from its message (bf16 as its int16 bits) in float32 (a view when it is)."""
     if dtype == "bfloat16":
-        return (block.astype(np.int32) << 16).view(np.float32)
+        bits = block.astype(np.int32)  # (sign-extended: the shift below drops those bits)
+        bits <<= 16
+        return bits.view(np.float32)
     return block if block.dtype == np.float32 else block.astype(np.float32)
 
 
@@ -91,7 +96,7 @@ class Norms:
         self.a, self.bt = a.detach(), bt.detach()  # (a weight requires grad; its values are all a check reads)
         self.planned = planned
         self.ay: np.ndarray | None = None  # A·y of each planned strip, a row each (float32)
-        self.inv_tol: np.ndarray | None = None  # 1 / a float32 block's tolerance less C·x's term, the same layout
+        self.tol: np.ndarray | None = None  # a block's tolerance less the terms that need the block, the same layout
         self._lock = threading.Lock()
         self.a_norm = self.bt_sq = None  # ‖aᵢ‖ per row of a, ‖bⱼ‖² per row of bt (float64 upper bounds)
         self.x = self.x64 = self.x_sq = None  # the random vector, one entry per row of bt; in float64; squared
@@ -108,16 +113,17 @@ class Norms:
                 self.x = random_vector(self.bt.shape[0])
                 self.x64 = self.x.astype(np.float64)
                 self.x_sq = self.x64 * self.x64
-                self.bt_sq = row_squares(self.bt32 if self.bt32 is not None else as_float32(self.bt))
+                bt32 = self.bt32 if self.bt32 is not None else as_float32(self.bt)
+                self.bt_sq = row_squares(bt32)
                 a32 = self.a32 if self.a32 is not None else as_float32(self.a)
                 a_norm = np.sqrt(row_squares(a32))
                 if self.planned:
-                    ys = [self._strip(c0, c1, column) for column, (c0, c1) in enumerate(self.planned)]
+                    ys = [self._strip(c0, c1, column, bt32) for column, (c0, c1) in enumerate(self.planned)]
                     with np.errstate(all="ignore"):  # (inf or NaN where y overflowed: decided in float64)
                         self.ay = rows_times(a32, np.stack([st.y for st in ys], axis=1)).T.copy()  # a strip a row
                         tol = np.multiply.outer([DEFAULT_Z * st.inputs for st in ys], a_norm)
                         tol += np.array([[floor(a32.shape[1], c1 - c0)] for c0, c1 in self.planned])
-                        self.inv_tol = np.reciprocal(tol, dtype=np.float32)
+                        self.tol = tol.astype(np.float32)
                     self.strips.update(zip(self.planned, ys, strict=True))
                 self.a_norm = a_norm
         return self
@@ -127,10 +133,10 @@ class Norms:
         """Whether the first check has computed what all checks share (`ready`)."""
         return self.a_norm is not None
 
-    def _strip(self, c0: int, c1: int, column: int = -1) -> Strip:
+    def _strip(self, c0: int, c1: int, column: int = -1, bt32: np.ndarray | None = None) -> Strip:
+        bt32 = bt32 if bt32 is not None else self.bt32
         return Strip.of(self.x[c0:c1], self.x64[c0:c1], self.x_sq[c0:c1],
-                        self.bt32[c0:c1] if self.bt32 is not None else as_float32(self.bt[c0:c1]), self.bt_sq[c0:c1],
-                        column)
+                        bt32[c0:c1] if bt32 is not None else as_float32(self.bt[c0:c1]), self.bt_sq[c0:c1], column)
 
     def strip(self, c0: int, c1: int) -> Strip:
         """Column strip [c0, c1)'s part of the random vector and what follows from it (by its first check)."""
@@ -146,10 +152,11 @@ class Norms:
 class Strip:
     """A column strip's part of the random vector x (float32 and float64), y = Btᵀ·x (float64 and rounded to
     float32), ‖x‖, and the rounding bound's terms that do not depend on the block, per unit of ‖aᵢ‖ (`inputs`:
-    the worker's sums, y's and A·y's); `column`: its row of `Norms.ay` and `Norms.inv_tol` (-1: none, both are
+    the worker's sums, y's and A·y's); `column`: its row of `Norms.ay` and `Norms.tol` (-1: none, both are
     computed per block)."""
 
     x: np.ndarray
+    x2: np.ndarray  # x squared (float32)
     x64: np.ndarray
     y64: np.ndarray
     y: np.ndarray
@@ -167,7 +174,7 @@ class Strip:
         xb = math.sqrt(float(x_sq @ bt_sq))  # ‖x∘‖bⱼ‖‖
         yn = math.sqrt(float(y64 @ y64))
         inputs = U32 * ((math.sqrt(k) + math.sqrt(PARTIAL)) * xb + (math.sqrt(k) + 1) * yn) + U64 * cols * math.sqrt(cols) * xb
-        return Strip(x, x64, y64, y, math.sqrt(float(x_sq.sum())), inputs, column)
+        return Strip(x, np.square(x), x64, y64, y, math.sqrt(float(x_sq.sum())), inputs, column)
 
 
 def rows_times(a: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -267,12 +274,15 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
     st = n.strip(c0, c1)
     u_out = UNIT_ROUNDOFF.get(dtype, 0.0)
     with np.errstate(all="ignore"):  # overflow: the float64 path below decides
-        if not u_out and st.column >= 0:  # float32, a planned strip: C·x's rounding term is needed only if
-            # the residuals exceed the tolerance without it (one pass over the block; NaN or inf: decided below)
+        if st.column >= 0:  # a planned strip: one product with the block, and for a float32 block C·x's rounding
+            # term only if the residuals exceed the tolerance without it (NaN or inf: decided by `_check`)
             residual = mv(c, st.x)
             residual -= n.ay[st.column, r0:r1]
             np.abs(residual, out=residual)
-            residual *= n.inv_tol[st.column, r0:r1]
+            tol = n.tol[st.column, r0:r1]
+            if u_out:  # ‖cᵢ∘x‖ (a second product): C·x's rounding and the block's to its dtype (as `_check`)
+                tol = tol + (DEFAULT_Z * (U32 * c.shape[1] + u_out)) * np.sqrt(mv(np.square(c), st.x2))
+            residual /= tol
             worst = int(residual.argmax())
             if residual[worst] < 1.0:
                 return Verdict(True, float(residual[worst]), worst)
