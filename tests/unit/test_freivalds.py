@@ -210,3 +210,25 @@ def test_inputs_convert_to_float32_as_torch_converts_them_in_any_layout(dtype: t
         got, want = freivalds.as_float32(view), view.float().numpy()
         assert got.dtype == np.float32 and got.shape == want.shape
         assert np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planned_strips_refuse_huge_lies_and_lies_about_overflowing_products(dtype: torch.dtype) -> None:
+    """A planned strip's quick verdict never passes a block because its tolerance overflowed float32: a
+    finite block for a product that overflows float32, and one huge element in a block of ordinary values."""
+    name = codec.dtype_name(dtype)
+
+    def block_of(t: torch.Tensor) -> np.ndarray:
+        t = t.to(dtype).contiguous()
+        return freivalds.block_float32((t.view(torch.int16) if dtype == torch.bfloat16 else t).numpy(), name)
+
+    a, bt = torch.full((4, 8), 1e20).to(dtype), torch.full((4, 8), 1e20).to(dtype)  # each product 1e40
+    norms = freivalds.Norms(a, bt, ((0, 4),))
+    assert not freivalds.check(norms, 0, 4, 0, 4, block_of(torch.ones(4, 4)), name).passed
+    g = torch.Generator().manual_seed(4)
+    a, bt = torch.randn(32, 64, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype)
+    norms = freivalds.Norms(a, bt, ((0, 16),))
+    lie = a.float() @ bt.float().T
+    lie[3, 3] = 1e30
+    v = freivalds.check(norms, 0, 32, 0, 16, block_of(lie), name)
+    assert not v.passed and v.row == 3

@@ -123,7 +123,7 @@ class Norms:
                         self.ay = rows_times(a32, np.stack([st.y for st in ys], axis=1)).T.copy()  # a strip a row
                         tol = np.multiply.outer([DEFAULT_Z * st.inputs for st in ys], a_norm)
                         tol += np.array([[floor(a32.shape[1], c1 - c0)] for c0, c1 in self.planned])
-                        self.tol = tol.astype(np.float32)
+                        self.tol = tol  # (float64, as the general path computes it)
                     self.strips.update(zip(self.planned, ys, strict=True))
                 self.a_norm = a_norm
         return self
@@ -281,7 +281,10 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
             np.abs(residual, out=residual)
             tol = n.tol[st.column, r0:r1]
             if u_out:  # ‖cᵢ∘x‖ (a second product): C·x's rounding and the block's to its dtype (as `_check`)
-                tol = tol + (DEFAULT_Z * (U32 * c.shape[1] + u_out)) * np.sqrt(mv(np.square(c), st.x2))
+                c_sq_x = mv(np.square(c), st.x2)
+                if not math.isfinite(c_sq_x.max()):  # (overflowed float32: judged in float64)
+                    return _check(n, st, r0, r1, c, u_out)
+                tol = tol + (DEFAULT_Z * (U32 * c.shape[1] + u_out)) * np.sqrt(c_sq_x)
             residual /= tol
             worst = int(residual.argmax())
             if residual[worst] < 1.0:
