@@ -118,7 +118,7 @@ class Norms:
                 a32 = self.a32 if self.a32 is not None else as_float32(self.a)
                 a_norm = np.sqrt(row_squares(a32))
                 if self.planned:
-                    ys = [self._strip(c0, c1, column, bt32) for column, (c0, c1) in enumerate(self.planned)]
+                    ys = [self._strip(c0, c1, bt32[c0:c1], column) for column, (c0, c1) in enumerate(self.planned)]
                     with np.errstate(all="ignore"):  # (inf or NaN where y overflowed: decided in float64)
                         self.ay = rows_times(a32, np.stack([st.y for st in ys], axis=1)).T.copy()  # a strip a row
                         tol = np.multiply.outer([DEFAULT_Z * st.inputs for st in ys], a_norm)
@@ -133,16 +133,15 @@ class Norms:
         """Whether the first check has computed what all checks share (`ready`)."""
         return self.a_norm is not None
 
-    def _strip(self, c0: int, c1: int, column: int = -1, bt32: np.ndarray | None = None) -> Strip:
-        bt32 = bt32 if bt32 is not None else self.bt32
-        return Strip.of(self.x[c0:c1], self.x64[c0:c1], self.x_sq[c0:c1],
-                        bt32[c0:c1] if bt32 is not None else as_float32(self.bt[c0:c1]), self.bt_sq[c0:c1], column)
+    def _strip(self, c0: int, c1: int, bt_rows: np.ndarray, column: int = -1) -> Strip:
+        """Strip [c0, c1) from `bt_rows`, rows c0 to c1 of bt in float32."""
+        return Strip.of(self.x[c0:c1], self.x64[c0:c1], self.x_sq[c0:c1], bt_rows, self.bt_sq[c0:c1], column)
 
     def strip(self, c0: int, c1: int) -> Strip:
         """Column strip [c0, c1)'s part of the random vector and what follows from it (by its first check)."""
         got = self.strips.get((c0, c1))  # (a dict's get needs no lock)
         if got is None:
-            got = self._strip(c0, c1)
+            got = self._strip(c0, c1, self.bt32[c0:c1] if self.bt32 is not None else as_float32(self.bt[c0:c1]))
             with self._lock:
                 got = self.strips.setdefault((c0, c1), got)  # (a strip drawn twice at once: the first one kept)
         return got
@@ -202,7 +201,7 @@ def btx64(bt: np.ndarray, x: np.ndarray, x64: np.ndarray) -> np.ndarray:
             partial = np.matmul(x[:whole].reshape(-1, 1, PARTIAL), bt[:whole].reshape(-1, PARTIAL, k))
             y64 = partial.sum(axis=0, dtype=np.float64)[0]
             if whole < cols:
-                y64 += x64[whole:] @ bt[whole:].astype(np.float64)
+                y64 += btx64_exact(bt[whole:], x64[whole:])
         if np.isfinite(y64).all():
             return y64
     return btx64_exact(bt, x64)
