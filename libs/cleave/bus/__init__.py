@@ -32,7 +32,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from cleave import codec
-from cleave.bus import direct
+from cleave.bus import direct, receive
 from cleave.errors import CleaveError, Conflict, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
@@ -433,7 +433,8 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options
     servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: several URLs
     while True:
         try:
-            nc = await nats.connect(
+            nc = receive.client()
+            await nc.connect(
                 servers, name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
                 reconnect_time_wait=DEFAULT_RECONNECT_WAIT_S, allow_reconnect=True,
                 error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,

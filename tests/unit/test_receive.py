@@ -1,0 +1,95 @@
+"""The parser that gathers large payloads in place (`cleave.bus.receive`) delivers what nats-py's own parser
+delivers, whatever the boundaries of the socket's reads, and refuses a payload longer than its size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from nats.protocol.parser import Parser as NatsParser
+from nats.protocol.parser import ProtocolError
+
+from cleave.bus import receive
+
+
+class Conn:
+    """What a parser calls back: messages, pings and pongs, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:  # noqa: ANN001
+        self.seen.append(("msg", sid, bytes(subject), bytes(reply), bytes(payload), hdr and bytes(hdr)))
+
+    async def _process_ping(self) -> None:
+        self.seen.append(("ping",))
+
+    async def _process_pong(self) -> None:
+        self.seen.append(("pong",))
+
+
+def stream(rng: random.Random) -> bytes:
+    """Small and large messages (below and above GATHER_BYTES), with and without a reply subject or headers,
+    between pings and pongs; every payload different."""
+    out = bytearray()
+    for i in range(12):
+        size = rng.choice([0, 5, receive.GATHER_BYTES - 1, receive.GATHER_BYTES, 3 * receive.GATHER_BYTES + 7])
+        payload = rng.randbytes(size)
+        if i % 5 == 4:
+            hdr = b"NATS/1.0\r\nk: v\r\n\r\n"
+            out += b"HMSG s.%d %d %d %d\r\n" % (i, i + 1, len(hdr), len(hdr) + size) + hdr + payload + b"\r\n"
+        else:
+            reply = b" _INBOX.r%d" % i if i % 3 == 0 else b""
+            out += b"MSG s.%d %d%s %d\r\n" % (i, i + 1, reply, size) + payload + b"\r\n"
+        out += rng.choice([b"", b"PING\r\n", b"PONG\r\n"])
+    return bytes(out)
+
+
+async def feed(parser_class: type, data: bytes, cuts: list[int]) -> list[tuple]:
+    conn = Conn()
+    parser = parser_class(conn)
+    for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True):
+        await parser.parse(data[a:b])
+    return conn.seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_same_messages_as_nats_py_whatever_the_reads(seed):
+    rng = random.Random(seed)
+    data = stream(rng)
+    reads = [1, 7, 4096, 32768, 300_000]  # one byte at a time (near control lines) up to larger than a payload
+    cuts, at = [], 0
+    while True:
+        at += rng.choice(reads)
+        if at >= len(data):
+            break
+        cuts.append(at)
+    want = await feed(NatsParser, data, cuts)
+    assert len([s for s in want if s[0] == "msg"]) == 12
+    assert await feed(receive.Parser, data, cuts) == want
+    assert await feed(receive.Parser, data, []) == want  # all in one read
+
+
+async def test_gathered_payload_is_the_message_data_without_a_copy():
+    size = receive.GATHER_BYTES
+    data = b"MSG big 1 %d\r\n" % size + bytes(range(256)) * (size // 256) + b"\r\n"
+    got = []
+
+    class Keep(Conn):
+        async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:  # noqa: ANN001
+            got.append(payload)
+
+    parser = receive.Parser(Keep())
+    for i in range(0, len(data), 32768):
+        await parser.parse(data[i : i + 32768])
+    assert len(got) == 1 and isinstance(got[0], bytearray) and len(got[0]) == size
+    assert got[0] == bytes(range(256)) * (size // 256)
+
+
+async def test_payload_longer_than_its_size_is_a_protocol_error():
+    size = receive.GATHER_BYTES
+    data = b"MSG big 1 %d\r\n" % size + bytes(size) + b"xx\r\n"  # two bytes more than declared
+    parser = receive.Parser(Conn())
+    with pytest.raises(ProtocolError):
+        for i in range(0, len(data), 32768):
+            await parser.parse(data[i : i + 32768])
