@@ -4,6 +4,11 @@
   size, from N publishers (N publisher/subscriber pairs, each a process of its own) or from one publisher
   process (as the PS publishes); the tiles and the fan-out blocks both travel as core NATS messages of at
   most the server's max_payload.
+- `bus_mix_seconds`: the seconds core NATS takes for a PS's traffic in both directions at once, from one hub
+  process to N spoke processes and back, each over one connection, as the PS and its workers are connected.
+  The clients of both are bare nats-py clients (a loop of `publish` calls, a callback counting messages) with the
+  receive path the PS and the workers have (`cleave.bus.receive`), so the floor is not slowed down by nats-py's
+  own parser.
 - `gemm_seconds`: one step's GEMMs at their own shapes with all of torch's threads.
 - `CpuSampler`: where a process's CPU goes, by sampling every thread's Python stack (`sys._current_frames`)
   and sorting each busy sample into serialisation, copies, bus, local compute or Python; the measured CPU
@@ -32,9 +37,11 @@ DEFAULT_SAMPLE_S = 0.005
 CATEGORIES = ("serialisation", "copies", "bus", "local_compute", "python")
 
 PUBLISHER = """
-import asyncio, sys, time, nats
+import asyncio, sys, time
+from cleave.bus.receive import client
 async def main(url, subjects, size, count, window):
-    nc = await nats.connect(url)
+    nc = client()  # the receive path the PS and workers have (cleave.bus.receive)
+    await nc.connect(url)
     acked, moved = dict.fromkeys(subjects, 0), asyncio.Event()
     def on_ack(subject):
         async def cb(msg):
@@ -65,9 +72,11 @@ asyncio.run(main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.
 """
 
 SUBSCRIBER = """
-import asyncio, sys, time, nats
+import asyncio, sys, time
+from cleave.bus.receive import client
 async def main(url, subject, count, every):
-    nc = await nats.connect(url)
+    nc = client()  # the receive path the PS and workers have (cleave.bus.receive)
+    await nc.connect(url)
     got, done, cpu = 0, asyncio.Event(), 0.0
     async def on_msg(msg):
         nonlocal got, cpu
@@ -86,6 +95,92 @@ async def main(url, subject, count, every):
     await nc.flush()
     await nc.close()
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+"""
+
+
+# Both directions at once over the PS's topology: a hub (as the PS: one process, one connection) publishes
+# `count_down` messages to each spoke (as a worker: one process, one connection) while every spoke publishes
+# `count_up` messages to the hub; each stream has its own window of unacknowledged messages.
+HUB = """
+import asyncio, sys, time
+from cleave.bus.receive import client
+async def main(url, spokes, size, count, up_count, window, every):
+    nc = client()  # the receive path the PS and workers have (cleave.bus.receive)
+    await nc.connect(url)
+    acked, got, moved = [0] * spokes, [0] * spokes, asyncio.Event()
+    def on_ack(i):
+        async def cb(msg):
+            acked[i] = int(msg.data)
+            moved.set()
+        return cb
+    def on_up(i):
+        async def cb(msg):
+            got[i] += 1
+            if got[i] % every == 0 or got[i] == up_count:
+                await nc.publish(f"mix.u{i}.ack", str(got[i]).encode())
+            moved.set()
+        return cb
+    for i in range(spokes):
+        await nc.subscribe(f"mix.d{i}.ack", cb=on_ack(i))
+        await nc.subscribe(f"mix.u{i}", cb=on_up(i), pending_bytes_limit=1 << 30, pending_msgs_limit=1_000_000)
+    go = await nc.subscribe("bench.go")
+    await nc.publish("bench.ready", b"")
+    await nc.flush()
+    await go.next_msg(timeout=120)
+    cpu = time.process_time()
+    payload = bytes(size)
+    for n in range(count):
+        for i in range(spokes):
+            while n - acked[i] >= window:
+                moved.clear()
+                await asyncio.wait_for(moved.wait(), 60)
+            await nc.publish(f"mix.d{i}", payload)
+    while min(acked) < count or min(got) < up_count:
+        moved.clear()
+        await asyncio.wait_for(moved.wait(), 60)
+    await nc.publish("bench.done", b"hub " + str(time.process_time() - cpu).encode())
+    await nc.flush()
+    await nc.close()
+asyncio.run(main(*sys.argv[1:2], *map(int, sys.argv[2:])))
+"""
+
+SPOKE = """
+import asyncio, sys, time
+from cleave.bus.receive import client
+async def main(url, i, size, count, up_size, up_count, window, every):
+    nc = client()  # the receive path the PS and workers have (cleave.bus.receive)
+    await nc.connect(url)
+    got, acked, moved, cpu = 0, 0, asyncio.Event(), 0.0
+    async def on_down(msg):
+        nonlocal got
+        got += 1
+        if got % every == 0 or got == count:
+            await nc.publish(f"mix.d{i}.ack", str(got).encode())
+        moved.set()
+    async def on_ack(msg):
+        nonlocal acked
+        acked = int(msg.data)
+        moved.set()
+    await nc.subscribe(f"mix.d{i}", cb=on_down, pending_bytes_limit=1 << 30, pending_msgs_limit=1_000_000)
+    await nc.subscribe(f"mix.u{i}.ack", cb=on_ack)
+    go = await nc.subscribe("bench.go")
+    await nc.publish("bench.ready", b"")
+    await nc.flush()
+    await go.next_msg(timeout=120)
+    cpu = time.process_time()
+    payload = bytes(up_size)
+    for n in range(up_count):
+        while n - acked >= window:
+            moved.clear()
+            await asyncio.wait_for(moved.wait(), 60)
+        await nc.publish(f"mix.u{i}", payload)
+    while got < count or acked < up_count:
+        moved.clear()
+        await asyncio.wait_for(moved.wait(), 60)
+    await nc.publish("bench.done", str(time.process_time() - cpu).encode())
+    await nc.flush()
+    await nc.close()
+asyncio.run(main(sys.argv[1], *map(int, sys.argv[2:])))
 """
 
 
@@ -130,6 +225,44 @@ async def bus_measure(url: str, pairs: int, size: int, one_publisher: bool = Fal
             await p.wait()
         return {"bytes_per_s": rate, "publisher_ns_per_byte": 1e9 * sum(pub_s) / moved,
                 "subscriber_ns_per_byte": 1e9 * sum(sub_s) / moved}
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        await bus.close()
+
+
+async def bus_mix_seconds(url: str, spokes: int, size_down: int, bytes_down: int, size_up: int,
+                          bytes_up: int) -> dict[str, float]:
+    """The seconds nats-server and bare nats-py clients take to move `bytes_down` from one hub process to
+    `spokes` processes (as much to each, in messages of `size_down`) while the spokes move `bytes_up` back (in
+    messages of `size_up`): the PS's traffic of a GEMM, both directions at once over the same connections,
+    with the hub's CPU seconds (`hub_cpu_s`)."""
+    def window(size: int, streams: int = 1) -> int:  # what streams into one connection stays under max_pending
+        return max(1, min(DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES // (size * streams)))
+
+    count = max(1, round(bytes_down / size_down / spokes))
+    up_count = max(1, round(bytes_up / size_up / spokes))
+    every_down, every_up = max(1, min(8, window(size_down) // 4)), max(1, min(8, window(size_up, spokes) // 4))
+    bus = await busmod.connect(url, "bench-bus")
+    ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SPOKE, url, str(i), str(size_down), str(count), str(size_up), str(up_count),
+        str(window(size_up, spokes)), str(every_down)) for i in range(spokes)]
+    try:
+        await _gather(ready, spokes, 60)
+        procs.append(await asyncio.create_subprocess_exec(
+            sys.executable, "-c", HUB, url, str(spokes), str(size_down), str(count), str(up_count),
+            str(window(size_down)), str(every_up)))
+        await _gather(ready, 1, 60)
+        t0 = time.perf_counter()
+        await bus.nc.publish("bench.go", b"")
+        cpus = [(await done.next_msg(timeout=300)).data for _ in procs]
+        seconds = time.perf_counter() - t0
+        for p in procs:
+            await p.wait()
+        return {"seconds": seconds * (bytes_down + bytes_up) / (spokes * (count * size_down + up_count * size_up)),
+                "hub_cpu_s": next(float(c.split()[1]) for c in cpus if c.startswith(b"hub "))}
     finally:
         for p in procs:
             if p.returncode is None:

@@ -14,7 +14,11 @@ Then, on the same nats-server, the bus's rate at the PS's message sizes (`floors
 subscriber process pairs, or one publisher to N subscribers, best of 2 tries each, per direction). The
 figure is `ps_over_bus`: the seconds the bus needs for the bytes the PS moved (egress and ingress each at
 its own rate) over the seconds the PS took; `egress_over_bus` compares the PS's egress alone with the bus's
-rate at the egress message size; `ps_cpu_over_bus_clients`, the PS's CPU seconds over those bare nats-py clients
+rate at the egress message size (one direction at a time, while the PS sends and receives at once);
+`ps_over_bus_both_ways`, the like-for-like figure, the seconds bare nats-py clients on the same topology (one
+hub process and connection as the PS, N spoke processes as the workers: `floors.bus_mix_seconds`) take to move
+the PS's egress and ingress at once, over the seconds the PS took: it is also the PS's egress rate over the bus's
+egress rate when both carry the same ingress; `ps_cpu_over_bus_clients`, the PS's CPU seconds over those bare nats-py clients
 spend on the same bytes (a publisher's per egress byte, subscribers' per ingress byte), which depends less on
 what else the machine runs than the rates do. Where the PS's CPU goes: `floors.CpuSampler`, and with `--py-spy` a
 py-spy profile of this process (`benchmarks/results/ps_rate.speedscope.json`).
@@ -167,7 +171,7 @@ PROFILE_GROUPS = (
                                         ("asyncio/selector_events.py", "_SelectorSocketTransport._write_ready"))),
     ("receive: socket read", (("asyncio/selector_events.py", "_SelectorSocketTransport._read_ready"),
                               ("asyncio/streams.py", "StreamReader"), ("aio/transport.py", "TcpTransport.read"))),
-    ("receive: nats-py parser", (("protocol/parser.py", ""), ("aio/client.py", "Client._build_message"))),
+    ("receive: parser", (("cleave/bus/receive.py", ""), ("protocol/parser.py", ""), ("aio/client.py", "Client._build_message"))),
     ("receive: reassembly", (("cleave/codec.py", "Reassembler"),)),
     ("decode: zstd", (("cleave/codec.py", "_decompress"),)),
     ("decode: msgpack and schema", (("cleave/codec.py", ""), ("/pydantic", ""))),
@@ -245,7 +249,7 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         assert torch.equal(await d.gemm(a, bt, 0, 1, "warm-up"), truth), "the warm-up product differs"
         sampler = floors.CpuSampler()
         sampler.start()
-        down0, up0, walls = d.c.bytes_down, d.c.bytes_up, []
+        down0, up0, verify0, walls = d.c.bytes_down, d.c.bytes_up, d.c.verify_cpu_s, []
         wire.on = True
         t0 = time.time()
         with py_spy(RESULTS.with_suffix(".speedscope.json"), args.py_spy):
@@ -259,7 +263,7 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         wire.on = False
         print(f"PS: {args.gemms} GEMMs in {sum(walls):.2f}s ({[round(w, 2) for w in walls]})", file=sys.stderr, flush=True)
         sampler.stop()
-        down, up = d.c.bytes_down - down0, d.c.bytes_up - up0
+        down, up, verify_s = d.c.bytes_down - down0, d.c.bytes_up - up0, d.c.verify_cpu_s - verify0
         cpu = sampler.between(t0, t1)
         stop.set()
         d.stopping = True
@@ -270,6 +274,8 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         size_down, size_up = weighted_median(wire.down), weighted_median(wire.up)
         bus_down = {one: await _best(url, workers, size_down, one) for one in (False, True)}
         bus_up = {one: await _best(url, workers, size_up, one) for one in (False, True)}
+        mix = min([await floors.bus_mix_seconds(url, workers, size_down, down, size_up, up) for _ in range(2)],
+                  key=lambda r: r["seconds"])
     finally:
         fleet.stop()
         product.unlink(missing_ok=True)
@@ -300,7 +306,9 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         "bus_clients_cpu_s_for_ps_bytes": clients_s, "ps_cpu_over_bus_clients": cpu["cpu_s"] / clients_s,
         "bus_seconds_for_ps_bytes": bus_s,
         "ps_over_bus": bus_s / wall, "egress_over_bus": down / wall / rate_down,
-        "ps_cpu_s": cpu["cpu_s"], "ps_cpu_split_s": {c: cpu[c] for c in floors.CATEGORIES},
+        "bus_both_ways_seconds": mix["seconds"], "bus_both_ways_hub_cpu_s": mix["hub_cpu_s"],
+        "ps_over_bus_both_ways": mix["seconds"] / wall,
+        "ps_cpu_s": cpu["cpu_s"], "ps_verify_cpu_s": verify_s, "ps_cpu_split_s": {c: cpu[c] for c in floors.CATEGORIES},
         "ps_cpu_per_byte_ns": 1e9 * cpu["cpu_s"] / (down + up),
     }
 
@@ -326,8 +334,10 @@ def report(r: dict) -> str:
             f"PS egress {r['ps_egress_bytes_per_s'] / 1e6:.0f} MB/s, ingress {r['ps_ingress_bytes_per_s'] / 1e6:.0f} MB/s "
             f"(messages of {r['msg_bytes_down'] / 2**20:.1f}/{r['msg_bytes_up'] / 2**20:.1f} MiB); bus "
             f"{r['bus_bytes_per_s_down'] / 1e6:.0f}/{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with "
-            f"{r['connections']} connections -> PS/bus {r['ps_over_bus']:.2f}, egress/bus {r['egress_over_bus']:.2f}"
-            f"\n  PS CPU {r['ps_cpu_s']:.2f}s over {r['ps_seconds']:.2f}s ({r['ps_cpu_per_byte_ns']:.2f} ns a byte; "
+            f"{r['connections']} connections -> PS/bus {r['ps_over_bus']:.2f}, egress/bus {r['egress_over_bus']:.2f}; "
+            f"bus both ways at once {r['bus_both_ways_seconds']:.2f}s for the PS's bytes (hub CPU "
+            f"{r['bus_both_ways_hub_cpu_s']:.2f}s) -> PS/bus both ways {r['ps_over_bus_both_ways']:.2f}"
+            f"\n  PS CPU {r['ps_cpu_s']:.2f}s (Freivalds' checks {r['ps_verify_cpu_s']:.2f}s) over {r['ps_seconds']:.2f}s ({r['ps_cpu_per_byte_ns']:.2f} ns a byte; "
             f"bare nats-py clients {r['bus_clients_cpu_s_for_ps_bytes']:.2f}s for the same bytes, publisher "
             f"{r['bus_publisher_ns_per_byte']:.2f} and subscribers {r['bus_subscriber_ns_per_byte']:.2f} ns a byte "
             f"-> x{r['ps_cpu_over_bus_clients']:.1f}): {split}")
