@@ -36,40 +36,63 @@ DEFAULT_PAIR_BYTES = 48 << 20  # what each pair moves per measurement
 DEFAULT_SAMPLE_S = 0.005
 CATEGORIES = ("serialisation", "copies", "bus", "local_compute", "python")
 
-PUBLISHER = """
+# A client process: it publishes `count` messages of `size` to each of its `out` subjects, at most `window`
+# unacknowledged on each (acknowledgements come on the subject's ".ack"), while it counts `in_count` messages on
+# each of its `into` subjects and acknowledges every `every`; then reports its CPU seconds on bench.done.
+# A publisher has only `out`; the PS's topology both ways (`bus_mix_seconds`) is one hub (as the PS: one
+# process, one connection) with an out and an into subject per spoke (as a worker), and spokes the other way.
+NODE = """
 import asyncio, sys, time
 from cleave.bus.receive import client
-async def main(url, subjects, size, count, window):
+async def main(url, tag, out, size, count, window, into, in_count, every):
     nc = client()  # the receive path the PS and workers have (cleave.bus.receive)
     await nc.connect(url)
-    acked, moved = dict.fromkeys(subjects, 0), asyncio.Event()
-    def on_ack(subject):
+    out, into = [s for s in out.split(",") if s], [s for s in into.split(",") if s]
+    acked, got, moved = dict.fromkeys(out, 0), dict.fromkeys(into, 0), asyncio.Event()
+    def on_ack(s):
         async def cb(msg):
-            acked[subject] = int(msg.data)
+            acked[s] = int(msg.data)
             moved.set()
         return cb
-    for s in subjects:
+    def on_msg(s):
+        async def cb(msg):
+            got[s] += 1
+            if got[s] % every == 0 or got[s] == in_count:
+                await nc.publish(s + ".ack", str(got[s]).encode())
+            moved.set()
+        return cb
+    for s in out:
         await nc.subscribe(s + ".ack", cb=on_ack(s))
+    for s in into:
+        await nc.subscribe(s, cb=on_msg(s), pending_bytes_limit=1 << 30, pending_msgs_limit=1_000_000)
     go = await nc.subscribe("bench.go")
     await nc.publish("bench.ready", b"")
     await nc.flush()
     await go.next_msg(timeout=120)
     cpu = time.process_time()
     payload = bytes(size)
-    for i in range(count):
-        for s in subjects:
-            while i - acked[s] >= window:
+    for n in range(count):
+        for s in out:
+            while n - acked[s] >= window:
                 moved.clear()
                 await asyncio.wait_for(moved.wait(), 60)
             await nc.publish(s, payload)
-    while min(acked.values()) < count:
+    while min(acked.values(), default=count) < count or min(got.values(), default=in_count) < in_count:
         moved.clear()
         await asyncio.wait_for(moved.wait(), 60)
-    await nc.publish("bench.done", str(time.process_time() - cpu).encode())  # its CPU seconds
+    await nc.publish("bench.done", f"{tag} {time.process_time() - cpu}".encode())  # its CPU seconds
     await nc.flush()
     await nc.close()
-asyncio.run(main(sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
+asyncio.run(main(*sys.argv[1:4], *map(int, sys.argv[4:7]), sys.argv[7], *map(int, sys.argv[8:])))
 """
+
+
+def node(url: str, tag: str, out: list[str], size: int, count: int, window: int, into: list[str] = (),
+         in_count: int = 0, every: int = 1) -> list[str]:
+    """The command line of a NODE process."""
+    return [sys.executable, "-c", NODE, url, tag, ",".join(out), str(size), str(count), str(window), ",".join(into),
+            str(in_count), str(every)]
+
 
 SUBSCRIBER = """
 import asyncio, sys, time
@@ -95,92 +118,6 @@ async def main(url, subject, count, every):
     await nc.flush()
     await nc.close()
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
-"""
-
-
-# Both directions at once over the PS's topology: a hub (as the PS: one process, one connection) publishes
-# `count_down` messages to each spoke (as a worker: one process, one connection) while every spoke publishes
-# `count_up` messages to the hub; each stream has its own window of unacknowledged messages.
-HUB = """
-import asyncio, sys, time
-from cleave.bus.receive import client
-async def main(url, spokes, size, count, up_count, window, every):
-    nc = client()  # the receive path the PS and workers have (cleave.bus.receive)
-    await nc.connect(url)
-    acked, got, moved = [0] * spokes, [0] * spokes, asyncio.Event()
-    def on_ack(i):
-        async def cb(msg):
-            acked[i] = int(msg.data)
-            moved.set()
-        return cb
-    def on_up(i):
-        async def cb(msg):
-            got[i] += 1
-            if got[i] % every == 0 or got[i] == up_count:
-                await nc.publish(f"mix.u{i}.ack", str(got[i]).encode())
-            moved.set()
-        return cb
-    for i in range(spokes):
-        await nc.subscribe(f"mix.d{i}.ack", cb=on_ack(i))
-        await nc.subscribe(f"mix.u{i}", cb=on_up(i), pending_bytes_limit=1 << 30, pending_msgs_limit=1_000_000)
-    go = await nc.subscribe("bench.go")
-    await nc.publish("bench.ready", b"")
-    await nc.flush()
-    await go.next_msg(timeout=120)
-    cpu = time.process_time()
-    payload = bytes(size)
-    for n in range(count):
-        for i in range(spokes):
-            while n - acked[i] >= window:
-                moved.clear()
-                await asyncio.wait_for(moved.wait(), 60)
-            await nc.publish(f"mix.d{i}", payload)
-    while min(acked) < count or min(got) < up_count:
-        moved.clear()
-        await asyncio.wait_for(moved.wait(), 60)
-    await nc.publish("bench.done", b"hub " + str(time.process_time() - cpu).encode())
-    await nc.flush()
-    await nc.close()
-asyncio.run(main(*sys.argv[1:2], *map(int, sys.argv[2:])))
-"""
-
-SPOKE = """
-import asyncio, sys, time
-from cleave.bus.receive import client
-async def main(url, i, size, count, up_size, up_count, window, every):
-    nc = client()  # the receive path the PS and workers have (cleave.bus.receive)
-    await nc.connect(url)
-    got, acked, moved, cpu = 0, 0, asyncio.Event(), 0.0
-    async def on_down(msg):
-        nonlocal got
-        got += 1
-        if got % every == 0 or got == count:
-            await nc.publish(f"mix.d{i}.ack", str(got).encode())
-        moved.set()
-    async def on_ack(msg):
-        nonlocal acked
-        acked = int(msg.data)
-        moved.set()
-    await nc.subscribe(f"mix.d{i}", cb=on_down, pending_bytes_limit=1 << 30, pending_msgs_limit=1_000_000)
-    await nc.subscribe(f"mix.u{i}.ack", cb=on_ack)
-    go = await nc.subscribe("bench.go")
-    await nc.publish("bench.ready", b"")
-    await nc.flush()
-    await go.next_msg(timeout=120)
-    cpu = time.process_time()
-    payload = bytes(up_size)
-    for n in range(up_count):
-        while n - acked >= window:
-            moved.clear()
-            await asyncio.wait_for(moved.wait(), 60)
-        await nc.publish(f"mix.u{i}", payload)
-    while got < count or acked < up_count:
-        moved.clear()
-        await asyncio.wait_for(moved.wait(), 60)
-    await nc.publish("bench.done", str(time.process_time() - cpu).encode())
-    await nc.flush()
-    await nc.close()
-asyncio.run(main(sys.argv[1], *map(int, sys.argv[2:])))
 """
 
 
@@ -212,12 +149,12 @@ async def bus_measure(url: str, pairs: int, size: int, one_publisher: bool = Fal
              for s in subjects]
     try:
         await _gather(ready, pairs, 60)
-        procs += [await asyncio.create_subprocess_exec(sys.executable, "-c", PUBLISHER, url, s, str(size),
-                                                       str(count), str(window)) for s in senders]
+        procs += [await asyncio.create_subprocess_exec(*node(url, "publisher", s.split(","), size, count, window))
+                  for s in senders]
         await _gather(ready, len(senders), 60)
         t0 = time.perf_counter()
         await bus.nc.publish("bench.go", b"")
-        pub_s = [float((await done.next_msg(timeout=300)).data) for _ in senders]
+        pub_s = [float((await done.next_msg(timeout=300)).data.split()[1]) for _ in senders]
         moved = pairs * count * size
         rate = moved / (time.perf_counter() - t0)
         sub_s = [float((await cpus.next_msg(timeout=60)).data) for _ in subjects]
@@ -246,14 +183,13 @@ async def bus_mix_seconds(url: str, spokes: int, size_down: int, bytes_down: int
     every_down, every_up = max(1, min(8, window(size_down) // 4)), max(1, min(8, window(size_up, spokes) // 4))
     bus = await busmod.connect(url, "bench-bus")
     ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
-    procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-c", SPOKE, url, str(i), str(size_down), str(count), str(size_up), str(up_count),
-        str(window(size_up, spokes)), str(every_down)) for i in range(spokes)]
+    down, up = [f"mix.d{i}" for i in range(spokes)], [f"mix.u{i}" for i in range(spokes)]
+    procs = [await asyncio.create_subprocess_exec(*node(url, "spoke", [up[i]], size_up, up_count, window(size_up, spokes),
+                                                        [down[i]], count, every_down)) for i in range(spokes)]
     try:
         await _gather(ready, spokes, 60)
-        procs.append(await asyncio.create_subprocess_exec(
-            sys.executable, "-c", HUB, url, str(spokes), str(size_down), str(count), str(up_count),
-            str(window(size_down)), str(every_up)))
+        procs.append(await asyncio.create_subprocess_exec(*node(url, "hub", down, size_down, count, window(size_down),
+                                                                up, up_count, every_up)))
         await _gather(ready, 1, 60)
         t0 = time.perf_counter()
         await bus.nc.publish("bench.go", b"")
