@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
@@ -87,11 +88,11 @@ asyncio.run(main(*sys.argv[1:4], *map(int, sys.argv[4:7]), sys.argv[7], *map(int
 """
 
 
-def node(url: str, tag: str, out: list[str], size: int, count: int, window: int, into: list[str] = (),
-         in_count: int = 0, every: int = 1) -> list[str]:
+def node(url: str, tag: str, out: Sequence[str], size: int, count: int, in_flight: int, into: Sequence[str] = (),
+         in_count: int = 0, ack_every: int = 1) -> list[str]:
     """The command line of a NODE process."""
-    return [sys.executable, "-c", NODE, url, tag, ",".join(out), str(size), str(count), str(window), ",".join(into),
-            str(in_count), str(every)]
+    return [sys.executable, "-c", NODE, url, tag, ",".join(out), str(size), str(count), str(in_flight),
+            ",".join(into), str(in_count), str(ack_every)]
 
 
 SUBSCRIBER = """
@@ -133,23 +134,34 @@ async def bus_rate_once(url: str, pairs: int, size: int, one_publisher: bool = F
     return (await bus_measure(url, pairs, size, one_publisher, pair_bytes))["bytes_per_s"]
 
 
+def window(size: int, streams: int = 1) -> int:
+    """Messages in flight per stream of `size`-byte messages, when `streams` of them flow into one connection:
+    DEFAULT_WINDOW, or fewer so that they stay under DEFAULT_WINDOW_BYTES."""
+    return max(1, min(DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES // (size * streams)))
+
+
+def every(in_flight: int) -> int:
+    """How often a receiver acknowledges: every 8 messages, or more often in a small window."""
+    return max(1, min(8, in_flight // 4))
+
+
 async def bus_measure(url: str, pairs: int, size: int, one_publisher: bool = False,
                       pair_bytes: int = DEFAULT_PAIR_BYTES) -> dict[str, float]:
     """`bus_rate_once`'s measurement: bytes_per_s, and the CPU seconds of the publisher and subscriber
     processes (nats-py clients) per byte moved, `publisher_ns_per_byte` and `subscriber_ns_per_byte`."""
-    window = max(1, min(DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES // size))
-    count = max(window * 2, pair_bytes // size)
+    in_flight = window(size)
+    count = max(in_flight * 2, pair_bytes // size)
     subjects = [f"bench.p{i}" for i in range(pairs)]
     senders = [",".join(subjects)] if one_publisher else subjects
     bus = await busmod.connect(url, "bench-bus")
     ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
     cpus = await bus.nc.subscribe("bench.cpu")
-    every = max(1, min(8, window // 4))  # a subscriber acknowledges every 8 messages, or more often in a small window
-    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count), str(every))
+    procs = [await asyncio.create_subprocess_exec(sys.executable, "-c", SUBSCRIBER, url, s, str(count),
+                                                  str(every(in_flight)))
              for s in subjects]
     try:
         await _gather(ready, pairs, 60)
-        procs += [await asyncio.create_subprocess_exec(*node(url, "publisher", s.split(","), size, count, window))
+        procs += [await asyncio.create_subprocess_exec(*node(url, "publisher", s.split(","), size, count, in_flight))
                   for s in senders]
         await _gather(ready, len(senders), 60)
         t0 = time.perf_counter()
@@ -175,12 +187,9 @@ async def bus_mix_seconds(url: str, spokes: int, size_down: int, bytes_down: int
     `spokes` processes (as much to each, in messages of `size_down`) while the spokes move `bytes_up` back (in
     messages of `size_up`): the PS's traffic of a GEMM, both directions at once over the same connections,
     with the hub's CPU seconds (`hub_cpu_s`)."""
-    def window(size: int, streams: int = 1) -> int:  # what streams into one connection stays under max_pending
-        return max(1, min(DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES // (size * streams)))
-
     count = max(1, round(bytes_down / size_down / spokes))
     up_count = max(1, round(bytes_up / size_up / spokes))
-    every_down, every_up = max(1, min(8, window(size_down) // 4)), max(1, min(8, window(size_up, spokes) // 4))
+    every_down, every_up = every(window(size_down)), every(window(size_up, spokes))
     bus = await busmod.connect(url, "bench-bus")
     ready, done = await bus.nc.subscribe("bench.ready"), await bus.nc.subscribe("bench.done")
     down, up = [f"mix.d{i}" for i in range(spokes)], [f"mix.u{i}" for i in range(spokes)]
