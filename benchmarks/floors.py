@@ -32,7 +32,7 @@ from cleave.models import gemm_shapes
 
 DEFAULT_WINDOW = 32  # messages in flight per pair, as the PS's window of tiles per worker
 DEFAULT_WINDOW_BYTES = 32 << 20  # and at most these bytes: below the server's max_pending for a subscriber
-# (bus.SERVER_MAX_PENDING), past which it cuts the subscriber off as a slow consumer
+# (cleave.bus.limits.SERVER_MAX_PENDING), past which it cuts the subscriber off as a slow consumer
 DEFAULT_PAIR_BYTES = 48 << 20  # what each pair moves per measurement
 DEFAULT_SAMPLE_S = 0.005
 CATEGORIES = ("serialisation", "copies", "bus", "local_compute", "python")

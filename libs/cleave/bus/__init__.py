@@ -33,12 +33,12 @@ from nats.js.object_store import ObjectStore
 
 from cleave import codec
 from cleave.bus import direct, receive
+from cleave.bus.limits import BUCKET_LIMITS, DEFAULT_BUCKET_LIMITS, EVENTS_MAX_BYTES, HEADROOM
 from cleave.errors import CleaveError, Conflict, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
     MAX_CONTROL_BYTES,
     MAX_MESSAGE_BYTES,
-    MAX_PLAN_FRAME_BYTES,
     PLAN_BUCKET,
     REGISTRY_BUCKET,
     STATE_BUCKET,
@@ -64,26 +64,8 @@ ELECTION_S = 30.0  # a JetStream stream that lost its leader (a cluster node die
 # idempotent requests are retried this long (`Bus.patiently`)
 TRANSIENT = (TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)  # what an election looks like
 NO_RESPONDERS = "503"  # the status nats-server answers a request with when nobody subscribes
-HEADROOM = 4096  # bytes of max_payload kept free for headers the client may add
 OFF_LOOP_BYTES = 1 << 20  # a received message larger than this is decoded in a worker thread
-# Slow consumers, in every nats-server config we ship (docs/operations.md): the server cuts off a client with
-# more than max_pending bytes waiting for it, or whose socket takes longer than write_deadline for one write.
-# The PS keeps at most 48 MiB and 2 s of a worker's measured downlink in flight to it (PsSettings
-# max_inflight_bytes, cleave.gemm.dealer DEFAULT_INFLIGHT_S): below both, with a 10x margin on the deadline.
-SERVER_MAX_PENDING = 64 * 1024 * 1024
-SERVER_WRITE_DEADLINE_S = 20
-SERVER_LIMITS = f'max_pending: {SERVER_MAX_PENDING}\nwrite_deadline: "{SERVER_WRITE_DEADLINE_S}s"'
 MAX_REPLICAS = 3  # JetStream replicas of every stream, KV bucket and object store on a cluster (R3)
-MiB = 1024 * 1024
-# Every stream and bucket is created with a size limit and a largest value (a bucket that is full refuses new
-# writes; the events stream drops its oldest). (largest value, largest total) in bytes:
-BUCKET_LIMITS = {
-    REGISTRY_BUCKET: (64 * 1024, 64 * MiB),  # a DeviceRecord is ~300 bytes: 10,000 workers take ~3 MB
-    PLAN_BUCKET: (MAX_PLAN_FRAME_BYTES, 1024 * MiB),  # a 10,000-device plan's frame is < 1 MB; 5 revisions a key
-    STATE_BUCKET: (MAX_CONTROL_BYTES + HEADROOM, 1024 * MiB),  # heads and epochs (a head is <= MAX_CONTROL_BYTES)
-}
-DEFAULT_BUCKET_LIMITS = (MAX_CONTROL_BYTES, 256 * MiB)  # any other bucket
-EVENTS_MAX_BYTES = 256 * MiB  # the events stream keeps its newest events within this
 
 
 class Bus:

@@ -17,7 +17,7 @@ from pathlib import Path
 from cleave import auth
 from cleave.api import credentials
 from cleave.api.natsconf import free_port
-from cleave.bus import SERVER_LIMITS
+from cleave.bus.limits import SERVER_LIMITS
 from cleave.errors import ConfigError
 from cleave_cli import auth_cmd, serverconf
 

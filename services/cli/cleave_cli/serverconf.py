@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 
 from cleave.auth import ADMIN, SITE, Credential
-from cleave.bus import SERVER_LIMITS
+from cleave.bus.limits import SERVER_LIMITS
 from cleave.errors import ConfigError
 
 DEFAULT_LISTEN = "0.0.0.0:4222"
