@@ -95,11 +95,7 @@ async def read_records(bus: busmod.Bus, job_id: str | None) -> list[JobRecord]:
     if job_id is not None:
         got = await bus.kv_get(kv, job_id, JobRecord)
         return [got[0]] if got else []
-    try:
-        keys = await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
-    except Exception:  # nats-py raises NoKeysError for an empty bucket
-        keys = []
-    found = [await bus.kv_get(kv, k, JobRecord) for k in keys]
+    found = [await bus.kv_get(kv, k, JobRecord) for k in await bus.keys(kv)]
     return sorted((g[0] for g in found if g), key=lambda r: r.submitted_at)
 
 

@@ -92,14 +92,6 @@ def state_server(run_dir: Path) -> Iterator[str]:
             stack.stop_all()
 
 
-async def _jobs_with_state(kv) -> list[str]:  # noqa: ANN001 - a nats-py KeyValue
-    try:
-        keys = await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
-    except Exception:  # nats-py raises NoKeysError for an empty bucket
-        return []
-    return sorted(k.removesuffix(".head") for k in keys if k.endswith(".head"))
-
-
 async def read_state(url: str, job_id: str, auth_dir: Path | None = None
                      ) -> tuple[StateHead, JobConfig, ModelConfig, torch.nn.Module]:
     """The job's last committed head record, its job and model config, and the model with the checkpoint's
@@ -114,7 +106,7 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
             raise CleaveError(f"{url} holds no persisted PS state ({type(e).__name__})") from None
         got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
         if got is None:
-            jobs = await _jobs_with_state(kv)
+            jobs = [k.removesuffix(".head") for k in await bus.keys(kv) if k.endswith(".head")]
             raise CleaveError(
                 f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}"
             )

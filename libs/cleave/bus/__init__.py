@@ -216,6 +216,15 @@ class Bus:
             self.reject(e.reason, f"kv:{kv._name}.{key}", str(e))
             return None
 
+    async def keys(self, kv: KeyValue) -> list[str]:
+        """The bucket's keys, sorted ([] when it is empty): each key holding a message, a value or the marker of a
+        deletion (`kv_get` returns None for that one). Read in one request from the stream's own list of subjects:
+        nats-py's `kv.keys()` lists them with a watch that can end before its first key on a busy server (its
+        consumer has sent the keys, its client has not counted one yet) and then says the bucket is empty."""
+        prefix = f"$KV.{kv._name}."
+        info = await self.patiently(lambda: self.js.stream_info(kv._stream, subjects_filter=f"{prefix}>"), "keys")
+        return sorted(s.removeprefix(prefix) for s in info.state.subjects or {})
+
     async def kv_put(self, kv: KeyValue, key: str, msg: Wire) -> int:
         return await asyncio.wait_for(kv.put(key, codec.encode(msg)), DEFAULT_TIMEOUT_S)
 

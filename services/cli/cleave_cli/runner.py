@@ -85,12 +85,13 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
     stack.stays_down = {"ps": FINAL}
     runner = Runner(bus, stack, run_dir, max_running)
     try:
-        await bus.setup()
-        await runner.open()
-        log.info("runner_started", nats=s.nats_url, run_dir=str(run_dir), max_running=max_running,
-                 queued=sum(r.state == "queued" for r in runner.records.values()))
         while not stop.is_set():
             try:
+                if runner.sub is None:  # opened once the bus answers: its records say which jobs to resume
+                    await bus.setup()
+                    await runner.open()
+                    log.info("runner_started", nats=s.nats_url, run_dir=str(run_dir), max_running=max_running,
+                             queued=sum(r.state == "queued" for r in runner.records.values()))
                 await runner.take()
                 await runner.tick()
             except (nats.errors.Error, TimeoutError, ConnectionError) as e:  # the bus is away: its PSs go on
@@ -123,7 +124,7 @@ class Runner:
         self.kv = await self.bus.kv(JOBS_BUCKET)
         self.state = await self.bus.kv(STATE_BUCKET, history=5)
         self.registry = await self.bus.kv(REGISTRY_BUCKET, ttl_s=busmod.DEFAULT_REGISTRY_TTL_S)
-        for job_id in await _keys(self.kv):
+        for job_id in await self.bus.keys(self.kv):
             got = await self.bus.kv_get(self.kv, job_id, JobRecord)
             if got is not None:
                 rec = got[0]
@@ -209,7 +210,7 @@ class Runner:
             await self.start(rec)
 
     async def workers_ready(self, rec: JobRecord) -> bool:
-        if rec.min_workers <= len(await _keys(self.registry)):
+        if rec.min_workers <= len(await self.bus.keys(self.registry)):
             return True
         since = self.waiting.setdefault(rec.job_id, time.monotonic())
         if time.monotonic() - since < JOIN_WAIT_S:
@@ -279,9 +280,3 @@ def failure_reason(stack: Stack, proc: Proc) -> str:
 def _ps_name(job_id: str) -> str:
     return f"ps-{job_id}"
 
-
-async def _keys(kv) -> list[str]:  # noqa: ANN001 - a nats-py KeyValue
-    try:
-        return await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
-    except Exception:  # nats-py raises NoKeysError for an empty bucket
-        return []

@@ -69,9 +69,9 @@ async def worker_budgets(bus: busmod.Bus) -> list[int]:
     or the registry cannot be read (logged: the preflight then assumes the worker's default)."""
     try:
         kv = await bus.kv(REGISTRY_BUCKET)
-        keys = await asyncio.wait_for(kv.keys(), busmod.DEFAULT_TIMEOUT_S)
+        keys = await bus.keys(kv)
         found = await asyncio.gather(*(bus.kv_get(kv, k, DeviceRecord) for k in keys[:MAX_BUDGETS_READ]))
-    except Exception as e:  # nats-py raises NoKeysError for an empty bucket
+    except Exception as e:  # the bus is away or the server does not answer
         log.info("worker_budgets_unread", reason=repr(e))
         return []
     return [f[0].profile.memory_bytes for f in found if f is not None]
