@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.aio.transport import TcpTransport
 
 from cleave import codec
+from cleave.bus import receive
 from cleave.codec import Piece
 
 log = structlog.get_logger("cleave.bus")
@@ -43,7 +44,7 @@ async def publish(nc: Client, subject: str, pieces: list[Piece], max_payload: in
 async def put(nc: Client, subject: str, message: list[Piece], size: int, timeout_s: float) -> None:
     """Publish one NATS message of `size` bytes made of `message`'s pieces (at most the server's max_payload)."""
     transport = getattr(nc, "_transport", None)
-    if (size < DIRECT_BYTES or not nc.is_connected or nc.is_draining or not isinstance(transport, TcpTransport)
+    if (size < DIRECT_BYTES or not nc.is_connected or nc.is_draining or not isinstance(transport, (TcpTransport, receive.Transport))
             or not isinstance(getattr(nc, "_pending", None), list) or not _PLAIN_SUBJECT.fullmatch(subject)):
         await nc.publish(subject, message[0] if len(message) == 1 else b"".join(message))
         return

@@ -5,15 +5,28 @@ there, slices it out and converts the slice to `bytes`: a payload is copied thre
 a message (without headers) of `GATHER_BYTES` or more, this parser instead copies each read straight into a
 buffer of the payload's size and hands that buffer (a `bytearray`) to the subscription as the message's data;
 everything else (control lines, small messages, messages with headers) goes through nats-py's own code.
+
+The connection's bytes come through `Transport` instead of nats-py's (asyncio's streams copy every byte twice
+after the kernel: into the stream's buffer, and out of it into a new `bytes` for each read): the kernel reads
+them into a buffer of the transport's, whose pieces the parser reads in order, or, while the parser gathers a
+large payload and has parsed everything before it, straight into that payload. A large payload is then copied
+once, by the kernel.
 """
 
 from __future__ import annotations
 
-from nats.aio.client import Client
+import asyncio
+import time
+from collections import deque
+
+from nats.aio.client import DEFAULT_BUFFER_SIZE, Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, CRLF_SIZE, ProtocolError
 from nats.protocol.parser import Parser as NatsParser
 
 GATHER_BYTES = 256 * 1024  # a payload this large is gathered; smaller ones are cheap either way
+SCRATCH_BYTES = 256 * 1024  # the transport's buffer for the kernel's reads (asyncio's own read size)
+MIN_READ_BYTES = 16 * 1024  # less room than this left in it: a new buffer (or the same, once all is parsed)
+QUEUED_BYTES = 8 * 1024 * 1024  # received and not yet parsed: past this the socket is not read until half is
 _CRLF = b"\r\n"
 
 
@@ -52,8 +65,193 @@ class Parser(NatsParser):
             await super().parse(view)
 
 
+class Stream(asyncio.BufferedProtocol):
+    """One connection's bytes as they arrive (asyncio's protocol for it; `Transport` reads them)."""
+
+    def __init__(self, parser: Parser) -> None:
+        self.parser = parser
+        self.transport: asyncio.Transport | None = None
+        self.pieces: deque[memoryview] = deque()  # received, not yet read, in order
+        self.queued = 0  # their bytes
+        self.scratch, self.used = bytearray(SCRATCH_BYTES), 0
+        self.direct = False  # the buffer last given to the kernel is the payload being gathered
+        self.reading = False  # the client reads messages (its handshake is over: the parser is this connection's)
+        self.out = False  # the piece `read` returned last may not be parsed yet
+        self.paused = False  # the socket is not read (too much queued)
+        self.error: BaseException | None = None
+        self.eof = self.lost = self.write_paused = False
+        self.wakers: list[asyncio.Future] = []  # a reader waiting for bytes, writers for the socket to drain
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:  # (again for TLS, with its transport)
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        p = self.parser
+        if self.reading and p.payload is not None and not self.pieces and not self.out:
+            self.direct = True
+            return memoryview(p.payload)[p.have:]
+        self.direct = False
+        if not self.pieces and not self.out:
+            self.used = 0  # all parsed (the parser copies what it keeps): the buffer is free again
+        elif len(self.scratch) - self.used < MIN_READ_BYTES:
+            self.scratch, self.used = bytearray(SCRATCH_BYTES), 0
+        return memoryview(self.scratch)[self.used:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.direct:
+            self.parser.have += nbytes
+            if self.parser.have == len(self.parser.payload):  # complete: an empty piece has the parser finish it
+                self._queue(memoryview(b""))
+            return
+        self._queue(memoryview(self.scratch)[self.used:self.used + nbytes])
+        self.used += nbytes
+
+    def _queue(self, piece: memoryview) -> None:
+        self.pieces.append(piece)
+        self.queued += len(piece)
+        if self.queued > QUEUED_BYTES and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def _wake(self) -> None:
+        for f in self.wakers:
+            if not f.done():
+                f.set_result(None)
+        self.wakers.clear()
+
+    async def wait(self) -> None:
+        f = asyncio.get_running_loop().create_future()
+        self.wakers.append(f)
+        await f
+
+    def take(self, piece: memoryview) -> None:
+        """`piece` was read (the first of `pieces`, or its front)."""
+        self.queued -= len(piece)
+        if self.paused and self.queued <= QUEUED_BYTES // 2:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def eof_received(self) -> None:
+        self.eof = True
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = self.lost = True
+        self.error = exc
+        self._wake()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake()
+
+
+class Transport:
+    """nats-py's transport for a TCP connection (with or without TLS), reading through `Stream`; writes go to
+    asyncio's transport as nats-py's own do."""
+
+    def __init__(self, parser: Parser) -> None:
+        self.parser = parser
+        self.stream: Stream | None = None  # this connection's (a new one for every connection)
+
+    async def connect(self, uri, buffer_size: int, connect_timeout: float) -> None:  # noqa: ANN001 - ParseResult
+        stream = Stream(self.parser)
+        await asyncio.wait_for(asyncio.get_running_loop().create_connection(lambda: stream, uri.hostname, uri.port),
+                               connect_timeout)
+        self.stream = stream
+
+    async def connect_tls(self, uri, ssl_context, buffer_size: int, connect_timeout: float) -> None:  # noqa: ANN001
+        s = self.stream
+        s.transport = await asyncio.wait_for(asyncio.get_running_loop().start_tls(
+            s.transport, s, ssl_context, server_hostname=uri if isinstance(uri, str) else uri.hostname),
+            connect_timeout)
+
+    async def read(self, buffer_size: int) -> memoryview | bytes:
+        """The next piece received, in order; b"" at the end of the connection (its error raised, if any)."""
+        s = self.stream
+        s.reading, s.out = True, False
+        while not s.pieces:
+            if s.eof:
+                if s.error is not None:
+                    raise s.error
+                return b""
+            await s.wait()
+        piece = s.pieces.popleft()
+        s.take(piece)
+        s.out = True
+        return piece
+
+    async def readline(self) -> bytes:
+        s, line = self.stream, bytearray()
+        while True:
+            while not s.pieces:
+                if s.eof:
+                    if s.error is not None:
+                        raise s.error
+                    return bytes(line)
+                await s.wait()
+            piece = s.pieces[0]
+            end = bytes(piece).find(b"\n") + 1  # (the handshake's lines: short)
+            taken = piece[:end] if end else piece
+            line += taken
+            s.take(taken)
+            if end and end < len(piece):
+                s.pieces[0] = piece[end:]
+            else:
+                s.pieces.popleft()
+            if end:
+                return bytes(line)
+
+    def write(self, data: bytes) -> None:
+        self.stream.transport.write(data)
+
+    def writelines(self, data: list[bytes]) -> None:
+        self.stream.transport.writelines(data)
+
+    async def drain(self) -> None:
+        """Until the socket has taken what was written, to asyncio's limit (as asyncio's streams drain)."""
+        s = self.stream
+        if s.transport.is_closing():
+            await asyncio.sleep(0)  # (the connection's loss, if that is why, is reported first)
+        while s.write_paused and not s.lost:
+            await s.wait()
+        if s.lost:
+            raise ConnectionResetError("Connection lost")
+
+    async def wait_closed(self) -> None:
+        if self.stream is not None:
+            await asyncio.shield(self.stream.closed)
+
+    def close(self) -> None:
+        if self.stream is not None and self.stream.transport is not None:
+            self.stream.transport.close()
+
+    def at_eof(self) -> bool:
+        return self.stream is None or (self.stream.eof and not self.stream.pieces)
+
+    def __bool__(self) -> bool:
+        return self.stream is not None and self.stream.transport is not None
+
+
+class _Client(Client):
+    async def _connect_to_server(self, s) -> None:  # noqa: ANN001 - nats-py's Srv
+        """nats-py's, with `Transport` for TCP (WebSocket URLs: nats-py's own)."""
+        if s.uri.scheme in ("ws", "wss"):
+            return await super()._connect_to_server(s)
+        s.last_attempt = time.monotonic()
+        if not isinstance(self._transport, Transport):
+            self._transport = Transport(self._ps)
+        await self._transport.connect(s.uri, DEFAULT_BUFFER_SIZE, self.options["connect_timeout"])
+
+
 def client() -> Client:
-    """A nats-py client, not yet connected, that parses with `Parser`."""
-    nc = Client()
+    """A nats-py client, not yet connected, that parses with `Parser` and reads through `Transport`."""
+    nc = _Client()
     nc._ps = Parser(nc)
     return nc
