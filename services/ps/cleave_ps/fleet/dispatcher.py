@@ -44,7 +44,7 @@ from cleave.schemas import (
     TileResult,
 )
 from cleave.train import precision
-from cleave_ps.fleet import frames, freivalds, joins, linkcheck
+from cleave_ps.fleet import frames, freivalds, joins, linkcheck, prefault
 from cleave_ps.fleet.examine import examine
 from cleave_ps.fleet.observe import Throughput
 from cleave_ps.fleet.runs import Check, Counters, GemmRun, recovery_event
@@ -161,6 +161,8 @@ class Dispatcher:
         run = self.runs[seq] = GemmRun(seq, step, op, name, a, bt, torch.empty(m, n, dtype=want if rounded else
                                        torch.float32, pin_memory=pin), expected_s=expected_s, rounded=rounded,
                                        strips=tuple(sorted({(t.c0, t.c1) for t in grid})) if self.s.freivalds else ())
+        if prefault.wanted(run.out):  # its pages present before its blocks arrive, off the loop
+            self.track(asyncio.to_thread(prefault.prefault, run.out))
         self.c.concurrent = max(self.c.concurrent, len(self.runs))
         itemsize = run.out.element_size()
         self.block_cap = max(self.block_cap, max((t.rows * t.cols * itemsize for t in grid), default=0))

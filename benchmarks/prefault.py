@@ -1,0 +1,56 @@
+"""A fresh GEMM output filled with result blocks, its pages faulted by the copies themselves against populated
+first in one call (`cleave_ps.fleet.prefault`), side by side: the milliseconds of each, alternated, best of
+`--rounds`. The output is 4096 x 4096 float32 (64 MiB) filled by sixteen 1024 x 1024 blocks, as in
+`benchmarks/ps_rate.py`.
+
+    .venv/bin/python benchmarks/prefault.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from cleave_ps.fleet import prefault
+from cleave_ps.jobs.pretrain import return_freed_memory
+
+N, TILE = 4096, 1024
+
+
+def fill(out: torch.Tensor, block: np.ndarray) -> None:
+    a = out.numpy()
+    for r in range(0, N, TILE):
+        for c in range(0, N, TILE):
+            a[r:r + TILE, c:c + TILE] = block
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    return_freed_memory()  # as the PS runs: a 64 MiB tensor is mapped fresh every time
+    block = np.ones((TILE, TILE), np.float32)
+    best = {"faulted by the copies": float("inf"), "populated, then copied": float("inf")}
+    for _ in range(args.rounds):
+        out = torch.empty(N, N)
+        t0 = time.perf_counter()
+        fill(out, block)
+        best["faulted by the copies"] = min(best["faulted by the copies"], time.perf_counter() - t0)
+        del out
+        out = torch.empty(N, N)
+        t0 = time.perf_counter()
+        if not prefault.prefault(out):
+            raise SystemExit("madvise(MADV_POPULATE_WRITE) is not available here (Linux 5.14 or later)")
+        fill(out, block)
+        best["populated, then copied"] = min(best["populated, then copied"], time.perf_counter() - t0)
+        del out
+    for name, s in best.items():
+        print(f"{name:24s} {1e3 * s:6.1f} ms")
+    print(f"ratio: {best['faulted by the copies'] / best['populated, then copied']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
