@@ -93,6 +93,19 @@ def tensor_to_data(t: torch.Tensor) -> TensorData:
     return TensorData.model_construct(dtype=dtype_name(t.dtype), shape=tuple(t.shape), data=view.numpy().tobytes())
 
 
+def tensor_view(t: torch.Tensor) -> TensorData:
+    """`tensor_to_data` over the tensor's own memory (a copy only when it is not contiguous): for a message
+    encoded and sent before the tensor changes, whose bytes then go to the socket straight from the tensor."""
+    import torch
+
+    if not sendable(t.dtype):
+        raise WireError("bad_dtype", f"cannot send tensors of {t.dtype}")
+    t = t.detach().to("cpu").contiguous()
+    view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    data = memoryview(view.numpy()).cast("B")  # (the array, and so the tensor, lives as long as the view)
+    return TensorData.model_construct(dtype=dtype_name(t.dtype), shape=tuple(t.shape), data=data)
+
+
 def data_to_tensor(d: TensorData, pin: bool = False) -> torch.Tensor:
     """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size); `pin`:
     in page-locked memory, for a non-blocking copy to a GPU (needs CUDA), still one copy of the bytes."""

@@ -1,6 +1,7 @@
 """The wire codec: round trips, chunking at the size limit, and refusal of malformed input."""
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -163,3 +164,26 @@ def test_results_may_refuse_zstd():
     with pytest.raises(WireError, match="zstd_refused"):
         codec.decode(frame, TileResult, compressed=False)
     assert codec.decode(codec.encode(result(torch.zeros(64, 64)), compress=False), TileResult, compressed=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tensor_view_is_sent_from_the_tensor_itself(dtype):
+    """`tensor_view`: the bytes of a contiguous tensor (a row block of a larger one) without a copy, encoded as
+    `tensor_to_data`'s are; a transposed view is made contiguous first (one copy)."""
+    big = torch.randn(64, 128).to(dtype)
+    rows = big[8:40]
+    d = codec.tensor_view(rows)
+    assert d.data.nbytes == rows.numel() * rows.element_size()
+    assert rows.view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().__array_interface__["data"][0] == \
+        np.frombuffer(d.data, dtype=np.uint8).__array_interface__["data"][0]  # the tensor's own memory
+    task = TileTask(job="j", epoch=1, step=0, op=1, tile=0, a=BlockRef(id="a", tensor=codec.tensor_to_data(rows)),
+                    b=BlockRef(id="b"), reply="r")
+    viewed = task.model_copy(update={"a": BlockRef.model_construct(id="a", tensor=d, fanout=False, parts=())})
+    assert codec.encode(viewed, compress=False) == codec.encode(task, compress=False)
+    assert b"".join(codec.encode_pieces(viewed, min_bytes=1024)) == codec.encode(task, compress=False)
+    back = codec.decode(b"".join(codec.encode_pieces(viewed)), TileTask)
+    assert torch.equal(codec.data_to_tensor(back.a.tensor), rows)
+    t = big.t()[:16]  # not contiguous
+    assert torch.equal(codec.data_to_tensor(codec.decode(codec.encode(
+        task.model_copy(update={"a": BlockRef.model_construct(id="a", tensor=codec.tensor_view(t), fanout=False,
+                                                              parts=())})), TileTask).a.tensor), t)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
 
 from cleave.schemas.dtypes import DTYPE_SIZES, DTYPES
 from cleave.schemas.limits import MAX_TENSOR_ELEMENTS
@@ -23,7 +23,9 @@ class TensorData(Wire):
 
     dtype: Literal[DTYPES]  # type: ignore[valid-type]
     shape: tuple[int, ...] = Field(max_length=8)
-    data: bytes
+    # bytes as received; a sender may build it over a tensor's own memory (`codec.tensor_view`), which is
+    # packed as it is, without a copy
+    data: Annotated[bytes, PlainSerializer(lambda v: v)]
 
     @model_validator(mode="after")
     def _size_matches(self) -> TensorData:

@@ -52,7 +52,7 @@ def ref(run: GemmRun, blk: BlockSend, src: torch.Tensor, data: bool = False) -> 
         return BlockRef.model_construct(id=blk.id, tensor=None, fanout=bool(blk.fanout), parts=())
     tensor = run.blocks.get(blk.id)
     if tensor is None:
-        tensor = run.blocks[blk.id] = codec.tensor_to_data(src[blk.lo : blk.hi])
+        tensor = run.blocks[blk.id] = codec.tensor_view(src[blk.lo : blk.hi])  # (sent within the GEMM run)
     return BlockRef.model_construct(id=blk.id, tensor=tensor, fanout=False, parts=())
 
 
