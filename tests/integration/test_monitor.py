@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NO_CHROMIUM = "chromium is not installed (.ci/run installs Debian's: apt-get install -y chromium)"
 TIMEOUT_S = 60.0
-JOB_STEPS = 48
+JOB_STEPS = 96  # long enough that the job still runs while chromium starts and watches the curve grow: 48
+# tiny steps (0.2-0.4 s each) once ended first on a loaded machine
 PROFILE = DeviceProfile(
     flops=5e9, memory_bytes=1 << 29, downlink_bytes_per_s=5e7, uplink_bytes_per_s=1e7, latency_s=0.02
 )
