@@ -3,13 +3,16 @@ first in one call (`cleave_ps.fleet.prefault`), side by side: the milliseconds o
 `--rounds`. The output is 4096 x 4096 float32 (64 MiB) filled by sixteen 1024 x 1024 blocks, as in
 `benchmarks/ps_rate.py`.
 
-    .venv/bin/python benchmarks/prefault.py [--rounds 5]
+    .venv/bin/python benchmarks/prefault.py [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +33,7 @@ def fill(out: torch.Tensor, block: np.ndarray) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, help="write the figures here (JSON)")
     args = p.parse_args()
     return_freed_memory()  # as the PS runs: a 64 MiB tensor is mapped fresh every time
     block = np.ones((TILE, TILE), np.float32)
@@ -49,7 +53,14 @@ def main() -> None:
         del out
     for name, s in best.items():
         print(f"{name:24s} {1e3 * s:6.1f} ms")
-    print(f"ratio: {best['faulted by the copies'] / best['populated, then copied']:.2f}x")
+    ratio = best["faulted by the copies"] / best["populated, then copied"]
+    print(f"ratio: {ratio:.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps({"output_bytes": N * N * 4, "block_bytes": TILE * TILE * 4,
+                                        "rounds": args.rounds, "faulted_by_copies_s": best["faulted by the copies"],
+                                        "populated_then_copied_s": best["populated, then copied"],
+                                        "ratio": ratio, "load_average_1min_at_end": os.getloadavg()[0]},
+                                       indent=2) + "\n")
 
 
 if __name__ == "__main__":
