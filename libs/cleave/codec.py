@@ -84,26 +84,27 @@ def numpy_dtype(name: str) -> np.dtype:
 
 def tensor_to_data(t: torch.Tensor) -> TensorData:
     """A CPU tensor as wire data (one copy of its bytes; bf16 travels as its 16-bit pattern)."""
-    import torch
-
-    if not sendable(t.dtype):
-        raise WireError("bad_dtype", f"cannot send tensors of {t.dtype}")
-    t = t.detach().to("cpu").contiguous()
-    view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    return TensorData.model_construct(dtype=dtype_name(t.dtype), shape=tuple(t.shape), data=view.numpy().tobytes())
+    name, shape, values = _wire_array(t)
+    return TensorData.model_construct(dtype=name, shape=shape, data=values.tobytes())
 
 
 def tensor_view(t: torch.Tensor) -> TensorData:
     """`tensor_to_data` over the tensor's own memory (a copy only when it is not contiguous): for a message
     encoded and sent before the tensor changes, whose bytes then go to the socket straight from the tensor."""
+    name, shape, values = _wire_array(t)
+    data = memoryview(values).cast("B")  # (the array, and so the tensor, lives as long as the view)
+    return TensorData.model_construct(dtype=name, shape=shape, data=data)
+
+
+def _wire_array(t: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndarray]:
+    """The dtype name, shape and contiguous CPU values (bf16 as int16) of a tensor that may be sent."""
     import torch
 
     if not sendable(t.dtype):
         raise WireError("bad_dtype", f"cannot send tensors of {t.dtype}")
     t = t.detach().to("cpu").contiguous()
     view = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-    data = memoryview(view.numpy()).cast("B")  # (the array, and so the tensor, lives as long as the view)
-    return TensorData.model_construct(dtype=dtype_name(t.dtype), shape=tuple(t.shape), data=data)
+    return dtype_name(t.dtype), tuple(t.shape), view.numpy()
 
 
 def data_to_tensor(d: TensorData, pin: bool = False) -> torch.Tensor:
