@@ -90,13 +90,15 @@ async def test_messages_arrive_after_the_server_restarts(nats_server):
                 nats_server.restart()
                 await asyncio.wait_for(back.wait(), TIMEOUT_S)
             pub = await nats.connect(nats_server.url)
-            sent = payloads(2 + round_, 12)
-            got, done = await receive_all(sub, f"rx.r{round_}", len(sent))
-            for data, headers in sent:
-                await pub.publish(f"rx.r{round_}", data, headers=headers)
-            await pub.flush()
-            await asyncio.wait_for(done.wait(), TIMEOUT_S)
-            assert got == sent
-            await pub.close()
+            try:  # (closed whatever happens: a socket left open fails whichever test the collector runs in)
+                sent = payloads(2 + round_, 12)
+                got, done = await receive_all(sub, f"rx.r{round_}", len(sent))
+                for data, headers in sent:
+                    await pub.publish(f"rx.r{round_}", data, headers=headers)
+                await pub.flush()
+                await asyncio.wait_for(done.wait(), TIMEOUT_S)
+                assert got == sent, f"round {round_}: {len(got)} of {len(sent)} messages"
+            finally:
+                await pub.close()
     finally:
         await sub.close()
