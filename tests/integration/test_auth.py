@@ -22,7 +22,7 @@ from nats.js.api import DeliverPolicy
 
 from cleave import auth, codec
 from cleave.api.natsconf import free_port, nats_server_binary
-from cleave.bus import Bus
+from cleave.bus import Bus, receive
 from cleave.schemas import (
     EVENTS_STREAM,
     PLAN_BUCKET,
@@ -167,7 +167,7 @@ async def connect() -> AsyncIterator:
             client.errors.append(str(e))
             client.got_error.set()
 
-        client.nc = await nats.connect(settings.nats_url, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S,
+        client.nc = await receive.connect(settings.nats_url, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S,
                                        error_cb=on_error, **auth.connect_options(settings, role))
         clients.append(client)
         return client
@@ -440,7 +440,7 @@ async def test_tls_with_the_generated_certificate(tls_server: AuthServer, connec
     await worker.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="w1"), heartbeat("w1"))
     await worker.nc.flush(timeout=OP_TIMEOUT_S)
     assert worker.nc.is_connected and worker.errors == []
-    assert worker.nc._transport is not None and worker.nc._transport._io_writer.get_extra_info("sslcontext")
+    assert worker.nc._transport and worker.nc._transport.stream.transport.get_extra_info("sslcontext")
 
 
 async def test_tls_is_required_and_verified(tls_server: AuthServer) -> None:

@@ -40,6 +40,7 @@ from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
+from cleave.bus import receive
 from cleave.models import gemm_shapes
 from cleave.schemas import (
     PLAN_BUCKET,
@@ -107,7 +108,7 @@ class Hub:
 
     async def stream_bytes(self, stream: str) -> int:
         if self.admin is None:
-            self.admin = await nats.connect(self.url, nkeys_seed_str=(self.out / auth_cmd.ADMIN_NAME).read_text().strip())
+            self.admin = await receive.connect(self.url, nkeys_seed_str=(self.out / auth_cmd.ADMIN_NAME).read_text().strip())
         return (await self.admin.jetstream().stream_info(stream)).state.bytes
 
     def log(self, name: str) -> str:
@@ -150,7 +151,7 @@ class Attacker:
             self.violations.append(str(e).lower())
 
         view = SimpleNamespace(nats_nkey_seed=hub.seed("worker-attacker"), worker_id="attacker")
-        nc = await nats.connect(hub.url, name="attacker", error_cb=on_error, **auth.connect_options(view, "worker"))
+        nc = await receive.connect(hub.url, name="attacker", error_cb=on_error, **auth.connect_options(view, "worker"))
         self.bus = busmod.Bus(nc, "attacker")
         hub.clients.append(self.bus)
         return self
@@ -497,7 +498,7 @@ async def test_a_worker_gets_no_jetstream_and_model_answers_only_in_its_own_inbo
     (base / "model.safetensors").write_bytes(bytes(range(256)) * 4096)  # 1 MiB
     shelf = bundles.Shelf()
     bid = await shelf.publish(ps, "model", [base / "model.safetensors"])
-    hub.admin = await nats.connect(hub.url, nkeys_seed_str=(hub.out / auth_cmd.ADMIN_NAME).read_text().strip())
+    hub.admin = await receive.connect(hub.url, nkeys_seed_str=(hub.out / auth_cmd.ADMIN_NAME).read_text().strip())
     js = hub.admin.jetstream()
     await (await js.create_object_store("cleave-models")).put("base.bin", bytes(range(256)) * 4096)
     await (await js.key_value(PLAN_BUCKET)).put(PLAN_KEY, b"the plan")

@@ -1,12 +1,14 @@
 """Cleave's connections read through `cleave.bus.receive.Transport` (the kernel reads a large payload straight
 into the buffer it is gathered in): every message arrives exactly and in order from a real nats-server, small and
 large, with and without headers, while the subscriber and its parser are slow (bytes queue, the socket is not
-read for a while) and across a restart of the server; a large payload is read into its buffer directly."""
+read for a while) and across a restart of the server; a large payload is read into its buffer directly. A flush
+goes after the commands before it: once `flush()` returns, the server has the subscription."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import nats
 import pytest
@@ -101,4 +103,30 @@ async def test_messages_arrive_after_the_server_restarts(nats_server):
             finally:
                 await pub.close()
     finally:
+        await sub.close()
+
+
+async def test_a_flush_returns_once_the_server_has_what_was_written_before_it(nats_url):
+    sub = receive.client()
+    await sub.connect(nats_url)
+    pub = await nats.connect(nats_url)
+    wire: list[bytes] = []
+    try:
+        transport = sub._transport
+        write, writelines = transport.write, transport.writelines
+        transport.write = lambda data: (wire.append(bytes(data)), write(data))[1]
+        transport.writelines = lambda datas: (wire.extend(bytes(d) for d in datas), writelines(datas))[1]
+        for i in range(20):
+            got = asyncio.Event()
+
+            async def on_msg(m, got=got) -> None:  # noqa: ANN001
+                got.set()
+
+            await sub.subscribe(f"order.{i}", cb=on_msg)
+            await sub.flush()
+            await pub.publish(f"order.{i}", b"x")  # (delivered only if the server had the SUB before the PONG)
+            await asyncio.wait_for(got.wait(), TIMEOUT_S)
+        assert re.findall(rb"^(SUB|PING)\b", b"".join(wire), re.M) == [b"SUB", b"PING"] * 20
+    finally:
+        await pub.close()
         await sub.close()

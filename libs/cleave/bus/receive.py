@@ -11,6 +11,10 @@ after the kernel: into the stream's buffer, and out of it into a new `bytes` for
 them into a buffer of the transport's, whose pieces the parser reads in order, or, while the parser gathers a
 large payload and has parsed everything before it, straight into that payload. A large payload is then copied
 once, by the kernel.
+
+A `flush()` (a PING, done when its PONG comes back) also goes after the commands written before it: nats-py writes
+the PING straight to the socket, ahead of what its flusher task has not sent yet, so a `flush()` after
+`subscribe()` could return before the server had the SUB, and a message published meanwhile was never delivered.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import time
 from collections import deque
 
-from nats.aio.client import DEFAULT_BUFFER_SIZE, Client
+from nats.aio.client import DEFAULT_BUFFER_SIZE, PING_PROTO, Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, CRLF_SIZE, ProtocolError
 from nats.protocol.parser import Parser as NatsParser
 
@@ -240,6 +244,12 @@ class Transport:
 
 
 class _Client(Client):
+    async def _send_ping(self, future: asyncio.Future | None = None) -> None:
+        """nats-py's, with the PING queued behind the pending commands (see the module's doc)."""
+        self._pongs.append(future if future is not None else asyncio.get_running_loop().create_future())
+        await self._send_command(PING_PROTO)
+        await self._flush_pending()
+
     async def _connect_to_server(self, s) -> None:  # noqa: ANN001 - nats-py's Srv
         """nats-py's, with `Transport` for TCP (WebSocket URLs: nats-py's own)."""
         if s.uri.scheme in ("ws", "wss"):
@@ -251,7 +261,14 @@ class _Client(Client):
 
 
 def client() -> Client:
-    """A nats-py client, not yet connected, that parses with `Parser` and reads through `Transport`."""
+    """A nats-py client, not yet connected, that parses with `Parser`, reads through `Transport` and flushes in order."""
     nc = _Client()
     nc._ps = Parser(nc)
+    return nc
+
+
+async def connect(url: str | list[str], **options) -> Client:
+    """`nats.connect(url, **options)`, with `client()`."""
+    nc = client()
+    await nc.connect(url, **options)
     return nc
