@@ -108,7 +108,8 @@ def no_false_losses(tmp_path: Path, steps: int, min_training_s: float, probe_eve
     workers = plan["workers"]
     assert plan["planner"] == "cost"
     assert workers["slow"]["down"] < 0.5e6 and workers["slow"]["up"] < 0.5e6, workers
-    assert workers["slow"]["share"] < 0.25 * min(workers[f]["share"] for f in ("fast1", "fast2")), workers
+    # (a quarter of the fast workers' largest share: the cost planner may deal a tiny model's GEMMs to one alone)
+    assert workers["slow"]["share"] < 0.25 * max(workers[f]["share"] for f in ("fast1", "fast2")), workers
 
 
 @pytest.mark.timeout(600)
