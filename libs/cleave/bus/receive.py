@@ -130,6 +130,16 @@ class Stream(asyncio.BufferedProtocol):
         self.wakers.append(f)
         await f
 
+    async def arrived(self) -> bool:
+        """Until a piece is queued (True) or the connection has ended (False; its error raised, if any)."""
+        while not self.pieces:
+            if self.eof:
+                if self.error is not None:
+                    raise self.error
+                return False
+            await self.wait()
+        return True
+
     def take(self, piece: memoryview) -> None:
         """`piece` was read (the first of `pieces`, or its front)."""
         self.queued -= len(piece)
@@ -180,12 +190,8 @@ class Transport:
         """The next piece received, in order; b"" at the end of the connection (its error raised, if any)."""
         s = self.stream
         s.reading, s.out = True, False
-        while not s.pieces:
-            if s.eof:
-                if s.error is not None:
-                    raise s.error
-                return b""
-            await s.wait()
+        if not await s.arrived():
+            return b""
         piece = s.pieces.popleft()
         s.take(piece)
         s.out = True
@@ -194,12 +200,8 @@ class Transport:
     async def readline(self) -> bytes:
         s, line = self.stream, bytearray()
         while True:
-            while not s.pieces:
-                if s.eof:
-                    if s.error is not None:
-                        raise s.error
-                    return bytes(line)
-                await s.wait()
+            if not await s.arrived():
+                return bytes(line)
             piece = s.pieces[0]
             end = bytes(piece).find(b"\n") + 1  # (the handshake's lines: short)
             taken = piece[:end] if end else piece
