@@ -1,7 +1,7 @@
 """Which way to fit a batch into the PS's memory costs less time per step: recomputing each block's forward in
 the backward, or micro-batches? For GPT-2 Medium at 8 x 1024 (fp32 on the wire) on the synthetic edge fleet,
 side by side: the preflight's peak estimate of each option and the cost-aware planner's predicted step
-(`cleave plan`, the PS's egress at 10 Gbit/s), against the same step without either (which does not fit).
+(`cleave plan`, the PS's egress at the simulator's default, what one PS process sends), against the same step without either (which does not fit).
 Writes benchmarks/results/recompute_vs_micro.json.
 
     nice -n 10 .venv/bin/python benchmarks/recompute_vs_micro.py [--devices 32,256,1024]
@@ -14,13 +14,14 @@ import io
 import json
 from pathlib import Path
 
+from cleave.sim.systems import DEFAULT_PS_BANDWIDTH
 from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave_cli.plan_cmd import plan_command
 
 RESULTS = Path(__file__).parent / "results" / "recompute_vs_micro.json"
 MODEL, BATCH, SEQ = "gpt2-medium", 8, 1024
-PS_BANDWIDTH = 1.25e9  # the simulator's default PS link
+PS_BANDWIDTH = DEFAULT_PS_BANDWIDTH
 OPTIONS = {  # name: the job's settings
     "neither": {},
     "recompute": {"recompute": True},

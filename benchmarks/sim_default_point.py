@@ -1,6 +1,6 @@
 """The simulator's default point (OPT-13B, 256 devices, batch 128 x 1,024, fp16) three ways, side by side in
 one run: an unlimited PS without fan-out (the published setting), an unlimited PS with fan-out, and the
-default 10 Gbit/s PS with fan-out; each with the PS's own bill (`cleave.sim.ps`): its work, its memory,
+default PS (what one PS process sends, measured) with fan-out; each with the PS's own bill (`cleave.sim.ps`): its work, its memory,
 what bounds one PS, and the data-parallel PS replicas the job needs. Writes
 benchmarks/results/sim_default_point.json (docs/evaluation.md cites it).
 
@@ -19,7 +19,7 @@ OUT = Path(__file__).parent / "results" / "sim_default_point.json"
 CASES = (  # (case, PS link bytes/s or None, fan-out, the command that gives the same point)
     ("unlimited, no fan-out", None, False, "--ps-bandwidth 0 --no-fanout"),
     ("unlimited, fan-out", None, True, "--ps-bandwidth 0"),
-    ("10 Gbit/s, fan-out", DEFAULT_PS_BANDWIDTH, True, f"--ps-bandwidth {DEFAULT_PS_BANDWIDTH}"),
+    ("default PS, fan-out", DEFAULT_PS_BANDWIDTH, True, f"--ps-bandwidth {DEFAULT_PS_BANDWIDTH}"),
 )
 
 

@@ -236,7 +236,7 @@ def test_baselines_refuse_what_memory_forbids():
 
 def test_cleave_traffic_per_device_falls_as_devices_join():
     """Per-device traffic falls as devices join; so does the step while the PS's link is not the limit (here
-    unlimited: at the default 10 Gbit/s its egress, which grows with the fleet, sets the step from ~64 on)."""
+    unlimited: at the default link its egress, which grows with the fleet, sets the step as the fleet grows)."""
     rows = []
     for n in (16, 32, 64, 128):
         r = compare(SimConfig(model="opt-125m", devices=n, batch=16, seq=256, systems=("cleave",), ps_bandwidth=None))[

@@ -29,7 +29,7 @@ from cleave.sim.workload import WORK_FACTOR, Workload, ring_allreduce_s
 
 DEFAULT_PS_FLOPS = 5e12  # a 64-core cloud VM in torch (~100 GFLOP/s a core, as measured here on 2 cores)
 DEFAULT_PS_MEMORY = 512 * 2**30  # that VM's RAM, bytes
-DEFAULT_PS_LINK = 1.25e9  # bytes/s between PS replicas: 10 Gbit/s, as the PS's egress
+DEFAULT_PS_LINK = 1.25e9  # bytes/s between PS replicas: a 10 Gbit/s NIC (their all-reduce runs in gloo/NCCL)
 PS_LINK_LATENCY_S = 5e-4  # one hop between replicas in one region
 MAX_REPLICAS = 64  # the largest data-parallel group the report considers
 REPLICA_SLACK = 1.1  # replicas needed: the fewest whose step is within 10% of the best
