@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from cleave.sim.ps import (
@@ -15,6 +18,7 @@ from cleave.sim.ps import (
     replicas_by_memory,
     step_with_replicas,
 )
+from cleave.sim.systems import DEFAULT_PS_BANDWIDTH, SimConfig
 from cleave.sim.workload import Workload
 
 # weights of the linear layers (2 x (64x192 + 64x64 + 64x256 + 256x64)) and the embeddings (256x64 + 64x64)
@@ -139,3 +143,20 @@ def test_cleave_sim_refuses_a_ps_without_memory():
     sim_cmd.register(parser.add_subparsers(dest="command"))
     with pytest.raises(ConfigError, match="--ps-memory"):
         sim_cmd.config(parser.parse_args(["sim", "--ps-memory", "0"]))
+
+
+def test_the_default_ps_link_is_what_one_ps_process_was_measured_to_send():
+    """`DEFAULT_PS_BANDWIDTH` follows the committed measurements: the PS's CPU a byte moved (in + out) in
+    benchmarks/results/ps_rate.json, and the share of results coming back at the default point in the committed
+    report (docs/img/sim/report.json). Rerunning ps_rate.py to a different rate fails this test until the
+    constant, and the simulations that use it, are updated."""
+    root = Path(__file__).resolve().parents[2]
+    rate = json.loads((root / "benchmarks/results/ps_rate.json").read_text())
+    report = json.loads((root / "docs/img/sim/report.json").read_text())
+    base = SimConfig()
+    point = next(p for p in report["points"] if p["model"] == base.model and p["devices"] == base.devices)
+    me = point["systems"]["cleave"]
+    ingress_share = me["per_device_up_bytes"] * base.devices / me["ps_bytes_per_step"]
+    sent_per_s = 1e9 / (rate["ps_cpu_per_byte_ns"] * (1 + ingress_share))
+    assert report["spec"]["base"]["ps_bandwidth"] == DEFAULT_PS_BANDWIDTH  # the report was made with it
+    assert sent_per_s == pytest.approx(DEFAULT_PS_BANDWIDTH, rel=0.15)
