@@ -1,7 +1,7 @@
 """The simulator's default point (OPT-13B, 256 devices, batch 128 x 1,024, fp16) three ways, side by side in
 one run: an unlimited PS without fan-out (the published setting), an unlimited PS with fan-out, and the
-default PS (what one PS process sends, measured) with fan-out; each with the PS's own bill (`cleave.sim.ps`): its work, its memory,
-what bounds one PS, and the data-parallel PS replicas the job needs. Writes
+default PS (what one PS process sends, measured) with fan-out; each with the PS's own bill (`cleave.sim.ps`):
+its work, its memory, what bounds one PS, and the data-parallel PS replicas the job needs. Writes
 benchmarks/results/sim_default_point.json (docs/evaluation.md cites it).
 
     .venv/bin/python benchmarks/sim_default_point.py

@@ -1,10 +1,11 @@
 """What closes the gap to the pipeline at the simulator's default point (OPT-13B, 256 devices, 512 MiB,
 batch 128 x 1,024, fp16): every lever of `cleave.sim.levers.LEVERS` simulated side by side in one run, with
-an unlimited PS link (the published setting) and the default one (what one PS process sends, measured), each with its step's breakdown
-(`cleave.sim.breakdown`), against the best baseline (the pipeline with memory ignored, the same fleet).
+an unlimited PS link (the published setting) and the default one (what one PS process sends, measured), each
+with its step's breakdown (`cleave.sim.breakdown`), against the best baseline (the pipeline with memory
+ignored, the same fleet).
 Writes benchmarks/results/sim_levers.json (docs/evaluation.md, "What closes the gap to the pipeline").
 
-    nice -n 10 .venv/bin/python benchmarks/sim_levers.py            # the default point (about an hour, shared 2 cores)
+    nice -n 10 .venv/bin/python benchmarks/sim_levers.py            # the default point (about 15 minutes, shared 2 cores)
     nice -n 10 .venv/bin/python benchmarks/sim_levers.py --model opt-1.3b --devices 64 --batch 16 --out /tmp/x.json
 """
 

@@ -56,7 +56,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ps-bandwidth", type=float, default=None,
-        help="the PS's egress, bytes/s (default 6.5e8: what one PS process sends, as measured; 0: unlimited, as the published baselines assume)"
+        help="the PS's egress, bytes/s (default 6.5e8: what one PS process sends, as measured; "
+        "0: unlimited, as the published baselines assume)"
     )
     p.add_argument("--ps-flops", type=float, default=None,
                    help="the PS's FLOP/s for its own work (default 5e12: a 64-core cloud VM)")
