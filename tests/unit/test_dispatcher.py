@@ -211,6 +211,22 @@ async def test_a_wrong_block_expels_its_worker_and_the_tile_is_redone_elsewhere(
     assert wire.rejected[-1] == "not_member"
 
 
+async def test_what_a_gemms_checks_share_is_computed_as_it_is_dealt_before_any_result():
+    """The row norms, random vector and A·y of Freivalds' checks are computed off the loop once the tiles are
+    dealt, their CPU counted with the checks'; the first result is then judged with them."""
+    wire, d, clock, a, bt, gemm, t_a, t_b = await one_tile_each()
+    norms = d.run.norms
+    for _ in range(1000):
+        if norms.is_ready:
+            break
+        await asyncio.sleep(0.01)
+    assert norms.is_ready and d.c.verify_cpu_s > 0 and d.c.verified == 0
+    for task, w in ((t_a, "a"), (t_b, "b")):
+        await d.on_result(result(task, w, block_of(d, task, a, bt)), 0)
+    assert torch.equal(await asyncio.wait_for(gemm, 10), a @ bt.T)
+    assert d.run is None and d.c.verified == 2 and norms.x is not None
+
+
 async def test_every_cross_check_is_judged_even_when_its_verifier_fails():
     """With `verify_fraction`, the verifier's error answer (or its loss) does not leave the check pending:
     the PS judges the first block itself and the GEMM completes."""

@@ -45,7 +45,7 @@ from cleave.schemas import (
 )
 from cleave.train import precision
 from cleave_ps.fleet import frames, freivalds, joins, linkcheck, prefault
-from cleave_ps.fleet.examine import examine
+from cleave_ps.fleet.examine import examine, prepare
 from cleave_ps.fleet.observe import Throughput
 from cleave_ps.fleet.runs import Check, Counters, GemmRun, recovery_event
 from cleave_ps.fleet.verify import CrossChecks
@@ -171,6 +171,8 @@ class Dispatcher:
         started = waited = self.clock()
         try:
             await self.post(self.dealer.begin(work, started, priority))
+            if self.s.freivalds:  # what all its checks share, off the loop while the workers compute
+                self.track(self._prepare(run))
             # done: every tile's block is in `out` (`_maybe_done`, after its copy); the ledger alone says
             # complete while the last block may still be on its way into `out` in a thread
             while run.spoiled or not run.done.is_set():
@@ -379,6 +381,9 @@ class Dispatcher:
         sends += self.checks.maybe(run, msg.tile, msg.worker_id)
         self.maybe_done(run)
         return sends
+
+    async def _prepare(self, run: GemmRun) -> None:
+        self.c.verify_cpu_s += await asyncio.to_thread(prepare, run)
 
     @staticmethod
     async def _off_loop(nbytes: int, fn):  # noqa: ANN001, ANN205

@@ -84,11 +84,12 @@ def one_blas_thread() -> None:
 
 
 class Norms:
-    """Row norms of a GEMM run's inputs and its random vector, computed once (by the run's first check) and
-    shared by all its checks, which may run in several threads; with the run's column strips known (`planned`,
-    from its tiles), also every strip's y and A·[y₁ … y_S] in one product, so that A is read once for all
-    strips and a block's check reads only the block (`ay`; a strip not planned is computed by its first
-    check). Computed with numpy on the checking thread: torch's reductions
+    """Row norms of a GEMM run's inputs and its random vector, computed once (`ready`: as its tiles are dealt,
+    `examine.prepare`, or by its first check if that comes first) and shared by all its checks, which may run
+    in several threads; with the run's column strips known (`planned`, from its tiles), also every strip's y
+    and A·[y₁ … y_S] in one product, so that A is read once for all strips and a block's check reads only the
+    block (`ay`; a strip not planned is computed by its first check). Computed with numpy on the calling
+    thread: torch's reductions
     wake its thread pool, which on a busy PS cost 10 to 50 times the pass itself (measured: 12 ms against
     0.3 ms for 1,024 rows of 128)."""
 
@@ -130,7 +131,7 @@ class Norms:
 
     @property
     def is_ready(self) -> bool:
-        """Whether the first check has computed what all checks share (`ready`)."""
+        """Whether what all checks share is computed (`ready`)."""
         return self.a_norm is not None
 
     def _strip(self, c0: int, c1: int, bt_rows: np.ndarray, column: int = -1) -> Strip:

@@ -62,7 +62,7 @@ class GemmRun:
     rounded: str = ""  # the precision its blocks come back in ("": float32; `TileTask.rounded`)
     bytes_down: int = 0  # what the PS published for it (tiles and fan-out blocks)
     strips: tuple[tuple[int, int], ...] = ()  # the column ranges of its tiles
-    norms: Norms | None = None  # its inputs' row norms, for Freivalds' checks (computed by the first one)
+    norms: Norms | None = None  # its inputs' row norms, for Freivalds' checks (`examine.prepare`)
 
     def __post_init__(self) -> None:
         self.norms = Norms(self.a, self.bt, self.strips)
