@@ -92,24 +92,9 @@ print(f"{len(steps)} steps once, max loss diff {diff:.1e} (PyTorch's own spread 
 PY
 }
 
-site_tiles() {  # tiles the site's workers report done (the hub's registry, read with the operators' credential)
-  "$REPO/.venv/bin/python" - "$NATS" "$RUN/auth/admin.nk" "$RUN/auth/tls/ca.pem" "$SITE-w" <<'PY'
-import asyncio, logging, ssl, sys
-from cleave import bus as busmod
-logging.getLogger("asyncio").setLevel(logging.ERROR)  # its note on a TLS connection's end
-from cleave.schemas import REGISTRY_BUCKET, DeviceRecord
-
-async def main():  # (keys as the services list them: nats-py's kv.keys() can say "no keys" on a busy server)
-    bus = await busmod.connect(sys.argv[1], "e2e-registry", nkeys_seed_str=open(sys.argv[2]).read().strip(),
-                               tls=ssl.create_default_context(cafile=sys.argv[3]))
-    kv = await bus.kv(REGISTRY_BUCKET)
-    records = [await bus.kv_get(kv, k, DeviceRecord) for k in await bus.keys(kv) if k.startswith(sys.argv[4])]
-    done = [r[0].tiles_done for r in records if r is not None]
-    print(f"{len(done)} {sum(done)}")
-    await bus.close()
-
-asyncio.run(asyncio.wait_for(main(), 60))
-PY
+site_tiles() {  # the site's workers and the tiles they report done (the hub's registry, operators' credential)
+  "$REPO/.venv/bin/python" "$HERE/e2e/registry_tiles.py" "$NATS" "$RUN/auth/admin.nk" "$RUN/auth/tls/ca.pem" "$SITE-w" \
+    | "$REPO/.venv/bin/python" -c "import json, sys; done = json.load(sys.stdin); print(len(done), sum(done.values()))"
 }
 
 e2e_compose_plugin >/dev/null

@@ -41,21 +41,7 @@ CUT_AT_STEP = 8  # once the hub reports this step, site A's link goes dead for C
 CUT_S = 10.0
 START_TIMEOUT_S = 180.0
 JOB_TIMEOUT_S = 900.0
-TILES = """
-import asyncio, json, sys
-from cleave import bus as busmod
-from cleave.schemas import REGISTRY_BUCKET, DeviceRecord
-
-async def main():  # (keys as the services list them: nats-py's kv.keys() can find none on a busy server)
-    bus = await busmod.connect(sys.argv[1], "test-registry", nkeys_seed_str=open(sys.argv[2]).read().strip(),
-                               tls=__import__("ssl").create_default_context(cafile=sys.argv[3]))
-    kv = await bus.kv(REGISTRY_BUCKET)
-    records = {key: await bus.kv_get(kv, key, DeviceRecord) for key in await bus.keys(kv)}
-    print("RESULT", json.dumps({key: r[0].tiles_done for key, r in records.items() if r is not None}))
-    await bus.close()
-
-asyncio.run(asyncio.wait_for(main(), 60))
-"""
+TILES = Path(__file__).parents[2] / "compose" / "e2e" / "registry_tiles.py"  # (shared with compose/e2e.sh)
 
 
 class Running:
@@ -201,10 +187,10 @@ def cut_mid_run(lab: Netlab, metrics: Path) -> dict:
 
 def tiles_done(lab: Netlab, auth: Path) -> dict[str, int]:
     """Tiles each worker reports done (the registry, read with the operators' credential inside the hub)."""
-    done = run_in(lab, lab.hub, [sys.executable, "-c", TILES, "tls://127.0.0.1:4222", str(auth / "admin.nk"),
+    done = run_in(lab, lab.hub, [sys.executable, str(TILES), "tls://127.0.0.1:4222", str(auth / "admin.nk"),
                                  str(auth / "tls" / "ca.pem")])
     assert done.returncode == 0, done.stderr
-    return json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    return json.loads(done.stdout)  # (its logs go to stderr)
 
 
 def loads_in_transformers(model: Path) -> None:
