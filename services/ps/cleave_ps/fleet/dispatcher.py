@@ -336,7 +336,7 @@ class Dispatcher:
         else:
             block = frames.block(out, t.rows, t.cols)
             touched = block.nbytes + (t.rows + t.cols) * run.a.shape[1] * run.a.element_size()
-            if not run.norms.is_ready:  # the GEMM's first check reads all of its inputs
+            if not run.norms.is_ready:  # (not yet: this check computes it or waits for it, off the loop)
                 touched += (run.a.numel() + run.bt.numel()) * run.a.element_size()
             why, worst, cpu = await self._off_loop(touched, lambda: examine(run, t, block, out.dtype, self.s.freivalds))
             self.c.verify_cpu_s += cpu
