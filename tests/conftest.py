@@ -25,10 +25,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class NatsServer:
-    """One nats-server process; `restart()` brings it back on the same port and store."""
+    """One nats-server process (`config`: a configuration file besides); `restart()` brings it back on the same
+    port and store."""
 
-    def __init__(self, store: Path, log: Path) -> None:
-        self.port, self.store, self.log = free_port(), store, log
+    def __init__(self, store: Path, log: Path, config: Path | None = None) -> None:
+        self.port, self.store, self.log, self.config = free_port(), store, log, config
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
@@ -36,7 +37,8 @@ class NatsServer:
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", str(self.store)],
+                [nats_server_binary(), *(["-c", str(self.config)] if self.config else []), "-a", "127.0.0.1",
+                 "-p", str(self.port), "-js", "-sd", str(self.store)],
                 stdout=out, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -48,6 +48,11 @@ class TooLarge(WireError):
         super().__init__("too_large", detail)
 
 
+class CreateRefused(CleaveError):
+    """NATS refused to create a stream or bucket Cleave needs and none exists (`cleave.bus.create`); the message
+    names it, its size and the server's reason (e.g. JetStream's storage cannot hold its limit)."""
+
+
 class CorruptCheckpoint(CleaveError):
     """A checkpoint's bytes do not match its manifest (a chunk's hash, or its length)."""
 

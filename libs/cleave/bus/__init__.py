@@ -21,18 +21,16 @@ from nats.errors import SlowConsumerError
 from nats.js.api import DeliverPolicy, KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
 from nats.js.errors import (
     BadRequestError,
-    BucketNotFoundError,
     KeyNotFoundError,
     KeyValueError,
     KeyWrongLastSequenceError,
-    NotFoundError,
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from cleave import codec
-from cleave.bus import direct, receive
+from cleave.bus import create, direct, receive
 from cleave.bus.limits import BUCKET_LIMITS, DEFAULT_BUCKET_LIMITS, EVENTS_MAX_BYTES, HEADROOM
 from cleave.errors import CleaveError, Conflict, WireError
 from cleave.schemas import (
@@ -158,7 +156,7 @@ class Bus:
     # ---- JetStream -----------------------------------------------------------------------------------
     async def setup(self, registry_ttl_s: float = DEFAULT_REGISTRY_TTL_S) -> None:
         """Create the stream and buckets every service relies on; safe to call again and concurrently."""
-        await _ensure_stream(self.js, StreamConfig(
+        await self.stream(StreamConfig(
             name=EVENTS_STREAM, subjects=[SUBJECT_EVENTS_ALL], storage=StorageType.FILE,
             max_bytes=EVENTS_MAX_BYTES, max_msg_size=MAX_CONTROL_BYTES, num_replicas=self.replicas,
         ))
@@ -166,22 +164,18 @@ class Bus:
         await self.kv(PLAN_BUCKET, history=5)
         await self.kv(STATE_BUCKET, history=5)
 
+    async def stream(self, config: StreamConfig) -> None:
+        """The stream, created when missing with `config`."""
+        await create.ensure(lambda: self.js.stream_info(config.name), lambda: self.js.add_stream(config),
+                            f"stream {config.name}", config.max_bytes, DEFAULT_TIMEOUT_S)
+
     async def kv(self, bucket: str, ttl_s: float | None = None, history: int = 1) -> KeyValue:
         """The bucket, created when missing with its limits (`BUCKET_LIMITS`)."""
         value_bytes, total_bytes = BUCKET_LIMITS.get(bucket, DEFAULT_BUCKET_LIMITS)
-        try:
-            return await asyncio.wait_for(self.js.key_value(bucket), DEFAULT_TIMEOUT_S)
-        except BucketNotFoundError:
-            pass
-        try:
-            return await asyncio.wait_for(
-                self.js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history,
-                                                       replicas=self.replicas, max_value_size=value_bytes,
-                                                       max_bytes=total_bytes)),
-                DEFAULT_TIMEOUT_S,
-            )
-        except Exception:  # created concurrently by another service: use theirs
-            return await asyncio.wait_for(self.js.key_value(bucket), DEFAULT_TIMEOUT_S)
+        config = KeyValueConfig(bucket=bucket, ttl=ttl_s, history=history, replicas=self.replicas,
+                                max_value_size=value_bytes, max_bytes=total_bytes)
+        return await create.ensure(lambda: self.js.key_value(bucket), lambda: self.js.create_key_value(config),
+                                   f"KV bucket {bucket}", total_bytes, DEFAULT_TIMEOUT_S)
 
     async def patiently(self, call: Callable[[], Awaitable[R]], what: str, budget_s: float = ELECTION_S) -> R:
         """`call()` (each try bounded by DEFAULT_TIMEOUT_S) retried on the errors of a stream electing a
@@ -300,18 +294,10 @@ class Bus:
     async def object_store(self, bucket: str, max_bytes: int | None = None) -> ObjectStore:
         """The object store, created when missing (`max_bytes`: its size limit; None: the server's JetStream
         limit); each object travels in chunks of at most `max_payload`."""
-        try:
-            return await asyncio.wait_for(self.js.object_store(bucket), DEFAULT_TIMEOUT_S)
-        except NotFoundError:
-            pass
-        try:
-            return await asyncio.wait_for(
-                self.js.create_object_store(bucket, ObjectStoreConfig(bucket=bucket, replicas=self.replicas,
-                                                                      max_bytes=max_bytes or -1)),
-                DEFAULT_TIMEOUT_S,
-            )
-        except Exception:  # created concurrently
-            return await asyncio.wait_for(self.js.object_store(bucket), DEFAULT_TIMEOUT_S)
+        config = ObjectStoreConfig(bucket=bucket, replicas=self.replicas, max_bytes=max_bytes or -1)
+        return await create.ensure(lambda: self.js.object_store(bucket),
+                                   lambda: self.js.create_object_store(bucket, config), f"object store {bucket}",
+                                   max_bytes, DEFAULT_TIMEOUT_S)
 
     async def request(self, subject: str, msg: Wire, schema: type[T], timeout_s: float = DEFAULT_TIMEOUT_S,
                       max_bytes: int = MAX_MESSAGE_BYTES) -> T:
@@ -386,16 +372,6 @@ def replicas_of(nc: Client) -> int:
         return 1
     urls = {str(u) for u in info.get("connect_urls") or []}
     return max(1, min(MAX_REPLICAS, len(urls) or 1, len(nc.servers)))
-
-
-async def _ensure_stream(js, config: StreamConfig) -> None:
-    try:
-        await js.stream_info(config.name)
-    except NotFoundError:
-        try:
-            await js.add_stream(config)
-        except Exception:  # created concurrently
-            await js.stream_info(config.name)
 
 
 async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options) -> Bus:

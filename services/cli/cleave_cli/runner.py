@@ -28,12 +28,11 @@ from pathlib import Path
 import nats
 import structlog
 from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
 
 from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.api.stack import Proc, Stack
-from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, WireError
+from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, CreateRefused, WireError
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
 from cleave.runtime.logs import configure
@@ -94,7 +93,8 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
                              queued=sum(r.state == "queued" for r in runner.records.values()))
                 await runner.take()
                 await runner.tick()
-            except (nats.errors.Error, TimeoutError, ConnectionError) as e:  # the bus is away: its PSs go on
+            except (nats.errors.Error, TimeoutError, ConnectionError, CreateRefused) as e:  # the bus is away (or
+                # cannot hold a bucket: it says why): its PSs go on
                 log.warning("runner_retrying", error=repr(e)[:200])
                 await wait_for_stop(stop, DEFAULT_TICK_S)
     finally:
@@ -250,17 +250,9 @@ class Runner:
 
 async def jobs_stream(bus: busmod.Bus) -> None:
     """CLEAVE_JOBS: each submission kept on the hub until the runner has recorded it (a work queue)."""
-    try:
-        await asyncio.wait_for(bus.js.stream_info(JOBS_STREAM), busmod.DEFAULT_TIMEOUT_S)
-        return
-    except NotFoundError:
-        pass
-    config = StreamConfig(name=JOBS_STREAM, subjects=[SUBJECT_JOB_SUBMIT_ALL], retention=RetentionPolicy.WORK_QUEUE,
-                          storage=StorageType.FILE, max_msg_size=MAX_CONTROL_BYTES, num_replicas=bus.replicas)
-    try:
-        await asyncio.wait_for(bus.js.add_stream(config), busmod.DEFAULT_TIMEOUT_S)
-    except Exception:  # created concurrently (a second runner): use that one
-        await asyncio.wait_for(bus.js.stream_info(JOBS_STREAM), busmod.DEFAULT_TIMEOUT_S)
+    await bus.stream(StreamConfig(name=JOBS_STREAM, subjects=[SUBJECT_JOB_SUBMIT_ALL],
+                                  retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
+                                  max_msg_size=MAX_CONTROL_BYTES, num_replicas=bus.replicas))
 
 
 def failure_reason(stack: Stack, proc: Proc) -> str:
