@@ -10,10 +10,10 @@ from typing import TypeVar
 
 from nats.js.errors import NotFoundError
 
+from cleave.bus.limits import MiB
 from cleave.errors import CreateRefused
 
 T = TypeVar("T")
-MiB = 1024 * 1024
 INSUFFICIENT_STORAGE = 10047  # JetStream's err_code: its storage (max_file_store) cannot hold the limit asked
 
 
