@@ -320,7 +320,7 @@ class _Partial:
     count: int
     total: int
     flags: int
-    parts: dict[int, bytes] = field(default_factory=dict)
+    parts: dict[int, memoryview] = field(default_factory=dict)
     held: int = 0  # bytes in parts
 
 
@@ -380,7 +380,7 @@ class Reassembler:
         if (count, total) != (entry.count, entry.total):
             self._drop(key)
             raise WireError("bad_chunk", "chunks of one message disagree on count or size")
-        part = frame[CHUNK_OVERHEAD:]
+        part = memoryview(frame)[CHUNK_OVERHEAD:]  # not copied: the body is joined once, when whole
         grow = len(part) - len(entry.parts.get(idx, b""))
         if entry.held + grow > total:
             self._drop(key)
@@ -401,11 +401,10 @@ class Reassembler:
         if len(entry.parts) < count:
             return None
         self._drop(key, given_up=False)
-        body = b"".join(entry.parts[i] for i in range(count))
-        if len(body) != total:
+        if entry.held != total:
             self.dropped += 1
-            raise WireError("bad_chunk", f"reassembled {len(body)} bytes, header said {total}")
-        return _HEAD.pack(MAGIC, VERSION, entry.flags) + body
+            raise WireError("bad_chunk", f"reassembled {entry.held} bytes, header said {total}")
+        return b"".join([_HEAD.pack(MAGIC, VERSION, entry.flags), *(entry.parts[i] for i in range(count))])
 
     def _biggest(self, spare: tuple[str, bytes] | None = None) -> tuple[str, bytes] | None:
         """The oldest partial message of the sender holding the most bytes (not `spare`; None: only it is left)."""

@@ -65,3 +65,38 @@ async def test_pieces_arrive_whole_and_in_order(nats_url):
         if pub is not None:
             await pub.close()
         await sub.close()
+
+
+async def test_an_uncompressed_message_goes_out_with_its_tensor_data_uncopied(nats_url):
+    """`Bus.publish(..., compress=False)` (a worker's result) hands the bus the tensor's own bytes as a piece,
+    and the message arrives equal, chunked or not."""
+    sub = await busmod.connect(nats_url, "uncopied-sub")
+    pub = await busmod.connect(nats_url, "uncopied-pub")
+    got: list[TileTask] = []
+    all_in = asyncio.Event()
+    sent = [task(0, 2 * direct.DIRECT_BYTES // 1024), task(1, 3 * sub.max_payload // 1024)]
+    handed: list[list] = []
+    publish_pieces = pub.publish_pieces
+
+    async def spy(subject: str, pieces: list) -> int:
+        handed.append(pieces)
+        return await publish_pieces(subject, pieces)
+
+    async def on_task(msg: TileTask, nbytes: int) -> None:
+        got.append(msg)
+        if len(got) == len(sent):
+            all_in.set()
+
+    try:
+        await sub.subscribe("uncopied.t", TileTask, on_task, max_bytes=64 << 20)
+        await sub.nc.flush()
+        pub.publish_pieces = spy
+        for t in sent:
+            await pub.publish("uncopied.t", t, compress=False)
+        await asyncio.wait_for(all_in.wait(), TIMEOUT_S)
+        assert got == sent
+        for t, pieces in zip(sent, handed, strict=True):
+            assert any(p is t.a.tensor.data for p in pieces)  # the very bytes of the tensor, not a copy
+    finally:
+        await pub.close()
+        await sub.close()

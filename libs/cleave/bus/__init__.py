@@ -95,7 +95,10 @@ class Bus:
         return self.nc.max_payload - HEADROOM
 
     async def publish(self, subject: str, msg: Wire, compress: bool = True) -> int:
-        """Encode, chunk and publish; returns the bytes put on the wire."""
+        """Encode, chunk and publish; returns the bytes put on the wire. Uncompressed, a message's large
+        values (a tensor's data) go to the socket as they are (`codec.encode_pieces`), not copied into a frame."""
+        if not compress:
+            return await self.publish_pieces(subject, codec.encode_pieces(msg))
         return await self.publish_frame(subject, codec.encode(msg, compress))
 
     async def publish_frame(self, subject: str, frame: bytes) -> int:
