@@ -93,3 +93,25 @@ async def test_payload_longer_than_its_size_is_a_protocol_error():
     with pytest.raises(ProtocolError):
         for i in range(0, len(data), 32768):
             await parser.parse(data[i : i + 32768])
+
+
+
+async def test_a_payload_is_gathered_into_again_only_once_nothing_holds_it(monkeypatch):
+    size = receive.GATHER_BYTES
+    bodies = [bytes([i]) * size for i in range(4)]
+    data = b"".join(b"MSG big 1 %d\r\n" % size + body + b"\r\n" for body in bodies)
+    got, held, new = [], [], []
+    monkeypatch.setattr(receive, "bytearray", lambda n: new.append(n) or bytearray(n), raising=False)
+
+    class Hold(Conn):
+        async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:  # noqa: ANN001
+            got.append(bytes(payload))  # what it said when it came
+            if not held:
+                held.append(memoryview(payload))  # the first is still being read (as a decoded view would be)
+
+    parser = receive.Parser(Hold())
+    for i in range(0, len(data), 32768):
+        await parser.parse(data[i : i + 32768])
+    assert got == bodies
+    assert bytes(held[0]) == bodies[0]  # the held one was never written over
+    assert len(new) == 2  # the first two; the second, released, was gathered into by the third and fourth

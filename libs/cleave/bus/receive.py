@@ -3,7 +3,8 @@
 nats-py's parser appends every read from the socket to one growing buffer and, once a message's payload is all
 there, slices it out and converts the slice to `bytes`: a payload is copied three times by the parser alone. For
 a message (without headers) of `GATHER_BYTES` or more, this parser instead copies each read straight into a
-buffer of the payload's size and hands that buffer (a `bytearray`) to the subscription as the message's data;
+buffer of the payload's size and hands that buffer (a `bytearray`) to the subscription as the message's data
+(the buffer of one of the last payloads it handed on, once nothing else holds it: not zeroed and mapped anew);
 everything else (control lines, small messages, messages with headers) goes through nats-py's own code.
 
 The connection's bytes come through `Transport` instead of nats-py's (asyncio's streams copy every byte twice
@@ -20,6 +21,7 @@ the PING straight to the socket, ahead of what its flusher task has not sent yet
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import deque
 
@@ -30,6 +32,7 @@ from nats.protocol.parser import Parser as NatsParser
 GATHER_BYTES = 256 * 1024  # a payload this large is gathered; smaller ones are cheap either way
 SCRATCH_BYTES = 256 * 1024  # the transport's buffer for the kernel's reads (asyncio's own read size)
 MIN_READ_BYTES = 16 * 1024  # less room than this left in it: a new buffer (or the same, once all is parsed)
+SPARE_PAYLOADS = 2  # gathered payloads kept to gather into again (at most this many x max_payload bytes)
 QUEUED_BYTES = 8 * 1024 * 1024  # received and not yet parsed: past this the socket is not read until half is
 _CRLF = b"\r\n"
 
@@ -41,6 +44,18 @@ class Parser(NatsParser):
         super().reset()
         self.payload: bytearray | None = None  # the payload being gathered, with room for its CRLF
         self.have = 0
+        self.spare: deque[bytearray] = deque(maxlen=SPARE_PAYLOADS)  # the last payloads handed on
+
+    def _buffer(self, size: int) -> bytearray:
+        """Room for a payload of `size` bytes with its CRLF: a spare of that size that nothing holds any more
+        (only `spare` refers to it; its old contents are read over), else a new buffer, which Python zeroes."""
+        for i in range(len(self.spare)):
+            if len(self.spare[i]) + CRLF_SIZE == size and sys.getrefcount(self.spare[i]) == 2:  # spare, argument
+                buf = self.spare[i]
+                del self.spare[i]
+                buf += _CRLF  # its CRLF's room back, within the memory it has: not copied
+                return buf
+        return bytearray(size)
 
     async def parse(self, data: bytes = b"") -> None:
         view = memoryview(data)
@@ -49,7 +64,7 @@ class Parser(NatsParser):
                 if not (self.state == AWAITING_MSG_PAYLOAD and self.header_needed == 0 and self.needed >= GATHER_BYTES
                         and len(self.buf) < self.needed + CRLF_SIZE):
                     break
-                self.payload = bytearray(self.needed + CRLF_SIZE)  # a large payload starts: what nats-py holds first
+                self.payload = self._buffer(self.needed + CRLF_SIZE)  # a large payload starts: what nats-py holds first
                 self.have = len(self.buf)
                 self.payload[: self.have] = self.buf
                 del self.buf[:]
@@ -63,6 +78,7 @@ class Parser(NatsParser):
             if payload[-CRLF_SIZE:] != _CRLF:
                 raise ProtocolError("nats: a message's payload is longer than its size")
             del payload[-CRLF_SIZE:]  # at the end: no copy
+            self.spare.append(payload)
             args, self.state = self.msg_arg, AWAITING_CONTROL_LINE
             await self.nc._process_msg(args["sid"], args["subject"], args["reply"], payload, None)
         if len(view):
