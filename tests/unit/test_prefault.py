@@ -11,10 +11,11 @@ import torch
 from cleave_ps.fleet import prefault
 
 
-def test_populating_keeps_the_contents():
+@pytest.mark.parametrize("huge", [True, False])
+def test_populating_keeps_the_contents(huge):
     t = torch.arange(3 << 20, dtype=torch.float32)[1:]  # (an offset start: not page aligned)
     want = t.clone()
-    populated = prefault.prefault(t)
+    populated = prefault.prefault(t, huge)
     assert torch.equal(t, want)
     if platform.system() == "Linux" and tuple(map(int, platform.release().split(".")[:2])) >= (5, 14):
         assert populated

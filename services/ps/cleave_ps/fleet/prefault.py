@@ -4,9 +4,11 @@ A fresh output of a MiB or more is memory the PS has just mapped (glibc maps suc
 `cleave_ps.jobs.pretrain.return_freed_memory`), and each of its pages faults on the first write of a block into
 it: on the event loop's copy, one trap per 4 KiB page. Linux (5.14 and later) populates a whole range in one
 system call, `madvise(MADV_POPULATE_WRITE)`, which the PS makes in a thread as the GEMM starts, while its
-tiles are still out at the workers. A 64 MiB output filled by 4 MiB blocks: 34 ms populated then copied
-against 47 ms faulted by the copies (`benchmarks/prefault.py`). The call leaves the memory's contents as they
-are; elsewhere (another OS, an older kernel) it is skipped.
+tiles are still out at the workers, after asking for the range in transparent huge pages
+(`madvise(MADV_HUGEPAGE)`: 2 MiB pages, 512 times fewer to map and zero one by one, where the kernel has them;
+else 4 KiB pages as before). The figures for a 64 MiB output filled by 4 MiB blocks are in docs/evaluation.md
+("The PS's byte rate", `benchmarks/prefault.py`). The calls leave the memory's contents as they are;
+elsewhere (another OS, an older kernel) they are skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import mmap
 
 import torch
 
+MADV_HUGEPAGE = 14  # linux/mman.h: this range in transparent huge pages where the kernel allows them
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
 MIN_BYTES = 1 << 20  # smaller outputs come from the heap, mostly present already
 
@@ -36,13 +39,16 @@ def wanted(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.numel() * t.element_size() >= MIN_BYTES and _madvise() is not None
 
 
-def prefault(t: torch.Tensor) -> bool:
-    """Populate the pages under `t` writable (the GIL is released during the call); False where the kernel
-    refuses (older than 5.14, or memory it cannot populate), which changes nothing."""
+def prefault(t: torch.Tensor, huge: bool = True) -> bool:
+    """Populate the pages under `t` writable, in huge pages where the kernel has them and `huge` (the GIL is
+    released during the calls); False where the kernel refuses (older than 5.14, or memory it cannot
+    populate), which changes nothing."""
     fn = _madvise()
     if fn is None:
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     start -= start % mmap.PAGESIZE
+    if huge:
+        fn(start, end - start, MADV_HUGEPAGE)  # (refused where the kernel has no huge pages: small ones then)
     return fn(start, end - start, MADV_POPULATE_WRITE) == 0
