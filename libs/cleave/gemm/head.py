@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cleave.gemm.tiled import TiledLinear, _cast, _Computed
+from cleave.gemm.transpose import transposed
 from cleave.models.gemms import spans
 
 IGNORE = -100  # a target the loss skips (prompts, padding): torch's cross_entropy ignore_index
@@ -56,7 +57,7 @@ class _Products:
     def transposed(self, g: torch.Tensor) -> torch.Tensor:
         """dYᵀ (vocab, rows) in the GEMMs' precision, contiguous: what the weight gradient's GEMM takes, and
         whose rows the input gradient's slices are cut from."""
-        return _cast(g, self.dtype).t().contiguous()
+        return transposed(_cast(g, self.dtype))
 
     def grads(self, dyt: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(dX, dW) of one chunk from dYᵀ: dY·W as the sum over the vocabulary's slices (in float32, in order;
@@ -66,14 +67,14 @@ class _Products:
             return _sum(dyt[lo:hi].t().mm(self.weight[lo:hi]) for lo, hi in self.slices), dyt.mm(x)
         dx, pending = None, deque()
         for lo, hi in self.slices:
-            wt = _cast(self.weight[lo:hi], self.dtype).t().contiguous()
-            pending.append(self.submit(dyt[lo:hi].t().contiguous(), wt, self.name + ".dx", priority=0))
+            wt = transposed(_cast(self.weight[lo:hi], self.dtype))
+            pending.append(self.submit(transposed(dyt[lo:hi]), wt, self.name + ".dx", priority=0))
             del wt
             if len(pending) > 1:
                 dx = _add(dx, pending.popleft().result())
         while pending:
             dx = _add(dx, pending.popleft().result())
-        return dx, self.gemm(dyt, _cast(x, self.dtype).t().contiguous(), self.name + ".dw")
+        return dx, self.gemm(dyt, transposed(_cast(x, self.dtype)), self.name + ".dw")
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:

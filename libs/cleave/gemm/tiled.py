@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from cleave.gemm import tiles
+from cleave.gemm.transpose import transposed
 from cleave.models import linear_layers
 from cleave.models.recompute import recompute_free, recomputing
 
@@ -139,10 +140,10 @@ class _TiledLinearFn(torch.autograd.Function):
         # the fleet runs both at once, the weight gradient deferred behind the input gradient (`LateGrads`);
         # any other backend computes each as it is asked, in the same order
         submit = ctx.backend.submit if ctx.late is not None else _Computed.of(ctx.backend)
-        dx_at = submit(dy2, _cast(weight, ctx.dtype).t().contiguous(), ctx.name + ".dx",  # dY·W
+        dx_at = submit(dy2, transposed(_cast(weight, ctx.dtype)), ctx.name + ".dx",  # dY·W
                        priority=0) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            dw_at = submit(dy2.t().contiguous(), x2.t().contiguous(), ctx.name + ".dw", priority=1)  # dYᵀ·X
+            dw_at = submit(transposed(dy2), transposed(x2), ctx.name + ".dw", priority=1)  # dYᵀ·X
             if ctx.late is not None:
                 ctx.late.add(ctx.param, dw_at)
             else:
