@@ -49,6 +49,6 @@ def prefault(t: torch.Tensor, huge: bool = True) -> bool:
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     start -= start % mmap.PAGESIZE
-    if huge:
+    if huge and not t.is_pinned():  # (page-locked memory, a CUDA PS's, is the CUDA allocator's: left as it is)
         fn(start, end - start, MADV_HUGEPAGE)  # (refused where the kernel has no huge pages: small ones then)
     return fn(start, end - start, MADV_POPULATE_WRITE) == 0
