@@ -6,7 +6,7 @@ it: on the event loop's copy, one trap per 4 KiB page. Linux (5.14 and later) po
 system call, `madvise(MADV_POPULATE_WRITE)`, which the PS makes in a thread as the GEMM starts, while its
 tiles are still out at the workers, after asking for the range in transparent huge pages
 (`madvise(MADV_HUGEPAGE)`: 2 MiB pages, 512 times fewer to map and zero one by one, where the kernel has them;
-else 4 KiB pages as before). The figures for a 64 MiB output filled by 4 MiB blocks are in docs/evaluation.md
+else in 4 KiB pages). The figures for a 64 MiB output filled by 4 MiB blocks are in docs/evaluation.md
 ("The PS's byte rate", `benchmarks/prefault.py`). The calls leave the memory's contents as they are;
 elsewhere (another OS, an older kernel) they are skipped.
 """
