@@ -14,6 +14,9 @@ from cleave.schemas import SUBJECT_FANOUT, BlockPush, FanoutAck, FanoutJoin, Lin
 from cleave_worker.core import BlockCache, check_inputs, compute, leaves, reply_to
 from cleave_worker.device import DeviceState
 
+INLINE_FLOPS = 32e6  # a CPU tile this small is multiplied on the event loop (under a millisecond): handing it to a
+# thread and back costs as much again, and on busy cores the wake-ups cost more
+
 DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
 
 
@@ -98,7 +101,10 @@ class Tiles:
             result = reply_to(task, self.s.worker_id, error=why)
         else:
             with self.device.busy():
-                result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
+                if 2 * a.shape[0] * bt.shape[0] * a.shape[1] <= INLINE_FLOPS and a.device.type == "cpu":
+                    result = compute(task, a, bt, self.s.worker_id, self.s.corrupt)
+                else:
+                    result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
             self.device.tiles_done += 1
             self.device.busy_s += result.compute_s
         due = 0.0
