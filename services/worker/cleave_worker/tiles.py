@@ -94,14 +94,16 @@ class Tiles:
         a, bt = self.cache.resolve(task.a), self.cache.resolve(task.b)
         missing = tuple(leaf.id for ref, t in ((task.a, a), (task.b, bt)) if t is None for leaf in leaves(ref)
                         if leaf.tensor is None and self.cache.get(leaf.id) is None)
+        flops = 0.0  # of the product, where it is computed
         if missing:
             result = reply_to(task, self.s.worker_id, missing=missing)
         elif why := check_inputs(a, bt, self.device.profile.memory_bytes):
             self.log.warning("tile_refused", reason=why, step=task.step, op=task.op, tile=task.tile)
             result = reply_to(task, self.s.worker_id, error=why)
         else:
+            flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]
             with self.device.busy():
-                if 2 * a.shape[0] * bt.shape[0] * a.shape[1] <= INLINE_FLOPS and a.device.type == "cpu":
+                if flops <= INLINE_FLOPS and a.device.type == "cpu":
                     result = compute(task, a, bt, self.s.worker_id, self.s.corrupt)
                 else:
                     result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
@@ -110,7 +112,7 @@ class Tiles:
         due = 0.0
         pacer = self.device.pacer
         if pacer is not None and result.out is not None:  # behave like the declared device: answer when
-            flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]  # it would have (its uplink is the uploader's)
+            # it would have (its uplink is the uploader's)
             due = pacer.finish_at(min(task.sent_at, time.time()), nbytes, len(result.out.data), flops)
         self.outbox.put_nowait((task, result, due))  # uploaded by `uploads` while the next tile computes
 
