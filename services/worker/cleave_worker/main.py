@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import structlog
-import torch
 
 from cleave import auth
 from cleave import bus as busmod
@@ -33,7 +32,7 @@ from cleave.schemas import (
     TileTask,
 )
 from cleave.train.sources import source_bytes
-from cleave_worker.core import measure_flops
+from cleave_worker.core import measure_flops, use_threads
 from cleave_worker.device import DeviceState, first_profile
 from cleave_worker.methods import Methods
 from cleave_worker.settings import WorkerSettings
@@ -51,7 +50,7 @@ class Worker:
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> int:
-    torch.set_num_threads(settings.threads)
+    use_threads(settings.threads)
     return await run_worker(settings, stop, 0.0 if settings.profile else measure_flops())  # (declared: not measured)
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import structlog
-import torch
 
 from cleave import auth
 from cleave import bus as busmod
-from cleave_worker.core import measure_flops
+from cleave_worker.core import measure_flops, use_threads
 from cleave_worker.device import first_profile
 from cleave_worker.main import run_worker
 from cleave_worker.settings import WorkerSettings
@@ -34,7 +33,7 @@ async def serve_swarm(base: WorkerSettings, ids: list[str], stop: asyncio.Event)
 
     FLOPS are measured once; links too (over one short-lived connection) unless `base.profile` declares a
     device, in which case every worker paces itself to it."""
-    torch.set_num_threads(base.threads)
+    use_threads(base.threads)
     flops = measure_flops()
     shared = None if base.profile else await _links_once(base, ids[0], flops, stop)
     if not base.profile and shared is None:  # stopped before the links were measured
