@@ -5,15 +5,13 @@ pinned memory only where CUDA exists)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from cleave import codec
 from cleave.schemas import BlockRef, TileTask
 from cleave_ps.fleet.staging import HostStaging
-from cleave_worker.core import BlockCache, compute, measure_flops, nbytes, use_threads
+from cleave_worker.core import BlockCache, compute, measure_flops, nbytes
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -123,21 +121,3 @@ async def test_a_flops_re_measurement_beside_the_workers_own_tiles_is_discarded(
     await asyncio.wait_for(device.reprobe(stop), 10)
     assert device.profile.flops == (8e10 if busy else 2e10)
 
-
-def test_a_tile_rounds_the_same_on_the_loop_and_in_a_thread_with_the_workers_threads():
-    """`use_threads(1)`: a tile handed to a thread multiplies with one thread, as the loop does. Without the
-    executor's setting, OpenMP gives that thread every core, and on this machine a product with K = 1,024 then
-    differs in its last bits from the loop's (a tile's bits would depend on whether it was small)."""
-    before = torch.get_num_threads()
-    torch.manual_seed(0)
-    a, bt = torch.randn(64, 1024), torch.randn(128, 1024)
-
-    async def both() -> tuple[torch.Tensor, torch.Tensor]:
-        use_threads(1)
-        return a @ bt.T, await asyncio.to_thread(lambda: a @ bt.T)
-
-    try:
-        on_loop, in_thread = asyncio.run(both())
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(on_loop, in_thread)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 
-import torch
-
 from cleave import auth
 from cleave import bus as busmod
 from cleave.errors import ConfigError
 from cleave.runtime import config_file
 from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
+from cleave.runtime.threads import use_threads
 from cleave.train.job import JobConfig
 from cleave_ps.jobs import lifecycle
 from cleave_ps.jobs.pretrain import Pretrain
@@ -25,7 +24,7 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     config = os.environ.get(config_file.CONFIG_ENV)  # the settings file: its top-level keys are the job's
     job = JobConfig.load(s.job_file or config) if s.job_file or config else JobConfig()
     if s.threads:
-        torch.set_num_threads(s.threads)
+        use_threads(s.threads)
     if s.replicas > 1 and job.method != "cleave":
         raise ConfigError(f"replicas={s.replicas}: several PS replicas train method 'cleave' only, not {job.method!r}")
     name = f"cleave-ps-{job.job_id}" + (f"-r{s.replica}" if s.replicas > 1 else "")  # /connz tells replicas apart

@@ -9,10 +9,8 @@ event before its bytes are encoded. On the CPU the same functions run with no co
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -28,15 +26,6 @@ FLOPS_N = {"cpu": 512, "cuda": 4096}  # side of the measured product: a GPU need
 FLOPS_RUN_S = 0.03  # on a CPU each timed product of the FLOPS probe lasts about this long: several periods of a
 # CPU share (cleave.runtime.netlab: 10 ms) or time slices of a busy machine, so none is caught whole in a lucky one
 MAX_FLOPS_N = 2048  # ... and is at most this square (0.2 s at 80 GFLOP/s)
-
-
-def use_threads(threads: int) -> None:
-    """Multiply with `threads` intra-op threads here and in every thread the running loop hands work to
-    (`asyncio.to_thread`): torch's setting reaches OpenMP for the calling thread only, so a thread of the default
-    executor would use every core, and its blocks would round differently from those the loop multiplies."""
-    torch.set_num_threads(threads)
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(initializer=torch.set_num_threads,
-                                                                        initargs=(threads,)))
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -14,6 +14,7 @@ from cleave import bus as busmod
 from cleave.plan.profile import parse_profile
 from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
+from cleave.runtime.threads import use_threads
 from cleave.schemas import (
     MAX_LINKCHECK_BYTES,
     SUBJECT_CONTROL,
@@ -32,7 +33,7 @@ from cleave.schemas import (
     TileTask,
 )
 from cleave.train.sources import source_bytes
-from cleave_worker.core import measure_flops, use_threads
+from cleave_worker.core import measure_flops
 from cleave_worker.device import DeviceState, first_profile
 from cleave_worker.methods import Methods
 from cleave_worker.settings import WorkerSettings

@@ -13,7 +13,8 @@ import structlog
 
 from cleave import auth
 from cleave import bus as busmod
-from cleave_worker.core import measure_flops, use_threads
+from cleave.runtime.threads import use_threads
+from cleave_worker.core import measure_flops
 from cleave_worker.device import first_profile
 from cleave_worker.main import run_worker
 from cleave_worker.settings import WorkerSettings
