@@ -74,7 +74,7 @@ def answer(task, a, bt, worker_id, corrupt=0.0):
     r0, c0 = int(a[0, 0]), int(bt[0, 0])
     out = torch.from_numpy(np.array(product[r0 : r0 + a.shape[0], c0 : c0 + bt.shape[0]]))
     return TileResult(job=task.job, epoch=task.epoch, step=task.step, op=task.op, gemm=task.gemm, tile=task.tile,
-                      attempt=task.attempt, worker_id=worker_id, out=codec.tensor_to_data(out),
+                      attempt=task.attempt, worker_id=worker_id, out=codec.tensor_view(out),
                       compute_s=time.perf_counter() - start)
 tiles.compute = answer
 from cleave_cli.main import main

@@ -11,6 +11,7 @@ import functools
 import os
 import struct
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -119,6 +120,19 @@ def data_to_tensor(d: TensorData, pin: bool = False) -> torch.Tensor:
         t.numpy()[:] = arr
     else:
         t = torch.from_numpy(arr.copy())
+    return (t.view(torch.bfloat16) if d.dtype == "bfloat16" else t).reshape(d.shape)
+
+
+def data_view(d: TensorData) -> torch.Tensor:
+    """Wire data as a CPU tensor over the message's own bytes, not a copy: for an input that is only read (a
+    worker's tile blocks). Received bytes are immutable, so the tensor must never be written to; torch warns
+    once about that (silenced here: the caller promises it)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(d.data, dtype=torch.int16 if d.dtype == "bfloat16" else torch_dtype(d.dtype)) \
+            if len(d.data) else torch.empty(0, dtype=torch_dtype(d.dtype))
     return (t.view(torch.bfloat16) if d.dtype == "bfloat16" else t).reshape(d.shape)
 
 

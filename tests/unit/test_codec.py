@@ -24,6 +24,17 @@ def test_tensor_round_trip_every_dtype(dtype):
     back[0, 0] = 1  # owned and writable
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_a_received_tensor_is_read_where_the_message_holds_it(dtype):
+    """`data_view`: the decoded bytes themselves as a tensor, equal to the sent one, not a copy of them."""
+    t = (torch.randn(7, 5) * 10).to(dtype)
+    got = codec.decode(codec.encode(result(t), compress=False), TileResult).out
+    view = codec.data_view(got)
+    assert view.dtype == dtype and torch.equal(view, t)
+    assert view.data_ptr() == np.frombuffer(got.data, dtype=np.uint8).__array_interface__["data"][0]
+    assert codec.data_view(codec.tensor_to_data(torch.empty(0, 3, dtype=dtype))).shape == (0, 3)
+
+
 def test_nested_message_round_trip():
     task = TileTask(job="j", epoch=1, step=0, op=1, tile=2, a=BlockRef(id="a", tensor=codec.tensor_to_data(torch.ones(2, 3))),
                     b=BlockRef(id="b"), reply="r")

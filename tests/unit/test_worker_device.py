@@ -5,6 +5,7 @@ pinned memory only where CUDA exists)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,9 +52,13 @@ def test_a_view_counts_its_whole_storage():
 def test_a_tile_is_computed_on_its_device_and_returned_exactly(device, dtype):
     cache = BlockCache(1 << 20, device=torch.device(device))
     a, bt = torch.randn(48, 40).to(dtype), torch.randn(24, 40).to(dtype)
-    da, db = cache.resolve(ref("a", a)), cache.resolve(ref("b", bt))
+    ra = ref("a", a)
+    da, db = cache.resolve(ra), cache.resolve(ref("b", bt))
     res = compute(task(), da, db, "w")
     out = codec.data_to_tensor(res.out)
+    if device == "cpu":  # the block is read from the message's bytes, the result sent from the product's memory
+        assert da.data_ptr() == np.frombuffer(ra.tensor.data, dtype=np.uint8).__array_interface__["data"][0]
+        assert isinstance(res.out.data, memoryview)
     want = (a.float().to(device) @ bt.float().to(device).T).cpu()  # the same product on the same device
     assert out.dtype == torch.float32 and out.shape == (48, 24) and torch.equal(out, want)
     assert res.compute_s > 0

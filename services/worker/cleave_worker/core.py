@@ -81,7 +81,9 @@ class BlockCache:
             got = [self.resolve(p) for p in ref.parts]
             return None if any(t is None for t in got) else torch.cat(got)
         if ref.tensor is not None:
-            t = to_device(codec.data_to_tensor(ref.tensor, pin=self.device.type == "cuda"), self.device)
+            # (on the CPU the block is read where msgpack put it; for a GPU it goes through pinned memory)
+            t = to_device(codec.data_to_tensor(ref.tensor, pin=True), self.device) if self.device.type == "cuda" \
+                else codec.data_view(ref.tensor)
             self.put(ref.id, t)
             return t
         t = self.get(ref.id)
@@ -132,7 +134,7 @@ def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, c
         out[0, 0] += corrupt
     return TileResult(
         job=task.job, epoch=task.epoch, step=task.step, op=task.op, gemm=task.gemm, tile=task.tile,
-        attempt=task.attempt, worker_id=worker_id, out=codec.tensor_to_data(out), compute_s=time.perf_counter() - start,
+        attempt=task.attempt, worker_id=worker_id, out=codec.tensor_view(out), compute_s=time.perf_counter() - start,
     )
 
 
