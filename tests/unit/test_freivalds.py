@@ -55,7 +55,9 @@ def test_honest_blocks_pass_far_below_the_tolerance(kind: str, shape: tuple[int,
         blocks["fp16"] = (a @ bt.T).half()
     for how, block in blocks.items():
         worst = max(verdict(a, bt, block).worst for _ in range(5))  # a fresh random vector each time
-        assert worst < 0.25, (how, worst)  # measured: at most 0.19 (bf16 rounding), 0.04 (float32 sums)
+        # measured over 20,000 fresh vectors: at most 0.27 (half-precision rounding of positive sums, k = 4,096;
+        # 0.19 typical), 0.04 (float32 sums); the check refuses at 1.0
+        assert worst < 0.4, (how, worst)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
