@@ -109,18 +109,14 @@ def _wire_array(t: torch.Tensor) -> tuple[str, tuple[int, ...], np.ndarray]:
 
 
 def data_to_tensor(d: TensorData, pin: bool = False) -> torch.Tensor:
-    """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size); `pin`:
-    in page-locked memory, for a non-blocking copy to a GPU (needs CUDA), still one copy of the bytes."""
+    """Wire data back to an owned, writable CPU tensor (TensorData has already checked the size): one copy of
+    `data_view`; `pin`: in page-locked memory, for a non-blocking copy to a GPU (needs CUDA)."""
     import torch
 
-    arr = np.frombuffer(d.data, dtype=numpy_dtype(d.dtype))
-    if pin:
-        t = torch.empty(arr.shape, dtype=torch.int16 if d.dtype == "bfloat16" else torch_dtype(d.dtype),
-                        pin_memory=True)
-        t.numpy()[:] = arr
-    else:
-        t = torch.from_numpy(arr.copy())
-    return (t.view(torch.bfloat16) if d.dtype == "bfloat16" else t).reshape(d.shape)
+    view = data_view(d)
+    if not pin:
+        return view.clone()
+    return torch.empty(view.shape, dtype=view.dtype, pin_memory=True).copy_(view)
 
 
 def data_view(d: TensorData) -> torch.Tensor:
