@@ -180,18 +180,7 @@ def encode_pieces(msg: Wire, min_bytes: int = DEFAULT_PIECE_BYTES) -> list[Piece
     msgpack's bin 8) is then replaced by the header msgpack writes for the value's length, and the value."""
     values: list[Piece] = []
     tag = os.urandom(12)
-
-    def stand_in(obj: object) -> object:
-        if isinstance(obj, dict):
-            return {k: stand_in(v) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return [stand_in(v) for v in obj]
-        if isinstance(obj, bytes | bytearray | memoryview) and len(obj) >= min_bytes:
-            values.append(obj)
-            return _STAND_IN.pack(tag, len(values) - 1)
-        return obj
-
-    tree = stand_in(msg.model_dump())
+    tree = _stand_in(msg.model_dump(), values, tag, min_bytes)
     if not values:
         return [encode(msg, compress=False)]
     packer = msgpack.Packer(use_bin_type=True)
@@ -206,6 +195,20 @@ def encode_pieces(msg: Wire, min_bytes: int = DEFAULT_PIECE_BYTES) -> list[Piece
         at = pos + 2 + _STAND_IN.size
     pieces.append(packed[at:])
     return pieces
+
+
+def _stand_in(obj: object, values: list[Piece], tag: bytes, min_bytes: int) -> object:
+    """`encode_pieces`' tree with each bytes value of at least `min_bytes` moved to `values` and a stand-in in its
+    place. (A function of the module, not a closure: a closure that calls itself is a reference cycle, which would
+    keep `values`, a tensor's bytes, alive until the garbage collector's next pass.)"""
+    if isinstance(obj, dict):
+        return {k: _stand_in(v, values, tag, min_bytes) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_stand_in(v, values, tag, min_bytes) for v in obj]
+    if isinstance(obj, bytes | bytearray | memoryview) and len(obj) >= min_bytes:
+        values.append(obj)
+        return _STAND_IN.pack(tag, len(values) - 1)
+    return obj
 
 
 def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES,
