@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,4 +104,65 @@ async def test_a_refused_tile_is_computed_by_another_worker(tmp_path, nats_url):
             assert torch.equal(out, tiles.compute(a, bt))  # every tile, exactly, by the worker with room
             assert ps.bus.rejected.get("worker_error", 0) >= 1, ps.bus.rejected
     finally:
+        fleet.stop()
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident memory so far, in bytes (the kernel's VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+async def test_a_worker_holds_about_one_tile_of_memory(tmp_path, nats_url):
+    """A worker's peak memory grows by at most twice a tile's working set (its blocks arrive, are decoded and
+    multiplied, and its result is sent) however many such tiles it computes one after the other: nothing of a
+    tile it has answered is kept (the cache aside, 8 MiB here). A sent result that stayed referenced until
+    the garbage collector's next pass, or a message's bytes kept while it
+    is computed, took it to 3.2 times; now it is 1.1 times."""
+    cache = 8 * 1024 * 1024
+    fleet = LocalFleet(tmp_path, 0, nats_url=nats_url)
+    fleet.start()
+    name = fleet.add_worker(env={"CLEAVE_WORKER_CACHE_BYTES": str(cache)})
+    worker_id = f"{tmp_path.name}-w1"
+    bus = await busmod.connect(nats_url, "test-memory")
+    answers = await busmod.connect(nats_url, "test-memory-answers")  # results read at the socket's pace
+    done: asyncio.Queue[int] = asyncio.Queue()
+    chunks: dict[bytes, int] = {}
+
+    async def on_result(m) -> None:  # noqa: ANN001 - nats-py's Msg: counted, not joined
+        if m.data[3] & codec.FLAG_CHUNK:
+            msg_id, _, count, _ = codec._CHUNK.unpack_from(m.data, 4)
+            chunks[msg_id] = chunks.get(msg_id, 0) + 1
+            if chunks[msg_id] == count:
+                await done.put(count)
+        else:
+            result = codec.decode(m.data, TileResult)
+            assert not result.error, result.error
+            await done.put(1)
+
+    sub = await answers.nc.subscribe("test.memory.results", cb=on_result, pending_bytes_limit=-1)
+    subject = SUBJECT_TILES.format(worker_id=worker_id)
+    pid = fleet.stack.procs[name].popen.pid
+    try:
+        torch.manual_seed(0)
+        a, bt = torch.randn(4096, 2048), torch.randn(4096, 2048)  # 67 MB in, 67 MB out
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:  # until the worker has measured itself and subscribed
+            assert time.monotonic() < deadline, "the worker never answered"
+            await bus.publish(subject, task("warm", 0, a[:8], bt[:8], "test.memory.results"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.get(), 2.0)
+                break
+        idle = peak_rss(pid)
+        for tile in range(1, 4):
+            await bus.publish(subject, task("big", tile, a, bt, "test.memory.results"), compress=False)
+            assert await asyncio.wait_for(done.get(), 60.0) > 1
+        grown = peak_rss(pid) - idle
+        assert grown <= 2 * tile_bytes(a, bt), f"peak grew by {grown / 1e6:.0f} MB for tiles of {tile_bytes(a, bt) / 1e6:.0f} MB"
+    finally:
+        await sub.unsubscribe()
+        await answers.close()
+        await bus.close()
         fleet.stop()

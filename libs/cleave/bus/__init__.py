@@ -150,7 +150,9 @@ class Bus:
             if sender and getattr(msg, sender) != m.subject.rsplit(".", 1)[-1]:
                 self.reject("wrong_sender", m.subject, f"{sender}={getattr(msg, sender)!r}")
                 return
-            await handler(msg, len(frame))
+            nbytes = len(frame)
+            del frame  # decoded: the frame's bytes are not kept while the handler runs (a tile computes meanwhile)
+            await handler(msg, nbytes)
 
         return await self.nc.subscribe(
             subject, queue=queue, cb=on_msg, pending_bytes_limit=pending_bytes, pending_msgs_limit=-1

@@ -10,7 +10,16 @@ from collections import deque
 from cleave import bus as busmod
 from cleave.errors import WireError
 from cleave.gemm.dealer import JOINS_KEPT
-from cleave.schemas import SUBJECT_FANOUT, BlockPush, FanoutAck, FanoutJoin, LinkCheck, LinkCheckAck, TileTask
+from cleave.schemas import (
+    SUBJECT_FANOUT,
+    BlockPush,
+    FanoutAck,
+    FanoutJoin,
+    LinkCheck,
+    LinkCheckAck,
+    TileResult,
+    TileTask,
+)
 from cleave_worker.core import BlockCache, check_inputs, compute, leaves, reply_to
 from cleave_worker.device import DeviceState
 
@@ -119,19 +128,19 @@ class Tiles:
     async def uploads(self) -> None:
         """Send results in the order they were computed, from a task of their own: a result waiting for a
         slow uplink never holds up the next tile's compute (the streamed device of the cost model)."""
-        while True:
-            item = await self.outbox.get()
-            if item is None:  # stopping: what was queued before has been sent
-                return
-            task, result, due = item
-            if due:
-                await asyncio.sleep(max(0.0, due - time.time()))
-            try:
-                await self.bus.publish(task.reply, result, compress=False)  # dense floats: the PS refuses zstd
-            except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
-                self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
-            except Exception as e:  # disconnected: the PS's deadline gives the tile to another worker
-                self.log.warning("result_not_sent", error=repr(e), step=task.step, op=task.op, tile=task.tile)
+        while (item := await self.outbox.get()) is not None:  # None: stopping, what was queued before is sent
+            await self._upload(*item)
+            del item  # sent: its blocks and result are not held while the next result is awaited
+
+    async def _upload(self, task: TileTask, result: TileResult, due: float) -> None:
+        if due:
+            await asyncio.sleep(max(0.0, due - time.time()))
+        try:
+            await self.bus.publish(task.reply, result, compress=False)  # dense floats: the PS refuses zstd
+        except WireError as e:  # e.g. an output block over the limits: say so, the PS gives the tile away
+            self.log.warning("result_not_sent", error=str(e), step=task.step, op=task.op, tile=task.tile)
+        except Exception as e:  # disconnected: the PS's deadline gives the tile to another worker
+            self.log.warning("result_not_sent", error=repr(e), step=task.step, op=task.op, tile=task.tile)
 
     async def close_outbox(self, stop: asyncio.Event) -> None:
         await stop.wait()
