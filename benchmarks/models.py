@@ -5,7 +5,8 @@ memory budget (`BUDGET_GB`: what its peak must stay under on this 24 GB machine)
 `recompute` against it, as the PS would (`cleave.train.preflight.resolve`), and its estimate is recorded (a
 job it refuses is reported as refused, not run). Then the single-process reference with the same options
 (`cleave train --reference`, its peak RSS from the kernel's rusage of the child), then the same job through a
-local stack with WORKERS workers (the PS's peak RSS read from /proc as it runs, VmHWM). Prints and records,
+local stack with WORKERS workers (the peak RSS of the PS and of each worker read from /proc as they run, VmHWM,
+and the stack's largest resident sum at one moment). Prints and records,
 side by side from the one run: the PS's peak RSS against the budget and against the preflight's estimate,
 the reference's peak, median step time / the reference's, checkpoint seconds per step (the streamed
 commits, `checkpoint_s`), and whether the losses are equal. Writes benchmarks/results/models.json.
@@ -55,31 +56,37 @@ def free_gb() -> float:
 
 
 class PeakWatch(threading.Thread):
-    """Polls the PS's and nats-server's VmHWM (peak RSS) while they run; stops the PS (for good) if the
-    machine's free memory falls under MIN_FREE_GB."""
+    """Polls every process of the stack (the PS, nats-server, the scheduler, the workers): each one's VmHWM (peak
+    RSS), and the largest sum of their resident memory at one moment; stops the PS (for good) if the machine's
+    free memory falls under MIN_FREE_GB."""
 
     def __init__(self, fleet: LocalFleet) -> None:
         super().__init__(daemon=True)
-        self.fleet, self.peak_kb, self.low = fleet, {"ps": 0, "nats": 0}, None
+        self.fleet, self.peak_kb, self.stack_kb, self.low = fleet, {"ps": 0, "nats": 0}, 0, None
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(0.1):
-            for name in self.peak_kb:
-                proc = self.fleet.stack.procs.get(name)
-                if proc is not None and proc.popen is not None and proc.popen.poll() is None:  # (None: stopped)
-                    self.peak_kb[name] = max(self.peak_kb[name], _hwm_kb(proc.popen.pid))
+            now = 0
+            for name, proc in list(self.fleet.stack.procs.items()):
+                if proc.popen is not None and proc.popen.poll() is None:  # (None: stopped)
+                    hwm, rss = _memory_kb(proc.popen.pid)
+                    self.peak_kb[name] = max(self.peak_kb.get(name, 0), hwm)
+                    now += rss
+            self.stack_kb = max(self.stack_kb, now)
             if self.low is None and free_gb() < MIN_FREE_GB:
                 self.low = f"stopped: the machine's free memory fell to {free_gb():.1f} GB"
                 self.fleet.stack.kill("ps", restart=False)
 
 
-def _hwm_kb(pid: int) -> int:
+def _memory_kb(pid: int) -> tuple[int, int]:
+    """A process's VmHWM and VmRSS in KiB (0, 0 once it is gone)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return 0
-    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+        return 0, 0
+    got = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM:", "VmRSS:"))}
+    return got.get("VmHWM", 0), got.get("VmRSS", 0)
 
 
 def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
@@ -95,7 +102,8 @@ def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
 
 def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
     """The job through a local stack, its PS held to `budget` (CLEAVE_PS_MEMORY_BYTES): its lines, peak RSS of
-    the PS and nats-server, what the PS logged."""
+    the PS, nats-server and each worker, the whole stack's largest resident memory at one moment, what the PS
+    logged."""
     fleet = LocalFleet(tmp / "dist", WORKERS)
     watch = PeakWatch(fleet)
     lines, stopped = [], None
@@ -112,6 +120,8 @@ def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
         fleet.stop()
     log = (tmp / "dist" / "logs" / "ps.log").read_text()
     return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] * KIB_GB, "nats_gb": watch.peak_kb["nats"] * KIB_GB,
+            "workers_gb": [watch.peak_kb[w] * KIB_GB for w in sorted(watch.peak_kb) if w.startswith("worker")],
+            "stack_gb": watch.stack_kb * KIB_GB,
             "ps_restarts": len(re.findall(r"ps_resumed", log)),
             "peak_rss_at_step_end_mb": [float(x) for x in re.findall(r"step_done.*?peak_rss_mb=([0-9.]+)", log)]}
 
@@ -141,6 +151,7 @@ def one(name: str, steps: int) -> dict:
            "estimate_over_measured": round(est.total / 1e9 / dist["ps_gb"], 3) if dist["ps_gb"] else None,
            "reference_peak_rss_gb": round(ref_gb, 2),
            "rss_ratio": round(dist["ps_gb"] / ref_gb, 3), "nats_peak_rss_gb": round(dist["nats_gb"], 2),
+           "workers_peak_rss_gb": [round(w, 2) for w in dist["workers_gb"]], "stack_peak_rss_gb": round(dist["stack_gb"], 2),
            "ps_restarts": dist["ps_restarts"],
            "ps_peak_rss_at_step_end_mb": dist["peak_rss_at_step_end_mb"], "reference_step_s": round(ref_step, 2),
            "reference_losses": [m["loss"] for m in ref], "losses": [m["loss"] for m in lines]}
