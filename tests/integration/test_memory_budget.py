@@ -118,9 +118,9 @@ def peak_rss(pid: int) -> int:
 async def test_a_worker_holds_about_one_tile_of_memory(tmp_path, nats_url):
     """A worker's peak memory grows by at most twice a tile's working set (its blocks arrive, are decoded and
     multiplied, and its result is sent) however many such tiles it computes one after the other: nothing of a
-    tile it has answered is kept (the cache aside, 8 MiB here). A sent result that stayed referenced until
-    the garbage collector's next pass, or a message's bytes kept while it
-    is computed, took it to 3.2 times; now it is 1.1 times."""
+    tile it has answered is kept (the cache aside, 8 MiB here). It grows by 1.1 times; a sent result that stayed
+    referenced until the garbage collector's next pass, and a message's bytes kept while it was computed, took it
+    to 3.2 times."""
     cache = 8 * 1024 * 1024
     fleet = LocalFleet(tmp_path, 0, nats_url=nats_url)
     fleet.start()
