@@ -98,8 +98,9 @@ async def test_payload_longer_than_its_size_is_a_protocol_error():
 
 async def test_a_payload_is_gathered_into_again_only_once_nothing_holds_it(monkeypatch):
     size = receive.GATHER_BYTES
-    bodies = [bytes([i]) * size for i in range(4)]
-    data = b"".join(b"MSG big 1 %d\r\n" % size + body + b"\r\n" for body in bodies)
+    sizes = [size, size, size + 3, size - 5, 2 * size]  # a spare serves a payload of another size too
+    bodies = [bytes([i]) * n for i, n in enumerate(sizes)]
+    data = b"".join(b"MSG big 1 %d\r\n" % len(body) + body + b"\r\n" for body in bodies)
     got, held, new = [], [], []
     monkeypatch.setattr(receive, "bytearray", lambda n: new.append(n) or bytearray(n), raising=False)
 
@@ -114,4 +115,4 @@ async def test_a_payload_is_gathered_into_again_only_once_nothing_holds_it(monke
         await parser.parse(data[i : i + 32768])
     assert got == bodies
     assert bytes(held[0]) == bodies[0]  # the held one was never written over
-    assert len(new) == 2  # the first two; the second, released, was gathered into by the third and fourth
+    assert len(new) == 2  # the first two; the second, released, was gathered into by all that came after it

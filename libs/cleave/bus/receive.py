@@ -32,7 +32,7 @@ from nats.protocol.parser import Parser as NatsParser
 GATHER_BYTES = 256 * 1024  # a payload this large is gathered; smaller ones are cheap either way
 SCRATCH_BYTES = 256 * 1024  # the transport's buffer for the kernel's reads (asyncio's own read size)
 MIN_READ_BYTES = 16 * 1024  # less room than this left in it: a new buffer (or the same, once all is parsed)
-SPARE_PAYLOADS = 2  # gathered payloads kept to gather into again (at most this many x max_payload bytes)
+SPARE_PAYLOADS = 6  # gathered payloads kept to gather into again (at most this many x max_payload bytes)
 QUEUED_BYTES = 8 * 1024 * 1024  # received and not yet parsed: past this the socket is not read until half is
 _CRLF = b"\r\n"
 
@@ -47,13 +47,18 @@ class Parser(NatsParser):
         self.spare: deque[bytearray] = deque(maxlen=SPARE_PAYLOADS)  # the last payloads handed on
 
     def _buffer(self, size: int) -> bytearray:
-        """Room for a payload of `size` bytes with its CRLF: a spare of that size that nothing holds any more
-        (only `spare` refers to it; its old contents are read over), else a new buffer, which Python zeroes."""
+        """Room for a payload of `size` bytes with its CRLF: a spare that nothing holds any more (only `spare`
+        refers to it; its old contents are read over), cut or lengthened to `size` (within the memory it has, or
+        by `realloc`, which moves a large buffer's pages rather than copy them), else a new buffer, which Python
+        zeroes and the kernel maps a page at a time."""
         for i in range(len(self.spare)):
-            if len(self.spare[i]) + CRLF_SIZE == size and sys.getrefcount(self.spare[i]) == 2:  # spare, argument
+            if sys.getrefcount(self.spare[i]) == 2:  # spare, argument
                 buf = self.spare[i]
                 del self.spare[i]
-                buf += _CRLF  # its CRLF's room back, within the memory it has: not copied
+                if len(buf) > size:
+                    del buf[size:]
+                else:
+                    buf += bytes(size - len(buf))  # (its CRLF's room, and what this payload is longer)
                 return buf
         return bytearray(size)
 
