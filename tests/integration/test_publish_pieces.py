@@ -9,7 +9,7 @@ import torch
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.bus import direct
+from cleave.bus import direct, send
 from cleave.schemas import BlockRef, TileTask
 
 TIMEOUT_S = 30.0
@@ -67,9 +67,18 @@ async def test_pieces_arrive_whole_and_in_order(nats_url):
         await sub.close()
 
 
-async def test_an_uncompressed_message_goes_out_with_its_tensor_data_uncopied(nats_url):
+async def test_an_uncompressed_message_goes_out_with_its_tensor_data_uncopied(nats_url, monkeypatch):
     """`Bus.publish(..., compress=False)` (a worker's result) hands the bus the tensor's own bytes as a piece,
-    and the message arrives equal, chunked or not."""
+    the connection's sender queues those very bytes for the kernel (`send.Sender`: no copy in Python), and the
+    message arrives equal, chunked or not."""
+    written: list[object] = []  # what each write to the socket's sender is a view of
+    write = send.Sender.write
+
+    def spy_write(self, data) -> None:  # noqa: ANN001
+        written.append(memoryview(data).obj)
+        write(self, data)
+
+    monkeypatch.setattr(send.Sender, "write", spy_write)
     sub = await busmod.connect(nats_url, "uncopied-sub")
     pub = await busmod.connect(nats_url, "uncopied-pub")
     got: list[TileTask] = []
@@ -95,8 +104,10 @@ async def test_an_uncompressed_message_goes_out_with_its_tensor_data_uncopied(na
             await pub.publish("uncopied.t", t, compress=False)
         await asyncio.wait_for(all_in.wait(), TIMEOUT_S)
         assert got == sent
+        assert pub.nc._transport.stream.sender is not None
         for t, pieces in zip(sent, handed, strict=True):
             assert any(p is t.a.tensor.data for p in pieces)  # the very bytes of the tensor, not a copy
+            assert any(w is t.a.tensor.data for w in written)  # and so they went to the sender
     finally:
         await pub.close()
         await sub.close()

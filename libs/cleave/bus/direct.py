@@ -3,9 +3,10 @@
 nats-py builds a PUB command by concatenating its line, the payload and CRLF, and its flusher joins the
 queued commands into one buffer for the socket: a payload is copied three times before the kernel copies it. A
 message of `DIRECT_BYTES` or more is instead written straight to the connection's asyncio transport, its small
-pieces joined with the PUB line: the transport sends what the socket takes at once and copies the rest into
-its buffer, once. Then it waits until that buffer drains, as nats-py's flusher does, so a publisher cannot run
-ahead of the socket. Commands nats-py has queued and not yet written go first (nothing is reordered). Only
+pieces joined with the PUB line: Cleave's transport (`receive.Transport`) hands them to the kernel as they are
+(`send.Sender`; with TLS, asyncio's transport sends what the socket takes at once and copies the rest into its
+buffer, once). Then it waits until the kernel has them all (or, with TLS, until that buffer drains, as nats-py's
+flusher waits), so a publisher cannot run ahead of the socket, and the pieces' buffers may change once it returns. Commands nats-py has queued and not yet written go first (nothing is reordered). Only
 while the connection is up and not draining, over TCP (with or without TLS), and for a plain subject;
 otherwise nats-py publishes it.
 """
@@ -65,6 +66,7 @@ async def put(nc: Client, subject: str, message: list[Piece], size: int, timeout
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += size
     try:
-        await asyncio.wait_for(transport.drain(), timeout_s)
+        await asyncio.wait_for(transport.sent() if isinstance(transport, receive.Transport) else transport.drain(),
+                               timeout_s)
     except TimeoutError:  # queued all the same, as nats-py leaves a message whose flush timed out
         log.warning("publish_slow", subject=subject, bytes=size)

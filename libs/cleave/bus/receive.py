@@ -29,6 +29,8 @@ from nats.aio.client import DEFAULT_BUFFER_SIZE, PING_PROTO, Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, CRLF_SIZE, ProtocolError
 from nats.protocol.parser import Parser as NatsParser
 
+from cleave.bus.send import Sender
+
 GATHER_BYTES = 256 * 1024  # a payload this large is gathered; smaller ones are cheap either way
 SCRATCH_BYTES = 256 * 1024  # the transport's buffer for the kernel's reads (asyncio's own read size)
 MIN_READ_BYTES = 16 * 1024  # less room than this left in it: a new buffer (or the same, once all is parsed)
@@ -107,6 +109,7 @@ class Stream(asyncio.BufferedProtocol):
         self.eof = self.lost = self.write_paused = False
         self.wakers: list[asyncio.Future] = []  # a reader waiting for bytes, writers for the socket to drain
         self.closed = asyncio.get_running_loop().create_future()
+        self.sender: Sender | None = None  # writes this connection's bytes, when asyncio's transport does not
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # (again for TLS, with its transport)
         self.transport = transport  # type: ignore[assignment]
@@ -174,6 +177,8 @@ class Stream(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = self.lost = True
+        if self.sender is not None:
+            self.sender.lost(exc)
         self.error = exc
         self._wake()
         if not self.closed.done():
@@ -188,8 +193,8 @@ class Stream(asyncio.BufferedProtocol):
 
 
 class Transport:
-    """nats-py's transport for a TCP connection (with or without TLS), reading through `Stream`; writes go to
-    asyncio's transport as nats-py's own do."""
+    """nats-py's transport for a TCP connection (with or without TLS), reading through `Stream`; writes go
+    through a `Sender` (without TLS, on a selector loop: not copied) or to asyncio's transport as nats-py's own do."""
 
     def __init__(self, parser: Parser) -> None:
         self.parser = parser
@@ -197,12 +202,17 @@ class Transport:
 
     async def connect(self, uri, buffer_size: int, connect_timeout: float) -> None:  # noqa: ANN001 - ParseResult
         stream = Stream(self.parser)
-        await asyncio.wait_for(asyncio.get_running_loop().create_connection(lambda: stream, uri.hostname, uri.port),
-                               connect_timeout)
+        transport, _ = await asyncio.wait_for(
+            asyncio.get_running_loop().create_connection(lambda: stream, uri.hostname, uri.port), connect_timeout)
+        if Sender.usable(transport):
+            stream.sender = Sender(transport)
         self.stream = stream
 
     async def connect_tls(self, uri, ssl_context, buffer_size: int, connect_timeout: float) -> None:  # noqa: ANN001
         s = self.stream
+        if s.sender is not None:  # what went before the handshake, then the TLS layer writes
+            await s.sender.sent()
+            s.sender = None
         s.transport = await asyncio.wait_for(asyncio.get_running_loop().start_tls(
             s.transport, s, ssl_context, server_hostname=uri if isinstance(uri, str) else uri.hostname),
             connect_timeout)
@@ -235,15 +245,27 @@ class Transport:
             if end:
                 return bytes(line)
 
-    def write(self, data: bytes) -> None:
-        self.stream.transport.write(data)
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Send `data` in order after what was written before; until `sent()` returns, its buffer must not change."""
+        s = self.stream
+        (s.sender or s.transport).write(data)
 
     def writelines(self, data: list[bytes]) -> None:
-        self.stream.transport.writelines(data)
+        s = self.stream
+        (s.sender or s.transport).writelines(data)
+
+    async def sent(self) -> None:
+        """Until what was written may change: the kernel has it (a `Sender`), or asyncio's transport copied it."""
+        if self.stream.sender is None:
+            await self.drain()
+        else:
+            await self.stream.sender.sent()
 
     async def drain(self) -> None:
         """Until the socket has taken what was written, to asyncio's limit (as asyncio's streams drain)."""
         s = self.stream
+        if s.sender is not None:
+            return await s.sender.drain()
         if s.transport.is_closing():
             await asyncio.sleep(0)  # (the connection's loss, if that is why, is reported first)
         while s.write_paused and not s.lost:
@@ -257,7 +279,7 @@ class Transport:
 
     def close(self) -> None:
         if self.stream is not None and self.stream.transport is not None:
-            self.stream.transport.close()
+            (self.stream.sender or self.stream.transport).close()
 
     def at_eof(self) -> bool:
         return self.stream is None or (self.stream.eof and not self.stream.pieces)
