@@ -130,3 +130,46 @@ async def test_a_flush_returns_once_the_server_has_what_was_written_before_it(na
     finally:
         await pub.close()
         await sub.close()
+
+
+async def test_a_failure_while_parsing_reconnects_instead_of_leaving_the_connection_deaf(nats_url, monkeypatch):
+    """nats-py's read loop stops for good on an exception other than a protocol error, leaving a connection that
+    looks alive and reads nothing until its pings go unanswered (minutes); the parser turns every failure into a
+    protocol error, so the client reconnects and messages arrive again within seconds."""
+    parse, failed = receive.Parser._parse, []
+
+    async def fail_once(self, data):  # noqa: ANN001, ANN202
+        if not failed and len(data) > 1000:
+            failed.append(True)
+            raise RuntimeError("a bug while parsing")
+        await parse(self, data)
+
+    monkeypatch.setattr(receive.Parser, "_parse", fail_once)
+    sub, back = receive.client(), asyncio.Event()
+
+    async def reconnected() -> None:
+        back.set()
+
+    await sub.connect(nats_url, reconnect_time_wait=0.2, max_reconnect_attempts=-1, reconnected_cb=reconnected)
+    pub = await nats.connect(nats_url)
+    try:
+        got: list[bytes] = []
+
+        async def on_msg(m) -> None:  # noqa: ANN001
+            got.append(bytes(m.data))
+
+        await sub.subscribe("deaf.t", cb=on_msg)
+        await sub.flush()
+        await pub.publish("deaf.t", bytes(receive.GATHER_BYTES))  # the one whose parsing fails
+        await pub.flush()
+        await asyncio.wait_for(back.wait(), 10)
+        deadline = asyncio.get_running_loop().time() + 10
+        while b"after" not in got:  # (published until one arrives: those sent while it reconnected are lost)
+            assert asyncio.get_running_loop().time() < deadline, "nothing arrived after the failure"
+            await pub.publish("deaf.t", b"after")
+            await pub.flush()
+            await asyncio.sleep(0.1)
+        assert failed
+    finally:
+        await pub.close()
+        await sub.close()

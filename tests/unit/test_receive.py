@@ -96,6 +96,40 @@ async def test_payload_longer_than_its_size_is_a_protocol_error():
 
 
 
+async def test_a_payload_still_viewed_when_whole_is_handed_on_as_a_copy_and_not_gathered_into_again():
+    size = receive.GATHER_BYTES
+    body = bytes(range(256)) * (size // 256)
+    data = b"MSG big 1 %d\r\n" % size + body + b"\r\n"
+    got = []
+
+    class Keep(Conn):
+        async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:  # noqa: ANN001
+            got.append(bytes(payload))
+
+    parser = receive.Parser(Keep())
+    await parser.parse(data[:1000])
+    await parser.parse(data[1000:2000])
+    held = memoryview(parser.payload)  # a view of the buffer being gathered, still alive when it is whole
+    await parser.parse(data[2000:])
+    assert got == [body]
+    assert not any(s is held.obj for s in parser.spare)
+    held.release()
+
+
+async def test_an_unexpected_failure_while_parsing_is_a_protocol_error():
+    """nats-py reconnects on a protocol error; on any other exception its read loop stops reading for good."""
+
+    class Broken(Conn):
+        async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:  # noqa: ANN001
+            raise RuntimeError("a bug")
+
+    size = receive.GATHER_BYTES
+    parser = receive.Parser(Broken())
+    with pytest.raises(ProtocolError) as e:
+        await parser.parse(b"MSG big 1 %d\r\n" % size + bytes(size) + b"\r\n")
+    assert "a bug" in repr(e.value.__cause__)
+
+
 async def test_a_payload_is_gathered_into_again_only_once_nothing_holds_it(monkeypatch):
     size = receive.GATHER_BYTES
     sizes = [size, size, size + 3, size - 5, 2 * size]  # a spare serves a payload of another size too

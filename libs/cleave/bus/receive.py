@@ -13,6 +13,10 @@ them into a buffer of the transport's, whose pieces the parser reads in order, o
 large payload and has parsed everything before it, straight into that payload. A large payload is then copied
 once, by the kernel.
 
+Any failure while parsing is raised as a protocol error, on which nats-py reconnects (on any other exception its
+read loop stops, and the connection stays deaf until its pings go unanswered, minutes later). A payload that
+something still has a view of when it is whole is handed on as a copy (logged with what holds the view).
+
 A `flush()` (a PING, done when its PONG comes back) also goes after the commands written before it: nats-py writes
 the PING straight to the socket, ahead of what its flusher task has not sent yet, so a `flush()` after
 `subscribe()` could return before the server had the SUB, and a message published meanwhile was never delivered.
@@ -21,15 +25,19 @@ the PING straight to the socket, ahead of what its flusher task has not sent yet
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 from collections import deque
 
+import structlog
 from nats.aio.client import DEFAULT_BUFFER_SIZE, PING_PROTO, Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, CRLF_SIZE, ProtocolError
 from nats.protocol.parser import Parser as NatsParser
 
 from cleave.bus.send import Sender
+
+log = structlog.get_logger("cleave.bus")
 
 GATHER_BYTES = 256 * 1024  # a payload this large is gathered; smaller ones are cheap either way
 SCRATCH_BYTES = 256 * 1024  # the transport's buffer for the kernel's reads (asyncio's own read size)
@@ -57,14 +65,29 @@ class Parser(NatsParser):
             if sys.getrefcount(self.spare[i]) == 2:  # spare, argument
                 buf = self.spare[i]
                 del self.spare[i]
-                if len(buf) > size:
-                    del buf[size:]
-                else:
-                    buf += bytes(size - len(buf))  # (its CRLF's room, and what this payload is longer)
+                try:
+                    if len(buf) > size:
+                        del buf[size:]
+                    else:
+                        buf += bytes(size - len(buf))  # (its CRLF's room, and what this payload is longer)
+                except BufferError:  # (something has a view of it after all: left to its holder)
+                    continue
                 return buf
         return bytearray(size)
 
     async def parse(self, data: bytes = b"") -> None:
+        """Parse what the connection read next. Any failure is a protocol error, so that nats-py reconnects (its
+        read loop stops reading for good on any other exception: the connection would stay deaf, and look alive,
+        until its pings went unanswered, minutes later)."""
+        try:
+            await self._parse(data)
+        except ProtocolError:
+            raise
+        except Exception as e:
+            log.error("receive_failed", error=repr(e))
+            raise ProtocolError(f"nats: {e!r}") from e
+
+    async def _parse(self, data: bytes) -> None:
         view = memoryview(data)
         while True:
             if self.payload is None:
@@ -84,12 +107,25 @@ class Parser(NatsParser):
             payload, self.payload = self.payload, None
             if payload[-CRLF_SIZE:] != _CRLF:
                 raise ProtocolError("nats: a message's payload is longer than its size")
-            del payload[-CRLF_SIZE:]  # at the end: no copy
-            self.spare.append(payload)
+            try:
+                del payload[-CRLF_SIZE:]  # at the end: no copy
+                self.spare.append(payload)
+            except BufferError:  # something still has a view of it: handed on as a copy, never gathered into again
+                log.warning("receive_buffer_viewed", bytes=len(payload), held_by=_holders(payload))
+                payload = bytearray(memoryview(payload)[:-CRLF_SIZE])
             args, self.state = self.msg_arg, AWAITING_CONTROL_LINE
             await self.nc._process_msg(args["sid"], args["subject"], args["reply"], payload, None)
         if len(view):
             await super().parse(view)
+
+
+def _holders(buf: bytearray) -> list[str]:
+    """What holds the views of `buf` (for a log line): each holder's type, or a frame's function."""
+    mbufs = [r for r in gc.get_referrers(buf) if type(r).__name__ == "managedbuffer"]
+    views = [r for m in mbufs for r in gc.get_referrers(m) if isinstance(r, memoryview)]
+    found = {getattr(getattr(h, "f_code", None), "co_qualname", None) or type(h).__name__
+             for v in views for h in gc.get_referrers(v) if h is not views}
+    return sorted(found) or ["nothing alive: an export without a view"]
 
 
 class Stream(asyncio.BufferedProtocol):
