@@ -8,8 +8,9 @@ has room: a byte is copied by the kernel alone. A writer that will change its bu
 kernel has every byte written so far, or what is left was copied) first; nats-py's own writes are `bytes`,
 which nothing changes.
 
-`receive.Transport` writes through a `Sender` on a TCP connection without TLS on a selector event loop (Linux,
-macOS); with TLS (which encrypts into buffers of its own anyway), or on another loop, asyncio's transport writes.
+`receive.Transport` writes through a `Sender` on a TCP connection without TLS on a selector event loop where the
+system has `writev` (Linux, macOS); with TLS (which encrypts into buffers of its own anyway), on another loop
+(Windows' default), asyncio's transport writes.
 The sender watches the socket for room with the loop's own writer registration (`_add_writer`: asyncio's public
 `add_writer` refuses a transport's socket, and the transport, written to by no one else, registers none).
 """
@@ -44,7 +45,8 @@ class Sender:
     def usable(transport: asyncio.BaseTransport) -> bool:
         """Whether `transport` is one a `Sender` can write for (a selector loop's plain TCP transport)."""
         loop = asyncio.get_running_loop()
-        return (isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop) and hasattr(loop, "_add_writer")
+        return (hasattr(os, "writev") and isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop)
+                and hasattr(loop, "_add_writer")
                 and transport.get_extra_info("sslcontext") is None and transport.get_extra_info("socket") is not None
                 and isinstance(transport, asyncio.selector_events._SelectorSocketTransport))
 
