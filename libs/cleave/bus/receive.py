@@ -71,7 +71,7 @@ class Parser(NatsParser):
                     else:
                         buf += bytes(size - len(buf))  # (its CRLF's room, and what this payload is longer)
                 except BufferError:  # (something has a view of it after all: left to its holder)
-                    continue
+                    break
                 return buf
         return bytearray(size)
 
