@@ -2,11 +2,12 @@
 
 nats-py builds a PUB command by concatenating its line, the payload and CRLF, and its flusher joins the
 queued commands into one buffer for the socket: a payload is copied three times before the kernel copies it. A
-message of `DIRECT_BYTES` or more is instead written straight to the connection's asyncio transport, its small
-pieces joined with the PUB line: Cleave's transport (`receive.Transport`) hands them to the kernel as they are
+message of `DIRECT_BYTES` or more is instead written straight to the connection's transport, its small pieces
+joined with the PUB line: Cleave's transport (`receive.Transport`) hands them to the kernel as they are
 (`send.Sender`; with TLS, asyncio's transport sends what the socket takes at once and copies the rest into its
 buffer, once). Then it waits until the kernel has them all (or, with TLS, until that buffer drains, as nats-py's
-flusher waits), so a publisher cannot run ahead of the socket, and the pieces' buffers may change once it returns. Commands nats-py has queued and not yet written go first (nothing is reordered). Only
+flusher waits), so a publisher cannot run ahead of the socket, and the pieces' buffers may change once it
+returns. Commands nats-py has queued and not yet written go first (nothing is reordered). Only
 while the connection is up and not draining, over TCP (with or without TLS), and for a plain subject;
 otherwise nats-py publishes it.
 """
