@@ -34,7 +34,6 @@ class Sender:
         self.loop = asyncio.get_running_loop()
         self.fd = transport.get_extra_info("socket").fileno()
         self.queue: deque[memoryview] = deque()  # written, not yet sent (the front may be a piece's tail)
-        self.queued = 0  # their bytes
         self.written = self.sent_bytes = 0  # bytes written by callers, and handed to the kernel, ever
         self.watching = False  # the loop calls `_send` when the socket has room
         self.closing = False  # close the transport once all is sent
@@ -43,12 +42,9 @@ class Sender:
 
     @staticmethod
     def usable(transport: asyncio.BaseTransport) -> bool:
-        """Whether `transport` is one a `Sender` can write for (a selector loop's plain TCP transport)."""
-        loop = asyncio.get_running_loop()
-        return (hasattr(os, "writev") and isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop)
-                and hasattr(loop, "_add_writer")
-                and transport.get_extra_info("sslcontext") is None and transport.get_extra_info("socket") is not None
-                and isinstance(transport, asyncio.selector_events._SelectorSocketTransport))
+        """Whether `transport` is one a `Sender` can write for: a selector loop's plain TCP transport (a TLS
+        transport is another class), where the system has writev."""
+        return hasattr(os, "writev") and isinstance(transport, asyncio.selector_events._SelectorSocketTransport)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Queue `data` (kept, not copied) and send what the socket takes now. After the connection is lost or
@@ -59,7 +55,6 @@ class Sender:
         if not view.nbytes:
             return
         self.queue.append(view)
-        self.queued += view.nbytes
         self.written += view.nbytes
         if not self.watching:
             self._send()
@@ -80,7 +75,6 @@ class Sender:
                 self.transport.abort()
                 return
             self.sent_bytes += n
-            self.queued -= n
             full = n < sum(v.nbytes for v in batch)
             while n:
                 head = self.queue[0]
@@ -165,5 +159,4 @@ class Sender:
             self.error = exc if exc is not None else ConnectionResetError("the connection was closed")
         self._unwatch()
         self.queue.clear()
-        self.queued = 0
         self._wake()
