@@ -24,6 +24,8 @@ async def test_a_gemm_returns_only_once_its_last_block_is_copied_in():
     real = Dispatcher._off_loop
 
     async def slow(nbytes, fn):  # noqa: ANN001, ANN202 - the last block's copy waits for the gate
+        if not nbytes:  # encoding tiles, which copies nothing of these contiguous inputs
+            return await real(nbytes, fn)
         calls.append(nbytes)
         if len(calls) == 4:  # (per result: the finiteness check, then the copy)
             copying.set()

@@ -259,7 +259,9 @@ class Dispatcher:
     # ---- sending -------------------------------------------------------------------------------------
     async def post(self, instructions: Sequence[Instruction]) -> None:
         """Carry out what the dealer decided, in its order: what is not a send at once (`_note`), then the
-        tiles, encoded in a worker thread and published in order (those of a GEMM that is over are not sent)."""
+        tiles, encoded and published in order (those of a GEMM that is over are not sent). Encoding copies no
+        bytes of a contiguous host input (its blocks are views of it), so it runs here; an input it would copy
+        block by block is encoded in a worker thread where it is large (`_off_loop`)."""
         sends = []
         for i in instructions:
             if isinstance(i, Send):
@@ -269,7 +271,9 @@ class Dispatcher:
         dealt = [(s, self.runs[s.seq]) for s in sends if s.seq in self.runs]  # (looked up here: a GEMM may end
         if not dealt:  # on the loop while the thread encodes)
             return
-        encoded = await asyncio.to_thread(self._frames, dealt)
+        copied = sum(t.nbytes for run in {id(r): r for _, r in dealt}.values() for t in (run.a, run.bt)
+                     if t.device.type != "cpu" or not t.is_contiguous())
+        encoded = await self._off_loop(copied, lambda: self._frames(dealt))
         for worker, subject, frame, send, run in encoded:
             try:
                 sent = await self.bus.publish_pieces(subject, frame)
@@ -281,7 +285,7 @@ class Dispatcher:
                 self.dealer.departed(send.tile.index, send.attempt, self.clock(), send.seq)
 
     def _frames(self, dealt: list[tuple[Send, GemmRun]]) -> list[tuple[str, str, list[codec.Piece], Send | None, GemmRun]]:
-        """(worker, subject, encoded message, send, its GEMM) for each send (runs off the event loop)."""
+        """(worker, subject, encoded message, send, its GEMM) for each send."""
         return [(*frame, run) for s, run in dealt
                 for frame in frames.encode(self.job_id, self.epoch, run, s, self.reply_to(s.worker))]
 
