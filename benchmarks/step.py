@@ -13,7 +13,9 @@ step's shapes (the better of before and after the step). Prints step/floor, dist
 CPU seconds per step split into serialisation, copies, bus, local compute and Python, and the fraction of
 the workers' time spent idle (1 - their compute seconds, from their heartbeats, over workers x wall time), and
 the PS's CPU seconds per step in Freivalds' check of every result block (`cleave_ps.fleet.freivalds`) with its
-share of the step (the aim: under 5%).
+share of the step (the aim: under 5%), and the tiles resent after a missed deadline and copied over the run
+(a resent tile is cut for several workers, and BLAS may round a product of another shape differently: losses
+that differ from the reference's by a float's last bit come with tiles resent).
 Each point runs with the PS dealing one GEMM at a time (`--deferred 0`) and with weight gradients dealt
 beside the backward's other GEMMs (`deferred_gemms`, 8 by default), side by side.
 Writes benchmarks/results/step.json.
@@ -202,6 +204,9 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) 
         "max_rel_loss_diff": max(abs(m["loss"] - r) / abs(r) for m, r in zip(d["lines"], ref_losses, strict=True)),
         "verify_cpu_s_per_step": d["verify_cpu_s_per_step"], "verify_share_of_step": d["verify_cpu_s_per_step"] / d["step_s"],
         "verified_blocks": d["verified_blocks"],
+        # tiles sent again after a missed deadline (cut for several workers: other shapes, which BLAS may round
+        # differently from the reference's product) and copies of late tiles, over every step
+        "tiles_resent": sum(m["tiles_resent"] for m in d["lines"]), "tiles_copied": sum(m["tiles_copied"] for m in d["lines"]),
     }
 
 
@@ -214,7 +219,8 @@ def report(r: dict) -> str:
             f"{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with {r['bus_pairs']} pairs, GEMMs "
             f"{r['gemm_s_all_threads']:.3f}s at {r['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s) -> step/floor "
             f"{r['step_over_floor']:.2f}; losses equal to the reference: {r['losses_equal_reference']} "
-            f"(largest relative difference {r['max_rel_loss_diff']:.1e})"
+            f"(largest relative difference {r['max_rel_loss_diff']:.1e}; tiles resent {r['tiles_resent']}, "
+            f"copied {r['tiles_copied']})"
             f"\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
             f"worker idle {r['worker_idle_fraction']:.0%}"
             f"\n        Freivalds' check of every block: {r['verify_cpu_s_per_step']:.4f}s of PS CPU per step, "
