@@ -270,3 +270,22 @@ def test_verifiers_are_picked_unpredictably():
     picks = {v.pick(["a", "b", "c"]) for _ in range(200)}
     assert picks == {"a", "b", "c"}  # not the one with the fewest tiles, nor a seeded sequence
     assert 50 < sum(v.sample() for _ in range(200)) < 150
+
+
+async def test_a_uniform_grid_is_cut_for_the_plans_workers_not_for_those_answering_now():
+    """A GEMM without a planned layout is cut for every worker of the plan, suspect or not: a block of another
+    shape may round differently (benchmarks/blas_shapes.py), so one GEMM must get the same tiles whichever of
+    the plan's workers happen to be answering."""
+    wire = Wire()
+    d = Dispatcher(wire, "job", 1, PsSettings(window=1, tick_s=1e6))
+    workers = tuple(PlanWorker(worker_id=w, profile=PROFILE, cache_bytes=1 << 20) for w in "abcd")
+    await d.set_plan(Plan(version=1, created_at=0.0, workers=workers, tile_rows=64, tile_cols=64))
+    for w in "cd":
+        d.dealer.members[w].suspect = True
+    assert sorted(d.live()) == ["a", "b"]
+    gemm = asyncio.create_task(d.gemm(torch.randn(64, 8), torch.randn(64, 8), step=0, op=1, name="x"))
+    await wire.wait_for(2)
+    assert [(t.rows, t.cols) for t in d.dealer.deal().ledger.tiles] == [(32, 32)] * 4  # not two tiles of 32 x 64
+    gemm.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gemm

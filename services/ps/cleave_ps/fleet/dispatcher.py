@@ -212,11 +212,15 @@ class Dispatcher:
 
     def _tiling(self, m: int, n: int, k: int, b: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
         """The plan's blocks for this shape, cut as `tiles.cut_planned` says, and the planned makespan; else a
-        uniform grid (and 0: nothing predicted)."""
+        uniform grid for the plan's workers (and 0: nothing predicted). Either follows from the plan, not from
+        which of its workers have answered yet: a block's shape can change how BLAS rounds its sums
+        (`benchmarks/blas_shapes.py`), so the GEMMs of a plan have the same tiles whenever they are dealt (the
+        simulator deals them so too, `cleave.sim.plans`); only tiles sent again after a loss are cut smaller."""
         plan = self.plan
         layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
         if layout is None:
-            rows, cols = tiles.uniform_block(m, n, (plan.tile_rows, plan.tile_cols) if plan else None, len(self.live()))
+            rows, cols = tiles.uniform_block(m, n, (plan.tile_rows, plan.tile_cols) if plan else None,
+                                             len(self.dealer.members))
             return tiles.grid(m, n, rows, cols), None, 0.0
         boxes, owners = [], []
         members = self.dealer.members
