@@ -127,6 +127,19 @@ class Measured(Pretrain):
     def __init__(self, *args, **kw) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kw)
         self.verify_cpu: dict[int, float] = {}  # step -> Freivalds' CPU seconds up to its end
+        self.gemm_walls: list[tuple[int, float]] = []  # (step, seconds from a GEMM's dealing to its product)
+
+    async def build(self, epoch: int, plans) -> None:  # noqa: ANN001
+        await super().build(epoch, plans)
+        gemm = self.dispatcher.gemm
+
+        async def timed(a, bt, step: int, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            out = await gemm(a, bt, step, *args, **kw)
+            self.gemm_walls.append((step, time.perf_counter() - t0))
+            return out
+
+        self.dispatcher.gemm = timed
 
     async def commit(self, m) -> None:  # noqa: ANN001
         self.verify_cpu[m.step] = self.dispatcher.c.verify_cpu_s
@@ -141,6 +154,7 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
     })
     fleet.start()
     try:
+        fleet.wait_joined()  # the first step's plan has every worker: its tiles have the shapes of the later steps
         url, metrics = fleet.stack.nats_url, run_dir / "metrics.jsonl"
         bus = await busmod.connect(url, f"cleave-ps-{job.job_id}")
         await bus.setup()
@@ -178,6 +192,7 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
         "ps_cpu_per_step": {k: v / n for k, v in sampler.between(t0, t1).items()},
         "worker_idle_fraction": 1 - rec.busy_s(t0, t1) / (workers * (t1 - t0)),
         "tiles_per_step": statistics.median(m["tiles"] for m in body), "gemm_s_after": gemm_after,
+        "gemm_walls": [w for step, w in driver.gemm_walls if step >= WARMUP_STEPS],
     }
 
 
@@ -204,6 +219,8 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) 
         "max_rel_loss_diff": max(abs(m["loss"] - r) / abs(r) for m, r in zip(d["lines"], ref_losses, strict=True)),
         "verify_cpu_s_per_step": d["verify_cpu_s_per_step"], "verify_share_of_step": d["verify_cpu_s_per_step"] / d["step_s"],
         "verified_blocks": d["verified_blocks"],
+        "gemms_per_step": len(d["gemm_walls"]) / (steps - WARMUP_STEPS),
+        "gemm_wall_s": {q: statistics.quantiles(d["gemm_walls"], n=20)[i] for q, i in (("p5", 0), ("p50", 9), ("p95", 18))},
         # tiles sent again after a missed deadline (cut for several workers: other shapes, which BLAS may round
         # differently from the reference's product) and copies of late tiles, over every step
         "tiles_resent": sum(m["tiles_resent"] for m in d["lines"]), "tiles_copied": sum(m["tiles_copied"] for m in d["lines"]),
@@ -221,6 +238,9 @@ def report(r: dict) -> str:
             f"{r['step_over_floor']:.2f}; losses equal to the reference: {r['losses_equal_reference']} "
             f"(largest relative difference {r['max_rel_loss_diff']:.1e}; tiles resent {r['tiles_resent']}, "
             f"copied {r['tiles_copied']})"
+            f"\n        {r['gemms_per_step']:.0f} GEMMs a step, each {r['gemm_wall_s']['p5'] * 1e3:.1f}-"
+            f"{r['gemm_wall_s']['p95'] * 1e3:.1f} ms from dealing to product (5-95%; median "
+            f"{r['gemm_wall_s']['p50'] * 1e3:.1f} ms)"
             f"\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
             f"worker idle {r['worker_idle_fraction']:.0%}"
             f"\n        Freivalds' check of every block: {r['verify_cpu_s_per_step']:.4f}s of PS CPU per step, "
