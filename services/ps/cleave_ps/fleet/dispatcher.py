@@ -212,10 +212,8 @@ class Dispatcher:
 
     def _tiling(self, m: int, n: int, k: int, b: int) -> tuple[list[tiles.Tile], list[str | None] | None, float]:
         """The plan's blocks for this shape, cut as `tiles.cut_planned` says, and the planned makespan; else a
-        uniform grid for the plan's workers (and 0: nothing predicted). Either follows from the plan, not from
-        which of its workers have answered yet: a block's shape can change how BLAS rounds its sums
-        (`benchmarks/blas_shapes.py`), so the GEMMs of a plan have the same tiles whenever they are dealt (the
-        simulator deals them so too, `cleave.sim.plans`); only tiles sent again after a loss are cut smaller."""
+        uniform grid for the plan's workers, answering yet or not, as the simulator cuts it (and 0: nothing
+        predicted): BLAS may round a block of another shape differently (`benchmarks/blas_shapes.py`)."""
         plan = self.plan
         layout = next((g for g in plan.gemms if (g.m, g.n, g.k) == (m, n, k)), None) if plan else None
         if layout is None:
@@ -263,9 +261,8 @@ class Dispatcher:
     # ---- sending -------------------------------------------------------------------------------------
     async def post(self, instructions: Sequence[Instruction]) -> None:
         """Carry out what the dealer decided, in its order: what is not a send at once (`_note`), then the
-        tiles, encoded and published in order (those of a GEMM that is over are not sent). Encoding copies no
-        bytes of a contiguous host input (its blocks are views of it), so it runs here; an input it would copy
-        block by block is encoded in a worker thread where it is large (`_off_loop`)."""
+        tiles, encoded (here, or in a thread where that copies much: `frames.copied`) and published in order
+        (those of a GEMM that is over are not sent)."""
         sends = []
         for i in instructions:
             if isinstance(i, Send):
@@ -275,9 +272,7 @@ class Dispatcher:
         dealt = [(s, self.runs[s.seq]) for s in sends if s.seq in self.runs]  # (looked up here: a GEMM may end
         if not dealt:  # on the loop while the thread encodes)
             return
-        copied = sum(t.nbytes for run in {id(r): r for _, r in dealt}.values() for t in (run.a, run.bt)
-                     if t.device.type != "cpu" or not t.is_contiguous())
-        encoded = await self._off_loop(copied, lambda: self._frames(dealt))
+        encoded = await self._off_loop(frames.copied({id(r): r for _, r in dealt}.values()), lambda: self._frames(dealt))
         for worker, subject, frame, send, run in encoded:
             try:
                 sent = await self.bus.publish_pieces(subject, frame)
