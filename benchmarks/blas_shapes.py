@@ -32,7 +32,7 @@ def equal_blocks(k: int, threads: int) -> dict:
     return {"k": k, "threads": threads, "blocks": len(SIDES) ** 2, "equal": len(SIDES) ** 2 - len(differ),
             "equal_at_least_16": sum(1 for r in SIDES for c in SIDES if min(r, c) >= 16 and (r, c) not in differ),
             "blocks_at_least_16": sum(1 for r in SIDES for c in SIDES if min(r, c) >= 16),
-            "tile_256_equal": (256, 256) not in differ, "differ": differ}
+            "tile_256_equal": (256, 256) not in differ, "differ": " ".join(f"{r}x{c}" for r, c in differ)}
 
 
 def main() -> None:
