@@ -23,16 +23,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cleave import bus as busmod  # noqa: E402
+from cleave.runtime.memory import resident  # noqa: E402
 from cleave_ps.state.persist import Persister, snapshot  # noqa: E402
 from tests.conftest import NatsServer  # noqa: E402 - the tests' real nats-server on a free port
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 SIDE = 8192  # each parameter is SIDE x SIDE fp32 = 256 MiB
-
-
-def gb(key: str) -> float:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(key))
-    return int(line.split()[1]) / 1e6
 
 
 def reset_peak() -> None:
@@ -59,17 +55,17 @@ async def measure(url: str, n: int) -> dict:
         await writer.open()
         await writer.claim_epoch()
         reset_peak()
-        before, t0 = gb("VmRSS"), time.perf_counter()
+        before, t0 = resident()[1], time.perf_counter()
         head = await writer.commit(snapshot(m, opt, "bench", 0, writer.epoch), ())
-        commit_s, commit_extra = time.perf_counter() - t0, gb("VmHWM") - before
+        commit_s, commit_extra = time.perf_counter() - t0, (resident()[0] - before) / 1e9
         m2 = nn.ParameterList([nn.Parameter(torch.zeros(SIDE, SIDE)) for _ in range(n)])  # resident, as a built model
         opt2 = torch.optim.AdamW(m2.parameters(), foreach=False)
         reader = Persister(bus, "bench", "{}")
         await reader.open()
         reset_peak()
-        before, t0 = gb("VmRSS"), time.perf_counter()
+        before, t0 = resident()[1], time.perf_counter()
         await reader.load(m2, opt2)
-        load_s, load_extra = time.perf_counter() - t0, gb("VmHWM") - before
+        load_s, load_extra = time.perf_counter() - t0, (resident()[0] - before) / 1e9
         exact = all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
     finally:
         await bus.close()

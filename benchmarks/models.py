@@ -36,6 +36,7 @@ from pathlib import Path
 
 from cleave.api.fleet import LocalFleet
 from cleave.errors import CleaveError
+from cleave.runtime.memory import resident
 from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
@@ -48,7 +49,7 @@ JOBS = {  # the mission's batches, and the PS's memory budget on this 24 GB, 2-c
     "llama3-1b": dict(batch_size=4, seq_len=1024),
 }
 BUDGET_GB = {"gpt2-medium": 16.0, "llama3-1b": 22.0}
-KIB_GB = 1024 / 1e9  # /proc and rusage count KiB; GB here are 1e9 bytes, as the preflight counts
+KIB_GB = 1024 / 1e9  # rusage counts KiB; GB here are 1e9 bytes, as the preflight counts
 
 
 def free_gb() -> float:
@@ -62,7 +63,7 @@ class PeakWatch(threading.Thread):
 
     def __init__(self, fleet: LocalFleet) -> None:
         super().__init__(daemon=True)
-        self.fleet, self.peak_kb, self.stack_kb, self.low = fleet, {"ps": 0, "nats": 0}, 0, None
+        self.fleet, self.peak, self.stack, self.low = fleet, {"ps": 0, "nats": 0}, 0, None  # bytes
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -70,23 +71,13 @@ class PeakWatch(threading.Thread):
             now = 0
             for name, proc in list(self.fleet.stack.procs.items()):
                 if proc.popen is not None and proc.popen.poll() is None:  # (None: stopped)
-                    hwm, rss = _memory_kb(proc.popen.pid)
-                    self.peak_kb[name] = max(self.peak_kb.get(name, 0), hwm)
+                    hwm, rss = resident(proc.popen.pid)
+                    self.peak[name] = max(self.peak.get(name, 0), hwm)
                     now += rss
-            self.stack_kb = max(self.stack_kb, now)
+            self.stack = max(self.stack, now)
             if self.low is None and free_gb() < MIN_FREE_GB:
                 self.low = f"stopped: the machine's free memory fell to {free_gb():.1f} GB"
                 self.fleet.stack.kill("ps", restart=False)
-
-
-def _memory_kb(pid: int) -> tuple[int, int]:
-    """A process's VmHWM and VmRSS in KiB (0, 0 once it is gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0, 0
-    got = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmHWM:", "VmRSS:"))}
-    return got.get("VmHWM", 0), got.get("VmRSS", 0)
 
 
 def reference(job_file: Path, tmp: Path) -> tuple[list[dict], float]:
@@ -119,9 +110,9 @@ def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
         watch.done.set()
         fleet.stop()
     log = (tmp / "dist" / "logs" / "ps.log").read_text()
-    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak_kb["ps"] * KIB_GB, "nats_gb": watch.peak_kb["nats"] * KIB_GB,
-            "workers_gb": [watch.peak_kb[w] * KIB_GB for w in sorted(watch.peak_kb) if w.startswith("worker")],
-            "stack_gb": watch.stack_kb * KIB_GB,
+    return {"lines": lines, "stopped": stopped, "ps_gb": watch.peak["ps"] / 1e9, "nats_gb": watch.peak["nats"] / 1e9,
+            "workers_gb": [watch.peak[w] / 1e9 for w in sorted(watch.peak) if w.startswith("worker")],
+            "stack_gb": watch.stack / 1e9,
             "ps_restarts": len(re.findall(r"ps_resumed", log)),
             "peak_rss_at_step_end_mb": [float(x) for x in re.findall(r"step_done.*?peak_rss_mb=([0-9.]+)", log)]}
 

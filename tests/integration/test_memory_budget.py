@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from cleave import bus as busmod
 from cleave import codec
 from cleave.api.fleet import LocalFleet
 from cleave.gemm import tiles
+from cleave.runtime.memory import resident
 from cleave.schemas import SUBJECT_TILES, BlockRef, TileResult, TileTask
 from cleave_worker.core import tile_bytes
 from tests.integration.fleet import InProcessPS
@@ -107,14 +107,6 @@ async def test_a_refused_tile_is_computed_by_another_worker(tmp_path, nats_url):
         fleet.stop()
 
 
-def peak_rss(pid: int) -> int:
-    """The process's peak resident memory so far, in bytes (the kernel's VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 async def test_a_worker_holds_about_one_tile_of_memory(tmp_path, nats_url):
     """A worker's peak memory grows by at most twice a tile's working set (its blocks arrive, are decoded and
     multiplied, and its result is sent) however many such tiles it computes one after the other: nothing of a
@@ -155,11 +147,12 @@ async def test_a_worker_holds_about_one_tile_of_memory(tmp_path, nats_url):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.get(), 2.0)
                 break
-        idle = peak_rss(pid)
+        idle, _ = resident(pid)
+        assert idle > 0, "the worker is gone"
         for tile in range(1, 4):
             await bus.publish(subject, task("big", tile, a, bt, "test.memory.results"), compress=False)
             assert await asyncio.wait_for(done.get(), 60.0) > 1
-        grown = peak_rss(pid) - idle
+        grown = resident(pid)[0] - idle
         assert grown <= 2 * tile_bytes(a, bt), f"peak grew by {grown / 1e6:.0f} MB for tiles of {tile_bytes(a, bt) / 1e6:.0f} MB"
     finally:
         await sub.unsubscribe()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from pathlib import Path
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
 from cleave.errors import CleaveError
+from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
 from cleave.schemas import StepMetrics
 from cleave.train.job import JobConfig
@@ -43,7 +43,7 @@ def reference_steps(job: JobConfig, metrics_out: Path) -> Iterator[dict]:
         val = trainer.val_loss(step) if job.val_every and (step + 1) % job.val_every == 0 else None
         m = StepMetrics(job=job.job_id, step=step, loss=loss, step_time_s=time.perf_counter() - t0, workers=0,
                         tokens=job.batch_size * job.seq, lr=lr_at(job, step), val_loss=val,
-                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                        peak_rss_bytes=peak_rss_bytes())
         out.write(m)
         yield m.model_dump(exclude=EXCLUDED)
 

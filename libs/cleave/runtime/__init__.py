@@ -1,2 +1,2 @@
 """What every process needs around its work: its lifecycle (signals, exit), logging, fault injection for
-drills, the metrics file and the network lab of namespaces and shaped links."""
+drills, the metrics file, a process's resident memory and the network lab of namespaces and shaped links."""

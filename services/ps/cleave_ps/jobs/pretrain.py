@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import resource
 import statistics
 import time
 from collections import deque
@@ -20,6 +19,7 @@ from cleave.errors import (
 )
 from cleave.models import gemm_shapes
 from cleave.runtime.faults import Faults
+from cleave.runtime.memory import peak_rss_bytes
 from cleave.schemas import (
     COMPUTE_DTYPE_BYTES,
     PLAN_BUCKET,
@@ -93,11 +93,6 @@ def metrics_line(job: JobConfig, step: int, loss: float, dt: float, d: Dispatche
         gemm_s=c.gemm_s - before["gemm_s"], predicted_gemm_s=planned, verify_cpu_s=c.verify_cpu_s - before["verify_cpu_s"],
         predicted_step_s=None if planned is None or ps_own_s is None else planned + ps_own_s,
     )
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (the kernel's VmHWM)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def snapshot_counters(d: Dispatcher) -> dict:

@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import resource
 import time
 
 import structlog
@@ -43,6 +42,7 @@ from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
 from cleave.errors import CleaveError, Conflict, CorruptCheckpoint, Fenced, JobChanged, WireError
 from cleave.runtime.faults import Faults
+from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import (
     MAX_CONTROL_BYTES,
@@ -369,8 +369,8 @@ class Progress:
             return None
         need = sum(t.numel() * t.element_size() for t in snap.tensors.values())
         free = preflight.available_memory()
-        if self.memory_bytes:  # the PS's own budget, less what it holds now
-            free = min(free, self.memory_bytes - resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        if self.memory_bytes:  # the PS's own budget, less what it has held at its peak (a step's comes again)
+            free = min(free, self.memory_bytes - peak_rss_bytes())
         if need > STAGING_SHARE * free:
             if not self._told:
                 log.info("checkpoint_staging_skipped", job=self.job_id, need_gb=round(need / 1e9, 2),

@@ -1,0 +1,26 @@
+"""A process's resident memory as the kernel counts it: its peak so far and its size now."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (`ru_maxrss`: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def resident(pid: int | str = "self") -> tuple[int, int]:
+    """Process `pid`'s peak resident bytes so far and its resident bytes now (VmHWM, VmRSS of its
+    /proc/PID/status: Linux only; a peak reset through /proc/PID/clear_refs counts from the reset); (0, 0)
+    once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0, 0
+    kib = {key: int(rest.split()[0]) for key, _, rest in (line.partition(":") for line in status.splitlines())
+           if key in ("VmHWM", "VmRSS")}
+    return kib.get("VmHWM", 0) * 1024, kib.get("VmRSS", 0) * 1024
