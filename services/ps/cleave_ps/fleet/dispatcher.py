@@ -272,7 +272,7 @@ class Dispatcher:
         dealt = [(s, self.runs[s.seq]) for s in sends if s.seq in self.runs]  # (looked up here: a GEMM may end
         if not dealt:  # on the loop while the thread encodes)
             return
-        encoded = await self._off_loop(frames.copied({id(r): r for _, r in dealt}.values()), lambda: self._frames(dealt))
+        encoded = await self._off_loop(frames.copied({s.seq: r for s, r in dealt}.values()), lambda: self._frames(dealt))
         for worker, subject, frame, send, run in encoded:
             try:
                 sent = await self.bus.publish_pieces(subject, frame)
