@@ -20,11 +20,11 @@ async def test_a_gemm_returns_only_once_its_last_block_is_copied_in():
     await d.set_plan(Plan(version=1, created_at=0.0, workers=workers, tile_rows=4, tile_cols=4))
     a, bt = torch.randn(4, 8), torch.randn(8, 8)  # two 4x4 tiles
     truth = a @ bt.T
-    gate, copying, calls = asyncio.Event(), asyncio.Event(), []
+    gate, copying, answering, calls = asyncio.Event(), asyncio.Event(), asyncio.Event(), []
     real = Dispatcher._off_loop
 
     async def slow(nbytes, fn):  # noqa: ANN001, ANN202 - the last block's copy waits for the gate
-        if not nbytes:  # encoding tiles, which copies nothing of these contiguous inputs
+        if not answering.is_set():  # encoding the tiles
             return await real(nbytes, fn)
         calls.append(nbytes)
         if len(calls) == 4:  # (per result: the finiteness check, then the copy)
@@ -35,6 +35,7 @@ async def test_a_gemm_returns_only_once_its_last_block_is_copied_in():
     d._off_loop = slow
     gemm = asyncio.create_task(d.gemm(a, bt, step=0, op=1, name="x"))
     await wire.wait_for(2)
+    answering.set()
     blocks = {task.tile: d.dealer.deal().ledger.tiles[task.tile] for _, task in wire.tasks}
     answers = [asyncio.create_task(d.on_result(result(task, w, truth[blocks[task.tile].r0:blocks[task.tile].r1,
                                                                      blocks[task.tile].c0:blocks[task.tile].c1]), 0))
