@@ -261,8 +261,8 @@ class Dispatcher:
     # ---- sending -------------------------------------------------------------------------------------
     async def post(self, instructions: Sequence[Instruction]) -> None:
         """Carry out what the dealer decided, in its order: what is not a send at once (`_note`), then the
-        tiles, encoded (in a thread if one carries over OFF_LOOP_BYTES: 4 MiB tiles sent after the hop cost the PS a
-        third less kernel time, 200 KB ones are faster without) and published in order (not those of a GEMM over)."""
+        tiles, encoded (in a thread if one carries over OFF_LOOP_BYTES: 4 MiB tiles sent after the hop cost the PS
+        less CPU in ps_rate.py, 200 KB ones are faster without) and published in order (not those of a GEMM over)."""
         sends = []
         for i in instructions:
             if isinstance(i, Send):
