@@ -261,8 +261,8 @@ class Dispatcher:
     # ---- sending -------------------------------------------------------------------------------------
     async def post(self, instructions: Sequence[Instruction]) -> None:
         """Carry out what the dealer decided, in its order: what is not a send at once (`_note`), then the
-        tiles, encoded (in a thread if one carries over OFF_LOOP_BYTES: 4 MiB tiles sent after the hop cost the PS
-        less CPU in ps_rate.py, 200 KB ones are faster without) and published in order (not those of a GEMM over)."""
+        tiles, encoded (in a thread where that copies over OFF_LOOP_BYTES or a tile carries more: 4 MiB tiles sent
+        after the hop cost the PS less CPU in ps_rate.py, 200 KB ones are faster without) and published in order."""
         sends = []
         for i in instructions:
             if isinstance(i, Send):
@@ -272,7 +272,8 @@ class Dispatcher:
         dealt = [(s, self.runs[s.seq]) for s in sends if s.seq in self.runs]  # (looked up here: a GEMM may end
         if not dealt:  # on the loop while the thread encodes)
             return
-        encoded = await self._off_loop(max(s.nbytes + s.pushed for s, _ in dealt), lambda: self._frames(dealt))
+        work = max(frames.copied({s.seq: r for s, r in dealt}.values()), *(s.nbytes + s.pushed for s, _ in dealt))
+        encoded = await self._off_loop(work, lambda: self._frames(dealt))
         for worker, subject, frame, send, run in encoded:
             try:
                 sent = await self.bus.publish_pieces(subject, frame)

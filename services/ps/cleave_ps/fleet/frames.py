@@ -10,6 +10,7 @@ read as its bits (int16), and its finiteness from its exponent bits.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -39,6 +40,12 @@ def encode(job: str, epoch: int, run: GemmRun, s: Send, reply: str) -> list[tupl
     )
     out.append((s.worker, SUBJECT_TILES.format(worker_id=s.worker), codec.encode_pieces(task), s))
     return out
+
+
+def copied(runs: Iterable[GemmRun]) -> int:
+    """The bytes `encode` copies for these GEMM runs' blocks: none of a contiguous host input (its blocks are
+    views of it), all of another."""
+    return sum(t.nbytes for run in runs for t in (run.a, run.bt) if t.device.type != "cpu" or not t.is_contiguous())
 
 
 def ref(run: GemmRun, blk: BlockSend, src: torch.Tensor, data: bool = False) -> BlockRef:
