@@ -119,9 +119,9 @@ def distributed(job: JobConfig, tmp: Path, budget: preflight.Memory) -> dict:
 
 def one(name: str, steps: int) -> dict:
     budget = preflight.Memory(int(BUDGET_GB[name] * 1e9))
-    deferred = PsSettings().deferred_gemms  # the most the PS started below defers (CLEAVE_PS_DEFERRED_GEMMS)
+    ps = PsSettings()  # the PS started below: the most it defers (CLEAVE_PS_DEFERRED_GEMMS), the outputs it keeps
     job, est = preflight.resolve(JobConfig(job_id=f"bench-{name}", preset=name, steps=steps, **JOBS[name]), budget,
-                                 WORKERS, deferred=deferred)
+                                 WORKERS, deferred=ps.deferred_gemms, pool=ps.product_pool_bytes)
     row = {"model": name, "batch_size": job.batch_size, "seq_len": job.seq, "steps": steps, "workers": WORKERS,
            "budget_gb": BUDGET_GB[name], "deferred_gemms": est.deferred[0], "recompute": job.recompute, "micro_batches": job.micro_batches,
            "head_chunks": est.layout.head_chunks, "estimate_gb": round(est.total / 1e9, 2),

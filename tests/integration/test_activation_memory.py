@@ -1,6 +1,7 @@
 """The PS's activation memory on a real fleet: recomputed blocks, micro-batches and the head in chunks of
 tokens train exactly as their same-option reference, also with a worker killed mid-step; and the PS's
-preflight turns recomputation on when, and only when, the job would not fit its memory without it."""
+preflight turns recomputation on when, and only when, the job would not fit its memory without it; outputs
+in memory the PS reuses change nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
+from cleave_ps.fleet.products import Products
 from tests.integration.fleet import InProcessPS, start_fleet
 
 # tiny's 256-token vocabulary: 8 x 64 tokens in 2 micro-batches of 256, each head in 4 chunks of 64 tokens
@@ -42,6 +44,24 @@ async def test_recompute_micro_batches_and_a_chunked_head_equal_their_reference(
                     got.append(await ps.step(lambda s=s: dist.step(s), s))
             assert got == want
             assert ps.dispatcher.c.resent > 0 and ps.dispatcher.c.concurrent >= 2
+    finally:
+        fleet.stop()
+
+
+async def test_outputs_in_reused_memory_train_bit_for_bit_as_the_reference(tmp_path, nats_url):
+    """Every GEMM output taken from the PS's pool (`cleave_ps.fleet.products`, here for outputs of any size):
+    recomputed blocks, micro-batches and autograd's saved outputs never see a buffer handed out twice."""
+    job = JobConfig(steps=3, **OPTIONS)
+    ref = Trainer(job)
+    want = [ref.step(s) for s in range(job.steps)]
+    fleet = start_fleet(tmp_path, nats_url, workers=2)
+    try:
+        async with InProcessPS(nats_url) as ps:
+            pool = ps.dispatcher.products = Products(cap=64 << 20, smallest=0)
+            await ps.wait_workers(2)
+            dist = Trainer(job, ps.backend)
+            assert [await ps.step(lambda s=s: dist.step(s), s) for s in range(job.steps)] == want
+            assert pool.reused > pool.fresh > 0
     finally:
         fleet.stop()
 

@@ -73,6 +73,14 @@ def test_recompute_is_turned_on_only_when_the_job_does_not_fit_without_it() -> N
     assert roomy.recompute is False and est == plain
     tight, est = preflight.resolve(job, preflight.Memory(plain.total - 1), workers=2)
     assert tight.recompute is True and est == again
+    pool = 256 << 20  # the PS's freed outputs take only the room the job leaves, and change no decision
+    roomy, est = preflight.resolve(job, preflight.Memory(plain.total + pool), workers=2, pool=pool)
+    assert roomy.recompute is False and est == dataclasses.replace(plain, pool=pool)
+    snug, est = preflight.resolve(job, preflight.Memory(plain.total + 1000), workers=2, pool=pool)
+    assert snug.recompute is False and est == dataclasses.replace(plain, pool=1000)
+    tight, est = preflight.resolve(job, preflight.Memory(plain.total - 1), workers=2, pool=pool)
+    assert tight.recompute is True and est.total <= plain.total - 1 and est == dataclasses.replace(again, pool=est.pool)
+    assert preflight.estimate(JobConfig(preset="tiny", batch_size=1), workers=2, pool=pool).pool == 0  # outputs < 1 MiB
     mine, _ = preflight.resolve(job.model_copy(update={"recompute": False}), preflight.Memory(1), workers=2)
     assert mine.recompute is False  # what the job says is kept (and refused by check if it cannot fit)
     with pytest.raises(ConfigError, match="set recompute=true"):

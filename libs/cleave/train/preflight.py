@@ -11,13 +11,14 @@ and at the peak of a step one of:
   weight-gradient GEMMs deferred beside it: `deferred_gemms`);
 - the end of the backward: every gradient (the embedding's added in place: `cleave.models.embed`) and the
   bus buffers;
-plus the streamed checkpoint's few in-flight chunks and the Python/torch runtime. A job whose estimate
-exceeds the memory the PS may use is refused at once, with the numbers and the knob to turn, instead of
-being killed by the OOM killer later; `recompute` left undecided (None) is turned on when, and only when,
-the job does not fit without it, and then the PS defers fewer weight gradients (`deferred_gemms` is its
-most) when, and only as far as, the job does not fit with all of them (`resolve`). Where the PS trains on a GPU, the model's part is checked
-against the GPU's free memory (`torch.cuda.mem_get_info`) and the rest against the host's. `cleave train
---dry-run` prints the estimate.
+plus the streamed checkpoint's few in-flight chunks, the freed GEMM outputs the PS keeps to reuse (at most
+`product_pool_bytes`, where its outputs are large enough, and only in memory the job leaves:
+`cleave_ps.fleet.products`) and the Python/torch runtime. A job whose estimate exceeds the memory the PS may use is refused at once, with the numbers and the
+knob to turn, instead of being killed by the OOM killer later; `recompute` left undecided (None) is turned on
+when, and only when, the job does not fit without it, and then the PS defers fewer weight gradients
+(`deferred_gemms` is its most) when, and only as far as, the job does not fit with all of them (`resolve`).
+Where the PS trains on a GPU, the model's part is checked against the GPU's free memory
+(`torch.cuda.mem_get_info`) and the rest against the host's. `cleave train --dry-run` prints the estimate.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from cleave.models import GemmShape, StepLayout, build_model, gemm_shapes
 from cleave.models.gemms import HEAD
 from cleave.plan.costmodel import tile_memory_bytes
 from cleave.plan.planner import _even_blocks  # the even split the planner falls back to
+from cleave.runtime.memory import MAPPED_BYTES
 from cleave.train import precision
 from cleave.train.job import JobConfig
 from cleave.train.trainer import resolve_device
@@ -79,6 +81,7 @@ class Estimate:
     largest_tile: tuple[str, int, int, int, int]  # GEMM kind, rows, cols, K, bytes (an even split)
     smallest_tile: int  # bytes of the thinnest tile the dealer cuts (MIN_BLOCK x MIN_BLOCK) of the largest K
     dw_buffers: tuple[int, ...] = ()  # the bus buffers of each weight gradient that may be deferred, largest first
+    pool: int = 0  # freed GEMM outputs kept to reuse, at most
 
     def deferring(self, count: int) -> Estimate:
         """The same job with `count` weight gradients deferred beside the backward (the largest ones)."""
@@ -104,13 +107,14 @@ class Estimate:
 
     @property
     def host_bytes(self) -> int:
-        """At most in host memory whatever the device: the bus buffers, checkpoint chunks, runtime."""
-        return self.checkpoint + self.runtime + max(h for _, h in self.phases.values())
+        """At most in host memory whatever the device: the bus buffers, checkpoint chunks, pool, runtime."""
+        return self.checkpoint + self.pool + self.runtime + max(h for _, h in self.phases.values())
 
     @property
     def total(self) -> int:
         """The peak of a PS that trains on the CPU."""
-        return self.weights + self.optimizer + self.checkpoint + self.runtime + sum(self.phases[self.peak_phase])
+        return (self.weights + self.optimizer + self.checkpoint + self.pool + self.runtime
+                + sum(self.phases[self.peak_phase]))
 
     def lines(self) -> list[str]:
         name, rows, cols, k, tile = self.largest_tile
@@ -128,6 +132,7 @@ class Estimate:
             f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output, and "
             f"{self.deferred[0]} deferred dW's)",
             f"checkpoint   {self.checkpoint / GB:10.2f} GB  (streamed: chunks in flight)",
+            f"free outputs {self.pool / GB:10.2f} GB  (GEMM outputs kept to reuse: product_pool_bytes)",
             f"runtime      {self.runtime / GB:10.2f} GB  (Python, torch)",
             f"PS peak      {self.total / GB:10.2f} GB  (at {self.peak_phase})",
             f"worker tile  {tile / GB:10.3f} GB  ({name}: {rows} x {cols}, K={k}, split evenly)",
@@ -208,7 +213,9 @@ def head_bytes(job: JobConfig, layout: StepLayout, tokens: int, wire_bytes: int)
 
 
 def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = DEFAULT_DEFERRED,
-             replicas: int = 1) -> Estimate:
+             replicas: int = 1, pool: int = 0) -> Estimate:
+    """The PS's memory for `job`; `pool`: the PS's product_pool_bytes (counted where an output reaches the
+    pool's smallest size)."""
     cfg = job.arch()
     layout = job.layout(replicas)
     meta = build_model(cfg, device="meta")
@@ -230,7 +237,8 @@ def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = 
                     head=head_bytes(job, layout, tokens, tile_bytes), bus=bus,
                     deferred=(deferred, sum(dws[:deferred])), checkpoint=CHECKPOINT_BUFFER_BYTES,
                     runtime=RUNTIME_BYTES, layout=layout, largest_tile=largest,
-                    smallest_tile=thin, dw_buffers=tuple(dws))
+                    smallest_tile=thin, dw_buffers=tuple(dws),
+                    pool=pool if max(g.m * g.n * 4 for g in shapes) >= MAPPED_BYTES else 0)
 
 
 def _largest_block(g: GemmShape, workers: int, b: int) -> tuple[str, int, int, int, int]:
@@ -284,6 +292,8 @@ def ps_memory(job: JobConfig, memory_bytes: int = 0) -> Memory:
 
 
 def fits(est: Estimate, memory: Memory) -> bool:
+    """Whether the job fits, the freed outputs aside (they get only the room it leaves: `spare_pool`)."""
+    est = replace(est, pool=0)
     if memory.gpu is None:
         return est.total <= memory.host
     return est.model_bytes <= memory.gpu and est.host_bytes <= memory.host
@@ -292,14 +302,22 @@ def fits(est: Estimate, memory: Memory) -> bool:
 def resolve(job: JobConfig, memory: Memory, workers: int, **kw: object) -> tuple[JobConfig, Estimate]:
     """`job` with `recompute` decided (when left None: on only if the job does not fit without it) and its
     estimate; when it still does not fit, with fewer of the PS's weight gradients deferred than `deferred`: the
-    most that fit (the estimate's `deferred` says how many; the PS deals that many)."""
+    most that fit (the estimate's `deferred` says how many; the PS deals that many); its freed outputs in the
+    room left (`spare_pool`: the PS keeps that many bytes)."""
     if job.recompute is None:
         plain = job.model_copy(update={"recompute": False})
         est = estimate(plain, workers, **kw)
         if fits(est, memory):
-            return plain, est
+            return plain, spare_pool(est, memory)
         job = job.model_copy(update={"recompute": True})
-    return job, fewer_deferred(estimate(job, workers, **kw), memory)
+    return job, spare_pool(fewer_deferred(estimate(job, workers, **kw), memory), memory)
+
+
+def spare_pool(est: Estimate, memory: Memory) -> Estimate:
+    """`est` with the PS's freed outputs kept to reuse cut to the host memory the job leaves (none where it
+    does not fit): they speed the PS up, and so never cost a job its fit, recomputation or deferred GEMMs."""
+    room = memory.host - (est.total if memory.gpu is None else est.host_bytes) + est.pool
+    return replace(est, pool=max(0, min(est.pool, room)))
 
 
 def fewer_deferred(est: Estimate, memory: Memory) -> Estimate:
@@ -341,8 +359,8 @@ def check(job: JobConfig, est: Estimate, memory: Memory | int,
         raise ConfigError(
             f"job {job.job_id!r} needs about {need / GB:.2f} GB on {where} (weights {est.weights / GB:.2f}, "
             f"gradients {est.grads / GB:.2f}, AdamW {est.optimizer / GB:.2f}, activations "
-            f"{est.activations / GB:.2f}, head {est.head / GB:.2f}, bus {est.bus / GB:.2f}, runtime "
-            f"{est.runtime / GB:.2f}; peak at {est.peak_phase}) but {room / GB:.2f} GB are available; to fit, "
+            f"{est.activations / GB:.2f}, head {est.head / GB:.2f}, bus {est.bus / GB:.2f}, free outputs "
+            f"{est.pool / GB:.2f}, runtime {est.runtime / GB:.2f}; peak at {est.peak_phase}) but {room / GB:.2f} GB are available; to fit, "
             + "; or ".join(_knobs(job, est, room)))
     budgets = worker_memory if isinstance(worker_memory, list) else [worker_memory]
     if budgets and est.smallest_tile > max(budgets):

@@ -40,7 +40,8 @@ def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = N
         return job
     ps = PsSettings()
     memory = preflight.ps_memory(job, ps.memory_bytes)
-    job, est = preflight.resolve(job, memory, workers, deferred=ps.deferred_gemms, replicas=replicas)
+    job, est = preflight.resolve(job, memory, workers, deferred=ps.deferred_gemms, replicas=replicas,
+                                 pool=ps.product_pool_bytes)
     budgets = registry_budgets(nats, auth) if nats else [WorkerSettings().memory_bytes]
     if dry_run:
         lay = est.layout

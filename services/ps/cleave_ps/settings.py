@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from cleave.gemm.dealer.model import DEFAULT_COPY_SHARE
 from cleave.gemm.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
 from cleave.runtime.config_file import FileSettings
+from cleave.runtime.memory import DEFAULT_PRODUCT_POOL_BYTES
 
 
 class PsSettings(FileSettings):
@@ -38,6 +39,8 @@ class PsSettings(FileSettings):
     max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
     max_pending_bytes: int = Field(256 * 1024 * 1024, gt=0)  # results queued unread; a flood past it is dropped
     memory_bytes: int = Field(0, ge=0)  # what the PS may use (preflight); 0: the machine's available memory
+    product_pool_bytes: int = Field(DEFAULT_PRODUCT_POOL_BYTES, ge=0)  # freed GEMM outputs of 1 MiB or more kept
+    # resident for outputs of their shape (cleave_ps.fleet.products: no fresh pages to zero); the preflight counts them
     state_max_bytes: int = Field(0, ge=0)  # the checkpoint store's size limit where the PS creates it; 0: JetStream's
     persist_every: int = Field(0, ge=0)  # commit the state every k steps; 0: when it costs <= 5% of training time
     checkpoint_staging: Literal["off", "auto"] = "off"  # auto: stream a host copy while training goes on, when

@@ -47,6 +47,7 @@ from cleave.train import precision
 from cleave_ps.fleet import frames, freivalds, joins, linkcheck, prefault
 from cleave_ps.fleet.examine import examine, prepare
 from cleave_ps.fleet.observe import Throughput
+from cleave_ps.fleet.products import Products
 from cleave_ps.fleet.runs import Check, Counters, GemmRun, recovery_event
 from cleave_ps.fleet.verify import CrossChecks
 from cleave_ps.settings import PsSettings
@@ -54,8 +55,7 @@ from cleave_ps.settings import PsSettings
 log = structlog.get_logger("ps")
 DEFAULT_WAIT_LOG_S = 5.0
 OFF_LOOP_BYTES = 1 << 20  # byte work on more than this runs in a worker thread
-RESULT_ENVELOPE = 64 * 1024  # a result's bytes besides its block (ids, an error text): its size limit is this
-# plus the largest block a tile of this epoch had
+RESULT_ENVELOPE = 64 * 1024  # a result's bytes besides its block (ids, an error text); its limit: + the largest block
 
 
 def policy_of(s: PsSettings) -> Policy:
@@ -80,8 +80,8 @@ class Dispatcher:
         self.checks = CrossChecks(self, s.verify_fraction)  # the optional cross-worker check
         self.throughput = Throughput(self.clock())  # what each worker delivers, reported to the scheduler
         self.block_cap = 0  # bytes of the largest result block any tile of this epoch can have
-        # the approximate mode: input blocks travel in half precision (results stay float32)
-        self.tile_dtype = precision.DTYPES[s.tile_dtype]
+        self.tile_dtype = precision.DTYPES[s.tile_dtype]  # the approximate mode: inputs travel in half precision
+        self.products = Products(s.product_pool_bytes)  # the outputs' memory, reused
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
         self._tasks: set[asyncio.Task] = set()
         bus.on_dropped.append(self._dropped)
@@ -158,10 +158,10 @@ class Dispatcher:
         # the approximate mode's tiles come back in float32 (accumulated over the whole K); a bf16/fp16 job's
         # in its precision, each block rounded once by its worker as the product would be here
         rounded = "" if cast is not None or want == torch.float32 else codec.dtype_name(want)
-        run = self.runs[seq] = GemmRun(seq, step, op, name, a, bt, torch.empty(m, n, dtype=want if rounded else
-                                       torch.float32, pin_memory=pin), expected_s=expected_s, rounded=rounded,
+        out, fresh = self.products.take(m, n, want if rounded else torch.float32, pin)
+        run = self.runs[seq] = GemmRun(seq, step, op, name, a, bt, out, expected_s=expected_s, rounded=rounded,
                                        strips=tuple(sorted({(t.c0, t.c1) for t in grid})) if self.s.freivalds else ())
-        if prefault.wanted(run.out):  # its pages present before its blocks arrive, off the loop
+        if fresh and prefault.wanted(out):  # its pages present before its blocks arrive, off the loop
             self.track(asyncio.to_thread(prefault.prefault, run.out))
         self.c.concurrent = max(self.c.concurrent, len(self.runs))
         itemsize = run.out.element_size()

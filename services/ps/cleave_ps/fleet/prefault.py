@@ -1,14 +1,14 @@
 """A GEMM's output made present in memory before its blocks arrive.
 
 A fresh output of a MiB or more is memory the PS has just mapped (glibc maps such allocations on their own,
-`cleave_ps.jobs.pretrain.return_freed_memory`), and each of its pages faults on the first write of a block into
-it: on the event loop's copy, one trap per 4 KiB page. Linux (5.14 and later) populates a whole range in one
-system call, `madvise(MADV_POPULATE_WRITE)`, which the PS makes in a thread as the GEMM starts, while its
-tiles are still out at the workers, after asking for the range in transparent huge pages
-(`madvise(MADV_HUGEPAGE)`: 2 MiB pages, 512 times fewer to map and zero one by one, where the kernel has them;
-else in 4 KiB pages). The figures for a 64 MiB output filled by 4 MiB blocks are in docs/evaluation.md
-("The PS's byte rate", `benchmarks/prefault.py`). The calls leave the memory's contents as they are;
-elsewhere (another OS, an older kernel) they are skipped.
+`cleave.runtime.memory.MAPPED_BYTES`; a freed output's memory is reused where it can be, `products`), and each
+of its pages faults on the first write of a block into it: on the event loop's copy, one trap per 4 KiB page.
+Linux (5.14 and later) populates a whole range in one system call, `madvise(MADV_POPULATE_WRITE)`, which the PS
+makes in a thread as the GEMM starts, while its tiles are still out at the workers, after asking for the range
+in transparent huge pages (`madvise(MADV_HUGEPAGE)`: 2 MiB pages, 512 times fewer to map and zero one by one,
+where the kernel has them; else in 4 KiB pages). The figures for a 64 MiB output filled by 4 MiB blocks are in
+docs/evaluation.md ("The PS's byte rate", `benchmarks/prefault.py`). The calls leave the memory's contents as
+they are; elsewhere (another OS, an older kernel) they are skipped.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import mmap
 
 import torch
 
+from cleave.runtime.memory import MAPPED_BYTES
+
 MADV_HUGEPAGE = 14  # linux/mman.h: this range in transparent huge pages where the kernel allows them
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+)
-MIN_BYTES = 1 << 20  # smaller outputs come from the heap, mostly present already
+MIN_BYTES = MAPPED_BYTES  # smaller outputs come from the heap, mostly present already
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from cleave.errors import (
 )
 from cleave.models import gemm_shapes
 from cleave.runtime.faults import Faults
-from cleave.runtime.memory import peak_rss_bytes
+from cleave.runtime.memory import MAPPED_BYTES, peak_rss_bytes
 from cleave.schemas import (
     COMPUTE_DTYPE_BYTES,
     PLAN_BUCKET,
@@ -42,6 +42,7 @@ from cleave.train.trainer import Trainer
 from cleave_ps.fleet.bridge import FleetGemm
 from cleave_ps.fleet.dispatcher import Dispatcher
 from cleave_ps.fleet.plans import PlanWatch
+from cleave_ps.fleet.products import Products
 from cleave_ps.jobs.lifecycle import Listen
 from cleave_ps.jobs.replicas import ReplicaGroup, fingerprint
 from cleave_ps.settings import PsSettings
@@ -50,7 +51,6 @@ from cleave_ps.state.persist import Progress
 log = structlog.get_logger("ps")
 OWN_TIME_WINDOW = 5  # steps over which the PS's own time per step is taken (median)
 MAX_BUDGETS_READ = 10_000  # registry entries the preflight reads for the workers' memory budgets
-MMAP_THRESHOLD_BYTES = 1 << 20  # glibc: every allocation from 1 MiB up mapped on its own, unmapped when freed
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
@@ -59,7 +59,7 @@ def return_freed_memory() -> None:
     the PS's many short-lived tensors of a few MB (input blocks, encoded frames, products) stayed in its heap
     when freed: gpt2-medium at 2 x 1024 held 1.2 GB more than it used at its peak. Elsewhere: nothing."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MAPPED_BYTES)
     except (OSError, AttributeError):  # not glibc
         log.info("malloc_threshold_unset")
 
@@ -171,9 +171,11 @@ class Pretrain:
                               f"with precision={self.job.precision} the tiles already travel in 2 bytes: unset it")
         memory = preflight.ps_memory(self.job, self.s.memory_bytes)
         self.job, est = preflight.resolve(self.job, memory, workers=max(1, len(budgets or ())), tile_bytes=self.wire_bytes,
-                                          deferred=self.s.deferred_gemms, replicas=self.s.replicas)
+                                          deferred=self.s.deferred_gemms, replicas=self.s.replicas,
+                                          pool=self.s.product_pool_bytes)
         budgets = budgets or []
         preflight.check(self.job, est, memory, budgets or preflight.DEFAULT_WORKER_MEMORY)
+        self.dispatcher.products = Products(est.pool)  # (the pool of freed outputs in the memory the job leaves)
         if est.deferred[0] < self.s.deferred_gemms:  # the job fits only with fewer weight gradients deferred
             log.warning("deferred_gemms_lowered", job=self.job.job_id, deferred_gemms=est.deferred[0],
                         setting=self.s.deferred_gemms, ps_peak_gb=round(est.total / 1e9, 2))
@@ -181,7 +183,8 @@ class Pretrain:
         log.info("preflight_passed", job=self.job.job_id, ps_peak_gb=round(est.total / 1e9, 2),
                  available_gb=round(memory.host / 1e9, 2), gpu_free_gb=memory.gpu and round(memory.gpu / 1e9, 2),
                  recompute=self.job.recompute, micro_batches=self.job.micro_batches, deferred_gemms=est.deferred[0],
-                 head_chunks=est.layout.head_chunks, workers_declared=len(budgets))
+                 head_chunks=est.layout.head_chunks, workers_declared=len(budgets),
+                 free_outputs_gb=round(est.pool / 1e9, 2))
 
     @property
     def wire_bytes(self) -> int:
