@@ -88,6 +88,7 @@ def test_the_ps_recomputes_when_the_batch_would_not_fit_and_equals_the_reference
     assert all(m["peak_rss_bytes"] > 0 for m in lines)
     log = (tmp_path / "run" / "logs" / "ps.log").read_text()
     assert "recompute=True" in log and "head_chunks=4" in log and "micro_batches=2" in log, log[-2000:]
+    assert "free_outputs_gb=0.0" in log, log[-2000:]  # a tiny job's outputs stay under the pool's 1 MiB
     assert json.loads((tmp_path / "run" / "job.json").read_text())["recompute"] is True  # decided before the PS
 
 

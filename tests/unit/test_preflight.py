@@ -47,6 +47,7 @@ def test_train_dry_run_prints_the_estimate_and_refuses_what_cannot_fit(tmp_path)
     ok = dry(5 * 10**8)  # fits once fewer weight gradients are deferred beside the backward than 8
     assert ok.returncode == 0 and "PS peak" in ok.stdout and "activations" in ok.stdout and "fits" in ok.stdout
     assert re.search(r"and [0-7] deferred dW's", ok.stdout), ok.stdout
+    assert re.search(r"free outputs +0\.\d\d GB", ok.stdout), ok.stdout  # what the job leaves of 0.27 GB
     refused = dry(4 * 10**8)
     assert refused.returncode == 2 and "lower batch_size (now 64)" in refused.stderr, refused.stderr
 

@@ -132,7 +132,7 @@ class Estimate:
             f"bus buffers  {self.bus / GB:10.2f} GB  (the largest GEMM's inputs and output, and "
             f"{self.deferred[0]} deferred dW's)",
             f"checkpoint   {self.checkpoint / GB:10.2f} GB  (streamed: chunks in flight)",
-            f"free outputs {self.pool / GB:10.2f} GB  (GEMM outputs kept to reuse: product_pool_bytes)",
+            f"free outputs {self.pool / GB:10.2f} GB  (freed GEMM outputs kept to reuse, in the room left: product_pool_bytes)",
             f"runtime      {self.runtime / GB:10.2f} GB  (Python, torch)",
             f"PS peak      {self.total / GB:10.2f} GB  (at {self.peak_phase})",
             f"worker tile  {tile / GB:10.3f} GB  ({name}: {rows} x {cols}, K={k}, split evenly)",
