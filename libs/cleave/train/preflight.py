@@ -13,12 +13,13 @@ and at the peak of a step one of:
   bus buffers;
 plus the streamed checkpoint's few in-flight chunks, the freed GEMM outputs the PS keeps to reuse (at most
 `product_pool_bytes`, where its outputs are large enough, and only in memory the job leaves:
-`cleave_ps.fleet.products`) and the Python/torch runtime. A job whose estimate exceeds the memory the PS may use is refused at once, with the numbers and the
-knob to turn, instead of being killed by the OOM killer later; `recompute` left undecided (None) is turned on
-when, and only when, the job does not fit without it, and then the PS defers fewer weight gradients
-(`deferred_gemms` is its most) when, and only as far as, the job does not fit with all of them (`resolve`).
-Where the PS trains on a GPU, the model's part is checked against the GPU's free memory
-(`torch.cuda.mem_get_info`) and the rest against the host's. `cleave train --dry-run` prints the estimate.
+`cleave_ps.fleet.products`) and the Python/torch runtime. A job whose estimate exceeds the memory the PS may use
+is refused at once, with the numbers and the knob to turn, instead of being killed by the OOM killer later;
+`recompute` left undecided (None) is turned on when, and only when, the job does not fit without it, and then
+the PS defers fewer weight gradients (`deferred_gemms` is its most) when, and only as far as, the job does not
+fit with all of them (`resolve`). Where the PS trains on a GPU, the model's part is checked against the GPU's
+free memory (`torch.cuda.mem_get_info`) and the rest against the host's. `cleave train --dry-run` prints the
+estimate.
 """
 
 from __future__ import annotations
