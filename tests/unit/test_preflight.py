@@ -141,6 +141,9 @@ def test_a_job_held_over_by_its_deferred_gradients_is_told_to_defer_fewer() -> N
     job = JobConfig(preset="small", batch_size=64)
     eight, none = (preflight.estimate(job, workers=2, deferred=d) for d in (8, 0))
     assert eight.deferred[0] == 8 and eight.bus - none.bus == eight.deferred[1] > 0 and none.deferred == (0, 0)
+    fwd, start = eight.phases["the end of a forward"], eight.phases["the start of the backward"]
+    assert fwd == none.phases["the end of a forward"]  # only a backward defers weight gradients
+    assert start == (eight.head_grad + eight.activations, eight.bus) and eight.peak_phase != "the end of a forward"
     room = none.total + (eight.total - none.total) // 2  # fits only with fewer deferred
     with pytest.raises(ConfigError, match="lower the PS's deferred_gemms .CLEAVE_PS_DEFERRED_GEMMS, now 8"):
         preflight.check(job, eight, room)

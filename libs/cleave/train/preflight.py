@@ -7,10 +7,13 @@ and at the peak of a step one of:
   the PS's own model, linear layers and precision on fake tensors, which allocate nothing: with
   `recompute`, each block's input and one block's saved tensors, as its recomputation holds them), the
   head's chunk of logits and its weight gradient (`cleave.gemm.head`), the gradients of the micro-batches
-  before it, and the largest GEMM's inputs and output as they travel (the bus buffers, with those of the
-  weight-gradient GEMMs deferred beside it: `deferred_gemms`);
+  before it, and the largest GEMM's inputs and output as they travel (the bus buffers);
+- the start of the backward: those activations, the head's weight gradient (or every gradient, after the
+  first micro-batch) and the bus buffers with those of the weight-gradient GEMMs deferred beside the backward
+  (`deferred_gemms`: only a backward defers them);
 - the end of the backward: every gradient (the embedding's added in place: `cleave.models.embed`) and the
-  bus buffers;
+  bus buffers (in between, activations fall and gradients grow block by block, so one of the two ends holds
+  the most);
 plus the streamed checkpoint's few in-flight chunks, the freed GEMM outputs the PS keeps to reuse (at most
 `product_pool_bytes`, where its outputs are large enough, and only in memory the job leaves:
 `cleave_ps.fleet.products`) and the Python/torch runtime. A job whose estimate exceeds the memory the PS may use
@@ -83,6 +86,7 @@ class Estimate:
     smallest_tile: int  # bytes of the thinnest tile the dealer cuts (MIN_BLOCK x MIN_BLOCK) of the largest K
     dw_buffers: tuple[int, ...] = ()  # the bus buffers of each weight gradient that may be deferred, largest first
     pool: int = 0  # freed GEMM outputs kept to reuse, at most
+    head_grad: int = 0  # the head's weight gradient (its running sum over the chunks), float32
 
     def deferring(self, count: int) -> Estimate:
         """The same job with `count` weight gradients deferred beside the backward (the largest ones)."""
@@ -94,7 +98,12 @@ class Estimate:
         """What a step holds besides the weights, AdamW, the checkpoint's chunks and the runtime, at each of
         its peaks: (on the PS's device, in host memory)."""
         before = self.grads if self.layout.micro_batches > 1 else 0  # earlier micro-batches' gradients
-        return {"the end of a forward": (before + self.activations + self.head, self.bus),
+        # weight gradients are deferred only within a backward (LateGrads): a forward has its largest GEMM's
+        # buffers alone; a backward starts with every activation and the head's gradient (or all of them,
+        # held since the first micro-batch) and ends with every gradient, activations falling and gradients
+        # growing block by block in between
+        return {"the end of a forward": (before + self.activations + self.head, self.bus - self.deferred[1]),
+                "the start of the backward": ((before or self.head_grad) + self.activations, self.bus),
                 "the end of the backward": (self.grads, self.bus)}
 
     @property
@@ -235,7 +244,7 @@ def estimate(job: JobConfig, workers: int, tile_bytes: int = 4, deferred: int = 
     thin = int(tile_memory_bytes(np.array([MIN_BLOCK]), np.array([MIN_BLOCK]), kmax, tile_bytes)[0])
     return Estimate(params=params, weights=4 * params, grads=4 * params, optimizer=8 * params,
                     activations=activations(job, layout, replicas).saved(layout.recompute),
-                    head=head_bytes(job, layout, tokens, tile_bytes), bus=bus,
+                    head=head_bytes(job, layout, tokens, tile_bytes), head_grad=cfg.vocab_size * cfg.n_embd * 4, bus=bus,
                     deferred=(deferred, sum(dws[:deferred])), checkpoint=CHECKPOINT_BUFFER_BYTES,
                     runtime=RUNTIME_BYTES, layout=layout, largest_tile=largest,
                     smallest_tile=thin, dw_buffers=tuple(dws),
