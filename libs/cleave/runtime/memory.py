@@ -10,7 +10,7 @@ from pathlib import Path
 MAPPED_BYTES = 1 << 20  # the PS has glibc map every allocation from this size up on its own and unmap it when
 # freed (cleave_ps.jobs.pretrain.return_freed_memory): each such tensor's pages are new, zeroed by the kernel
 DEFAULT_PRODUCT_POOL_BYTES = 256 * 1024 * 1024  # freed GEMM outputs of MAPPED_BYTES or more the PS keeps resident
-# to reuse (cleave_ps.fleet.products; its setting product_pool_bytes), counted by the preflight
+# to reuse (cleave_ps.fleet.products; its setting product_pool_bytes), only in memory the job leaves (preflight)
 
 
 def peak_rss_bytes() -> int:

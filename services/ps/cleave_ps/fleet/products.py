@@ -2,15 +2,15 @@
 
 An output of `MAPPED_BYTES` or more is memory glibc maps for it alone and unmaps when it is freed
 (`cleave.runtime.memory`), so every fresh one costs the kernel zeroing its pages: in `benchmarks/ps_rate.py` a
-quarter of the PS's CPU (docs/evaluation.md). The pool keeps the buffers of such outputs, up to `cap` bytes (`product_pool_bytes`), and hands
-one out again for an output of the same shape and dtype once nothing holds its memory any more: no tensor, view,
-tensor autograd saved, numpy array or storage object shares it. torch counts the holders of a storage (its use
-count, and the Python references to its storage object); a buffer is free when both are what a lone tensor
-shows (measured once, on a tensor of its own). An output is handed out as a view of its buffer, a tensor of its
-own, so whoever keeps it is counted. Free buffers stay resident: at most `cap` bytes, which the preflight takes
-from the memory a job leaves (`cleave.train.preflight.spare_pool`); the least recently used ones make way for a
-shape the pool lacks. Outputs in page-locked memory (a CUDA PS's: the CUDA allocator caches those) and builds of
-torch without the count get fresh memory.
+quarter of the PS's CPU (docs/evaluation.md). The pool keeps the buffers of such outputs, up to `cap` bytes
+(`product_pool_bytes`), and hands one out again for an output of the same shape and dtype once nothing holds its
+memory any more: no tensor, view, tensor autograd saved, numpy array or storage object shares it. torch counts
+the holders of a storage (its use count, and the Python references to its storage object); a buffer is free when
+both are what a lone tensor shows (measured once, on a tensor of its own). An output is handed out as a view of
+its buffer, a tensor of its own, so whoever keeps it is counted. Free buffers stay resident: at most `cap`
+bytes, which the preflight takes from the memory a job leaves (`cleave.train.preflight.spare_pool`); the least
+recently used ones make way for a shape the pool lacks. Outputs in page-locked memory (a CUDA PS's: the CUDA
+allocator caches those) and builds of torch without the count get fresh memory.
 """
 
 from __future__ import annotations
