@@ -42,6 +42,26 @@ async def test_keys_are_every_key_of_the_bucket_and_only_those(nats_url):
         await bus.close()
 
 
+async def test_history_is_every_kept_revision_of_the_key_and_only_those(nats_url):
+    bus = await busmod.connect(nats_url, "history-test")
+    try:
+        kv = await bus.kv("history-test", history=3)
+        assert await bus.history(kv, "head", 100) == []
+        revs = []
+        for i in range(5):
+            revs.append(await kv.put("head", f"v{i}".encode()))
+            await kv.put("head-other", b"x")  # a key sharing the prefix, interleaved
+        await kv.delete("head")
+        gone = (await bus.js.stream_info(kv._stream)).state.last_seq
+        kv.history = None  # never nats-py's watch
+        want = [(revs[3], b"v3"), (revs[4], b"v4"), (gone, b"")]  # the bucket keeps three
+        assert await bus.history(kv, "head", gone) == want
+        assert await bus.history(kv, "head", revs[4]) == want[:2]
+        assert await bus.history(kv, "head", revs[3] - 1) == []
+    finally:
+        await bus.close()
+
+
 @pytest.mark.parametrize("jobs", [1, 30])
 async def test_a_restarted_runner_resumes_its_running_jobs(nats_url, tmp_path, jobs):
     bus = await busmod.connect(nats_url, "runner-test")

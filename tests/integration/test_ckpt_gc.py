@@ -102,22 +102,25 @@ async def run_steps(nats_url: str, tmp_path, job_id: str, **settings: object) ->
     job = JobConfig(job_id=job_id, preset="tiny", steps=3, batch_size=2, seq_len=16)
     s = PsSettings(nats_url=nats_url, metrics_out=tmp_path / f"{job.job_id}.jsonl", persist_every=1, **settings)
     bus = await busmod.connect(nats_url, "test-ps")
-    await bus.setup()
-    progress, t, first = Progress(bus, job, s, Faults()), Trainer(job), {}
-    await progress.open()
-    in_background = []
-    for step in range(job.steps):
-        loss = t.step(step)
-        await progress.done(StepMetrics(job=job.job_id, step=step, loss=loss, step_time_s=1.0, workers=0), t.model, t.opt)
-        in_background.append(progress.inflight is not None and not progress.inflight.done())
-        if step == 1:
-            first = {k: v.clone() for k, v in t.model.state_dict().items()}
-    await progress.finish(0)
-    heads = await progress.persister._heads()
-    back = Trainer(job)
-    await read_checkpoint(progress.persister.store, next(h for h in heads if h.step == 1), back.model, back.opt)
-    assert all(torch.equal(v, first[k]) for k, v in back.model.state_dict().items())
-    await bus.close()
+    try:
+        await bus.setup()
+        progress, t, first = Progress(bus, job, s, Faults()), Trainer(job), {}
+        await progress.open()
+        in_background = []
+        for step in range(job.steps):
+            loss = t.step(step)
+            await progress.done(StepMetrics(job=job.job_id, step=step, loss=loss, step_time_s=1.0, workers=0), t.model,
+                                t.opt)
+            in_background.append(progress.inflight is not None and not progress.inflight.done())
+            if step == 1:
+                first = {k: v.clone() for k, v in t.model.state_dict().items()}
+        await progress.finish(0)
+        heads = await progress.persister._heads()
+        back = Trainer(job)
+        await read_checkpoint(progress.persister.store, next(h for h in heads if h.step == 1), back.model, back.opt)
+        assert all(torch.equal(v, first[k]) for k, v in back.model.state_dict().items())
+    finally:
+        await bus.close()
     lines = [json.loads(x) for x in s.metrics_out.read_text().splitlines()]
     return progress, lines, {"in_background": in_background, "heads": sorted(h.step for h in heads)}
 

@@ -24,6 +24,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyValueError,
     KeyWrongLastSequenceError,
+    NotFoundError,
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
@@ -223,6 +224,23 @@ class Bus:
         prefix = f"$KV.{kv._name}."
         info = await self.patiently(lambda: self.js.stream_info(kv._stream, subjects_filter=f"{prefix}>"), "keys")
         return sorted(s.removeprefix(prefix) for s in info.state.subjects or {})
+
+    async def history(self, kv: KeyValue, key: str, upto: int) -> list[tuple[int, bytes]]:
+        """The revisions of one key that the bucket keeps, up to revision `upto`, oldest first: (revision,
+        value), a deletion's value empty. Read one message at a time ("the next message on this subject from
+        this sequence on"): nats-py's `kv.history()` reads them with a watch that can end before its first entry
+        on a busy machine and then says there is no history."""
+        subject, found, seq = f"$KV.{kv._name}.{key}", [], 1
+        while seq <= upto:
+            try:
+                msg = await self.patiently(lambda s=seq: self.js.get_msg(kv._stream, s, subject, next=True), "history")
+            except NotFoundError:
+                break
+            if msg.seq > upto:
+                break
+            found.append((msg.seq, msg.data or b""))
+            seq = msg.seq + 1
+        return found
 
     async def kv_put(self, kv: KeyValue, key: str, msg: Wire) -> int:
         return await asyncio.wait_for(kv.put(key, codec.encode(msg)), DEFAULT_TIMEOUT_S)

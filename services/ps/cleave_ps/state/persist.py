@@ -164,25 +164,19 @@ class Persister:
         return entry if entry.value else None
 
     async def _heads(self) -> list[StateHead]:
-        """The committed heads of this job, newest first: the head itself, read directly, then the revisions
-        before it that the KV keeps (the fallbacks of a damaged head). Those are read with a watch, which
-        nats-py may end before its first entry on a busy machine (its consumer has delivered them all, its
-        callback has not yet counted one): a history that came back empty or short never hides the head."""
+        """The committed heads of this job, newest first: the head itself, then the revisions before it that
+        the KV keeps (the fallbacks of a damaged head)."""
         latest = await self._head_entry()
         if latest is None:
             return []
-        try:
-            entries = await asyncio.wait_for(self.kv.history(self.head_key), DEFAULT_TIMEOUT_S)
-        except Exception:  # NoKeysError (a watch ended early, see above) or a timeout: the head alone
-            log.warning("state_history_unread", job=self.job_id, revision=latest.revision)
-            entries = []
+        entries = await self.bus.history(self.kv, self.head_key, latest.revision - 1)
         heads, seen = [], set()
-        for entry in [latest, *reversed([e for e in entries if e.revision < latest.revision])]:
-            if entry.value:
+        for revision, value in [(latest.revision, latest.value), *reversed(entries)]:
+            if value:
                 try:
-                    head = codec.decode(entry.value, StateHead, MAX_CONTROL_BYTES)
+                    head = codec.decode(value, StateHead, MAX_CONTROL_BYTES)
                 except WireError as e:
-                    log.warning("state_head_rejected", job=self.job_id, revision=entry.revision, reason=str(e))
+                    log.warning("state_head_rejected", job=self.job_id, revision=revision, reason=str(e))
                     continue
                 if head.object not in seen:  # a claim repeats the checkpoint of the head before it
                     seen.add(head.object)
