@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import statistics
 import sys
@@ -34,6 +33,8 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+
+import floors
 
 from cleave import bus as busmod
 from cleave import codec
@@ -44,17 +45,10 @@ from cleave.train.job import JobConfig
 
 RESULTS = Path(__file__).parent / "results" / "fleet_scale.json"
 PROCESSES = 10  # swarm processes per size: killing one is 10% of the swarm leaving
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 POLL_S = 0.1
 # The swarm stands in for devices elsewhere: on this machine it must not starve the PS, the scheduler and
 # nats-server of the CPU they would have to themselves (their figures are what is measured).
 SWARM_NICE = 10
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def log_events(path: Path, event: str) -> list[dict]:
@@ -154,9 +148,9 @@ async def run_size(w: int, args: argparse.Namespace, tmp: Path) -> dict:
         await wait_plan(bus, w, deadline)
         row["join_s"] = round(time.monotonic() - t0, 2)
         sched = fleet.stack.procs["scheduler"].popen.pid
-        c, n = cpu_s(sched), watch.heartbeats
+        c, n = floors.cpu_s(sched), watch.heartbeats
         await asyncio.sleep(args.quiet_s)
-        row["scheduler_cpu_s_per_heartbeat"] = (cpu_s(sched) - c) / max(watch.heartbeats - n, 1)
+        row["scheduler_cpu_s_per_heartbeat"] = (floors.cpu_s(sched) - c) / max(watch.heartbeats - n, 1)
         await run_job(fleet, job, metrics, row, counts[0], deadline, args.kill_after)
     except TimeoutError as e:
         row["status"] = f"time_limit: {e}"
@@ -186,10 +180,10 @@ async def run_job(fleet: LocalFleet, job: JobConfig, metrics: Path, row: dict, v
     try:
         while "ps" not in {p.name for p in fleet.stack.supervise()}:
             if time.monotonic() > deadline:
-                row["ps_cpu_s_at_limit"] = cpu_s(ps)  # since the PS started (its start-up included)
+                row["ps_cpu_s_at_limit"] = floors.cpu_s(ps)  # since the PS started (its start-up included)
                 raise TimeoutError(f"{len(cpu_at)} of {job.steps} steps done")
             for m in tail.read():
-                cpu_at[m["step"]], tiles[m["step"]] = cpu_s(ps), m["tiles"]
+                cpu_at[m["step"]], tiles[m["step"]] = floors.cpu_s(ps), m["tiles"]
                 if m["step"] == kill_after and killed_at is None:
                     fleet.stack.kill("swarm-0", signal.SIGKILL, restart=False)
                     killed_at = time.time()

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import os
 import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -86,6 +88,16 @@ async def main(url, tag, out, size, count, window, into, in_count, every):
     await nc.close()
 asyncio.run(main(*sys.argv[1:4], *map(int, sys.argv[4:7]), sys.argv[7], *map(int, sys.argv[8:])))
 """
+
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux: from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def node(url: str, tag: str, out: Sequence[str], size: int, count: int, in_flight: int, into: Sequence[str] = (),
@@ -186,7 +198,7 @@ async def bus_mix_seconds(url: str, spokes: int, size_down: int, bytes_down: int
     """The seconds nats-server and bare nats-py clients take to move `bytes_down` from one hub process to
     `spokes` processes (as much to each, in messages of `size_down`) while the spokes move `bytes_up` back (in
     messages of `size_up`): the PS's traffic of a GEMM, both directions at once over the same connections,
-    with the hub's CPU seconds (`hub_cpu_s`)."""
+    with the hub's CPU seconds (`hub_cpu_s`) and the spokes' together (`spokes_cpu_s`)."""
     count = max(1, round(bytes_down / size_down / spokes))
     up_count = max(1, round(bytes_up / size_up / spokes))
     every_down, every_up = every(window(size_down)), every(window(size_up, spokes))
@@ -206,8 +218,10 @@ async def bus_mix_seconds(url: str, spokes: int, size_down: int, bytes_down: int
         seconds = time.perf_counter() - t0
         for p in procs:
             await p.wait()
-        return {"seconds": seconds * (bytes_down + bytes_up) / (spokes * (count * size_down + up_count * size_up)),
-                "hub_cpu_s": next(float(c.split()[1]) for c in cpus if c.startswith(b"hub "))}
+        scale = (bytes_down + bytes_up) / (spokes * (count * size_down + up_count * size_up))
+        return {"seconds": seconds * scale,
+                "hub_cpu_s": next(float(c.split()[1]) for c in cpus if c.startswith(b"hub ")),
+                "spokes_cpu_s": sum(float(c.split()[1]) for c in cpus if c.startswith(b"spoke "))}
     finally:
         for p in procs:
             if p.returncode is None:

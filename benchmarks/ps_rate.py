@@ -21,7 +21,9 @@ hub process and connection as the PS, N spoke processes as the workers: `floors.
 the PS's egress and ingress at once, over the seconds the PS took: it is also the PS's egress rate over the bus's
 egress rate when both carry the same ingress; `ps_cpu_over_bus_clients`, the PS's CPU seconds over those bare nats-py clients
 spend on the same bytes (a publisher's per egress byte, subscribers' per ingress byte), which depends less on
-what else the machine runs than the rates do. Where the PS's CPU goes: `floors.CpuSampler`, and with `--py-spy` a
+what else the machine runs than the rates do; the workers' and nats-server's CPU over the same GEMMs
+(`workers_cpu_s`, `nats_cpu_s`) against the spokes' in the bare run (`bus_both_ways_spokes_cpu_s`), as they
+share the machine's cores with the PS. Where the PS's CPU goes: `floors.CpuSampler`, and with `--py-spy` a
 py-spy profile of this process (`benchmarks/results/ps_rate.speedscope.json`).
 Writes benchmarks/results/ps_rate.json.
 
@@ -159,15 +161,17 @@ def py_spy(out: Path, enabled: bool):
 # Where the PS's time goes in a py-spy profile: a sample is put in the first group that one of its frames
 # (innermost first) belongs to, by (file ending, function name prefix); a sample whose innermost frame waits
 # (IDLE), and the benchmark's own CPU sampler, are left out.
+# left out of the split: waiting, and this benchmark's own check of each product (torch.equal, under `measure`)
 IDLE = (("threading.py", "Condition.wait"), ("threading.py", "Event.wait"), ("selectors.py", "EpollSelector.select"),
-        ("futures/thread.py", "_worker"), ("queue.py", ""))
+        ("futures/thread.py", "_worker"), ("queue.py", ""), ("ps_rate.py", "measure"))
 PROFILE_GROUPS = (
     ("idle", (("floors.py", "CpuSampler"),)),
     ("encode: tensor bytes copied", (("cleave/codec.py", "tensor_to_data"),)),
     ("encode: msgpack", (("msgpack/__init__.py", ""), ("cleave/codec.py", "encode"))),
     ("encode: chunks copied", (("cleave/codec.py", "split"),)),  # split and split_pieces
     ("publish: nats-py PUB framing copy", (("protocol/command.py", "pub_cmd"), ("aio/client.py", "Client._send_command"))),
-    ("publish: join and socket write", (("cleave/bus/direct.py", "put"), ("asyncio/transports.py", "WriteTransport.writelines"),
+    ("publish: join and socket write", (("cleave/bus/direct.py", "put"), ("cleave/bus/send.py", ""),
+                                        ("asyncio/transports.py", "WriteTransport.writelines"),
                                         ("asyncio/selector_events.py", "_SelectorSocketTransport.write"),
                                         ("asyncio/selector_events.py", "_SelectorSocketTransport._write_ready"))),
     ("receive: socket read", (("asyncio/selector_events.py", "_SelectorSocketTransport._read_ready"),
@@ -246,11 +250,21 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
                 raise TimeoutError(f"only {len(d.workers)} of {workers} workers in the plan")
             await asyncio.sleep(0.1)
         print(f"{workers} workers in the plan", file=sys.stderr, flush=True)
-        d.new_step()
-        assert torch.equal(await d.gemm(a, bt, 0, 1, "warm-up"), truth), "the warm-up product differs"
+        # two warm-up GEMMs, the first's output held while the second runs, as the loop holds each output while
+        # the next GEMM runs: every measured GEMM's output then reuses a buffer of the PS's pool, as in a PS's
+        # steady state (a fresh 64 MiB output costs its page faults: 0.4-0.8 s on this VM, `products`)
+        held = []
+        for _ in range(2):
+            d.new_step()
+            held.append(await d.gemm(a, bt, 0, 1, "warm-up"))
+            assert torch.equal(held[-1], truth), "the warm-up product differs"
+        del held
         sampler = floors.CpuSampler()
         sampler.start()
+        others = {p.name: (p.role, p.popen.pid) for p in fleet.stack.procs.values() if p.popen is not None}
+        others0 = {name: floors.cpu_s(pid) for name, (_, pid) in others.items()}
         down0, up0, verify0, walls, checked_s = d.c.bytes_down, d.c.bytes_up, d.c.verify_cpu_s, [], 0.0
+        fresh0 = d.products.fresh
         wire.on = True
         t0 = time.time()
         with py_spy(RESULTS.with_suffix(".speedscope.json"), args.py_spy):
@@ -264,9 +278,16 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
                 checked_s += time.process_time() - c0
         t1 = time.time()
         wire.on = False
-        print(f"PS: {args.gemms} GEMMs in {sum(walls):.2f}s ({[round(w, 2) for w in walls]})", file=sys.stderr, flush=True)
+        print(f"PS: {args.gemms} GEMMs in {sum(walls):.2f}s ({[round(w, 2) for w in walls]}; outputs in fresh memory: "
+              f"{d.products.fresh - fresh0})", file=sys.stderr, flush=True)
         sampler.stop()
         down, up, verify_s = d.c.bytes_down - down0, d.c.bytes_up - up0, d.c.verify_cpu_s - verify0
+        fresh_outputs = d.products.fresh - fresh0
+        spent = Counter()  # the other processes' CPU seconds over the same GEMMs, by role
+        for name, (role, pid) in others.items():
+            spent[role] += floors.cpu_s(pid) - others0[name]
+        print(f"  over those GEMMs the {workers} workers' CPU {spent['worker']:.2f}s, nats-server's "
+              f"{spent['nats']:.2f}s", file=sys.stderr, flush=True)
         cpu = sampler.between(t0, t1)
         cpu["cpu_s"] -= checked_s
         cpu["python"] = max(0.0, cpu["python"] - checked_s)  # (where the sampler put it: ps_rate.py's frame)
@@ -295,7 +316,8 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         "load_average_1min_at_end": os.getloadavg()[0],
         "m": m, "n": n, "k": k, "tile": args.tile, "dtype": "float32", "gemms": args.gemms, "workers": workers,
         "connections": workers + 1, "max_payload": fleet.stack.max_payload - busmod.HEADROOM,
-        "ps_seconds": wall, "gemm_seconds": walls,
+        "ps_seconds": wall, "gemm_seconds": walls, "fresh_outputs": fresh_outputs,
+        "workers_cpu_s": spent["worker"], "nats_cpu_s": spent["nats"],
         "ps_bytes_down": down, "ps_bytes_up": up,
         "ps_egress_bytes_per_s": down / wall, "ps_ingress_bytes_per_s": up / wall,
         "ps_bytes_per_s": (down + up) / wall,
@@ -312,6 +334,7 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         "bus_seconds_for_ps_bytes": bus_s,
         "ps_over_bus": bus_s / wall, "egress_over_bus": down / wall / rate_down,
         "bus_both_ways_seconds": mix["seconds"], "bus_both_ways_hub_cpu_s": mix["hub_cpu_s"],
+        "bus_both_ways_spokes_cpu_s": mix["spokes_cpu_s"],
         "ps_over_bus_both_ways": mix["seconds"] / wall,
         "ps_cpu_s": cpu["cpu_s"], "product_check_cpu_s": checked_s, "ps_verify_cpu_s": verify_s, "ps_cpu_split_s": {c: cpu[c] for c in floors.CATEGORIES},
         "ps_cpu_per_byte_ns": 1e9 * cpu["cpu_s"] / (down + up),
@@ -341,7 +364,9 @@ def report(r: dict) -> str:
             f"{r['bus_bytes_per_s_down'] / 1e6:.0f}/{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with "
             f"{r['connections']} connections -> PS/bus {r['ps_over_bus']:.2f}, egress/bus {r['egress_over_bus']:.2f}; "
             f"bus both ways at once {r['bus_both_ways_seconds']:.2f}s for the PS's bytes (hub CPU "
-            f"{r['bus_both_ways_hub_cpu_s']:.2f}s) -> PS/bus both ways {r['ps_over_bus_both_ways']:.2f}"
+            f"{r['bus_both_ways_hub_cpu_s']:.2f}s, spokes' {r['bus_both_ways_spokes_cpu_s']:.2f}s) -> PS/bus both ways "
+            f"{r['ps_over_bus_both_ways']:.2f}; the workers' CPU {r['workers_cpu_s']:.2f}s, nats-server's "
+            f"{r['nats_cpu_s']:.2f}s"
             f"\n  PS CPU {r['ps_cpu_s']:.2f}s (Freivalds' checks {r['ps_verify_cpu_s']:.2f}s) over {r['ps_seconds']:.2f}s ({r['ps_cpu_per_byte_ns']:.2f} ns a byte; "
             f"bare nats-py clients {r['bus_clients_cpu_s_for_ps_bytes']:.2f}s for the same bytes, publisher "
             f"{r['bus_publisher_ns_per_byte']:.2f} and subscribers {r['bus_subscriber_ns_per_byte']:.2f} ns a byte "
