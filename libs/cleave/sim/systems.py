@@ -34,10 +34,11 @@ SYSTEMS = ("cleave", *BASELINES)
 
 
 # The PS's egress is what one PS process sends, not its VM's NIC: benchmarks/results/ps_rate.json measures
-# 1.29 ns of the PS's CPU a byte it moves (sent + received); results come back at 19% of the bytes sent at the
-# default point, so a PS with a core of its own sends 1 / (1.29e-9 x 1.19) = 6.5e8 bytes/s (5.2 Gbit/s).
-# tests/unit/test_sim_ps.py holds it to those committed measurements.
-DEFAULT_PS_BANDWIDTH = 6.5e8
+# 0.69 ns of the PS's CPU a byte it moves (sent + received, in its steady state: outputs in reused memory);
+# results come back at 19% of the bytes sent at the default point, so a PS with a core of its own sends
+# 1 / (0.69e-9 x 1.19) = 1.2e9 bytes/s (9.7 Gbit/s). tests/unit/test_sim_ps.py holds it to those committed
+# measurements.
+DEFAULT_PS_BANDWIDTH = 1.2e9
 
 
 @dataclass(frozen=True)

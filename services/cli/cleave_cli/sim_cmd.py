@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
+from cleave.sim.systems import DEFAULT_PS_BANDWIDTH
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,7 +57,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--ps-bandwidth", type=float, default=None,
-        help="the PS's egress, bytes/s (default 6.5e8: what one PS process sends, as measured; "
+        help=f"the PS's egress, bytes/s (default {DEFAULT_PS_BANDWIDTH:g}: what one PS process sends, as measured; "
         "0: unlimited, as the published baselines assume)"
     )
     p.add_argument("--ps-flops", type=float, default=None,
@@ -107,7 +108,7 @@ def _tile(text: str | None) -> tuple[int, int] | None:
 
 def config(args: argparse.Namespace) -> Any:
     """The `SimConfig` of these flags, checked."""
-    from cleave.sim.systems import DEFAULT_PS_BANDWIDTH, SimConfig, parse_systems
+    from cleave.sim.systems import SimConfig, parse_systems
 
     for flag, value, low in (
         ("--devices", args.devices, 1),
