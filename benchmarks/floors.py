@@ -265,7 +265,7 @@ def classify(frame) -> str | None:  # noqa: ANN001
         return None
     while frame is not None:
         path, name = frame.f_code.co_filename, frame.f_code.co_name
-        if "cleave/codec/" in path:
+        if path.endswith("cleave/codec.py"):
             return "copies" if name in ("tensor_to_data", "data_to_tensor") else "serialisation"
         if any(s in path for s in SERIAL):
             return "serialisation"

@@ -166,9 +166,9 @@ IDLE = (("threading.py", "Condition.wait"), ("threading.py", "Event.wait"), ("se
         ("futures/thread.py", "_worker"), ("queue.py", ""), ("ps_rate.py", "measure"))
 PROFILE_GROUPS = (
     ("idle", (("floors.py", "CpuSampler"),)),
-    ("encode: tensor bytes copied", (("cleave/codec/__init__.py", "tensor_to_data"),)),
-    ("encode: msgpack", (("msgpack/__init__.py", ""), ("cleave/codec/__init__.py", "encode"))),
-    ("encode: chunks copied", (("cleave/codec/__init__.py", "split"),)),  # split and split_pieces
+    ("encode: tensor bytes copied", (("cleave/codec.py", "tensor_to_data"),)),
+    ("encode: msgpack", (("msgpack/__init__.py", ""), ("cleave/codec.py", "encode"))),
+    ("encode: chunks copied", (("cleave/codec.py", "split"),)),  # split and split_pieces
     ("publish: nats-py PUB framing copy", (("protocol/command.py", "pub_cmd"), ("aio/client.py", "Client._send_command"))),
     ("publish: join and socket write", (("cleave/bus/direct.py", "put"), ("cleave/bus/send.py", ""),
                                         ("asyncio/transports.py", "WriteTransport.writelines"),
@@ -177,9 +177,9 @@ PROFILE_GROUPS = (
     ("receive: socket read", (("asyncio/selector_events.py", "_SelectorSocketTransport._read_ready"),
                               ("asyncio/streams.py", "StreamReader"), ("aio/transport.py", "TcpTransport.read"))),
     ("receive: parser", (("cleave/bus/receive.py", ""), ("protocol/parser.py", ""), ("aio/client.py", "Client._build_message"))),
-    ("receive: reassembly", (("cleave/codec/__init__.py", "Reassembler"),)),
-    ("decode: zstd", (("cleave/codec/__init__.py", "_decompress"),)),
-    ("decode: msgpack and schema", (("cleave/codec/__init__.py", ""), ("cleave/codec/bins.py", ""), ("/pydantic", ""))),
+    ("receive: reassembly", (("cleave/codec.py", "Reassembler"),)),
+    ("decode: zstd", (("cleave/codec.py", "_decompress"),)),
+    ("decode: msgpack and schema", (("cleave/codec.py", ""), ("/pydantic", ""))),
     ("assembly and checks", (("fleet/dispatcher.py", "Dispatcher._accept.<locals>"), ("fleet/frames.py", "finite"),
                              ("fleet/frames.py", "block"))),
     ("thread hand-offs", (("asyncio/threads.py", ""), ("futures/thread.py", "ThreadPoolExecutor.submit"),

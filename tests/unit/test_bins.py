@@ -1,4 +1,4 @@
-"""A msgpack body unpacked with its large bin values as views (`cleave.codec.bins`, `codec.decode(views=True)`) is the
+"""A msgpack body unpacked with its large bin values as views (`cleave.bins`, `codec.decode(views=True)`) is the
 same value msgpack unpacks, whatever the body; each large bin is a read-only view of the body's own bytes; hostile
 bodies are refused exactly as without views, and a forged stand-in is never taken for one."""
 
@@ -15,8 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cleave import codec
-from cleave.codec import bins
+from cleave import bins, codec
 from cleave.errors import WireError
 from cleave.schemas import TileResult, TileTask
 

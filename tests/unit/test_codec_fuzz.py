@@ -3,7 +3,7 @@
 Crashes: any other exception is a failure. Memory: a zstd bomb, a huge declared size or a cheap msgpack
 body that inflates into millions of objects must be refused before the memory is taken; those checks
 measure the decode's peak allocation with tracemalloc. The tests marked `xfail(strict=True)` show holes
-that the codec / schemas.py still have: each reason names the fix, and the marker goes when the fix lands
+that codec.py / schemas.py still have: each reason names the fix, and the marker goes when the fix lands
 (strict: a fixed hole makes the test XPASS, which fails the run until the marker is removed).
 """
 

@@ -21,7 +21,7 @@ import numpy as np
 import pydantic
 import zstandard
 
-from cleave.codec import bins
+from cleave import bins
 from cleave.errors import TooLarge, WireError
 from cleave.schemas import DTYPE_SIZES, DTYPES, MAX_MESSAGE_BYTES, TensorData, Wire
 
@@ -216,7 +216,7 @@ def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: 
            compressed: bool = True, views: bool = False) -> T:
     """Bytes from the wire to a validated message, or WireError; never anything half-checked. `compressed=False`
     refuses zstd bodies (`zstd_refused`): for messages that are dense floats, which never pay for it. `views`:
-    tensors' data as read-only views of `payload`, and a body `codec.bins` cannot walk refused (`unwalkable`)."""
+    tensors' data as read-only views of `payload`, and a body `cleave.bins` cannot walk refused (`unwalkable`)."""
     if len(payload) > max_bytes + _HEAD.size:
         raise TooLarge(f"{len(payload)} bytes over the limit of {max_bytes}")
     if len(payload) < _HEAD.size:
