@@ -6,8 +6,7 @@ and length, nothing decoded) to find the bin values of `min_bytes` or more, unpa
 replaced by a random 16-byte stand-in (msgpack itself decoding and checking everything else), and puts a
 read-only view of the body's bytes where each stand-in came back. A stand-in is random for each call, so no
 sender can forge one. A body the walk cannot follow (malformed, or more than `MAX_WALKED` values before its
-end) is refused (`unwalkable`): what is decoded this way is small but for its bins (a tile's result), so that
-decoding it costs little wherever it runs (the PS decodes results on its event loop), whatever a sender sends.
+end) is unpacked whole by msgpack, which then copies or says what is wrong with it.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable
-
-from cleave.errors import WireError
 
 MAX_WALKED = 4096  # values walked in Python before the body is left to msgpack whole (a tile's message: ~30)
 _STAND_IN = struct.Struct("<12sI")  # a random tag and the value's index: 16 bytes, in msgpack's bin 8
@@ -89,11 +86,8 @@ def find(body: memoryview, min_bytes: int) -> list[tuple[int, int, int]] | None:
 
 
 def unpack(body: memoryview, min_bytes: int, unpackb: Callable[[bytes], object]) -> object:
-    """`unpackb(body)`, each bin value of `min_bytes` or more a read-only view of `body` instead of a copy;
-    WireError `unwalkable` where `find` cannot follow the body."""
+    """`unpackb(body)`, each bin value of `min_bytes` or more a read-only view of `body` instead of a copy."""
     spans = find(body, min_bytes)
-    if spans is None:
-        raise WireError("unwalkable", f"no msgpack value of at most {MAX_WALKED} parts spans the {len(body)} bytes")
     if not spans:
         return unpackb(body)
     tag, parts, at = os.urandom(12), [], 0

@@ -215,8 +215,8 @@ def _stand_in(obj: object, values: list[Piece], tag: bytes, min_bytes: int) -> o
 def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES,
            compressed: bool = True, views: bool = False) -> T:
     """Bytes from the wire to a validated message, or WireError; never anything half-checked. `compressed=False`
-    refuses zstd bodies (`zstd_refused`): for messages that are dense floats, which never pay for it. `views`:
-    tensors' data as read-only views of `payload`, and a body `cleave.bins` cannot walk refused (`unwalkable`)."""
+    refuses zstd bodies (`zstd_refused`): for messages that are dense floats, which never pay for it. With
+    `views`, a tensor's data of DEFAULT_PIECE_BYTES or more is a read-only view of `payload` (`cleave.bins`)."""
     if len(payload) > max_bytes + _HEAD.size:
         raise TooLarge(f"{len(payload)} bytes over the limit of {max_bytes}")
     if len(payload) < _HEAD.size:

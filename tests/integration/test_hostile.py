@@ -61,7 +61,6 @@ from cleave.schemas import (
     LinkCheckAck,
     Plan,
     Probe,
-    TensorData,
     TileResult,
     TileTask,
     Wire,
@@ -613,49 +612,5 @@ async def test_large_messages_are_decoded_off_the_event_loop(nats_url: str) -> N
             await asyncio.wait_for(got.get(), WAIT_S)
         small, large = DECODED_ON
         assert small is threading.main_thread() and large is not threading.main_thread()
-    finally:
-        await bus.close()
-
-
-class Block(Wire):
-    """A message with a tensor that notes which thread validated it."""
-
-    out: TensorData
-
-    @model_validator(mode="after")
-    def _where(self) -> Block:
-        DECODED_ON.append(threading.current_thread())
-        return self
-
-
-async def test_a_result_block_is_decoded_in_place_and_a_long_body_refused_cheaply(nats_url: str) -> None:
-    """Decoded with views (as the PS decodes results), a large block is validated on the event loop as a view of
-    the received bytes; a large message whose structure is long (200,000 small values before its block) is
-    refused after a walk of at most `bins.MAX_WALKED` values, and the next message is decoded as before."""
-    bus = await busmod.connect(nats_url, "viewer")
-    got: asyncio.Queue = asyncio.Queue()
-
-    async def on_msg(msg: Block, nbytes: int) -> None:
-        await got.put(msg)
-
-    try:
-        await bus.subscribe("test.view", Block, on_msg, compressed=False, views=True)
-        await bus.nc.flush()
-        block = torch.randn(1024, 512)
-        first = Block(out=codec.tensor_view(block))
-        DECODED_ON.clear()  # (building it validated it here)
-        await bus.publish("test.view", first, compress=False)
-        msg = await asyncio.wait_for(got.get(), WAIT_S)
-        assert DECODED_ON[:] == [threading.main_thread()] and isinstance(msg.out.data, memoryview)
-        assert torch.equal(codec.data_view(msg.out), block)
-        data = {"dtype": "float32", "shape": [1024, 512], "data": block.numpy().tobytes()}
-        long = codec.MAGIC + bytes([codec.VERSION, 0]) + msgpack.packb({"pad": list(range(200_000)), "out": data},
-                                                                        use_bin_type=True)
-        assert len(long) > busmod.OFF_LOOP_BYTES
-        for chunk in codec.split(long, bus.max_payload):
-            await bus.nc.publish("test.view", chunk)
-        await bus.publish("test.view", Block(out=codec.tensor_view(-block)), compress=False)
-        msg = await asyncio.wait_for(got.get(), WAIT_S)  # the good one after it is delivered
-        assert bus.rejected == {"unwalkable": 1} and torch.equal(codec.data_view(msg.out), -block)
     finally:
         await bus.close()

@@ -79,10 +79,6 @@ def test_a_damaged_body_is_unpacked_or_refused_as_msgpack_would(obj, data):
             del body[cut:]
         else:
             body[cut:cut] = data.draw(st.binary(min_size=1, max_size=6))
-    if bins.find(memoryview(body), MIN) is None:  # refused, whatever msgpack would make of it
-        with pytest.raises(WireError, match="unwalkable"):
-            bins.unpack(memoryview(body), MIN, unpackb)
-        return
     try:
         want = unpackb(bytes(body))
     except Exception as e:  # (msgpack's many error types)
@@ -100,15 +96,12 @@ def test_a_forged_stand_in_stays_what_it_is():
     assert plain(got) == obj and isinstance(got["a"], bytes) and isinstance(got["b"], memoryview)
 
 
-def test_a_body_too_long_to_walk_is_refused_after_a_bounded_walk():
-    """The walk stops after MAX_WALKED values: a sender cannot make it long (it runs on the PS's event loop)."""
+def test_a_body_too_long_to_walk_is_unpacked_whole():
     obj = {"many": list(range(bins.MAX_WALKED)), "data": bytes(1000)}
     body = msgpack.packb(obj, use_bin_type=True)
     assert bins.find(memoryview(body), MIN) is None
-    with pytest.raises(WireError, match="unwalkable"):
-        bins.unpack(memoryview(body), MIN, unpackb)
-    fits = {"many": list(range(bins.MAX_WALKED - 10)), "data": bytes(1000)}
-    assert plain(bins.unpack(memoryview(msgpack.packb(fits, use_bin_type=True)), MIN, unpackb)) == fits
+    got = bins.unpack(memoryview(body), MIN, unpackb)
+    assert got == obj and isinstance(got["data"], bytes)  # copied by msgpack, as without views
 
 
 def result(out: torch.Tensor) -> TileResult:

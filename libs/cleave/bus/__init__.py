@@ -133,9 +133,8 @@ class Bus:
         the subject it came on is rejected (`wrong_sender`): per-worker subjects, which per-worker credentials
         restrict, then also bind the id a message claims. `cap`, asked for each message, lowers `max_bytes` to
         the largest a sender can rightly send now; `compressed=False` refuses zstd bodies. Chunks are reassembled
-        per subject (`codec.Reassembler`), and a message over OFF_LOOP_BYTES is decoded in a thread; with `views`
-        and `compressed=False`, where its tensors' data are left in place (`codec.decode`: little else is decoded,
-        and a body whose structure is long is refused), here."""
+        per subject (`codec.Reassembler`), and a message over OFF_LOOP_BYTES is decoded in a thread; with `views`,
+        its tensors' data are views of the message's bytes (`codec.decode`), which leaves little to decode: here."""
         reasm = codec.Reassembler(max_bytes=max_bytes)  # partial messages: at most 2 x max_bytes held
 
         async def on_msg(m: Msg) -> None:
@@ -144,7 +143,7 @@ class Bus:
                 frame = reasm.feed(m.data, m.subject, limit)
                 if frame is None:
                     return
-                if len(frame) > OFF_LOOP_BYTES and (compressed or not views):
+                if len(frame) > OFF_LOOP_BYTES and not views:
                     msg = await asyncio.to_thread(codec.decode, frame, schema, limit, compressed)
                 else:
                     msg = codec.decode(frame, schema, limit, compressed, views)
