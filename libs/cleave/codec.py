@@ -21,7 +21,6 @@ import numpy as np
 import pydantic
 import zstandard
 
-from cleave import bins
 from cleave.errors import TooLarge, WireError
 from cleave.schemas import DTYPE_SIZES, DTYPES, MAX_MESSAGE_BYTES, TensorData, Wire
 
@@ -213,10 +212,9 @@ def _stand_in(obj: object, values: list[Piece], tag: bytes, min_bytes: int) -> o
 
 
 def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: int = MAX_MESSAGE_BYTES,
-           compressed: bool = True, views: bool = False) -> T:
+           compressed: bool = True) -> T:
     """Bytes from the wire to a validated message, or WireError; never anything half-checked. `compressed=False`
-    refuses zstd bodies (`zstd_refused`): for messages that are dense floats, which never pay for it. With
-    `views`, a tensor's data of DEFAULT_PIECE_BYTES or more is a read-only view of `payload` (`cleave.bins`)."""
+    refuses zstd bodies (`zstd_refused`): for messages that are dense floats, which never pay for it."""
     if len(payload) > max_bytes + _HEAD.size:
         raise TooLarge(f"{len(payload)} bytes over the limit of {max_bytes}")
     if len(payload) < _HEAD.size:
@@ -232,11 +230,10 @@ def decode(payload: bytes | bytearray | memoryview, schema: type[T], max_bytes: 
             raise WireError("zstd_refused", "this message is never compressed")
         body = _decompress(body, max_bytes)
     budget = _Budget(DEFAULT_MAX_ITEMS)
-    unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True, max_bin_len=max_bytes,
-                                max_str_len=DEFAULT_MAX_STR, max_array_len=DEFAULT_MAX_ITEMS, max_map_len=DEFAULT_MAX_ITEMS,
-                                max_ext_len=0, list_hook=budget.take, object_hook=budget.take)
     try:
-        obj = bins.unpack(body, DEFAULT_PIECE_BYTES, unpackb) if views and not flags & FLAG_ZSTD else unpackb(body)
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=DEFAULT_MAX_STR,
+                              max_array_len=DEFAULT_MAX_ITEMS, max_map_len=DEFAULT_MAX_ITEMS, max_ext_len=0,
+                              list_hook=budget.take, object_hook=budget.take)
     except WireError:
         raise
     except Exception as e:  # msgpack raises many types for garbage

@@ -125,7 +125,6 @@ class Bus:
         sender: str = "",
         compressed: bool = True,
         cap: Callable[[], int] | None = None,
-        views: bool = False,
     ):
         """Subscribe with reassembly and validation; `handler(msg, wire_bytes)` sees only valid messages.
 
@@ -133,8 +132,7 @@ class Bus:
         the subject it came on is rejected (`wrong_sender`): per-worker subjects, which per-worker credentials
         restrict, then also bind the id a message claims. `cap`, asked for each message, lowers `max_bytes` to
         the largest a sender can rightly send now; `compressed=False` refuses zstd bodies. Chunks are reassembled
-        per subject (`codec.Reassembler`), and a message over OFF_LOOP_BYTES is decoded in a thread; with `views`,
-        its tensors' data are views of the message's bytes (`codec.decode`), which leaves little to decode: here."""
+        per subject (`codec.Reassembler`), and a message over OFF_LOOP_BYTES is decoded in a thread."""
         reasm = codec.Reassembler(max_bytes=max_bytes)  # partial messages: at most 2 x max_bytes held
 
         async def on_msg(m: Msg) -> None:
@@ -143,10 +141,10 @@ class Bus:
                 frame = reasm.feed(m.data, m.subject, limit)
                 if frame is None:
                     return
-                if len(frame) > OFF_LOOP_BYTES and not views:
+                if len(frame) > OFF_LOOP_BYTES:
                     msg = await asyncio.to_thread(codec.decode, frame, schema, limit, compressed)
                 else:
-                    msg = codec.decode(frame, schema, limit, compressed, views)
+                    msg = codec.decode(frame, schema, limit, compressed)
             except WireError as e:
                 self.reject(e.reason, m.subject, str(e))
                 return
@@ -154,7 +152,7 @@ class Bus:
                 self.reject("wrong_sender", m.subject, f"{sender}={getattr(msg, sender)!r}")
                 return
             nbytes = len(frame)
-            del frame  # decoded: the frame's bytes are not kept while the handler runs (unless views hold them)
+            del frame  # decoded: the frame's bytes are not kept while the handler runs (a tile computes meanwhile)
             await handler(msg, nbytes)
 
         return await self.nc.subscribe(

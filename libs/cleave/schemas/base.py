@@ -5,19 +5,12 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
 
 from cleave.schemas.dtypes import DTYPE_SIZES, DTYPES
 from cleave.schemas.limits import MAX_TENSOR_ELEMENTS
 
 COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "topkq")  # what a Packed tensor may be (cleave.compression)
-
-def _view_or_bytes(value: object, handler):  # noqa: ANN202 - pydantic's wrap validator
-    """A read-only memoryview of bytes passes as it is (no copy); anything else is validated as bytes."""
-    if isinstance(value, memoryview) and value.readonly and value.format == "B" and value.contiguous:
-        return value
-    return handler(value)
-
 
 class Wire(BaseModel):
     """Base of all messages: immutable, and open-world (fields a newer peer adds are ignored)."""
@@ -30,9 +23,9 @@ class TensorData(Wire):
 
     dtype: Literal[DTYPES]  # type: ignore[valid-type]
     shape: tuple[int, ...] = Field(max_length=8)
-    # bytes as received, or a read-only view of the received message (`codec.decode(views=True)`); a sender may
-    # build it over a tensor's own memory (`codec.tensor_view`), which is packed as it is, without a copy
-    data: Annotated[bytes, WrapValidator(_view_or_bytes), PlainSerializer(lambda v: v)]
+    # bytes as received; a sender may build it over a tensor's own memory (`codec.tensor_view`), which is
+    # packed as it is, without a copy
+    data: Annotated[bytes, PlainSerializer(lambda v: v)]
 
     @model_validator(mode="after")
     def _size_matches(self) -> TensorData:

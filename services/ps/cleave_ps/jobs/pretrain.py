@@ -158,7 +158,7 @@ class Pretrain:
         d = self.dispatcher
         return [Listen(SUBJECT_RESULTS.format(job=self.wire_id, epoch=epoch, worker_id="*"), TileResult, d.on_result,
                        dict(max_bytes=self.s.max_result_bytes, pending_bytes=self.s.max_pending_bytes,
-                            sender="worker_id", compressed=False, cap=d.result_limit, views=True))]
+                            sender="worker_id", compressed=False, cap=d.result_limit))]
 
     async def on_plan(self, plan: Plan) -> None:
         await self.dispatcher.set_plan(plan)
