@@ -242,7 +242,7 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
             await d.on_result(msg, nbytes)
 
         sub = await bus.subscribe(SUBJECT_RESULTS.format(job=job, epoch=epoch, worker_id="*"), TileResult, on_result,
-                                  max_bytes=settings.max_result_bytes, sender="worker_id")
+                                  max_bytes=settings.max_result_bytes, sender="worker_id", compressed=False)
         watch = asyncio.create_task(PlanWatch(bus, on_plan=d.set_plan).follow(stop))
         deadline = time.monotonic() + READY_TIMEOUT_S
         while len([w for w, mb in d.workers.items() if mb.proven]) < workers:
