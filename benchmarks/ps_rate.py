@@ -278,11 +278,11 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
                 checked_s += time.process_time() - c0
         t1 = time.time()
         wire.on = False
+        fresh_outputs = d.products.fresh - fresh0
         print(f"PS: {args.gemms} GEMMs in {sum(walls):.2f}s ({[round(w, 2) for w in walls]}; outputs in fresh memory: "
-              f"{d.products.fresh - fresh0})", file=sys.stderr, flush=True)
+              f"{fresh_outputs})", file=sys.stderr, flush=True)
         sampler.stop()
         down, up, verify_s = d.c.bytes_down - down0, d.c.bytes_up - up0, d.c.verify_cpu_s - verify0
-        fresh_outputs = d.products.fresh - fresh0
         spent = Counter()  # the other processes' CPU seconds over the same GEMMs, by role
         for name, (role, pid) in others.items():
             spent[role] += floors.cpu_s(pid) - others0[name]
