@@ -298,8 +298,8 @@ async def measure(args: argparse.Namespace, run_dir: Path) -> dict:
         await sub.unsubscribe()
         await bus.close()
         size_down, size_up = weighted_median(wire.down), weighted_median(wire.up)
-        bus_down = {one: await _best(url, workers, size_down, one) for one in (False, True)}
-        bus_up = {one: await _best(url, workers, size_up, one) for one in (False, True)}
+        bus_down = {one: await floors.bus_best(url, workers, size_down, one) for one in (False, True)}
+        bus_up = {one: await floors.bus_best(url, workers, size_up, one) for one in (False, True)}
         mix = min([await floors.bus_mix_seconds(url, workers, size_down, down, size_up, up) for _ in range(2)],
                   key=lambda r: r["seconds"])
     finally:
@@ -348,12 +348,6 @@ def with_profile(r: dict, path: Path) -> dict:
         r["py_spy_busy_s"] = busy
         r["py_spy_share"] = {g: s / busy for g, s in split.items()}
     return r
-
-
-async def _best(url: str, pairs: int, size: int, one_publisher: bool, tries: int = 2) -> dict[str, float]:
-    """The fastest of `tries` measurements (`floors.bus_measure`)."""
-    return max([await floors.bus_measure(url, pairs, size, one_publisher) for _ in range(tries)],
-               key=lambda r: r["bytes_per_s"])
 
 
 def report(r: dict) -> str:

@@ -14,6 +14,12 @@ CPU seconds per step split into serialisation, copies, bus, local compute and Py
 the workers' time spent idle (1 - their compute seconds, from their heartbeats, over workers x wall time), and
 the PS's CPU seconds per step in Freivalds' check of every result block (`cleave_ps.fleet.freivalds`) with its
 share of the step (the aim: under 5%), and the tiles resent after a missed deadline and copied over the run.
+On a machine that runs the whole stack, what bounds the step is the CPU of all of it: it also prints every
+process's CPU seconds per step by role (the PS in this one, the workers, nats-server, the scheduler; from
+/proc), how busy the machine's cores were over the steps (every process's time, other tenants' too), and the
+CPU the bare bus spends on the step's bytes: the whole machine's busy CPU per byte over the floor's measurement
+(nats-server's and the bare nats-py clients'), and the clients' alone (a publisher's and a subscriber's, per
+byte of each direction), against the stack's (`stack_cpu_over_bus`).
 The losses are compared with the reference's: whether they are equal, and whether they differ by at most twice
 PyTorch's own spread (`SPREAD_RUNS`: the reference again on one thread, and with ATen's kernels not vectorised,
 as compose/e2e.sh measures it): BLAS may round a tile's product, of another shape than the reference's one
@@ -151,6 +157,9 @@ class Measured(Pretrain):
         super().__init__(*args, **kw)
         self.verify_cpu: dict[int, float] = {}  # step -> Freivalds' CPU seconds up to its end
         self.gemm_walls: list[tuple[int, float]] = []  # (step, seconds from a GEMM's dealing to its product)
+        self.others: dict[str, tuple[str, int]] = {}  # the other processes of the stack: name -> (role, pid)
+        # step -> at its end: the other processes' CPU seconds by role, and the machine's (busy, all) CPU seconds
+        self.cpu_at: dict[int, tuple[Counter, tuple[float, float]]] = {}
 
     async def build(self, epoch: int, plans) -> None:  # noqa: ANN001
         await super().build(epoch, plans)
@@ -166,6 +175,10 @@ class Measured(Pretrain):
 
     async def commit(self, m) -> None:  # noqa: ANN001
         self.verify_cpu[m.step] = self.dispatcher.c.verify_cpu_s
+        by_role = Counter()
+        for role, pid in self.others.values():
+            by_role[role] += floors.cpu_s(pid)
+        self.cpu_at[m.step] = by_role, floors.machine_cpu()
         await super().commit(m)
 
 
@@ -188,6 +201,7 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
         try:
             settings = PsSettings(nats_url=url, metrics_out=metrics, deferred_gemms=deferred)
             driver = Measured(settings, job, bus)
+            driver.others = {p.name: (p.role, p.popen.pid) for p in fleet.stack.procs.values() if p.popen is not None}
             code = await lifecycle.run(driver, bus, asyncio.Event())
         finally:
             sampler.stop()
@@ -199,20 +213,31 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
         body = [m for m in lines if m["step"] >= WARMUP_STEPS]
         down, up = rec.part_sizes(rec.down, t0, t1), rec.part_sizes(rec.up, t0, t1)
         size_down, size_up = weighted_median(down), weighted_median(up)
-        rate_down = await floors.bus_rate(url, workers, size_down)
-        rate_up = await floors.bus_rate(url, workers, size_up)
+        bus_down = await floors.bus_rate_measure(url, workers, size_down)
+        bus_up = await floors.bus_rate_measure(url, workers, size_up)
         _, gemm_after = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)
     finally:
         fleet.stop()
     n = len(body)
     verify_s = (driver.verify_cpu[job.steps - 1] - driver.verify_cpu[WARMUP_STEPS - 1]) / n
+    (roles0, machine0), (roles1, machine1) = driver.cpu_at[WARMUP_STEPS - 1], driver.cpu_at[job.steps - 1]
+    ps_cpu = sampler.between(t0, t1)
+    # the bare nats-py clients' CPU for the step's bytes: a publisher's and a subscriber's per byte, each direction
+    moved = ((statistics.median(m["bytes_down"] for m in body), bus_down),
+             (statistics.median(m["bytes_up"] for m in body), bus_up))
+    clients_s = sum(nbytes * (b["publisher_ns_per_byte"] + b["subscriber_ns_per_byte"]) / 1e9 for nbytes, b in moved)
+    bare_s = sum(nbytes * b["machine_ns_per_byte"] / 1e9 for nbytes, b in moved)  # nats-server's CPU too
     return {
         "verify_cpu_s_per_step": verify_s, "verified_blocks": driver.dispatcher.c.verified,
         "lines": lines, "step_s": statistics.median(m["step_time_s"] for m in body),
         "bytes_down": statistics.median(m["bytes_down"] for m in body),
         "bytes_up": statistics.median(m["bytes_up"] for m in body),
-        "msg_bytes_down": size_down, "msg_bytes_up": size_up, "bus_rate_down": rate_down, "bus_rate_up": rate_up,
-        "ps_cpu_per_step": {k: v / n for k, v in sampler.between(t0, t1).items()},
+        "msg_bytes_down": size_down, "msg_bytes_up": size_up,
+        "bus_rate_down": bus_down["bytes_per_s"], "bus_rate_up": bus_up["bytes_per_s"],
+        "ps_cpu_per_step": {k: v / n for k, v in ps_cpu.items()},
+        "stack_cpu_per_step": {"ps": ps_cpu["cpu_s"] / n, **{r: (roles1[r] - roles0[r]) / n for r in sorted(roles1)}},
+        "machine_busy": (machine1[0] - machine0[0]) / (machine1[1] - machine0[1]), "bus_clients_cpu_s": clients_s,
+        "bus_machine_cpu_s": bare_s,
         "worker_idle_fraction": 1 - rec.busy_s(t0, t1) / (workers * (t1 - t0)),
         "tiles_per_step": statistics.median(m["tiles"] for m in body), "gemm_s_after": gemm_after,
         "gemm_walls": [w for step, w in driver.gemm_walls if step >= WARMUP_STEPS],
@@ -238,6 +263,12 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) 
         "bus_floor_s": bus_s, "gemm_flops_per_step": flops, "gemm_s_all_threads": gemm_s,
         "gemm_flops_per_s": flops / gemm_s, "floor_s": floor, "floor_is": "bus" if bus_s >= gemm_s else "gemm",
         "step_over_floor": d["step_s"] / floor, "ps_cpu_s_per_step": d["ps_cpu_per_step"],
+        # every process of the stack, the PS in this one: CPU seconds per step, by role; the machine's cores busy
+        # over the steps (other tenants' processes too); bare nats-py clients' CPU for the step's bytes
+        "stack_cpu_s_per_step": d["stack_cpu_per_step"], "stack_cpu_s": sum(d["stack_cpu_per_step"].values()),
+        "machine_busy_fraction": d["machine_busy"], "cores": os.cpu_count(),
+        "bus_clients_cpu_s_per_step": d["bus_clients_cpu_s"], "bus_machine_cpu_s_per_step": d["bus_machine_cpu_s"],
+        "stack_cpu_over_bus": sum(d["stack_cpu_per_step"].values()) / d["bus_machine_cpu_s"],
         "worker_idle_fraction": d["worker_idle_fraction"], "tiles_per_step": d["tiles_per_step"],
         "losses": [m["loss"] for m in d["lines"]], "losses_equal_reference": [m["loss"] for m in d["lines"]] == ref_losses,
         "max_rel_loss_diff": (diff := max(abs(m["loss"] - r) / abs(r) for m, r in zip(d["lines"], ref_losses, strict=True))),
@@ -256,6 +287,7 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) 
 def report(r: dict) -> str:
     cpu = r["ps_cpu_s_per_step"]
     split = ", ".join(f"{k} {cpu[k]:.3f}" for k in floors.CATEGORIES)
+    stack = ", ".join(f"{k} {v:.3f}" for k, v in r["stack_cpu_s_per_step"].items())
     return (f"{r['preset']:>6} {r['precision']} deferred {r['deferred_gemms']}: step {r['distributed_step_s']:.3f}s vs reference "
             f"{r['reference_step_s']:.3f}s (x{r['distributed_over_reference']:.1f}); floor {r['floor_s']:.3f}s "
             f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
@@ -270,6 +302,10 @@ def report(r: dict) -> str:
             f"{r['gemm_wall_s']['p50'] * 1e3:.1f} ms)"
             f"\n        PS CPU per step {cpu['cpu_s']:.3f}s: {split}; "
             f"worker idle {r['worker_idle_fraction']:.0%}"
+            f"\n        the stack's CPU per step {r['stack_cpu_s']:.3f}s ({stack}) on {r['cores']} cores "
+            f"{r['machine_busy_fraction']:.0%} busy; the bare bus's {r['bus_machine_cpu_s_per_step']:.3f}s for the "
+            f"step's bytes (its nats-py clients' {r['bus_clients_cpu_s_per_step']:.3f}s; the machine's CPU over "
+            f"the floor's measurement): x{r['stack_cpu_over_bus']:.1f}"
             f"\n        Freivalds' check of every block: {r['verify_cpu_s_per_step']:.4f}s of PS CPU per step, "
             f"{r['verify_share_of_step']:.1%} of the step")
 
