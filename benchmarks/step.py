@@ -26,10 +26,13 @@ as compose/e2e.sh measures it): BLAS may round a tile's product, of another shap
 product, differently in a float's last bit, and a step's loss then differs by about that.
 Each point runs with the PS dealing one GEMM at a time (`--deferred 0`) and with weight gradients dealt
 beside the backward's other GEMMs (`deferred_gemms`, 8 by default), side by side.
+The tiles are uniform, 256 x 256 from a queue, as this benchmark has always measured; `--planner cost` runs the
+scheduler's own plan, as `cleave train` does (`--chunks`: its pieces per planned block).
 Writes benchmarks/results/step.json.
 
     nice -n 10 .venv/bin/python benchmarks/step.py [--presets tiny small] [--steps 12] [--workers 4]
                                                    [--precision fp32|bf16|fp16] [--deferred 0 8]
+                                                   [--planner uniform|cost|even] [--chunks N]
 """
 
 from __future__ import annotations
@@ -182,12 +185,17 @@ class Measured(Pretrain):
         await super().commit(m)
 
 
-async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int) -> dict:
-    # uniform tiles, as before this benchmark measured floors (comparable figures)
-    fleet = LocalFleet(run_dir, workers, scheduler_env={
-        "CLEAVE_SCHEDULER_PLANNER": "uniform",
-        "CLEAVE_SCHEDULER_TILE_ROWS": str(tiles.UNPLANNED_TILE), "CLEAVE_SCHEDULER_TILE_COLS": str(tiles.UNPLANNED_TILE),
-    })
+def scheduler_env(planner: str, chunks: int | None) -> dict[str, str]:
+    """The scheduler's settings for `--planner`: uniform tiles of UNPLANNED_TILE (this benchmark's figures
+    before it had the option, comparable), or the scheduler's own plan (`cost`: its defaults, `--chunks` too)."""
+    if planner == "uniform":
+        return {"CLEAVE_SCHEDULER_PLANNER": "uniform", "CLEAVE_SCHEDULER_TILE_ROWS": str(tiles.UNPLANNED_TILE),
+                "CLEAVE_SCHEDULER_TILE_COLS": str(tiles.UNPLANNED_TILE)}
+    return {"CLEAVE_SCHEDULER_PLANNER": planner, **({"CLEAVE_SCHEDULER_CHUNKS": str(chunks)} if chunks else {})}
+
+
+async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int, env: dict[str, str]) -> dict:
+    fleet = LocalFleet(run_dir, workers, scheduler_env=env)
     fleet.start()
     try:
         fleet.wait_joined()  # the first step's plan has every worker: its tiles have the shapes of the later steps
@@ -244,18 +252,20 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
     }
 
 
-def bench(preset: str, steps: int, workers: int, precision: str, deferred: int) -> dict:
+def bench(preset: str, steps: int, workers: int, precision: str, deferred: int, planner: str = "uniform",
+          chunks: int | None = None) -> dict:
     job = JobConfig(job_id=f"bench-{preset}-{time.time_ns()}", preset=preset, steps=steps, precision=precision)
     ref_s, ref_losses = reference(job, steps)
     envelope = spread(job, steps, ref_losses)
     flops, gemm_s = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)  # workers compute in float32
     with tempfile.TemporaryDirectory() as tmp:
-        d = asyncio.run(distributed(job, workers, Path(tmp), deferred))
+        d = asyncio.run(distributed(job, workers, Path(tmp), deferred, scheduler_env(planner, chunks)))
     gemm_s = min(gemm_s, d["gemm_s_after"])  # the best rate, before or after the step
     bus_s = d["bytes_down"] / d["bus_rate_down"] + d["bytes_up"] / d["bus_rate_up"]
     floor = max(bus_s, gemm_s)
     return {
         "preset": preset, "workers": workers, "steps": steps, "precision": precision, "deferred_gemms": deferred,
+        "planner": planner, "chunks": None if planner == "uniform" else chunks or tiles.DEFAULT_CHUNKS,
         "reference_step_s": ref_s, "distributed_step_s": d["step_s"], "distributed_over_reference": d["step_s"] / ref_s,
         "ps_bytes_down_per_step": d["bytes_down"], "ps_bytes_up_per_step": d["bytes_up"],
         "msg_bytes_down": d["msg_bytes_down"], "msg_bytes_up": d["msg_bytes_up"],
@@ -288,7 +298,9 @@ def report(r: dict) -> str:
     cpu = r["ps_cpu_s_per_step"]
     split = ", ".join(f"{k} {cpu[k]:.3f}" for k in floors.CATEGORIES)
     stack = ", ".join(f"{k} {v:.3f}" for k, v in r["stack_cpu_s_per_step"].items())
-    return (f"{r['preset']:>6} {r['precision']} deferred {r['deferred_gemms']}: step {r['distributed_step_s']:.3f}s vs reference "
+    plan = r["planner"] + (f" chunks {r['chunks']}" if r["chunks"] else "")
+    return (f"{r['preset']:>6} {r['precision']} deferred {r['deferred_gemms']} {plan} ({r['tiles_per_step']:.0f} tiles a step): "
+            f"step {r['distributed_step_s']:.3f}s vs reference "
             f"{r['reference_step_s']:.3f}s (x{r['distributed_over_reference']:.1f}); floor {r['floor_s']:.3f}s "
             f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
             f"{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with {r['bus_pairs']} pairs, GEMMs "
@@ -318,10 +330,14 @@ def main() -> None:
     p.add_argument("--precision", nargs="+", default=["fp32"], choices=("fp32", "bf16", "fp16"))
     p.add_argument("--deferred", nargs="+", type=int, default=[0, 8],
                    help="deferred_gemms settings to run side by side (0: one GEMM at a time)")
+    p.add_argument("--planner", choices=("uniform", "cost", "even"), default="uniform",
+                   help="uniform: tiles of 256 from a queue (comparable with earlier figures); cost or even: the "
+                        "scheduler's plan, as `cleave train` runs")
+    p.add_argument("--chunks", type=int, default=None, help="with a planner: the scheduler's chunks (default: its own)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     configure("bench", level="warning")
-    results = [bench(preset, args.steps, args.workers, prec, deferred) for preset in args.presets
+    results = [bench(preset, args.steps, args.workers, prec, deferred, args.planner, args.chunks) for preset in args.presets
                for prec in args.precision for deferred in args.deferred]
     for r in results:
         print(report(r))
