@@ -1,6 +1,6 @@
 """What a step cannot beat on this machine, measured in the same run as the step (benchmarks/step.py).
 
-- `bus_rate`: the best aggregate rate of core NATS on loopback to N concurrent subscribers at one message
+- `bus_rate_measure`: the best aggregate rate of core NATS on loopback to N concurrent subscribers at one message
   size, from N publishers (N publisher/subscriber pairs, each a process of its own) or from one publisher
   process (as the PS publishes); the tiles and the fan-out blocks both travel as core NATS messages of at
   most the server's max_payload.
@@ -147,13 +147,6 @@ async def _gather(sub, n: int, timeout_s: float) -> None:  # noqa: ANN001
         await sub.next_msg(timeout=timeout_s)
 
 
-async def bus_rate_once(url: str, pairs: int, size: int, one_publisher: bool = False,
-                        pair_bytes: int = DEFAULT_PAIR_BYTES) -> float:
-    """Bytes/s moved to `pairs` subscriber processes at once, each on its own subject: from as many publisher
-    processes, or (`one_publisher`) from one, as the PS publishes to its workers."""
-    return (await bus_measure(url, pairs, size, one_publisher, pair_bytes))["bytes_per_s"]
-
-
 def window(size: int, streams: int = 1) -> int:
     """Messages in flight per stream of `size`-byte messages, when `streams` of them flow into one connection:
     DEFAULT_WINDOW, or fewer so that they stay under DEFAULT_WINDOW_BYTES."""
@@ -167,10 +160,12 @@ def every(in_flight: int) -> int:
 
 async def bus_measure(url: str, pairs: int, size: int, one_publisher: bool = False,
                       pair_bytes: int = DEFAULT_PAIR_BYTES) -> dict[str, float]:
-    """`bus_rate_once`'s measurement: bytes_per_s, the CPU seconds of the publisher and subscriber processes
-    (nats-py clients) per byte moved, `publisher_ns_per_byte` and `subscriber_ns_per_byte`, and the whole
-    machine's busy CPU seconds per byte while they moved (`machine_cpu`: nats-server's and the clients', and
-    whatever else ran), `machine_ns_per_byte`."""
+    """Bytes/s moved to `pairs` subscriber processes at once, each on its own subject, from as many publisher
+    processes or (`one_publisher`) from one, as the PS publishes to its workers (`bytes_per_s`); the CPU
+    seconds of the publisher and subscriber processes (nats-py clients) per byte moved,
+    `publisher_ns_per_byte` and `subscriber_ns_per_byte`; and the whole machine's busy CPU seconds per byte
+    while they moved (`machine_cpu`: nats-server's and the clients', and whatever else ran),
+    `machine_ns_per_byte`."""
     in_flight = window(size)
     count = max(in_flight * 2, pair_bytes // size)
     subjects = [f"bench.p{i}" for i in range(pairs)]
@@ -248,11 +243,6 @@ async def bus_best(url: str, pairs: int, size: int, one_publisher: bool, tries: 
 async def bus_rate_measure(url: str, pairs: int, size: int, tries: int = 2) -> dict[str, float]:
     """The fastest of `tries` measurements each with `pairs` publishers and with one publisher (`bus_measure`)."""
     return max([await bus_best(url, pairs, size, one, tries) for one in (False, True)], key=lambda r: r["bytes_per_s"])
-
-
-async def bus_rate(url: str, pairs: int, size: int, tries: int = 2) -> float:
-    """The best of `tries` measurements each with `pairs` publishers and with one publisher."""
-    return (await bus_rate_measure(url, pairs, size, tries))["bytes_per_s"]
 
 
 def gemm_seconds(preset_cfg, batch: int, seq: int, dtype: torch.dtype = torch.float32) -> tuple[float, float]:  # noqa: ANN001

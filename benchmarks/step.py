@@ -7,7 +7,7 @@ where its CPU goes can be sampled, `floors.CpuSampler`); then, on the same nats-
     floor = max(bytes the PS sent and received / the bus's rate, the step's GEMM FLOPs / the GEMM rate)
 
 with the bus's best rate measured with as many concurrent publisher/subscriber process pairs as workers and
-with one publisher to as many subscribers, at the message sizes the step used (`floors.bus_rate`, per
+with one publisher to as many subscribers, at the message sizes the step used (`floors.bus_rate_measure`, per
 direction, the best of 2 tries of each right after the step), and the GEMM rate with all threads at the
 step's shapes (the better of before and after the step). Prints step/floor, distributed/reference, the PS's
 CPU seconds per step split into serialisation, copies, bus, local compute and Python, and the fraction of
