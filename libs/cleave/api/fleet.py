@@ -13,6 +13,7 @@ from pathlib import Path
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
 from cleave.errors import CleaveError
+from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
 from cleave.schemas import StepMetrics
@@ -24,6 +25,17 @@ JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join 
 JOINED = re.compile(r"worker_joined .*?worker_id=(\S+)")  # the scheduler's log line for a join
 
 DEFAULT_POLL_S = 0.2
+CHUNKS_ENV = "CLEAVE_SCHEDULER_CHUNKS"
+
+
+def one_machine_chunks() -> dict[str, str]:
+    """The scheduler's environment for a fleet on this machine: planned blocks sent whole (chunks 1), since every
+    piece costs CPU that the PS, the workers and nats-server share here and streaming saves nothing on loopback
+    (docs/planning.md); nothing where the environment or the settings file's [scheduler] table sets chunks."""
+    path = os.environ.get(config_file.CONFIG_ENV)
+    if CHUNKS_ENV in os.environ or (path and "chunks" in config_file.read(path).get("scheduler", {})):
+        return {}
+    return {CHUNKS_ENV: "1"}
 
 
 def default_run_dir(kind: str) -> Path:
@@ -90,6 +102,7 @@ class LocalFleet:
     scheduler_env: dict[str, str] = field(default_factory=dict)
     nats_cluster: int = 0  # > 0: that many routed nats-servers (JetStream R3 from 3) instead of one
     sites: tuple[str, ...] = ()  # a leaf node per site; the workers are dealt to the sites in turn
+    one_machine: bool = False  # every worker runs here: the scheduler sends planned blocks whole (`one_machine_chunks`)
     stack: Stack = field(init=False)
     next_worker: int = 0
     ps_names: list[str] = field(default_factory=lambda: ["ps"])  # the PS, or its replicas
@@ -105,7 +118,8 @@ class LocalFleet:
         else:
             self.stack.start_nats()
         if with_fleet:
-            self.stack.service("scheduler", "scheduler", env=self.scheduler_env)
+            whole = one_machine_chunks() if self.one_machine else {}
+            self.stack.service("scheduler", "scheduler", env={**whole, **self.scheduler_env})
             for _ in range(self.workers):
                 self.add_worker()
 

@@ -67,7 +67,7 @@ def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path |
     if auth is not None and nats is None:
         raise ConfigError("auth= logs the PS in to a running stack's NATS: it needs nats= (a local stack has none)")
     ps_env = credentials.role_env(Path(auth), "ps") if auth is not None else None
-    fleet = LocalFleet(run_dir, workers, nats_url=nats)
+    fleet = LocalFleet(run_dir, workers, nats_url=nats, one_machine=True)
     try:
         fleet.start(with_fleet=nats is None)
         if on_stack:

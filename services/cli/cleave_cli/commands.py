@@ -137,7 +137,7 @@ def up(args: argparse.Namespace) -> int:
     if as_hub and (args.nats_cluster or args.site):
         raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "
                           "machine: use one or the other (docs/deploy.md)")
-    fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site))
+    fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site), one_machine=not as_hub)
     if as_hub:
         fleet.stack.hub = HubConfig.of(args.listen, args.auth, args.leaf_port)
     try:
@@ -185,10 +185,7 @@ def demo(args: argparse.Namespace) -> int:
                           warmup_steps=max(1, steps // 5))  # a short run: a fifth of it warms up (no spike)
     run_dir = args.run_dir or default_run_dir("demo")
     metrics_out = run_dir / "metrics.jsonl"
-    # one machine: whole planned blocks, not pieces (each piece costs CPU the PS and the workers share here;
-    # docs/planning.md), unless the environment says otherwise
-    chunks = os.environ.get("CLEAVE_SCHEDULER_CHUNKS", "1")
-    fleet = LocalFleet(run_dir, 0, scheduler_env={"CLEAVE_SCHEDULER_CHUNKS": chunks})
+    fleet = LocalFleet(run_dir, 0, one_machine=True)
     progress = ProgressBar(job.steps)
     killed = {"at_step": job.steps // 2}
 
