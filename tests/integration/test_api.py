@@ -60,6 +60,37 @@ def start_up(run_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     return up, json.loads(stack.read_text())["nats_url"]
 
 
+def scheduler_chunks(run_dir: Path) -> str | None:
+    """CLEAVE_SCHEDULER_CHUNKS in the environment the stack in `run_dir` started its scheduler with (/proc)."""
+    for _ in range(600):
+        procs = json.loads((run_dir / "stack.json").read_text())["processes"]
+        pid = next((p["pid"] for p in procs if p["role"] == "scheduler"), None)
+        if pid:
+            break
+        time.sleep(0.1)
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    return env.get("CLEAVE_SCHEDULER_CHUNKS")
+
+
+def test_a_stack_on_this_machine_sends_whole_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cleave up` without --listen, and the stack `run` starts, give the scheduler chunks 1: every worker is on
+    this machine (tests/unit/test_one_machine.py: an environment or settings file that sets chunks wins)."""
+    monkeypatch.delenv("CLEAVE_SCHEDULER_CHUNKS", raising=False)
+    monkeypatch.delenv("CLEAVE_CONFIG", raising=False)
+    up, _ = start_up(tmp_path / "up", "--workers", "0")
+    try:
+        assert scheduler_chunks(tmp_path / "up") == "1"
+    finally:
+        up.terminate()
+        up.wait(60)
+    steps = run(Job(job_id="api-chunks", preset="tiny", steps=50, batch_size=2), workers=1, run_dir=tmp_path / "run")
+    try:
+        next(steps)
+        assert scheduler_chunks(tmp_path / "run") == "1"
+    finally:
+        steps.close()
+
+
 @pytest.mark.slow  # ~60 s
 def test_a_job_submitted_to_a_hub_is_followed_to_its_end(tmp_path: Path) -> None:
     """`cleave up` (a hub without auth: its runner, scheduler and two workers); from Python: submit, follow each
