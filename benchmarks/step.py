@@ -32,7 +32,7 @@ Writes benchmarks/results/step.json.
 
     nice -n 10 .venv/bin/python benchmarks/step.py [--presets tiny small] [--steps 12] [--workers 4]
                                                    [--precision fp32|bf16|fp16] [--deferred 0 8]
-                                                   [--planner uniform|cost|even] [--chunks N]
+                                                   [--planner uniform|cost|even] [--chunks N] [--batch-size B]
 """
 
 from __future__ import annotations
@@ -253,8 +253,9 @@ async def distributed(job: JobConfig, workers: int, run_dir: Path, deferred: int
 
 
 def bench(preset: str, steps: int, workers: int, precision: str, deferred: int, planner: str = "uniform",
-          chunks: int | None = None) -> dict:
-    job = JobConfig(job_id=f"bench-{preset}-{time.time_ns()}", preset=preset, steps=steps, precision=precision)
+          chunks: int | None = None, batch_size: int | None = None) -> dict:
+    job = JobConfig(job_id=f"bench-{preset}-{time.time_ns()}", preset=preset, steps=steps, precision=precision,
+                    **({"batch_size": batch_size} if batch_size else {}))
     ref_s, ref_losses = reference(job, steps)
     envelope = spread(job, steps, ref_losses)
     flops, gemm_s = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)  # workers compute in float32
@@ -264,7 +265,7 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int, 
     bus_s = d["bytes_down"] / d["bus_rate_down"] + d["bytes_up"] / d["bus_rate_up"]
     floor = max(bus_s, gemm_s)
     return {
-        "preset": preset, "workers": workers, "steps": steps, "precision": precision, "deferred_gemms": deferred,
+        "preset": preset, "batch_size": job.batch_size, "seq": job.seq, "workers": workers, "steps": steps, "precision": precision, "deferred_gemms": deferred,
         "planner": planner, "chunks": None if planner == "uniform" else chunks or tiles.DEFAULT_CHUNKS,
         "reference_step_s": ref_s, "distributed_step_s": d["step_s"], "distributed_over_reference": d["step_s"] / ref_s,
         "ps_bytes_down_per_step": d["bytes_down"], "ps_bytes_up_per_step": d["bytes_up"],
@@ -299,7 +300,7 @@ def report(r: dict) -> str:
     split = ", ".join(f"{k} {cpu[k]:.3f}" for k in floors.CATEGORIES)
     stack = ", ".join(f"{k} {v:.3f}" for k, v in r["stack_cpu_s_per_step"].items())
     plan = r["planner"] + (f" chunks {r['chunks']}" if r["chunks"] else "")
-    return (f"{r['preset']:>6} {r['precision']} deferred {r['deferred_gemms']} {plan} ({r['tiles_per_step']:.0f} tiles a step): "
+    return (f"{r['preset']:>6} batch {r['batch_size']}x{r['seq']} {r['precision']} deferred {r['deferred_gemms']} {plan} ({r['tiles_per_step']:.0f} tiles a step): "
             f"step {r['distributed_step_s']:.3f}s vs reference "
             f"{r['reference_step_s']:.3f}s (x{r['distributed_over_reference']:.1f}); floor {r['floor_s']:.3f}s "
             f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
@@ -334,10 +335,12 @@ def main() -> None:
                    help="uniform: tiles of 256 from a queue (comparable with earlier figures); cost or even: the "
                         "scheduler's plan, as `cleave train` runs")
     p.add_argument("--chunks", type=int, default=None, help="with a planner: the scheduler's chunks (default: its own)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences a step (default: the job's own, 8)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     configure("bench", level="warning")
-    results = [bench(preset, args.steps, args.workers, prec, deferred, args.planner, args.chunks) for preset in args.presets
+    results = [bench(preset, args.steps, args.workers, prec, deferred, args.planner, args.chunks, args.batch_size)
+               for preset in args.presets
                for prec in args.precision for deferred in args.deferred]
     for r in results:
         print(report(r))
