@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from cleave.gemm.transpose import BAND_ROWS, transposed
+from cleave.gemm.transpose import BAND_COLS, BAND_ROWS, band_rows, transposed
 
-SHAPES = [(768, 768), (3072, 768), (768, 3072), (2048, 768), (2048, 3072), (8192, 1024), (4096, 2048), (8192, 4096)]
+SHAPES = [(768, 768), (3072, 768), (768, 3072), (2048, 768), (2048, 3072), (8192, 1024), (4096, 2048), (8192, 4096),
+          (1024, 128), (8192, 128), (8192, 384), (8192, 512)]  # the last: `small`'s activations at batch 8 and 64
 
 
 def best_ms(fn, rounds: int) -> float:  # noqa: ANN001
@@ -44,12 +45,13 @@ def main() -> None:
             for _ in range(2):  # alternated
                 plain = min(plain, best_ms(lambda: t.t().contiguous(), args.rounds))  # noqa: B023
                 banded = min(banded, best_ms(lambda: transposed(t), args.rounds))  # noqa: B023
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "pytorch_ms": plain,
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "band_rows": band_rows(shape[1]),
+                         "pytorch_ms": plain,
                          "banded_ms": banded, "ratio": plain / banded})
             print(f"{rows[-1]['dtype']:8s} {shape[0]:5d} x {shape[1]:<5d} PyTorch {plain:7.2f} ms  banded {banded:7.2f} ms"
                   f"  x{plain / banded:.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"band_rows": BAND_ROWS, "threads": torch.get_num_threads(), "rounds": args.rounds,
+        args.out.write_text(json.dumps({"band_rows": BAND_ROWS, "band_cols": BAND_COLS, "threads": torch.get_num_threads(), "rounds": args.rounds,
                                         "rows": rows, "load_average_1min_at_end": os.getloadavg()[0]}, indent=2) + "\n")
 
 

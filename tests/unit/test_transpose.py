@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cleave.gemm.transpose import BAND_ROWS, transposed
+from cleave.gemm.transpose import BAND_COLS, BAND_ROWS, band_rows, transposed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 7), (BAND_ROWS, 5), (BAND_ROWS + 1, 3), (3 * BAND_ROWS + 17, 300), (700, 1)])
+@pytest.mark.parametrize("shape", [(1, 7), (BAND_ROWS, 5), (BAND_ROWS + 1, 3), (3 * BAND_ROWS + 17, 300), (700, 1),
+                                   (3 * BAND_ROWS + 17, 2 * BAND_COLS), (2 * band_rows(128) + 5, 128)])
 def test_the_same_bits_as_pytorchs_transpose(shape, dtype):
     t = torch.randn(*shape).to(dtype)
     got = transposed(t)
@@ -17,6 +18,11 @@ def test_the_same_bits_as_pytorchs_transpose(shape, dtype):
     assert got.is_contiguous() and got.shape == want.shape and got.dtype == dtype
     assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+def test_a_narrow_matrix_is_copied_in_longer_bands():
+    assert band_rows(4096) == band_rows(BAND_COLS) == band_rows(768) == BAND_ROWS
+    assert band_rows(512) == 2 * BAND_ROWS and band_rows(384) == 2 * BAND_ROWS and band_rows(128) == 8 * BAND_ROWS
 
 
 def test_views_and_recorded_tensors_as_pytorch_does():
