@@ -137,9 +137,10 @@ def up(args: argparse.Namespace) -> int:
     if as_hub and (args.nats_cluster or args.site):
         raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "
                           "machine: use one or the other (docs/deploy.md)")
-    fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site), one_machine=not as_hub)
+    fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site), one_machine=True)
     if as_hub:
         fleet.stack.hub = HubConfig.of(args.listen, args.auth, args.leaf_port)
+        fleet.one_machine = fleet.stack.hub.host in LOOPBACK  # no worker can dial in from elsewhere
     try:
         fleet.start()
         if as_hub:
