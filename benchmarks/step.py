@@ -265,7 +265,8 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int, 
     bus_s = d["bytes_down"] / d["bus_rate_down"] + d["bytes_up"] / d["bus_rate_up"]
     floor = max(bus_s, gemm_s)
     return {
-        "preset": preset, "batch_size": job.batch_size, "seq": job.seq, "workers": workers, "steps": steps, "precision": precision, "deferred_gemms": deferred,
+        "preset": preset, "batch_size": job.batch_size, "seq": job.seq, "workers": workers, "steps": steps,
+        "precision": precision, "deferred_gemms": deferred,
         "planner": planner, "chunks": None if planner == "uniform" else chunks or tiles.DEFAULT_CHUNKS,
         "reference_step_s": ref_s, "distributed_step_s": d["step_s"], "distributed_over_reference": d["step_s"] / ref_s,
         "ps_bytes_down_per_step": d["bytes_down"], "ps_bytes_up_per_step": d["bytes_up"],
@@ -300,8 +301,8 @@ def report(r: dict) -> str:
     split = ", ".join(f"{k} {cpu[k]:.3f}" for k in floors.CATEGORIES)
     stack = ", ".join(f"{k} {v:.3f}" for k, v in r["stack_cpu_s_per_step"].items())
     plan = r["planner"] + (f" chunks {r['chunks']}" if r["chunks"] else "")
-    return (f"{r['preset']:>6} batch {r['batch_size']}x{r['seq']} {r['precision']} deferred {r['deferred_gemms']} {plan} ({r['tiles_per_step']:.0f} tiles a step): "
-            f"step {r['distributed_step_s']:.3f}s vs reference "
+    return (f"{r['preset']:>6} batch {r['batch_size']}x{r['seq']} {r['precision']} deferred {r['deferred_gemms']} "
+            f"{plan} ({r['tiles_per_step']:.0f} tiles a step): step {r['distributed_step_s']:.3f}s vs reference "
             f"{r['reference_step_s']:.3f}s (x{r['distributed_over_reference']:.1f}); floor {r['floor_s']:.3f}s "
             f"({r['floor_is']}: bus {r['bus_floor_s']:.3f}s at {r['bus_bytes_per_s_down'] / 1e6:.0f}/"
             f"{r['bus_bytes_per_s_up'] / 1e6:.0f} MB/s down/up with {r['bus_pairs']} pairs, GEMMs "

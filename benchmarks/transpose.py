@@ -45,14 +45,14 @@ def main() -> None:
             for _ in range(2):  # alternated
                 plain = min(plain, best_ms(lambda: t.t().contiguous(), args.rounds))  # noqa: B023
                 banded = min(banded, best_ms(lambda: transposed(t), args.rounds))  # noqa: B023
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "band_rows": band_rows(shape[1]),
-                         "pytorch_ms": plain,
-                         "banded_ms": banded, "ratio": plain / banded})
+            rows.append({"dtype": str(dtype).removeprefix("torch."), "shape": list(shape),
+                         "band_rows": band_rows(shape[1]), "pytorch_ms": plain, "banded_ms": banded,
+                         "ratio": plain / banded})
             print(f"{rows[-1]['dtype']:8s} {shape[0]:5d} x {shape[1]:<5d} PyTorch {plain:7.2f} ms  banded {banded:7.2f} ms"
                   f"  x{plain / banded:.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"band_rows": BAND_ROWS, "band_cols": BAND_COLS, "threads": torch.get_num_threads(), "rounds": args.rounds,
-                                        "rows": rows, "load_average_1min_at_end": os.getloadavg()[0]}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"band_rows": BAND_ROWS, "band_cols": BAND_COLS, "threads": torch.get_num_threads(),
+                                        "rounds": args.rounds, "rows": rows, "load_average_1min_at_end": os.getloadavg()[0]}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

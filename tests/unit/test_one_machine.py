@@ -49,3 +49,11 @@ def test_a_settings_file_without_chunks_leaves_the_rule(tmp_path: Path, monkeypa
     settings.write_text("[scheduler]\nplanner = \"even\"\n")
     monkeypatch.setenv(CONFIG_ENV, str(settings))
     assert scheduler_chunks(one_machine_chunks(), monkeypatch) == 1
+
+
+def test_a_scheduler_key_that_is_no_table_is_left_to_the_scheduler(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = tmp_path / "cleave.toml"
+    settings.write_text("scheduler = 3\n")
+    monkeypatch.setenv(CONFIG_ENV, str(settings))
+    assert one_machine_chunks() == {CHUNKS_ENV: "1"}  # no crash here: the scheduler's settings name the error

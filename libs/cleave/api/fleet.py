@@ -33,7 +33,8 @@ def one_machine_chunks() -> dict[str, str]:
     piece costs CPU that the PS, the workers and nats-server share here and streaming saves nothing on loopback
     (docs/planning.md); nothing where the environment or the settings file's [scheduler] table sets chunks."""
     path = os.environ.get(config_file.CONFIG_ENV)
-    if CHUNKS_ENV in os.environ or (path and "chunks" in config_file.read(path).get("scheduler", {})):
+    table = config_file.read(path).get("scheduler") if path else None  # not a table: the scheduler says so
+    if CHUNKS_ENV in os.environ or (isinstance(table, dict) and "chunks" in table):
         return {}
     return {CHUNKS_ENV: "1"}
 

@@ -137,14 +137,15 @@ def up(args: argparse.Namespace) -> int:
     if as_hub and (args.nats_cluster or args.site):
         raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "
                           "machine: use one or the other (docs/deploy.md)")
-    fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site), one_machine=True)
-    if as_hub:
-        fleet.stack.hub = HubConfig.of(args.listen, args.auth, args.leaf_port)
-        fleet.one_machine = fleet.stack.hub.host in LOOPBACK  # no worker can dial in from elsewhere
+    hub = HubConfig.of(args.listen, args.auth, args.leaf_port) if as_hub else None
+    # on the loopback no worker can dial in from elsewhere: the fleet is this machine's
+    fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site),
+                       one_machine=hub is None or hub.host in LOOPBACK)
+    fleet.stack.hub = hub
     try:
         fleet.start()
-        if as_hub:
-            fleet.stack.hub.check_login()
+        if hub is not None:
+            hub.check_login()
         for _ in range(args.workers):
             fleet.add_worker()
         fleet.stack.service("runner", "runner", ["--run-dir", str(run_dir / "runner"),
