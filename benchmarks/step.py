@@ -19,7 +19,10 @@ process's CPU seconds per step by role (the PS in this one, the workers, nats-se
 /proc), how busy the machine's cores were over the steps (every process's time, other tenants' too), and the
 CPU the bare bus spends on the step's bytes: the whole machine's busy CPU per byte over the floor's measurement
 (nats-server's and the bare nats-py clients'), and the clients' alone (a publisher's and a subscriber's, per
-byte of each direction), against the stack's (`stack_cpu_over_bus`).
+byte of each direction), against the stack's (`stack_cpu_over_bus`). Where the whole stack shares the
+machine, no step can be shorter than `machine_bound_s`: the CPU the reference spends on a step plus the bare
+bus's for its bytes, over the machine's cores; `machine_bound_over_floor` says how far above the floor that
+sits on this machine, `step_over_machine_bound` what the stack's own overhead adds to it.
 The losses are compared with the reference's: whether they are equal, and whether they differ by at most twice
 PyTorch's own spread (`SPREAD_RUNS`: the reference again on one thread, and with ATen's kernels not vectorised,
 as compose/e2e.sh measures it): BLAS may round a tile's product, of another shape than the reference's one
@@ -72,15 +75,16 @@ _REFERENCE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import step; f
               "print(json.dumps(step.reference(JobConfig.model_validate_json(sys.argv[2]), int(sys.argv[3]))[1]))")
 
 
-def reference(job: JobConfig, steps: int) -> tuple[float, list[float]]:
-    """The reference's median step and its losses."""
+def reference(job: JobConfig, steps: int) -> tuple[float, list[float], float]:
+    """The reference's median step, its losses and its median CPU seconds a step (every thread of this process)."""
     trainer = Trainer(job)
-    times, losses = [], []
+    times, losses, cpu = [], [], []
     for s in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(trainer.step(s))
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[WARMUP_STEPS:]), losses
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times[WARMUP_STEPS:]), losses, statistics.median(cpu[WARMUP_STEPS:])
 
 
 def spread(job: JobConfig, steps: int, losses: list[float]) -> float:
@@ -256,7 +260,7 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int, 
           chunks: int | None = None, batch_size: int | None = None) -> dict:
     job = JobConfig(job_id=f"bench-{preset}-{time.time_ns()}", preset=preset, steps=steps, precision=precision,
                     **({"batch_size": batch_size} if batch_size else {}))
-    ref_s, ref_losses = reference(job, steps)
+    ref_s, ref_losses, ref_cpu = reference(job, steps)
     envelope = spread(job, steps, ref_losses)
     flops, gemm_s = floors.gemm_seconds(job.arch(), job.batch_size, job.seq)  # workers compute in float32
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,6 +285,11 @@ def bench(preset: str, steps: int, workers: int, precision: str, deferred: int, 
         "machine_busy_fraction": d["machine_busy"], "cores": os.cpu_count(),
         "bus_clients_cpu_s_per_step": d["bus_clients_cpu_s"], "bus_machine_cpu_s_per_step": d["bus_machine_cpu_s"],
         "stack_cpu_over_bus": sum(d["stack_cpu_per_step"].values()) / d["bus_machine_cpu_s"],
+        # where the whole stack shares this machine's cores, no step is shorter than the CPU plain PyTorch spends
+        # on it plus the bare bus's for its bytes, spread over every core (were nothing else spent)
+        "reference_cpu_s_per_step": ref_cpu,
+        "machine_bound_s": (bound := (ref_cpu + d["bus_machine_cpu_s"]) / os.cpu_count()),
+        "machine_bound_over_floor": bound / floor, "step_over_machine_bound": d["step_s"] / bound,
         "worker_idle_fraction": d["worker_idle_fraction"], "tiles_per_step": d["tiles_per_step"],
         "losses": [m["loss"] for m in d["lines"]], "losses_equal_reference": [m["loss"] for m in d["lines"]] == ref_losses,
         "max_rel_loss_diff": (diff := max(abs(m["loss"] - r) / abs(r) for m, r in zip(d["lines"], ref_losses, strict=True))),
@@ -320,6 +329,9 @@ def report(r: dict) -> str:
             f"{r['machine_busy_fraction']:.0%} busy; the bare bus's {r['bus_machine_cpu_s_per_step']:.3f}s for the "
             f"step's bytes (its nats-py clients' {r['bus_clients_cpu_s_per_step']:.3f}s; the machine's CPU over "
             f"the floor's measurement): x{r['stack_cpu_over_bus']:.1f}"
+            f"\n        on this machine no step is under {r['machine_bound_s']:.3f}s = floor x"
+            f"{r['machine_bound_over_floor']:.2f} (the reference's CPU {r['reference_cpu_s_per_step']:.3f}s + the "
+            f"bare bus's, over {r['cores']} cores): step/that {r['step_over_machine_bound']:.2f}"
             f"\n        Freivalds' check of every block: {r['verify_cpu_s_per_step']:.4f}s of PS CPU per step, "
             f"{r['verify_share_of_step']:.1%} of the step")
 
