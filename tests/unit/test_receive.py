@@ -150,3 +150,29 @@ async def test_a_payload_is_gathered_into_again_only_once_nothing_holds_it(monke
     assert got == bodies
     assert bytes(held[0]) == bodies[0]  # the held one was never written over
     assert len(new) == 2  # the first two; the second, released, was gathered into by all that came after it
+
+
+async def test_a_payload_is_gathered_into_the_shortest_spare_that_holds_it():
+    """Cutting a long spare costs nothing; lengthening a short one copies: the spare that fits is taken."""
+    size = receive.GATHER_BYTES
+    sizes = [size, 2 * size, 2 * size, size, 3 * size]
+    bodies = [bytes([i]) * n for i, n in enumerate(sizes)]
+    data = b"".join(b"MSG big 1 %d\r\n" % len(body) + body + b"\r\n" for body in bodies)
+    got, ids, held = [], [], []
+
+    class Ids(Conn):
+        async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:  # noqa: ANN001
+            got.append(bytes(payload))
+            ids.append(id(payload))  # (the spares keep every one alive: ids are not reused)
+            if len(got) == 1:
+                held.append(memoryview(payload))  # the first is still read while the second comes: two spares
+            elif held:
+                held.pop().release()
+
+    parser = receive.Parser(Ids())
+    for i in range(0, len(data), 32768):
+        await parser.parse(data[i : i + 32768])
+    assert got == bodies
+    assert ids[2] == ids[1]  # 2 x size: the long spare, not the first one lengthened
+    assert ids[3] == ids[0]  # size: the shortest that holds it
+    assert ids[4] == ids[1]  # 3 x size: none holds it; the longest is lengthened

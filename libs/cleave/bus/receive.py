@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import mmap
 import sys
 import time
 from collections import deque
@@ -58,22 +59,25 @@ class Parser(NatsParser):
 
     def _buffer(self, size: int) -> bytearray:
         """Room for a payload of `size` bytes with its CRLF: a spare that nothing holds any more (only `spare`
-        refers to it; its old contents are read over), cut or lengthened to `size` (within the memory it has, or
-        by `realloc`, which moves a large buffer's pages rather than copy them), else a new buffer, which Python
-        zeroes and the kernel maps a page at a time."""
-        for i in range(len(self.spare)):
-            if sys.getrefcount(self.spare[i]) == 2:  # spare, argument
-                buf = self.spare[i]
-                del self.spare[i]
-                try:
-                    if len(buf) > size:
-                        del buf[size:]
-                    else:
-                        buf += bytes(size - len(buf))  # (its CRLF's room, and what this payload is longer)
-                except BufferError:  # (something has a view of it after all: left to its holder)
-                    break
-                return buf
-        return bytearray(size)
+        refers to it; its old contents are read over), the shortest that is long enough, cut to `size`, else the
+        longest, lengthened (within the memory it has, or by `realloc`, which moves a large buffer's pages rather
+        than copy them; its new bytes read from the kernel's zero page, `_zeros`), else a new buffer, which
+        Python zeroes and the kernel maps a page at a time."""
+        free = [i for i in range(len(self.spare)) if sys.getrefcount(self.spare[i]) == 2]  # spare, argument
+        if not free:
+            return bytearray(size)
+        fits = [i for i in free if len(self.spare[i]) + CRLF_SIZE >= size]  # (its CRLF's room: memory it still has)
+        i = min(fits, key=lambda i: len(self.spare[i])) if fits else max(free, key=lambda i: len(self.spare[i]))
+        buf = self.spare[i]
+        del self.spare[i]
+        try:
+            if len(buf) > size:
+                del buf[size:]
+            else:
+                buf += _zeros(size - len(buf))  # (its CRLF's room, and what this payload is longer)
+        except BufferError:  # (something has a view of it after all: left to its holder)
+            return bytearray(size)
+        return buf
 
     async def parse(self, data: bytes = b"") -> None:
         """Parse what the connection read next. Any failure is a protocol error, so that nats-py reconnects (its
@@ -117,6 +121,18 @@ class Parser(NatsParser):
             await self.nc._process_msg(args["sid"], args["subject"], args["reply"], payload, None)
         if len(view):
             await super().parse(view)
+
+
+_ZEROS: list[mmap.mmap] = []
+
+
+def _zeros(n: int) -> memoryview:
+    """`n` zero bytes to append, read from an anonymous mapping never written: every page of it is the kernel's
+    one zero page, so it costs no memory and the copy reads from cache (`bytes(n)` would zero `n` new bytes
+    first)."""
+    if not _ZEROS or len(_ZEROS[0]) < n:
+        _ZEROS[:] = [mmap.mmap(-1, max(n, 1), prot=mmap.PROT_READ)]
+    return memoryview(_ZEROS[0])[:n]
 
 
 def _holders(buf: bytearray) -> list[str]:
