@@ -13,10 +13,14 @@ this machine's cores; with `--cpu-shares` each runs in a CPU share of its own (`
 1.5 cores in all), so that they do not take each other's compute. The model predicts a step's GEMMs one after
 the other, so the PS deals them so in these two runs (`deferred_gemms: 0`); a third run of the cost plan with
 the PS's default (weight gradients dealt beside the backward, docs/architecture.md) measures what that
-overlap gains behind these links. Needs root.
+overlap gains behind these links. With `--chunks 1 4` it instead runs the cost plan as `cleave train` does
+(weight gradients dealt beside the backward) once with each number of pieces a planned block goes out in
+(the scheduler's `chunks`), alternated `--rounds` times: whether streaming a block in pieces pays behind
+these links. Needs root.
 Writes benchmarks/results/real_links.json (`--out` elsewhere).
 
     sudo nice -n 10 .venv/bin/python benchmarks/real_links.py [--steps 8] [--preset small] [--cpu-shares] [--no-deferred]
+                                                            [--chunks 1 4 [--rounds 2]]
 """
 
 from __future__ import annotations
@@ -87,10 +91,12 @@ def profiles(run_dir: Path, links: list[Link]) -> dict[str, dict]:
     return out
 
 
-def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link], deferred: int = 0) -> dict:
+def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link], deferred: int = 0,
+        chunks: int | None = None) -> dict:
     env = {"CLEAVE_LOG_JSON": "1"}
     fleet = ShapedFleet(run_dir, 0, links=links, worker_env=env,
-                        scheduler_env={**env, "CLEAVE_SCHEDULER_PLANNER": planner})
+                        scheduler_env={**env, "CLEAVE_SCHEDULER_PLANNER": planner,
+                                       **({"CLEAVE_SCHEDULER_CHUNKS": str(chunks)} if chunks else {})})
     with fleet:
         fleet.start_ps(job, run_dir / "m.jsonl", ps_env={**env, "CLEAVE_LOG_LEVEL": "debug",
                                                            "CLEAVE_PS_DEFERRED_GEMMS": str(deferred)})
@@ -108,7 +114,8 @@ def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link], deferred
     shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
     simulated = simulate_step(fleet_profiles, shapes, 4, planner=planner, steps=2)  # the same measured profiles
     gemms = gemm_table(run_dir / "logs" / "ps.log")
-    return {"planner": planner, "deferred_gemms": deferred, "measured_gemm_s": gemm, "predicted_gemm_s": predicted,
+    return {"planner": planner, "deferred_gemms": deferred, "chunks": chunks, "measured_gemm_s": gemm,
+            "predicted_gemm_s": predicted,
             "gemm_measured_over_predicted": gemm / predicted if predicted else None,
             "simulated_gemm_s": simulated, "gemm_measured_over_simulated": gemm / simulated,
             "measured_step_s": statistics.median(m["step_time_s"] for m in body), "steps": steps,
@@ -123,6 +130,9 @@ def main() -> None:
     p.add_argument("--cpu-shares", action="store_true", help="a CPU share per device (Link.cpu; needs cgroup v1)")
     p.add_argument("--no-deferred", dest="deferred", action="store_false",
                    help="skip the third run (the cost plan with weight gradients dealt beside the backward)")
+    p.add_argument("--chunks", nargs="+", type=int, default=None,
+                   help="compare these numbers of pieces a block (the cost plan, dW deferred) instead")
+    p.add_argument("--rounds", type=int, default=2, help="with --chunks: alternated rounds")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     why = netlab.unavailable() or (netlab.cpu_unavailable() if args.cpu_shares else None)
@@ -130,6 +140,8 @@ def main() -> None:
         sys.exit(f"real_links needs network namespaces (and with --cpu-shares, cgroups): {why}")
     links = LINKS if args.cpu_shares else [replace(link, cpu=None) for link in LINKS]
     job = JobConfig(job_id="real-links", preset=args.preset, steps=args.steps)
+    if args.chunks:
+        return compare_chunks(job, links, args.chunks, args.rounds, args.out, args.cpu_shares)
     with tempfile.TemporaryDirectory() as tmp:
         cost = run("cost", job, Path(tmp) / "cost", links)
         even = run("even", job.model_copy(update={"job_id": "real-links-even"}), Path(tmp) / "even", links)
@@ -161,6 +173,34 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
+
+
+def compare_chunks(job: JobConfig, links: list[Link], chunks: list[int], rounds: int, out: Path, cpu_shares: bool) -> None:
+    """The cost plan with each number of pieces a block, alternated: step and GEMM time, same losses."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for c in chunks:
+                j = job.model_copy(update={"job_id": f"real-links-c{c}-{r}"})
+                runs.append(run("cost", j, Path(tmp) / f"c{c}-{r}", links, DEFAULT_DEFERRED, c))
+                m = runs[-1]
+                print(f"round {r} chunks {c}: step {m['measured_step_s']:.2f}s, GEMMs {m['measured_gemm_s']:.2f}s "
+                      f"(predicted {m['predicted_gemm_s'] or float('nan'):.2f}s)", flush=True)
+    by = {c: [m for m in runs if m["chunks"] == c] for c in chunks}
+    summary = {str(c): {"step_s": [m["measured_step_s"] for m in ms], "gemm_s": [m["measured_gemm_s"] for m in ms],
+                        "predicted_gemm_s": [m["predicted_gemm_s"] for m in ms]} for c, ms in by.items()}
+    for c, s in summary.items():
+        print(f"chunks {c}: step {', '.join(f'{x:.2f}' for x in s['step_s'])} s; GEMMs "
+              f"{', '.join(f'{x:.2f}' for x in s['gemm_s'])} s (predicted {', '.join(f'{x or 0:.2f}' for x in s['predicted_gemm_s'])})")
+    # other pieces are products of other shapes, which BLAS may round differently in a float's last bit
+    same = all(m["losses"] == ms[0]["losses"] for ms in by.values() for m in ms)
+    diff = max(abs(a - b) / abs(b) for m in runs for a, b in zip(m["losses"], runs[0]["losses"], strict=True))
+    print(f"losses identical between runs with the same pieces: {same}; largest relative difference {diff:.1e}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"preset": job.preset, "steps": job.steps, "cpu_shares": cpu_shares,
+                               "links": [link.__dict__ for link in links], "chunks": summary,
+                               "same_losses_per_chunks": same, "max_rel_loss_diff": diff, "runs": runs}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
