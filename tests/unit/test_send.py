@@ -1,5 +1,5 @@
 """A connection's writes through `cleave.bus.send.Sender` over a real loopback TCP socket: the bytes arrive exactly
-and in order whatever the socket takes at a time; a written buffer is kept, not copied, until the kernel has it;
+and in order whatever the socket takes at a time; what one callback writes goes in one system call; a written buffer is kept, not copied, until the kernel has it;
 once `sent()` returns or gives up, the writer may change its buffer and the receiver still gets what was written;
 `close()` sends everything first; a lost connection fails the waiters instead of hanging them."""
 
@@ -67,7 +67,8 @@ async def test_bytes_arrive_exactly_and_in_order_and_close_sends_them_all():
         partial = False
         for i, p in enumerate(pieces):
             sender.write(bytearray(p) if i % 3 else p)
-            partial = partial or bool(sender.queue)
+            await asyncio.sleep(0)  # the write goes out once this callback is done
+            partial = partial or sender.watching
             if i == 10:
                 peer.reading.set()  # the first pieces fill the socket before anyone reads
         assert partial  # the socket took less than was written at least once: the rest waited, in order
@@ -119,4 +120,30 @@ async def test_a_lost_connection_fails_those_waiting_and_drops_later_writes():
         with pytest.raises(ConnectionResetError):
             await sender.drain()
     finally:
+        await peer.stop()
+
+
+async def test_what_one_callback_writes_goes_in_one_system_call(monkeypatch):
+    """A message's header, its block and its end are three writes: one vectored write sends them, not three
+    (each a TCP segment and a wake-up of the reader)."""
+    import cleave.bus.send as send
+
+    calls = []
+    writev = send.os.writev
+    monkeypatch.setattr(send.os, "writev", lambda fd, bufs: calls.append(len(bufs)) or writev(fd, bufs))
+    peer = Peer()
+    peer.reading.set()
+    transport, sender, _ = await connect(await peer.start())
+    pieces = [b"PUB tiles.w1 70000\r\n", bytes(range(256)) * 273 + bytes(112), b"\r\n"]
+    try:
+        for p in pieces:
+            sender.write(p)
+        assert not calls  # nothing sent while the writer still writes
+        await asyncio.wait_for(sender.sent(), TIMEOUT_S)
+        assert calls == [3]
+        sender.close()
+        await asyncio.wait_for(peer.ended.wait(), TIMEOUT_S)
+        assert bytes(peer.got) == b"".join(pieces)
+    finally:
+        transport.abort()
         await peer.stop()

@@ -3,10 +3,11 @@
 asyncio's socket transport (Python 3.11) sends what the socket takes of a write at once and copies the rest into
 one growing buffer, which it sends from as the socket drains: a tile's block, written from its tensor's memory,
 was copied once more in Python before the kernel copied it. `Sender` keeps the written objects themselves, in
-order, and hands the kernel as many of them as it takes in one vectored write (`os.writev`) whenever the socket
-has room: a byte is copied by the kernel alone. A writer that will change its buffers awaits `sent()` (the
-kernel has every byte written so far, or what is left was copied) first; nats-py's own writes are `bytes`,
-which nothing changes.
+order, and hands the kernel as many of them as it takes in one vectored write (`os.writev`) once the loop's
+callback that wrote them is done, and then whenever the socket has room: a byte is copied by the kernel alone,
+and a message written as several pieces (its header, its blocks, its end) leaves in one system call. A writer
+that will change its buffers awaits `sent()` (the kernel has every byte written so far, or what is left was
+copied) first; nats-py's own writes are `bytes`, which nothing changes.
 
 `receive.Transport` writes through a `Sender` on a TCP connection without TLS on a selector event loop where the
 system has `writev` (Linux, macOS); with TLS (which encrypts into buffers of its own anyway), on another loop
@@ -36,6 +37,7 @@ class Sender:
         self.queue: deque[memoryview] = deque()  # written, not yet sent (the front may be a piece's tail)
         self.written = self.sent_bytes = 0  # bytes written by callers, and handed to the kernel, ever
         self.watching = False  # the loop calls `_send` when the socket has room
+        self.due = False  # the loop calls `_send` once the current callback is done (`write`)
         self.closing = False  # close the transport once all is sent
         self.error: BaseException | None = None
         self.waiters: list[tuple[int, asyncio.Future]] = []  # (`sent_bytes` to wait for, its future)
@@ -47,8 +49,10 @@ class Sender:
         return hasattr(os, "writev") and isinstance(transport, asyncio.selector_events._SelectorSocketTransport)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Queue `data` (kept, not copied) and send what the socket takes now. After the connection is lost or
-        closed, writes are dropped, as asyncio's transport drops them (the reader reports the loss)."""
+        """Queue `data` (kept, not copied), to be sent as soon as the current callback of the loop is done: what
+        it writes meanwhile (a message's header, its blocks and its end) goes in the same vectored write, not a
+        system call each. After the connection is lost or closed, writes are dropped, as
+        asyncio's transport drops them (the reader reports the loss)."""
         if self.error is not None or self.closing:
             return
         view = memoryview(data).cast("B")
@@ -56,6 +60,12 @@ class Sender:
             return
         self.queue.append(view)
         self.written += view.nbytes
+        if not self.watching and not self.due:
+            self.due = True
+            self.loop.call_soon(self._send_due)
+
+    def _send_due(self) -> None:
+        self.due = False
         if not self.watching:
             self._send()
 
