@@ -112,13 +112,13 @@ class Wire:
         publish = bus.publish_pieces  # what publish_frame calls too
         cap = bus.max_payload
 
-        async def publish_pieces(subject: str, pieces: list) -> int:
+        async def publish_pieces(subject: str, pieces: list, **kw) -> int:  # noqa: ANN003
             if self.on:
                 size = sum(len(p) for p in pieces)
                 for start in range(0, size, cap):  # as codec.split cuts it (to within its header)
                     part = min(cap, size - start)
                     self.down[part] += part
-            return await publish(subject, pieces)
+            return await publish(subject, pieces, **kw)
 
         bus.publish_pieces = publish_pieces
 

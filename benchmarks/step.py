@@ -108,9 +108,9 @@ class Recorder:
         self.beats: dict[str, list[tuple[float, float]]] = defaultdict(list)
         publish, subscribe = bus.publish_pieces, bus.subscribe  # publish_frame calls publish_pieces
 
-        async def publish_pieces(subject: str, pieces: list) -> int:
+        async def publish_pieces(subject: str, pieces: list, **kw) -> int:  # noqa: ANN003
             self.down.append((time.time(), sum(len(p) for p in pieces)))
-            return await publish(subject, pieces)
+            return await publish(subject, pieces, **kw)
 
         async def sub(subject: str, schema, handler, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
             if not subject.startswith(SUBJECT_RESULTS.split("{", 1)[0]):

@@ -111,3 +111,37 @@ async def test_an_uncompressed_message_goes_out_with_its_tensor_data_uncopied(na
     finally:
         await pub.close()
         await sub.close()
+
+
+async def test_messages_written_without_waiting_arrive_in_order_and_leave_together(nats_url, monkeypatch):
+    """`publish_pieces(wait=False)` returns once a message is written; `settled()` then sends it with the others
+    written before it: one system call for all of them while the socket has room (the PS deals a GEMM's tiles so)."""
+    sub = await busmod.connect(nats_url, "together-sub")
+    got: list[TileTask] = []
+    all_in = asyncio.Event()
+    pub = None
+    sent = [task(i, direct.DIRECT_BYTES // 1024 + 2) for i in range(3)]  # each written directly, ~200 KB in all
+
+    async def on_task(msg: TileTask, nbytes: int) -> None:
+        got.append(msg)
+        if len(got) == len(sent):
+            all_in.set()
+
+    try:
+        await sub.subscribe("together.t", TileTask, on_task, max_bytes=64 << 20)
+        await sub.nc.flush()
+        pub = await busmod.connect(nats_url, "together-pub")
+        await pub.nc.flush()
+        calls: list[int] = []
+        writev = send.os.writev
+        monkeypatch.setattr(send.os, "writev", lambda fd, bufs: calls.append(len(bufs)) or writev(fd, bufs))
+        for t in sent:
+            await pub.publish_pieces("together.t", codec.encode_pieces(t), wait=False)
+        await pub.settled()
+        assert calls and calls[0] == 3 * len(sent)  # PUB line, block, end of each: one writev
+        await asyncio.wait_for(all_in.wait(), TIMEOUT_S)
+        assert got == sent
+    finally:
+        if pub is not None:
+            await pub.close()
+        await sub.close()

@@ -24,7 +24,10 @@ class Wire:
         self.published = asyncio.Event()
         self.rejected: list[str] = []
 
-    async def publish_pieces(self, subject, pieces):
+    async def settled(self):  # what publish_pieces took is decoded already
+        pass
+
+    async def publish_pieces(self, subject, pieces, wait=True):
         frame = b"".join(pieces)
         self.tasks.append((subject.rsplit(".", 1)[1], codec.decode(frame, TileTask)))
         self.published.set()

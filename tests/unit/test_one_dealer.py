@@ -73,7 +73,10 @@ class Wire:
         self.pushed: set[str] = set()  # ids of the blocks published to a group, just before their tile
         self.published = asyncio.Event()
 
-    async def publish_pieces(self, subject, pieces):
+    async def settled(self):  # what publish_pieces took is decoded already
+        pass
+
+    async def publish_pieces(self, subject, pieces, wait=True):
         frame = b"".join(pieces)
         if subject.startswith("cleave.fan."):
             self.pushed.add(codec.decode(frame, BlockPush).block.id)

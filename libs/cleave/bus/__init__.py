@@ -105,10 +105,15 @@ class Bus:
     async def publish_frame(self, subject: str, frame: bytes) -> int:
         return await self.publish_pieces(subject, [frame])
 
-    async def publish_pieces(self, subject: str, pieces: list[codec.Piece]) -> int:
+    async def publish_pieces(self, subject: str, pieces: list[codec.Piece], wait: bool = True) -> int:
         """Publish the frame that `pieces` make (`codec.encode_pieces`) in chunks of at most `max_payload`,
-        never joined (`direct.publish`); returns the bytes put on the wire."""
-        return await direct.publish(self.nc, subject, pieces, self.max_payload, DEFAULT_TIMEOUT_S)
+        never joined (`direct.publish`); returns the bytes put on the wire. `wait=False`: return once written;
+        `settled()` waits until the kernel has it, and its pieces must not change until then."""
+        return await direct.publish(self.nc, subject, pieces, self.max_payload, DEFAULT_TIMEOUT_S, wait)
+
+    async def settled(self) -> None:
+        """Until the kernel has every message published so far (those published with `wait=False` together)."""
+        await direct.settled(self.nc, DEFAULT_TIMEOUT_S)
 
     def reject(self, reason: str, subject: str, detail: str = "") -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1

@@ -32,19 +32,22 @@ _PLAIN_SUBJECT = re.compile(r"[!-~]+")  # printable ASCII, no white space: safe 
 _CRLF = b"\r\n"
 
 
-async def publish(nc: Client, subject: str, pieces: list[Piece], max_payload: int, timeout_s: float) -> int:
+async def publish(nc: Client, subject: str, pieces: list[Piece], max_payload: int, timeout_s: float,
+                  wait: bool = True) -> int:
     """The frame that `pieces` make in chunks of at most `max_payload` (`codec.split_pieces`), each published
     with `put`; returns the bytes put on the wire."""
     sent = 0
     for message in codec.split_pieces(pieces, max_payload):
         size = sum(len(p) for p in message)
-        await put(nc, subject, message, size, timeout_s)
+        await put(nc, subject, message, size, timeout_s, wait)
         sent += size
     return sent
 
 
-async def put(nc: Client, subject: str, message: list[Piece], size: int, timeout_s: float) -> None:
-    """Publish one NATS message of `size` bytes made of `message`'s pieces (at most the server's max_payload)."""
+async def put(nc: Client, subject: str, message: list[Piece], size: int, timeout_s: float, wait: bool = True) -> None:
+    """Publish one NATS message of `size` bytes made of `message`'s pieces (at most the server's max_payload).
+    `wait=False`: return once it is written, before the kernel has it; `settled` then waits for it and for
+    every message written with it (their pieces' buffers must not change until then), in one system call."""
     transport = getattr(nc, "_transport", None)
     if (size < DIRECT_BYTES or not nc.is_connected or nc.is_draining or not isinstance(transport, (TcpTransport, receive.Transport))
             or not isinstance(getattr(nc, "_pending", None), list) or not _PLAIN_SUBJECT.fullmatch(subject)):
@@ -66,6 +69,16 @@ async def put(nc: Client, subject: str, message: list[Piece], size: int, timeout
     transport.write(line)
     nc.stats["out_msgs"] += 1
     nc.stats["out_bytes"] += size
+    if wait:
+        await settled(nc, timeout_s, subject, size)
+
+
+async def settled(nc: Client, timeout_s: float, subject: str = "", size: int = 0) -> None:
+    """Until the kernel has every message written to the socket (with TLS: until asyncio's buffer drains), at
+    most `timeout_s`; raises ConnectionResetError if the connection is lost first."""
+    transport = getattr(nc, "_transport", None)
+    if not isinstance(transport, (TcpTransport, receive.Transport)):
+        return
     try:
         await asyncio.wait_for(transport.sent() if isinstance(transport, receive.Transport) else transport.drain(),
                                timeout_s)

@@ -35,14 +35,7 @@ from cleave.gemm.dealer import (
     Work,
     WorkerLost,
 )
-from cleave.schemas import (
-    SUBJECT_OBSERVED,
-    SUBJECT_RESULTS,
-    Event,
-    Observed,
-    Plan,
-    TileResult,
-)
+from cleave.schemas import SUBJECT_OBSERVED, SUBJECT_RESULTS, Event, Observed, Plan, TileResult
 from cleave.train import precision
 from cleave_ps.fleet import frames, freivalds, joins, linkcheck, prefault
 from cleave_ps.fleet.examine import examine, prepare
@@ -274,13 +267,18 @@ class Dispatcher:
             return
         work = max(frames.copied({s.seq: r for s, r in dealt}.values()), *(s.nbytes + s.pushed for s, _ in dealt))
         encoded = await self._off_loop(work, lambda: self._frames(dealt))
-        for worker, subject, frame, send, run in encoded:
+        for worker, subject, frame, _, run in encoded:  # written, then sent together (their blocks stay as they are)
             try:
-                sent = await self.bus.publish_pieces(subject, frame)
+                sent = await self.bus.publish_pieces(subject, frame, wait=False)
                 self.c.bytes_down += sent
                 run.bytes_down += sent
             except Exception as e:  # disconnected: the deadline check will hand the tile to someone else
                 log.warning("tile_not_sent", worker_id=worker, error=repr(e))
+        try:
+            await self.bus.settled()
+        except Exception as e:
+            log.warning("tiles_not_sent", tiles=len(encoded), error=repr(e))
+        for *_, send, _ in encoded:
             if send is not None and send.seq in self.runs:  # its clock starts when it leaves, not when dealt
                 self.dealer.departed(send.tile.index, send.attempt, self.clock(), send.seq)
 
