@@ -51,8 +51,8 @@ class Sender:
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Queue `data` (kept, not copied), to be sent as soon as the current callback of the loop is done: what
         it writes meanwhile (a message's header, its blocks and its end) goes in the same vectored write, not a
-        system call each. After the connection is lost or closed, writes are dropped, as
-        asyncio's transport drops them (the reader reports the loss)."""
+        system call each. After the connection is lost or closed, writes are dropped, as asyncio's transport
+        drops them (the reader reports the loss)."""
         if self.error is not None or self.closing:
             return
         view = memoryview(data).cast("B")
