@@ -7,7 +7,8 @@ joined with the PUB line: Cleave's transport (`receive.Transport`) hands them to
 (`send.Sender`; with TLS, asyncio's transport sends what the socket takes at once and copies the rest into its
 buffer, once). Then it waits until the kernel has them all (or, with TLS, until that buffer drains, as nats-py's
 flusher waits), so a publisher cannot run ahead of the socket, and the pieces' buffers may change once it
-returns. Commands nats-py has queued and not yet written go first (nothing is reordered). Only
+returns; a publisher of several messages may instead write them all and wait once (`wait=False`, `settled`), so
+that they leave in one system call. Commands nats-py has queued and not yet written go first (nothing is reordered). Only
 while the connection is up and not draining, over TCP (with or without TLS), and for a plain subject;
 otherwise nats-py publishes it.
 """
