@@ -14,6 +14,8 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from cleave import Job, follow, run, status, submit
+from cleave.api.fleet import LocalFleet
+from cleave.errors import CleaveError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,6 +91,21 @@ def test_a_stack_on_this_machine_sends_whole_blocks(tmp_path: Path, monkeypatch:
         assert scheduler_chunks(tmp_path / "run") == "1"
     finally:
         steps.close()
+
+
+def test_a_stack_in_a_run_dir_of_any_name_trains_and_a_worker_that_cannot_start_is_reported(tmp_path: Path) -> None:
+    """The workers are named after the run dir: a dot or a space in it once made every worker refuse its id, and
+    the PS waited for workers forever. A worker that refuses its settings now ends the wait with its own words."""
+    steps = list(run(Job(job_id="api-dots", preset="tiny", steps=2, batch_size=2), workers=1,
+                     run_dir=tmp_path / "exp.1 (b)"))
+    assert [m["step"] for m in steps] == [0, 1]
+    fleet = LocalFleet(tmp_path / "bad", 1, worker_env={"CLEAVE_WORKER_THREADS": "0"})
+    fleet.start()
+    try:
+        with pytest.raises(CleaveError, match=r"worker-1 could not start: .*threads"):
+            fleet.wait_joined(timeout_s=60)
+    finally:
+        fleet.stop()
 
 
 @pytest.mark.slow  # ~60 s

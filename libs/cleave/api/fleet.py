@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
-from cleave.errors import CleaveError
+from cleave.errors import EXIT_ERROR, CleaveError
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
@@ -26,6 +26,7 @@ JOINED = re.compile(r"worker_joined .*?worker_id=(\S+)")  # the scheduler's log 
 
 DEFAULT_POLL_S = 0.2
 CHUNKS_ENV = "CLEAVE_SCHEDULER_CHUNKS"
+MAX_WORKER_ID = 128  # as the worker's settings allow
 
 
 def one_machine_chunks() -> dict[str, str]:
@@ -37,6 +38,13 @@ def one_machine_chunks() -> dict[str, str]:
     if CHUNKS_ENV in os.environ or (isinstance(table, dict) and "chunks" in table):
         return {}
     return {CHUNKS_ENV: "1"}
+
+
+def worker_id(run_name: str, n: int) -> str:
+    """The id of a stack's `n`th worker: its run dir's name, where every character an id may not hold (it is
+    one subject token: letters, digits, _ and -) is a -, cut to leave room for `-w<n>` within 128."""
+    tail = f"-w{n}"
+    return (re.sub(r"[^A-Za-z0-9_-]", "-", run_name) or "run")[: MAX_WORKER_ID - len(tail)] + tail
 
 
 def default_run_dir(kind: str) -> Path:
@@ -136,7 +144,7 @@ class LocalFleet:
         name = f"worker-{self.next_worker}"
         site = site or (self.sites[(self.next_worker - 1) % len(self.sites)] if self.sites else None)
         via = ["--nats", self.stack.sites[site].url] if site else []  # the later --nats wins
-        self.stack.service(name, "worker", ["--worker-id", f"{self.run_dir.name}-w{self.next_worker}", *via],
+        self.stack.service(name, "worker", ["--worker-id", worker_id(self.run_dir.name, self.next_worker), *via],
                            env={**self.worker_env, **(env or {})}, restart=restart)
         return name
 
@@ -170,6 +178,11 @@ class LocalFleet:
         while time.monotonic() < deadline:  # (distinct ids: a worker that joins again counts once)
             if log.exists() and len(set(JOINED.findall(log.read_text(errors="replace")))) >= want:
                 return
+            for p in self.stack.procs.values():  # one that refused its settings would only refuse them again
+                if p.role == "worker" and p.popen is not None and p.popen.poll() == EXIT_ERROR:
+                    said = (self.run_dir / "logs" / f"{p.name}.log").read_text(errors="replace").strip()
+                    raise CleaveError(f"{p.name} could not start: {said.splitlines()[-1] if said else 'no output'} "
+                                      f"(see {self.run_dir}/logs/{p.name}.log)")
             time.sleep(0.1)
 
     def follow_ps(self, metrics_out: Path, timeout_s: float | None = None) -> Iterator[dict]:
