@@ -199,3 +199,18 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
             return head.step
 
     assert 1 <= asyncio.run(last_checkpoint()) < 500
+
+
+def test_a_process_last_words_are_its_last_error_line_of_its_latest_start(tmp_path: Path) -> None:
+    """`Stack.last_words`: what the runner reports for a failed PS and a local fleet for a worker that could not
+    start: the last `cleave: error:` line, else the last line, of what the process said since it was last started."""
+    stack = Stack(tmp_path)
+    said = "import sys; print('cleave: error: first start'); print('cleave: error: ' + sys.argv[1]); print('bye')"
+    proc = stack.spawn("talker", "tool", [sys.executable, "-c", said, "bad knob"], restart=False)
+    proc.popen.wait(60)
+    assert stack.last_words(proc) == "bad knob"
+    proc.argv = [sys.executable, "-c", "print('only this')"]
+    stack.restart("talker")  # the earlier start's words are not this one's
+    proc.popen.wait(60)
+    assert stack.last_words(proc) == "only this"
+    assert stack.log_path("talker").read_text().count("bad knob") == 1

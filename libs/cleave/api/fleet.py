@@ -180,9 +180,8 @@ class LocalFleet:
                 return
             for p in self.stack.procs.values():  # one that refused its settings would only refuse them again
                 if p.role == "worker" and p.popen is not None and p.popen.poll() == EXIT_ERROR:
-                    said = (self.run_dir / "logs" / f"{p.name}.log").read_text(errors="replace").strip()
-                    raise CleaveError(f"{p.name} could not start: {said.splitlines()[-1] if said else 'no output'} "
-                                      f"(see {self.run_dir}/logs/{p.name}.log)")
+                    raise CleaveError(f"{p.name} could not start: {self.stack.last_words(p) or 'no output'} "
+                                      f"(see {self.stack.log_path(p.name)})")
             time.sleep(0.1)
 
     def follow_ps(self, metrics_out: Path, timeout_s: float | None = None) -> Iterator[dict]:

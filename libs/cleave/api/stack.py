@@ -25,6 +25,7 @@ from cleave.errors import NOT_RESTARTED, CleaveError
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
+LAST_WORDS_BYTES = 64 * 1024  # of a process's log read back for what it said last
 @dataclass
 class Proc:
     name: str
@@ -76,7 +77,7 @@ class Stack:
         return self.nats_url
 
     def wait_ready(self, proc: Proc) -> None:
-        log = self.run_dir / "logs" / f"{proc.name}.log"
+        log = self.log_path(proc.name)
         deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
@@ -146,8 +147,24 @@ class Stack:
         self._start(proc)
         return proc
 
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.log"
+
+    def last_words(self, proc: Proc) -> str:
+        """What `proc` said last since it was last started, in its own words: its last `cleave: error:` line
+        (without the prefix), else its last line; "" when it said nothing."""
+        path = self.log_path(proc.name)
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(proc.log_offset, path.stat().st_size - LAST_WORDS_BYTES))
+                lines = [x.strip() for x in f.read().decode(errors="replace").splitlines() if x.strip()]
+        except OSError:
+            return ""
+        said = [x.removeprefix("cleave: error: ") for x in lines if x.startswith("cleave: error: ")]
+        return said[-1] if said else (lines[-1] if lines else "")
+
     def _start(self, proc: Proc) -> None:
-        log = self.run_dir / "logs" / f"{proc.name}.log"
+        log = self.log_path(proc.name)
         proc.log_offset = log.stat().st_size if log.exists() else 0
         logf = open(log, "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}

@@ -59,7 +59,6 @@ JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then 
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
 ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died) is handed over again
 FINAL = (*NOT_RESTARTED, EXIT_ERROR)  # a PS ending with these stays down (EXIT_ERROR: a wrong setting or input)
-REASON_BYTES = 64 * 1024  # of a PS's log read back for the reason it failed
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -256,17 +255,9 @@ async def jobs_stream(bus: busmod.Bus) -> None:
 
 
 def failure_reason(stack: Stack, proc: Proc) -> str:
-    """Why a PS failed, in its own words: its last `cleave: error:` line, else its last line."""
-    path = stack.run_dir / "logs" / f"{proc.name}.log"
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(proc.log_offset, path.stat().st_size - REASON_BYTES))
-            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        lines = []
-    said = [x.removeprefix("cleave: error: ") for x in lines if x.startswith("cleave: error: ")]
-    last = said[-1] if said else (lines[-1] if lines else "")
-    return f"its PS exited with {proc.popen.returncode}" + (f": {last}" if last else f"; see {path}")
+    """Why a PS failed, in its own words (`Stack.last_words`), else where to look."""
+    last = stack.last_words(proc)
+    return f"its PS exited with {proc.popen.returncode}" + (f": {last}" if last else f"; see {stack.log_path(proc.name)}")
 
 
 def _ps_name(job_id: str) -> str:
