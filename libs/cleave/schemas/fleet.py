@@ -6,6 +6,7 @@ from pydantic import Field
 
 from cleave.schemas.base import Wire
 from cleave.schemas.limits import MAX_PROBE_BYTES, MAX_ROUND_WORKERS
+from cleave.schemas.subjects import WORKER_ID_PATTERN
 
 MAX_OBSERVED_WORKERS = MAX_ROUND_WORKERS  # workers in one `Observed` report
 
@@ -49,7 +50,7 @@ class Probe(Wire):
 
 
 class Heartbeat(Wire):
-    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    worker_id: str = Field(pattern=WORKER_ID_PATTERN)
     profile: DeviceProfile
     sent_at: float = Field(allow_inf_nan=False)
     started_at: float = Field(allow_inf_nan=False)
@@ -73,7 +74,7 @@ class WorkerObserved(Wire):
     """What one worker delivered, as the PS saw it: the seconds its accepted tiles kept it busy, and what the
     cost model on the profile it was planned with predicted for them."""
 
-    worker_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")
+    worker_id: str = Field(pattern=WORKER_ID_PATTERN)
     tiles: int = Field(ge=1)
     observed_s: float = Field(ge=0, allow_inf_nan=False)
     predicted_s: float = Field(gt=0, allow_inf_nan=False)

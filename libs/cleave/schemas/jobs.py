@@ -14,9 +14,10 @@ from pydantic import Field
 
 from cleave.schemas.base import Wire
 from cleave.schemas.limits import MAX_JOB_BYTES
+from cleave.schemas.subjects import TOKEN_CHARS
 
 JOB_STATES = ("queued", "running", "done", "failed")  # a job's life on the hub, in order
-JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # as JobConfig.job_id: one subject token, one KV key
+JOB_ID_PATTERN = rf"^[{TOKEN_CHARS}]{{1,64}}$"  # as JobConfig.job_id: one subject token, one KV key
 NONCE_PATTERN = r"^[0-9a-f]{16,64}$"
 MAX_MIN_WORKERS = 100_000
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 PREFIX = "cleave"
+TOKEN_CHARS = "A-Za-z0-9_-"  # what a name that is one subject token (and one KV key) may hold, as a regex class
+MAX_WORKER_ID = 128
+WORKER_ID_PATTERN = rf"^[{TOKEN_CHARS}]{{1,{MAX_WORKER_ID}}}$"
 SUBJECT_HEARTBEAT = PREFIX + ".hb.{worker_id}"  # worker -> scheduler: liveness and profile
 SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute

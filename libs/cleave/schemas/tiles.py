@@ -9,6 +9,7 @@ from pydantic import Field
 
 from cleave.schemas.base import TensorData, Wire
 from cleave.schemas.limits import MAX_BLOCK_PARTS, MAX_LINKCHECK_BYTES
+from cleave.schemas.subjects import MAX_WORKER_ID
 
 
 class BlockPart(Wire):
@@ -60,7 +61,7 @@ class LinkCheck(Wire):
 
 
 class LinkCheckAck(Wire):
-    worker_id: str = Field(min_length=1, max_length=128)
+    worker_id: str = Field(min_length=1, max_length=MAX_WORKER_ID)
 
 
 class FanoutAck(Wire):

@@ -14,6 +14,7 @@ from cleave.models import PRESETS, ModelConfig, StepLayout, get_preset, head_chu
 from cleave.models.gemms import DEFAULT_LOGITS_BYTES, head_slices
 from cleave.models.hf import read_hf_config
 from cleave.runtime import config_file
+from cleave.schemas.jobs import JOB_ID_PATTERN
 
 DEFAULT_PRESET = "tiny"
 
@@ -69,7 +70,7 @@ DEFAULT_DP_DELTA = 1e-5  # the delta of the (epsilon, delta) the privacy account
 class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    job_id: str = Field("job", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    job_id: str = Field("job", pattern=JOB_ID_PATTERN)
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
     split_layers: int = Field(1, ge=0)  # split learning: blocks the client keeps after the embedding
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes

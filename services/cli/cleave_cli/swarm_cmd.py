@@ -14,8 +14,9 @@ import subprocess
 import sys
 
 from cleave.errors import ConfigError
+from cleave.schemas.subjects import TOKEN_CHARS
 
-ID_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,96}")
+ID_PREFIX = re.compile(f"[{TOKEN_CHARS}]{{1,96}}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

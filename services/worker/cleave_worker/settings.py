@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 from typing import ClassVar
@@ -11,10 +12,11 @@ from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from cleave.runtime.config_file import FileSettings
+from cleave.schemas.subjects import TOKEN_CHARS, WORKER_ID_PATTERN
 
 
 def default_worker_id() -> str:
-    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    host = re.sub(f"[^{TOKEN_CHARS}]", "-", socket.gethostname())[:40]
     return f"{host}-{os.getpid()}"
 
 
@@ -23,7 +25,7 @@ class WorkerSettings(FileSettings):
     model_config = SettingsConfigDict(env_prefix="CLEAVE_WORKER_", extra="ignore", populate_by_name=True)
 
     nats_url: str = "nats://127.0.0.1:4222"
-    worker_id: str = Field(default_factory=default_worker_id, pattern=r"^[A-Za-z0-9_-]{1,128}$",
+    worker_id: str = Field(default_factory=default_worker_id, pattern=WORKER_ID_PATTERN,
                            validation_alias=AliasChoices("CLEAVE_WORKER_ID", "CLEAVE_WORKER_WORKER_ID"))
     # (the environment's CLEAVE_WORKER_ID; CLEAVE_WORKER_WORKER_ID, its first spelling, is read too)
     memory_bytes: int = Field(512 * 1024 * 1024, gt=0)  # budget for a tile's inputs and output
