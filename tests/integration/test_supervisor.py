@@ -214,3 +214,22 @@ def test_a_process_last_words_are_its_last_error_line_of_its_latest_start(tmp_pa
     proc.popen.wait(60)
     assert stack.last_words(proc) == "only this"
     assert stack.log_path("talker").read_text().count("bad knob") == 1
+
+
+def test_a_worker_that_refuses_its_settings_stays_down_and_is_told_once(tmp_path: Path) -> None:
+    """A worker that exits with a settings error (status 2) would only refuse them again: `supervise` leaves it
+    down (a crashed worker it restarts), and `tell_ended` gives the long-running stack's terminal one line with
+    its status and its own error."""
+    stack = Stack(tmp_path)
+    bad = stack.service("worker-1", "worker", ["--worker-id", "no.dots"])
+    crash = stack.spawn("worker-2", "worker", [sys.executable, "-c", "import sys; sys.exit(1)"])
+    bad.popen.wait(READY_TIMEOUT_S)
+    crash.popen.wait(60)
+    try:
+        ended = stack.supervise()
+        assert [p.name for p in ended] == ["worker-1"] and bad.restarts == 0 and crash.restarts == 1
+        (line,) = stack.tell_ended(ended)
+        assert line.startswith("worker-1 stopped with status 2, not restarted: ") and "worker_id" in line, line
+        assert stack.tell_ended(stack.supervise()) == []  # said once
+    finally:
+        stack.stop_all()

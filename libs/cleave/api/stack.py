@@ -21,7 +21,7 @@ from pathlib import Path
 
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
 from cleave.api.supervisor import held_down, parent_death_signal
-from cleave.errors import NOT_RESTARTED, CleaveError
+from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
@@ -37,6 +37,7 @@ class Proc:
     started_at: float = 0.0
     restarts: int = 0
     log_offset: int = 0  # size of its log when it last started: readiness is read from there on
+    told: bool = False  # its end for good was reported (Stack.tell_ended)
 
 
 class Stack:
@@ -54,7 +55,8 @@ class Stack:
         self.sites: dict = {}  # site name -> cleave.api.topology.Site (start_site)
         self.hub = None  # cleave_cli.hub.HubConfig: listeners, credentials and TLS of `cleave up --listen/--auth`
         self.leaf_url = ""  # where sites' leaf nodes dial this stack (a hub's), if anywhere
-        self.stays_down: dict[str, tuple[int, ...]] = {"ps": NOT_RESTARTED}  # role -> exit codes not restarted
+        # role -> exit codes not restarted (a worker that refused its settings would only refuse them again)
+        self.stays_down: dict[str, tuple[int, ...]] = {"ps": NOT_RESTARTED, "worker": (EXIT_ERROR,)}
 
     # ---- nats ----------------------------------------------------------------------------------------
     def start_nats(self) -> str:
@@ -190,6 +192,17 @@ class Stack:
             else:
                 ended.append(proc)
         return ended
+
+    def tell_ended(self, ended: list[Proc]) -> list[str]:
+        """A line for each of `ended` (as `supervise` returns them) not told before: its exit status and last
+        words, for a long-running stack's terminal."""
+        lines = []
+        for p in ended:
+            if not p.told:
+                p.told = True
+                lines.append(f"{p.name} stopped with status {p.popen.returncode}, not restarted: "
+                             f"{self.last_words(p) or 'no output'} (see {self.log_path(p.name)})")
+        return lines
 
     def restart(self, name: str) -> None:
         """Start process `name` again (it has exited), counting the restart."""

@@ -162,7 +162,8 @@ def up(args: argparse.Namespace) -> int:
               f"(or train in the foreground: cleave train --nats {fleet.stack.nats_url} --preset tiny)")
         print("Ctrl-C (or SIGTERM, SIGHUP) stops everything", flush=True)
         while True:
-            fleet.stack.supervise()
+            for line in fleet.stack.tell_ended(fleet.stack.supervise()):
+                print(line, flush=True)
             time.sleep(0.2)
     except Stopped as e:
         print(f"stopping ({e})", flush=True)

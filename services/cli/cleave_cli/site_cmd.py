@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             print("Ctrl-C (or SIGTERM, SIGHUP) stops everything", flush=True)
             offset = 0
             while True:
-                site.stack.supervise()
+                for line in site.stack.tell_ended(site.stack.supervise()):
+                    print(line, flush=True)
                 offset = check_refused(site, offset)
                 time.sleep(DEFAULT_POLL_S)
     except Stopped as e:
