@@ -126,3 +126,40 @@ async def test_a_flops_re_measurement_beside_the_workers_own_tiles_is_discarded(
     await asyncio.wait_for(device.reprobe(stop), 10)
     assert device.profile.flops == (8e10 if busy else 2e10)
 
+
+
+async def test_a_tile_quicker_than_a_millisecond_at_the_last_tiles_rate_is_multiplied_on_the_event_loop(monkeypatch):
+    """`Tiles.on_tile` hands a CPU tile to a thread only when it takes more than `INLINE_S` at the rate this
+    worker's last tile computed at (its profile's before the first): a thread and back costs about as much as a
+    small tile's product. The rate comes from what the tiles measure, not from a declared profile."""
+    from cleave.schemas import DeviceProfile
+    from cleave_worker import device as wdevice
+    from cleave_worker import tiles as wtiles
+    from cleave_worker.settings import WorkerSettings
+
+    hopped = []
+
+    async def to_thread(fn, *args):
+        hopped.append(args[1].shape[0])
+        return fn(*args)
+
+    monkeypatch.setattr(wtiles.asyncio, "to_thread", to_thread)
+    profile = DeviceProfile(flops=1e12, memory_bytes=1 << 30, downlink_bytes_per_s=1e7, uplink_bytes_per_s=1e7,
+                            latency_s=0.01, declared=True)  # a claim a thousand times what it is
+    tiles = wtiles.Tiles(wdevice.DeviceState(WorkerSettings(worker_id="w1"), bus=None, profile=profile), bus=None)
+
+    async def run(rows: int) -> None:
+        a, bt = torch.randn(rows, 256), torch.randn(64, 256)
+        t = task().model_copy(update={"a": ref("a", a), "b": ref("b", bt)})
+        await tiles.on_tile(t, 0)
+        _, result, _ = tiles.outbox.get_nowait()
+        assert torch.equal(codec.data_view(result.out), a @ bt.T)
+
+    await run(512)  # 16.8 MFLOP: under a millisecond at the claimed rate, on the loop
+    assert hopped == [] and tiles.flops_per_s < 1e12  # now what the CPU computed at
+    tiles.flops_per_s = 1e9  # (a slow device: 1 MFLOP a millisecond)
+    await run(512)
+    assert hopped == [512]
+    tiles.flops_per_s = 1e9
+    await run(4)  # 0.13 MFLOP: on the loop
+    assert hopped == [512]

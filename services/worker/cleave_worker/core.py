@@ -124,7 +124,7 @@ def check_inputs(a: torch.Tensor, bt: torch.Tensor, budget_bytes: int) -> str:
 
 def compute(task: TileTask, a: torch.Tensor, bt: torch.Tensor, worker_id: str, corrupt: float = 0.0) -> TileResult:
     """Multiply one tile's blocks on the device they are on (a small CPU tile on the event loop, others off it,
-    `cleave_worker.tiles.INLINE_FLOPS`); `compute_s` includes the copy of the result to the host. `corrupt`
+    `cleave_worker.tiles.INLINE_S`); `compute_s` includes the copy of the result to the host. `corrupt`
     makes a lying worker for tests."""
     start = time.perf_counter()
     if a.dtype in HALF:  # the approximate mode sends half-precision inputs; products accumulate in float32

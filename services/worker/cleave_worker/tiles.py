@@ -23,8 +23,8 @@ from cleave.schemas import (
 from cleave_worker.core import BlockCache, check_inputs, compute, leaves, reply_to
 from cleave_worker.device import DeviceState
 
-INLINE_FLOPS = 32e6  # a CPU tile this small is multiplied on the event loop (under a millisecond): handing it to a
-# thread and back costs as much again, and on busy cores the wake-ups cost more
+INLINE_S = 1e-3  # a CPU tile this quick (at the rate this worker's tiles last computed at) is multiplied on the
+# event loop: handing it to a thread and back costs as much again, and on busy cores the wake-ups cost more
 
 DEFAULT_FANOUT_WAIT_S = 2.0  # how long a tile waits for a block its fan-out group is being sent
 
@@ -41,6 +41,7 @@ class Tiles:
         self.fenced_before: dict[str, tuple[int, float]] = {}  # job -> (epoch, PS time) of its last link check
         self.stale = 0  # tiles dropped because they were sent before this worker's last link check
         self.outbox: asyncio.Queue = asyncio.Queue()  # (task, result, due) to upload; None: stop
+        self.flops_per_s = device.profile.flops  # what its last tile computed at (at first: its profile's)
 
     async def on_join(self, join: FanoutJoin) -> FanoutAck:
         """The PS's fan-out groups for this worker: subscribe to them, leave the job's others."""
@@ -112,10 +113,12 @@ class Tiles:
         else:
             flops = 2 * a.shape[0] * bt.shape[0] * a.shape[1]
             with self.device.busy():
-                if flops <= INLINE_FLOPS and a.device.type == "cpu":
+                if flops <= INLINE_S * self.flops_per_s and a.device.type == "cpu":
                     result = compute(task, a, bt, self.s.worker_id, self.s.corrupt)
                 else:
                     result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
+            if result.compute_s > 0:
+                self.flops_per_s = flops / result.compute_s
             self.device.tiles_done += 1
             self.device.busy_s += result.compute_s
         due = 0.0
