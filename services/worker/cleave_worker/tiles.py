@@ -117,7 +117,7 @@ class Tiles:
                     result = compute(task, a, bt, self.s.worker_id, self.s.corrupt)
                 else:
                     result = await asyncio.to_thread(compute, task, a, bt, self.s.worker_id, self.s.corrupt)
-            if result.compute_s > 0:
+            if flops and result.compute_s > 0:
                 self.flops_per_s = flops / result.compute_s
             self.device.tiles_done += 1
             self.device.busy_s += result.compute_s
