@@ -147,6 +147,7 @@ async def test_a_tile_quicker_than_a_millisecond_at_the_last_tiles_rate_is_multi
     profile = DeviceProfile(flops=1e12, memory_bytes=1 << 30, downlink_bytes_per_s=1e7, uplink_bytes_per_s=1e7,
                             latency_s=0.01, declared=True)  # a claim a thousand times what it is
     tiles = wtiles.Tiles(wdevice.DeviceState(WorkerSettings(worker_id="w1"), bus=None, profile=profile), bus=None)
+    tiles.cache = BlockCache(1 << 24, device=torch.device("cpu"))  # CPU tiles (a GPU's go to a thread always)
 
     async def run(rows: int) -> None:
         a, bt = torch.randn(rows, 256), torch.randn(64, 256)
