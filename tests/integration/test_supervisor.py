@@ -231,5 +231,10 @@ def test_a_worker_that_refuses_its_settings_stays_down_and_is_told_once(tmp_path
         (line,) = stack.tell_ended(ended)
         assert line.startswith("worker-1 stopped with status 2, not restarted: ") and "worker_id" in line, line
         assert stack.tell_ended(stack.supervise()) == []  # said once
+        (tmp_path / "held-down").mkdir()
+        (tmp_path / "held-down" / "worker-2").touch()  # as `cleave chaos kill --no-restart` leaves it
+        crash.popen.wait(60)
+        assert stack.tell_ended(stack.supervise()) == ["worker-2 stopped with status 1, not restarted: held down "
+                                                       "(`cleave chaos ... --no-restart`)"]
     finally:
         stack.stop_all()

@@ -195,13 +195,14 @@ class Stack:
 
     def tell_ended(self, ended: list[Proc]) -> list[str]:
         """A line for each of `ended` (as `supervise` returns them) not told before: its exit status and last
-        words, for a long-running stack's terminal."""
+        words (or that a drill holds it down), for a long-running stack's terminal."""
         lines = []
         for p in ended:
             if not p.told:
                 p.told = True
-                lines.append(f"{p.name} stopped with status {p.popen.returncode}, not restarted: "
-                             f"{self.last_words(p) or 'no output'} (see {self.log_path(p.name)})")
+                why = "held down (`cleave chaos ... --no-restart`)" if held_down(self.run_dir, p.name) else \
+                    f"{self.last_words(p) or 'no output'} (see {self.log_path(p.name)})"
+                lines.append(f"{p.name} stopped with status {p.popen.returncode}, not restarted: {why}")
         return lines
 
     def restart(self, name: str) -> None:
