@@ -176,3 +176,32 @@ async def test_a_payload_is_gathered_into_the_shortest_spare_that_holds_it():
     assert ids[2] == ids[1]  # 2 x size: the long spare, not the first one lengthened
     assert ids[3] == ids[0]  # size: the shortest that holds it
     assert ids[4] == ids[1]  # 3 x size: none holds it; the longest is lengthened
+
+
+async def test_a_subscription_that_takes_views_reads_payloads_where_they_were_gathered():
+    """`hand_views`: a large payload of such a subscription is a read-only view of the buffer it was gathered
+    in, and that buffer keeps its length, so payloads of any size up to it are all gathered into it (a buffer
+    cut to less than half its length gives its memory back, and lengthening it again writes every byte); another
+    subscription still gets a `bytearray` of the payload's size."""
+    size = receive.GATHER_BYTES
+    sids = [7, 7, 7, 7, 8]
+    sizes = [3 * size, size, 2 * size, size + 1, size]
+    bodies = [bytes([i]) * n for i, n in enumerate(sizes)]
+    data = b"".join(b"MSG s %d %d\r\n" % (sid, len(body)) + body + b"\r\n" for sid, body in zip(sids, bodies, strict=True))
+    got, buffers = [], []
+
+    class Views(Conn):
+        async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:  # noqa: ANN001
+            got.append(bytes(payload))
+            if isinstance(payload, memoryview):
+                assert payload.readonly and sid == 7
+                buffers.append((id(payload.obj), len(payload.obj)))  # (the spare keeps it alive: ids not reused)
+            else:
+                assert type(payload) is bytearray and len(payload) == size and sid == 8
+
+    parser = receive.Parser(Views())
+    parser.views.add(7)
+    for i in range(0, len(data), 32768):
+        await parser.parse(data[i : i + 32768])
+    assert got == bodies
+    assert buffers == [buffers[0]] * 4 and buffers[0][1] == 3 * size + 2  # one buffer, never cut

@@ -160,9 +160,11 @@ class Bus:
             del frame  # decoded: the frame's bytes are not kept while the handler runs (a tile computes meanwhile)
             await handler(msg, nbytes)
 
-        return await self.nc.subscribe(
+        sub = await self.nc.subscribe(
             subject, queue=queue, cb=on_msg, pending_bytes_limit=pending_bytes, pending_msgs_limit=-1
         )
+        receive.hand_views(self.nc, sub._id)  # on_msg reads a large message where it arrived, and lets it go
+        return sub
 
     # ---- JetStream -----------------------------------------------------------------------------------
     async def setup(self, registry_ttl_s: float = DEFAULT_REGISTRY_TTL_S) -> None:

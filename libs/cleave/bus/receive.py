@@ -5,7 +5,9 @@ there, slices it out and converts the slice to `bytes`: a payload is copied thre
 a message (without headers) of `GATHER_BYTES` or more, this parser instead copies each read straight into a
 buffer of the payload's size and hands that buffer (a `bytearray`) to the subscription as the message's data
 (the buffer of one of the last payloads it handed on, once nothing else holds it: not zeroed and mapped anew);
-everything else (control lines, small messages, messages with headers) goes through nats-py's own code.
+to Cleave's own subscriptions (`hand_views`, `Bus.subscribe`) it hands a read-only view of the buffer instead,
+which keeps its length, so that a payload shorter than the last does not give back memory the next one would
+have to write again; everything else (control lines, small messages, messages with headers) goes through nats-py's own code.
 
 The connection's bytes come through `Transport` instead of nats-py's (asyncio's streams copy every byte twice
 after the kernel: into the stream's buffer, and out of it into a new `bytes` for each read): the kernel reads
@@ -53,27 +55,32 @@ class Parser(NatsParser):
 
     def reset(self) -> None:
         super().reset()
-        self.payload: bytearray | None = None  # the payload being gathered, with room for its CRLF
+        self.payload: bytearray | None = None  # the buffer the payload being gathered goes to
         self.have = 0
+        self.want = 0  # the bytes of it the payload takes, with its CRLF
         self.spare: deque[bytearray] = deque(maxlen=SPARE_PAYLOADS)  # the last payloads handed on
+        self.views: set[int] = getattr(self, "views", set())  # subscriptions (sids) that take a read-only view
 
-    def _buffer(self, size: int) -> bytearray:
+    def _buffer(self, size: int, keep: bool) -> bytearray:
         """Room for a payload of `size` bytes with its CRLF: a spare that nothing holds any more (only `spare`
-        refers to it; its old contents are read over), the shortest that is long enough, cut to `size`, else the
-        longest, lengthened (within the memory it has, or by `realloc`, which moves a large buffer's pages rather
-        than copy them; its new bytes read from the kernel's zero page, `_zeros`), else a new buffer, which
-        Python zeroes and the kernel maps a page at a time."""
+        refers to it; its old contents are read over), the shortest that is long enough, else the longest,
+        lengthened (within the memory it has, or by `realloc`, which moves a large buffer's pages rather than
+        copy them; its new bytes read from the kernel's zero page, `_zeros`), else a new buffer, which Python
+        zeroes and the kernel maps a page at a time. `keep`: the payload is handed on as a view, and the spare
+        keeps its length; else it is cut to `size` (CPython gives back the memory of a bytearray cut to less
+        than half its length: lengthening it again writes every new byte)."""
         free = [i for i in range(len(self.spare)) if sys.getrefcount(self.spare[i]) == 2]  # spare, argument
         if not free:
             return bytearray(size)
-        fits = [i for i in free if len(self.spare[i]) + CRLF_SIZE >= size]  # (its CRLF's room: memory it still has)
+        room = 0 if keep else CRLF_SIZE  # (a spare cut for a bytearray payload still has its CRLF's memory)
+        fits = [i for i in free if len(self.spare[i]) + room >= size]
         i = min(fits, key=lambda i: len(self.spare[i])) if fits else max(free, key=lambda i: len(self.spare[i]))
         buf = self.spare[i]
         del self.spare[i]
         try:
-            if len(buf) > size:
+            if len(buf) > size and not keep:
                 del buf[size:]
-            else:
+            elif len(buf) < size:
                 buf += _zeros(size - len(buf))  # (its CRLF's room, and what this payload is longer)
         except BufferError:  # (something has a view of it after all: left to its holder)
             return bytearray(size)
@@ -98,26 +105,32 @@ class Parser(NatsParser):
                 if not (self.state == AWAITING_MSG_PAYLOAD and self.header_needed == 0 and self.needed >= GATHER_BYTES
                         and len(self.buf) < self.needed + CRLF_SIZE):
                     break
-                self.payload = self._buffer(self.needed + CRLF_SIZE)  # a large payload starts: what nats-py holds first
+                self.want = self.needed + CRLF_SIZE  # a large payload starts: what nats-py holds first
+                self.payload = self._buffer(self.want, self.msg_arg["sid"] in self.views)
                 self.have = len(self.buf)
                 self.payload[: self.have] = self.buf
                 del self.buf[:]
-            take = min(len(view), len(self.payload) - self.have)
+            take = min(len(view), self.want - self.have)
             self.payload[self.have : self.have + take] = view[:take]
             self.have += take
             view = view[take:]
-            if self.have < len(self.payload):
+            if self.have < self.want:
                 return
             payload, self.payload = self.payload, None
-            if payload[-CRLF_SIZE:] != _CRLF:
+            size = self.want - CRLF_SIZE
+            if payload[size : self.want] != _CRLF:
                 raise ProtocolError("nats: a message's payload is longer than its size")
-            try:
-                del payload[-CRLF_SIZE:]  # at the end: no copy
-                self.spare.append(payload)
-            except BufferError:  # something still has a view of it: handed on as a copy, never gathered into again
-                log.warning("receive_buffer_viewed", bytes=len(payload), held_by=_holders(payload))
-                payload = bytearray(memoryview(payload)[:-CRLF_SIZE])
             args, self.state = self.msg_arg, AWAITING_CONTROL_LINE
+            if args["sid"] in self.views:  # read where it was gathered; the spare keeps its length
+                self.spare.append(payload)
+                payload = memoryview(payload)[:size].toreadonly()
+            else:
+                try:
+                    del payload[size:]  # at the end: no copy
+                    self.spare.append(payload)
+                except BufferError:  # something still has a view of it: handed on as a copy, never gathered into again
+                    log.warning("receive_buffer_viewed", bytes=len(payload), held_by=_holders(payload))
+                    payload = bytearray(memoryview(payload)[:size])
             await self.nc._process_msg(args["sid"], args["subject"], args["reply"], payload, None)
         if len(view):
             await super().parse(view)
@@ -170,7 +183,7 @@ class Stream(asyncio.BufferedProtocol):
         p = self.parser
         if self.reading and p.payload is not None and not self.pieces and not self.out:
             self.direct = True
-            return memoryview(p.payload)[p.have:]
+            return memoryview(p.payload)[p.have : p.want]
         self.direct = False
         if not self.pieces and not self.out:
             self.used = 0  # all parsed (the parser copies what it keeps): the buffer is free again
@@ -181,7 +194,7 @@ class Stream(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.direct:
             self.parser.have += nbytes
-            if self.parser.have == len(self.parser.payload):  # complete: an empty piece has the parser finish it
+            if self.parser.have == self.parser.want:  # complete: an empty piece has the parser finish it
                 self._queue(memoryview(b""))
             return
         self._queue(memoryview(self.scratch)[self.used:self.used + nbytes])
@@ -355,6 +368,14 @@ class _Client(Client):
         if not isinstance(self._transport, Transport):
             self._transport = Transport(self._ps)
         await self._transport.connect(s.uri, DEFAULT_BUFFER_SIZE, self.options["connect_timeout"])
+
+
+def hand_views(nc: Client, sid: int) -> None:
+    """Large payloads of subscription `sid` of `nc` (a `client()`) are handed on as read-only memoryviews over
+    the buffer they were gathered in, which keeps its length for the next payload: for a handler that reads
+    them and lets them go (not `bytes` concatenation, as nats-py's object store does)."""
+    if isinstance(getattr(nc, "_ps", None), Parser):
+        nc._ps.views.add(sid)
 
 
 def client() -> Client:
