@@ -17,7 +17,7 @@ from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
 from cleave.schemas import StepMetrics
-from cleave.schemas.subjects import MAX_WORKER_ID, TOKEN_CHARS
+from cleave.schemas.subjects import MAX_WORKER_ID, token
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
@@ -44,7 +44,7 @@ def worker_id(run_name: str, n: int) -> str:
     """The id of a stack's `n`th worker: its run dir's name, where every character an id may not hold (it is
     one subject token: letters, digits, _ and -) is a -, cut to leave room for `-w<n>` within 128."""
     tail = f"-w{n}"
-    return (re.sub(f"[^{TOKEN_CHARS}]", "-", run_name) or "run")[: MAX_WORKER_ID - len(tail)] + tail
+    return (token(run_name) or "run")[: MAX_WORKER_ID - len(tail)] + tail
 
 
 def default_run_dir(kind: str) -> Path:

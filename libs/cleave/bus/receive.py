@@ -53,13 +53,16 @@ _CRLF = b"\r\n"
 class Parser(NatsParser):
     """nats-py's parser with large payloads gathered in place (install before the client connects)."""
 
+    def __init__(self, nc=None) -> None:  # noqa: ANN001 - nats-py's Client
+        self.views: set[int] = set()  # subscriptions (sids) that take a read-only view (`hand_views`): kept on reset
+        super().__init__(nc)
+
     def reset(self) -> None:
         super().reset()
         self.payload: bytearray | None = None  # the buffer the payload being gathered goes to
         self.have = 0
         self.want = 0  # the bytes of it the payload takes, with its CRLF
         self.spare: deque[bytearray] = deque(maxlen=SPARE_PAYLOADS)  # the last payloads handed on
-        self.views: set[int] = getattr(self, "views", set())  # subscriptions (sids) that take a read-only view
 
     def _buffer(self, size: int, keep: bool) -> bytearray:
         """Room for a payload of `size` bytes with its CRLF: a spare that nothing holds any more (only `spare`

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 PREFIX = "cleave"
 TOKEN_CHARS = "A-Za-z0-9_-"  # what a name that is one subject token (and one KV key) may hold, as a regex class
 MAX_WORKER_ID = 128
 WORKER_ID_PATTERN = rf"^[{TOKEN_CHARS}]{{1,{MAX_WORKER_ID}}}$"
+_NOT_TOKEN = re.compile(f"[^{TOKEN_CHARS}]")
+
 SUBJECT_HEARTBEAT = PREFIX + ".hb.{worker_id}"  # worker -> scheduler: liveness and profile
 SUBJECT_HEARTBEAT_ALL = PREFIX + ".hb.*"
 SUBJECT_TILES = PREFIX + ".tile.{worker_id}"  # PS -> one worker: tiles to compute
@@ -53,3 +57,8 @@ SHAPES_KEY = "shapes"  # key in PLAN_BUCKET: the running job's JobShapes
 REPLICA_PLAN_KEY = PLAN_KEY + ".r{replica}"  # key in PLAN_BUCKET: PS replica r's part of the fleet (--ps-replicas)
 STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
+
+
+def token(name: str) -> str:
+    """`name` with each character a subject token may not hold replaced by a -."""
+    return _NOT_TOKEN.sub("-", name)

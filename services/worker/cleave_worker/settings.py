@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import socket
 from pathlib import Path
 from typing import ClassVar
@@ -12,11 +11,11 @@ from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from cleave.runtime.config_file import FileSettings
-from cleave.schemas.subjects import TOKEN_CHARS, WORKER_ID_PATTERN
+from cleave.schemas.subjects import WORKER_ID_PATTERN, token
 
 
 def default_worker_id() -> str:
-    host = re.sub(f"[^{TOKEN_CHARS}]", "-", socket.gethostname())[:40]
+    host = token(socket.gethostname())[:40]
     return f"{host}-{os.getpid()}"
 
 
