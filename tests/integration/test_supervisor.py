@@ -23,6 +23,8 @@ import pytest
 
 from cleave.api.stack import Stack
 from cleave.api.state import read_state, state_server
+from cleave.api.supervisor import signals_held, stop_signals
+from cleave.errors import Stopped
 
 READY_TIMEOUT_S = 120.0  # the monitor and the workers import torch first; the machine may be loaded
 GONE_TIMEOUT_S = 30.0
@@ -32,8 +34,10 @@ class Supervisor:
     """`cleave ARGS` as a child of the test, its output read line by line on a thread."""
 
     def __init__(self, *args: str) -> None:
+        # PYTHONFAULTHANDLER: on SIGABRT it prints where each of its threads was (`end` on a timeout)
         self.proc = subprocess.Popen([sys.executable, "-m", "cleave_cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                     env={**os.environ, "PYTHONFAULTHANDLER": "1"})
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.out: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -60,13 +64,24 @@ class Supervisor:
         raise AssertionError(f"no {needle!r} from the supervisor: {''.join(self.out)}")
 
     def end(self, timeout_s: float = 60.0) -> tuple[int, str]:
-        """Wait for it to exit; returns its status and all its output."""
-        code = self.proc.wait(timeout=timeout_s)
+        """Wait for it to exit; returns its status and all its output. One still running after `timeout_s` is
+        made to print its threads' stacks (SIGABRT) into the assertion's message."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            self.proc.wait(timeout=30)
+            raise AssertionError(f"still running {timeout_s}s later; it said: {self._said()}") from None
+        said = self._said()
+        self.proc.stdout.close()
+        return code, said
+
+    def _said(self) -> str:
+        """All its output (it has exited)."""
         self.reader.join(timeout=10)
         while (line := self.lines.get_nowait() if not self.lines.empty() else None) is not None:
             self.out.append(line)
-        self.proc.stdout.close()
-        return code, "".join(self.out)
+        return "".join(self.out)
 
     def kill(self) -> None:
         """After a failure: SIGKILL it (its children carry the parent-death signal)."""
@@ -238,3 +253,47 @@ def test_a_worker_that_refuses_its_settings_stays_down_and_is_told_once(tmp_path
                                                        "(`cleave chaos ... --no-restart`)"]
     finally:
         stack.stop_all()
+
+
+class SignalledOnAcquire:
+    """A `subprocess.Popen` wait lock that receives SIGTERM just as it is taken: the moment, between
+    `Popen.poll`'s taking of the lock and the `try` that gives it back, at which a stop signal raised at once
+    left the lock taken for ever (and the supervisor's stop then waited on it for ever)."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+
+    def acquire(self, *args) -> bool:
+        got = self.lock.acquire(*args)
+        signal.raise_signal(signal.SIGTERM)  # handled as this call returns
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def test_a_stop_signal_that_arrives_while_the_stack_polls_a_process_is_raised_once_the_poll_is_done(
+        tmp_path: Path) -> None:
+    stack = Stack(tmp_path)
+    sleeper = stack.spawn("sleeper", "tool", ["sleep", "600"], restart=False)
+    lock = sleeper.popen._waitpid_lock
+    sleeper.popen._waitpid_lock = SignalledOnAcquire(lock)
+    try:
+        with pytest.raises(Stopped), stop_signals():
+            sleeper.poll()
+    finally:
+        sleeper.popen._waitpid_lock = lock
+    assert not lock.locked()
+    stack.stop_all(grace_s=5)
+    assert sleeper.poll() == -signal.SIGTERM
+
+
+def test_a_stop_signal_within_signals_held_is_raised_as_the_block_ends() -> None:
+    done = []
+    with pytest.raises(Stopped) as stopped, stop_signals():
+        with signals_held():
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.01)  # (a sleep is where an unheld signal is raised)
+            done.append("the block's end")
+        done.append("after the block")
+    assert done == ["the block's end"] and stopped.value.signum == signal.SIGINT

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
-from cleave.errors import EXIT_ERROR, CleaveError
+from cleave.errors import CleaveError
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
@@ -179,7 +179,7 @@ class LocalFleet:
             if log.exists() and len(set(JOINED.findall(log.read_text(errors="replace")))) >= want:
                 return
             for p in self.stack.procs.values():  # one that refused its settings would only refuse them again
-                if p.role == "worker" and p.popen is not None and p.popen.poll() == EXIT_ERROR:
+                if p.role == "worker" and p.poll() in self.stack.stays_down["worker"]:
                     raise CleaveError(f"{p.name} could not start: {self.stack.last_words(p) or 'no output'} "
                                       f"(see {self.stack.log_path(p.name)})")
             time.sleep(0.1)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
-from cleave.api.supervisor import held_down, parent_death_signal
+from cleave.api.supervisor import held_down, parent_death_signal, signals_held
 from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError
 
 DEFAULT_READY_TIMEOUT_S = 20.0
@@ -38,6 +38,11 @@ class Proc:
     restarts: int = 0
     log_offset: int = 0  # size of its log when it last started: readiness is read from there on
     told: bool = False  # its end for good was reported (Stack.tell_ended)
+
+    def poll(self) -> int | None:
+        """Its exit status; None while it runs or before it first started."""
+        with signals_held():
+            return self.popen.poll() if self.popen else None
 
 
 class Stack:
@@ -82,7 +87,7 @@ class Stack:
         log = self.log_path(proc.name)
         deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            if proc.popen.poll() is not None:
+            if proc.poll() is not None:
                 raise CleaveError(f"nats-server exited with {proc.popen.returncode}; see {log}")
             with open(log, "rb") as f:
                 f.seek(proc.log_offset)
@@ -168,14 +173,13 @@ class Stack:
     def _start(self, proc: Proc) -> None:
         log = self.log_path(proc.name)
         proc.log_offset = log.stat().st_size if log.exists() else 0
-        logf = open(log, "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
         # nats-server closes its store on SIGTERM; a service is killed outright (as in a crash)
         on_orphaned = signal.SIGTERM if proc.role == "nats" else signal.SIGKILL
-        proc.popen = subprocess.Popen(proc.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=parent_death_signal(on_orphaned))  # noqa: PLW1509
-        logf.close()
+        with signals_held(), open(log, "ab") as logf:  # a stop signal lands once the child is recorded
+            proc.popen = subprocess.Popen(proc.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=parent_death_signal(on_orphaned))  # noqa: PLW1509
         proc.started_at = time.time()
         self.write_stack_json()
 
@@ -183,7 +187,7 @@ class Stack:
         """Restart dead processes that should run; returns those that exited and stay down."""
         ended = []
         for proc in list(self.procs.values()):
-            code = proc.popen.poll() if proc.popen else None
+            code = proc.poll()
             if code is None:
                 continue
             stays_down = held_down(self.run_dir, proc.name) or code in self.stays_down.get(proc.role, ())
@@ -217,27 +221,30 @@ class Stack:
         proc = self.procs[name]
         if restart is not None:
             proc.restart = restart
-        if proc.popen and proc.popen.poll() is None:
-            proc.popen.send_signal(sig)
-            if sig == signal.SIGKILL:
-                proc.popen.wait()
+        with signals_held():
+            if proc.popen is not None and proc.poll() is None:
+                proc.popen.send_signal(sig)
+                if sig == signal.SIGKILL:
+                    proc.popen.wait()
 
     def stop_all(self, grace_s: float = DEFAULT_STOP_GRACE_S) -> None:
-        """SIGTERM the services, then nats; SIGKILL whatever outlives the grace period."""
+        """SIGTERM the services, then nats; SIGKILL whatever outlives the grace period. A stop signal that
+        arrives meanwhile is raised once all are down (a second one exits at once)."""
         services = [p for p in self.procs.values() if p.role != "nats"]
-        for group in (services, [p for p in self.procs.values() if p.role == "nats"]):
-            for p in group:
-                p.restart = False
-                if p.popen and p.popen.poll() is None:
-                    p.popen.terminate()
-            deadline = time.monotonic() + grace_s
-            for p in group:
-                try:
-                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.popen.kill()
-                    p.popen.wait()
-        self.write_stack_json()
+        with signals_held():
+            for group in (services, [p for p in self.procs.values() if p.role == "nats"]):
+                for p in group:
+                    p.restart = False
+                    if p.popen is not None and p.poll() is None:
+                        p.popen.terminate()
+                deadline = time.monotonic() + grace_s
+                for p in group:
+                    try:
+                        p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        p.popen.kill()
+                        p.popen.wait()
+            self.write_stack_json()
 
     def write_stack_json(self) -> None:
         doc = {
@@ -250,7 +257,7 @@ class Stack:
             "processes": [
                 {"name": p.name, "role": p.role, "pid": p.popen.pid if p.popen else None,
                  "started_at": p.started_at, "restarts": p.restarts,
-                 "running": bool(p.popen and p.popen.poll() is None)}
+                 "running": p.popen is not None and p.poll() is None}
                 for p in self.procs.values()
             ],
         }

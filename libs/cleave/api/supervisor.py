@@ -8,6 +8,10 @@
   SIGTERM, so it closes its JetStream store cleanly; services get SIGKILL (JetStream keeps what they
   committed, exactly as after a crash). Children run in their own session, so a terminal's Ctrl-C reaches
   only the supervisor, which then stops them in order.
+- Within `signals_held()` (the stack's own bookkeeping of its processes: starting, polling, signalling and
+  reaping them) a stop signal is raised only as the block ends. Raised anywhere, it could land between
+  `subprocess.Popen`'s taking of its wait lock and the `try` that gives it back; the lock stayed taken, and
+  the supervisor's stop then waited on it for ever.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +29,9 @@ from cleave.errors import Stopped
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# the process's stop signals (handlers are process-wide): the first one's number, how deep the main thread is
+# in signals_held blocks, and a signal that arrived within them (raised as the outermost one ends)
+_stop = {"signum": 0, "held": 0, "pending": 0}
 
 
 
@@ -56,18 +64,40 @@ def parent_death_signal(sig: int) -> Callable[[], None] | None:
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """Within this block, a stop signal raises `Stopped`; a second one exits at once with 128+signal."""
-    stopping = {"signum": 0}
+    """Within this block, a stop signal raises `Stopped` (at once, or as a `signals_held` block ends); a second
+    one exits at once with 128+signal."""
 
     def on_signal(signum: int, _frame: object) -> None:
-        if stopping["signum"]:
+        if _stop["signum"]:
             os._exit(128 + signum)  # the children still die: they carry the parent-death signal
-        stopping["signum"] = signum
+        _stop["signum"] = signum
+        if _stop["held"]:
+            _stop["pending"] = signum
+            return
         raise Stopped(signum)
 
+    _stop.update(signum=0, held=0, pending=0)
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """A block that a stop signal does not interrupt: it raises `Stopped` as the block ends instead. For the
+    main thread's dealings with `subprocess.Popen` (its locks); on other threads (which never receive a
+    signal) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _stop["held"] += 1
+    try:
+        yield
+    finally:
+        _stop["held"] -= 1
+        if not _stop["held"] and _stop["pending"]:
+            signum, _stop["pending"] = _stop["pending"], 0
+            raise Stopped(signum)

@@ -194,8 +194,7 @@ def demo(args: argparse.Namespace) -> int:
 
     def on_line(m: dict) -> None:
         progress.update(m)
-        victim = fleet.stack.procs["worker-1"].popen
-        if "replacement" not in killed and victim.poll() is not None:
+        if "replacement" not in killed and fleet.stack.procs["worker-1"].poll() is not None:
             killed["replacement"] = fleet.add_worker()
 
     try:

@@ -51,7 +51,7 @@ def start_monitor(stack: Stack, port: int | None = None, timeout_s: float = DEFA
     log = stack.run_dir / "logs" / "monitor.log"
     deadline = time.monotonic() + timeout_s
     while wait and not url_file.exists():
-        if proc.popen.poll() is not None:
+        if proc.poll() is not None:
             raise CleaveError(f"the monitor exited with {proc.popen.returncode}; see {log}")
         if time.monotonic() > deadline:
             raise CleaveError(f"the monitor did not start serving within {timeout_s}s; see {log}")
