@@ -10,12 +10,18 @@
 #   benchmarks/gpu_check.sh [OUT]     THERE: installs those wheels into /tmp/cleave-site and the repository
 #                                     itself without its dependencies (the image's CUDA torch stays: the pin
 #                                     constraints/cpu.txt names the CPU wheel of our dev machines),
-#                                     checks CUDA, runs the device-path unit tests, a tiny smoke run of
-#                                     gpu.py, then gpu.py itself. Results and logs go to OUT
-#                                     (default benchmarks/results): gpu.json, gpu_tiny.json, gpu_check.log.
-# Environment: PYTHON (default python3, the one with CUDA torch), BUDGET_S (gpu.py's --budget-s, default 400),
-# MODELS (gpu.py's --models); for a dry run of this script on a CPU machine: PYVER=3.11 for the wheels,
-# REQUIRE_CUDA=0, MODELS=tiny.
+#                                     checks CUDA, then runs the checks CHECKS names, in this order:
+#                                     unit (the device-path unit tests), tiny (a smoke run of gpu.py),
+#                                     step (benchmarks/step.py's small, 4 workers, on the CPU with its
+#                                     many cores: the PS, nats-server and each worker on cores of their own,
+#                                     which a 2-core machine cannot give), gpu (gpu.py itself). Results and
+#                                     logs go to OUT (default benchmarks/results): gpu_check.log,
+#                                     gpu_tiny.json, step_cores.json, gpu.json.
+# A device call runs at most 10 minutes: run `CHECKS="unit tiny step"` (about 4 minutes) and `CHECKS=gpu`
+# (about 7) as two calls on the same machine.
+# Environment: PYTHON (default python3, the one with CUDA torch), CHECKS (default all four), BUDGET_S
+# (gpu.py's --budget-s, default 400), MODELS (gpu.py's --models); for a dry run of this script on a CPU
+# machine: PYVER=3.11 for the wheels, REQUIRE_CUDA=0, MODELS=tiny.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.gpu-wheels}
@@ -54,9 +60,21 @@ if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .; the
   export PYTHONPATH="$PWD/libs:$PWD/services/ps:$PWD/services/worker:$PWD/services/scheduler:$PWD/services/monitor:$PWD/services/cli:$PYTHONPATH"
 fi
 "$PY" -c 'import cleave, cleave_ps, cleave_worker, cleave_cli; from cleave.api.stack import nats_server_binary; print("cleave ok; nats-server at", nats_server_binary())'
+CHECKS=" ${CHECKS:-unit tiny step gpu} "
 rc=0  # a failed check is reported and the next one still runs: one run there should tell as much as it can
-"$PY" -m pytest -q -p no:cacheprovider tests/unit/test_worker_device.py || { rc=1; echo "FAILED: device unit tests"; }
-"$PY" benchmarks/gpu.py --models tiny-llama --steps 2 --out "$OUT/gpu_tiny.json" || { rc=1; echo "FAILED: tiny run"; }
-"$PY" benchmarks/gpu.py --models "${MODELS:-gpt2-medium,llama3-1b}" --budget-s "${BUDGET_S:-400}" \
-  --out "$OUT/gpu.json" || { rc=1; echo "FAILED: gpu.py"; }
+if [[ "$CHECKS" == *" unit "* ]]; then
+  "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_worker_device.py || { rc=1; echo "FAILED: device unit tests"; }
+fi
+if [[ "$CHECKS" == *" tiny "* ]]; then
+  "$PY" benchmarks/gpu.py --models tiny-llama --steps 2 --out "$OUT/gpu_tiny.json" || { rc=1; echo "FAILED: tiny run"; }
+fi
+if [[ "$CHECKS" == *" step "* ]]; then  # no GPU for it (workers take CUDA when they see it): the CPU fleet's step
+  nproc
+  CUDA_VISIBLE_DEVICES="" "$PY" benchmarks/step.py --presets small --steps 12 --deferred 8 --planner cost \
+    --chunks 1 --out "$OUT/step_cores.json" || { rc=1; echo "FAILED: step.py"; }
+fi
+if [[ "$CHECKS" == *" gpu "* ]]; then
+  "$PY" benchmarks/gpu.py --models "${MODELS:-gpt2-medium,llama3-1b}" --budget-s "${BUDGET_S:-400}" \
+    --out "$OUT/gpu.json" || { rc=1; echo "FAILED: gpu.py"; }
+fi
 exit $rc
