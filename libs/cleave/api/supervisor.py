@@ -32,9 +32,6 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # the process's stop signals (handlers are process-wide): the first one's number, how deep the main thread is
 # in signals_held blocks, and a signal that arrived within them (raised as the outermost one ends)
 _stop = {"signum": 0, "held": 0, "pending": 0}
-
-
-
 HELD_DOWN_DIR = "held-down"  # <run_dir>/held-down/<name>: the supervisor does not restart <name> (cleave chaos)
 
 
@@ -76,7 +73,7 @@ def stop_signals() -> Iterator[None]:
             return
         raise Stopped(signum)
 
-    _stop.update(signum=0, held=0, pending=0)
+    _stop.update(signum=0, pending=0)
     previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         yield
