@@ -191,6 +191,7 @@ def test_up_stops_its_whole_stack(tmp_path, supervisor, sig):
     assert_all_gone(pids)
     if sig != signal.SIGKILL:  # a clean stop: every service closed its connection without an error (a bus drain
         # that timed out, waiting on a subscription nobody read, left a traceback in the runner's log)
+        assert f"cleave: stopping on {signal.Signals(sig).name}; a second signal exits at once" in out, out
         logs = {f.name: f.read_text(errors="replace") for f in (run_dir / "logs").glob("*.log")}
         assert not [name for name, text in logs.items() if "Traceback" in text], logs
     assert_store_reopens(run_dir, before)
@@ -205,6 +206,7 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
     train.proc.send_signal(signal.SIGTERM)
     code, out = train.end()
     assert code == 128 + signal.SIGTERM and "stopped by SIGTERM" in out, out
+    assert out.count("cleave: stopping on SIGTERM; a second signal exits at once") == 1, out
     assert "dashboard: http://127.0.0.1:" in out and "monitor" in pids  # a local train serves its dashboard
     assert_all_gone(pids)
 

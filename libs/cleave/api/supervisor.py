@@ -61,13 +61,15 @@ def parent_death_signal(sig: int) -> Callable[[], None] | None:
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """Within this block, a stop signal raises `Stopped` (at once, or as a `signals_held` block ends); a second
-    one exits at once with 128+signal."""
+    """Within this block, a stop signal says so on stderr and raises `Stopped` (at once, or as a `signals_held`
+    block ends); a second one exits at once with 128+signal."""
 
     def on_signal(signum: int, _frame: object) -> None:
         if _stop["signum"]:
             os._exit(128 + signum)  # the children still die: they carry the parent-death signal
         _stop["signum"] = signum
+        with contextlib.suppress(OSError):  # (a raw write: the main thread may be inside a write to stderr)
+            os.write(2, f"cleave: stopping on {signal.Signals(signum).name}; a second signal exits at once\n".encode())
         if _stop["held"]:
             _stop["pending"] = signum
             return

@@ -165,8 +165,7 @@ def up(args: argparse.Namespace) -> int:
             for line in fleet.stack.tell_ended(fleet.stack.supervise()):
                 print(line, flush=True)
             time.sleep(0.2)
-    except Stopped as e:
-        print(f"stopping ({e})", flush=True)
+    except Stopped:  # (the signal handler said it stops)
         return 0
     finally:
         fleet.stop()

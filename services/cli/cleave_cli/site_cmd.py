@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
                     print(line, flush=True)
                 offset = check_refused(site, offset)
                 time.sleep(DEFAULT_POLL_S)
-    except Stopped as e:
-        print(f"stopping ({e})", flush=True)
+    except Stopped:  # (the signal handler said it stops)
         return 0
     finally:
         site.stack.stop_all()
