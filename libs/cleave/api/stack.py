@@ -44,6 +44,10 @@ class Proc:
         with signals_held():
             return self.popen.poll() if self.popen else None
 
+    def running(self) -> bool:
+        """Started and not exited."""
+        return self.popen is not None and self.poll() is None
+
 
 class Stack:
     def __init__(self, run_dir: Path, max_payload: int = 8 * 1024 * 1024) -> None:
@@ -222,7 +226,7 @@ class Stack:
         if restart is not None:
             proc.restart = restart
         with signals_held():
-            if proc.popen is not None and proc.poll() is None:
+            if proc.running():
                 proc.popen.send_signal(sig)
                 if sig == signal.SIGKILL:
                     proc.popen.wait()
@@ -235,7 +239,7 @@ class Stack:
             for group in (services, [p for p in self.procs.values() if p.role == "nats"]):
                 for p in group:
                     p.restart = False
-                    if p.popen is not None and p.poll() is None:
+                    if p.running():
                         p.popen.terminate()
                 deadline = time.monotonic() + grace_s
                 for p in group:
@@ -257,7 +261,7 @@ class Stack:
             "processes": [
                 {"name": p.name, "role": p.role, "pid": p.popen.pid if p.popen else None,
                  "started_at": p.started_at, "restarts": p.restarts,
-                 "running": p.popen is not None and p.poll() is None}
+                 "running": p.running()}
                 for p in self.procs.values()
             ],
         }
