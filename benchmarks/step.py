@@ -24,8 +24,8 @@ machine, no step can be shorter than `machine_bound_s`: the CPU the reference sp
 bus's for its bytes, over the machine's cores; `machine_bound_over_floor` says how far above the floor that
 sits on this machine, `step_over_machine_bound` what the stack's own overhead adds to it.
 The losses are compared with the reference's: whether they are equal, and whether they differ by at most twice
-PyTorch's own spread (`SPREAD_RUNS`: the reference again on one thread, and with ATen's kernels not vectorised,
-as compose/e2e.sh measures it): BLAS may round a tile's product, of another shape than the reference's one
+PyTorch's own spread (`SPREAD_RUNS`: the reference again as other machines sum it, each combination of one
+thread, ATen's kernels at AVX2 width or not vectorised and MKL's GEMMs without AVX-512, as compose/e2e.sh measures it): BLAS may round a tile's product, of another shape than the reference's one
 product, differently in a float's last bit, and a step's loss then differs by about that.
 Each point runs with the PS dealing one GEMM at a time (`--deferred 0`) and with weight gradients dealt
 beside the backward's other GEMMs (`deferred_gemms`, 8 by default), side by side.
@@ -58,6 +58,7 @@ from cleave import bus as busmod
 from cleave.api.fleet import LocalFleet, MetricsTail
 from cleave.gemm import tiles
 from cleave.runtime.logs import configure
+from cleave.runtime.threads import spread_runs
 from cleave.schemas import SUBJECT_HEARTBEAT_ALL, SUBJECT_RESULTS, Heartbeat
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
@@ -67,10 +68,9 @@ from cleave_ps.settings import PsSettings
 
 WARMUP_STEPS = 2
 RESULTS = Path(__file__).parent / "results" / "step.json"
-# PyTorch's own run-to-run spread, as compose/e2e.sh measures it: the reference again with another summation order
-# in its kernels, on one thread and with ATen's kernels not vectorised (each in a process of its own: torch reads
+# PyTorch's own run-to-run spread, as compose/e2e.sh measures it (each run in a process of its own: torch reads
 # these when it is imported)
-SPREAD_RUNS = {"1t": {"OMP_NUM_THREADS": "1"}, "novec": {"ATEN_CPU_CAPABILITY": "default"}}
+SPREAD_RUNS = spread_runs()
 _REFERENCE = ("import json, sys; sys.path.insert(0, sys.argv[1]); import step; from cleave.train.job import JobConfig; "
               "print(json.dumps(step.reference(JobConfig.model_validate_json(sys.argv[2]), int(sys.argv[3]))[1]))")
 
