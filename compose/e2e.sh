@@ -109,8 +109,10 @@ fi
 rm -rf "$RUN"; mkdir -p "$RUN"; chmod 0777 "$RUN"  # the runner runs as uid 10001
 "$CLEAVE" auth init --out "$RUN/auth" --tls --server-dir /etc/nats/auth --sites "$SITE" >/dev/null || fail "auth init"
 job="e2e-$(date +%s)"
-# the same text on both sides ("builtin" is CPython's own docs, which differ between Debian's and the host's)
-cat "$REPO/README.md" "$REPO"/docs/*.md >"$RUN/data.txt"
+# the same text on both sides ("builtin" is CPython's own docs, which differ between Debian's and the host's),
+# and the same text every run: PyTorch's spread and the fleet's differences depend on it (e2e/corpus.txt.zst)
+"$REPO/.venv/bin/python" -c 'import sys, zstandard; sys.stdout.buffer.write(zstandard.ZstdDecompressor().decompress(open(sys.argv[1], "rb").read()))' \
+  "$HERE/e2e/corpus.txt.zst" >"$RUN/data.txt"
 printf '{"job_id": "%s", "preset": "tiny", "steps": %d, "data": "/e2e/data.txt"}\n' "$job" "$STEPS" >"$RUN/job.json"
 reference "$RUN/job.json" "$RUN/reference" &
 ref_pid=$!
