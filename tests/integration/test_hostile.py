@@ -563,15 +563,20 @@ async def test_a_worker_gets_no_jetstream_and_model_answers_only_in_its_own_inbo
 
 
 async def test_every_stream_and_bucket_is_bounded(nats_url: str) -> None:
-    """What `Bus.setup()` creates has a size limit and a largest message, so no writer, whatever it was made to
-    write, grows them without bound (the checkpoint store: `CLEAVE_PS_STATE_MAX_BYTES` where the PS creates it)."""
-    from cleave.schemas import EVENTS_STREAM, STATE_BUCKET, STATE_OBJECTS
+    """What `Bus.setup()` and the hub's runner create has a size limit and a largest message, so no writer,
+    whatever it was made to write, grows them without bound (the checkpoint store: `CLEAVE_PS_STATE_MAX_BYTES`
+    where the PS creates it)."""
+    from cleave.schemas import EVENTS_STREAM, JOBS_BUCKET, JOBS_STREAM, STATE_BUCKET, STATE_OBJECTS
+    from cleave_cli.runner import jobs_stream
 
     bus = await busmod.connect(nats_url, "setup")
     try:
         await bus.setup()
+        await jobs_stream(bus)
+        await bus.kv(JOBS_BUCKET)
         await bus.object_store(STATE_OBJECTS, max_bytes=1 << 30)
-        for stream in (EVENTS_STREAM, *(f"KV_{b}" for b in (REGISTRY_BUCKET, PLAN_BUCKET, STATE_BUCKET))):
+        buckets = (REGISTRY_BUCKET, PLAN_BUCKET, STATE_BUCKET, JOBS_BUCKET)
+        for stream in (EVENTS_STREAM, JOBS_STREAM, *(f"KV_{b}" for b in buckets)):
             config = (await bus.js.stream_info(stream)).config
             assert 0 < config.max_bytes <= 1 << 30 and 0 < config.max_msg_size <= 8 << 20, (stream, config)
         assert (await bus.js.stream_info(f"OBJ_{STATE_OBJECTS}")).config.max_bytes == 1 << 30

@@ -26,16 +26,21 @@ from types import SimpleNamespace
 
 import nats
 import pytest
+from nats.js.errors import APIError
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.api import credentials
+from cleave.api import credentials, hub
 from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.api.stack import Stack
 from cleave.api.topology import wait_leaf_connected
+from cleave.bus.limits import JOBS_MAX_BYTES
+from cleave.errors import CleaveError
 from cleave.models import bundles
 from cleave.schemas import (
     JOBS_BUCKET,
+    JOBS_STREAM,
+    MAX_CONTROL_BYTES,
     STATE_BUCKET,
     SUBJECT_JOB_SUBMIT,
     SUBJECT_MODELS_GET,
@@ -54,7 +59,7 @@ from cleave.schemas import (
 from cleave.train.job import JobConfig
 from cleave_cli import auth_cmd, serverconf
 from cleave_cli.hub import HubConfig
-from cleave_cli.runner import Runner
+from cleave_cli.runner import Runner, jobs_stream
 
 pytestmark = pytest.mark.timeout(120)
 READY_TIMEOUT_S = 20.0
@@ -330,6 +335,34 @@ async def test_the_runner_judges_each_submission_and_only_it_writes_the_records(
         with pytest.raises(Exception):  # noqa: B017 - the server refuses (a permissions violation: no ack)
             await asyncio.wait_for(kv.put("fresh", b"forged"), 3)
         assert (await submitter.kv_get(kv, "fresh", JobRecord))[0].state == "queued"
+    finally:
+        await ps.close()
+        await submitter.close()
+
+
+async def test_a_full_job_queue_refuses_a_submission_and_keeps_every_waiting_one(deployment, tmp_path) -> None:
+    """A submitter (or a stolen submitter credential) filling the hub's job queue while no runner takes jobs:
+    the queue stops at its limit, refuses the next submission, which `submit` reports at once with the
+    server's reason, and drops none of the jobs already waiting."""
+    ps, submitter = await deployment.connect("ps"), await deployment.connect(auth.SUBMITTER)
+    try:
+        await jobs_stream(ps)  # as the runner makes it; no runner takes from it here
+        stored = 0
+        for size in (MAX_CONTROL_BYTES - 4096, 16384, 256):  # filled to the brim
+            with pytest.raises(APIError, match="maximum bytes exceeded"):
+                for _ in range(JOBS_MAX_BYTES // size + 1):
+                    await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job=f"j{stored}"), b"x" * size,
+                                               timeout=OP_TIMEOUT_S)
+                    stored += 1
+        assert stored >= JOBS_MAX_BYTES // MAX_CONTROL_BYTES
+        job = JobConfig.build(job_id="late", preset="tiny", steps=4)
+        sub = JobSubmission(job=job.model_dump_json(), nonce="a" * 16, submitted_at=time.time())
+        start = time.monotonic()
+        with pytest.raises(CleaveError, match="refused to store job late: maximum bytes exceeded"):
+            await hub.store(submitter, "late", sub, 30.0, deployment.hub.url)
+        assert time.monotonic() - start < 5.0  # told at once, not after the 30 s meant for a starting runner
+        info = await ps.js.stream_info(JOBS_STREAM)
+        assert (info.state.messages, info.state.first_seq) == (stored, 1)  # every waiting job is still there
     finally:
         await ps.close()
         await submitter.close()

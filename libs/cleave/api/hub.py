@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
 
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api.credentials import client_options
+from cleave.bus.limits import STORE_FAILED
 from cleave.errors import CleaveError, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
@@ -63,10 +65,15 @@ async def store(bus: busmod.Bus, job_id: str, sub: JobSubmission, wait_s: float,
         try:
             return await bus.js.publish(SUBJECT_JOB_SUBMIT.format(job=job_id), codec.encode(sub),
                                         timeout=busmod.DEFAULT_TIMEOUT_S, headers={"Nats-Msg-Id": sub.nonce})
+        except APIError as e:
+            if e.err_code == STORE_FAILED:  # the queue is full (its runner takes no jobs), or the job too large
+                raise CleaveError(f"the hub at {url} refused to store job {job_id}: {e.description}") from None
+            refused = e
         except Exception as e:  # no stream (yet): no runner has started on that hub
-            if time.monotonic() > deadline:
-                raise CleaveError(f"the hub at {url} did not take the job within {wait_s:.0f}s ({type(e).__name__}): "
-                                  "is its runner up (`cleave up`, or compose's `runner`)?") from None
+            refused = e
+        if time.monotonic() > deadline:
+            raise CleaveError(f"the hub at {url} did not take the job within {wait_s:.0f}s ({type(refused).__name__}): "
+                              "is its runner up (`cleave up`, or compose's `runner`)?")
         await asyncio.sleep(DEFAULT_RETRY_S)
 
 

@@ -21,3 +21,6 @@ BUCKET_LIMITS = {
 }
 DEFAULT_BUCKET_LIMITS = (MAX_CONTROL_BYTES, 256 * MiB)  # any other bucket
 EVENTS_MAX_BYTES = 256 * MiB  # the events stream keeps its newest events within this
+JOBS_MAX_BYTES = 64 * MiB  # the hub's job queue (submissions the runner has not taken): full, it refuses new
+# ones (discard new) rather than drop a waiting job; a job file is a few KiB
+STORE_FAILED = 10077  # JetStream's err_code for a message its stream refuses to store (full, or too large)

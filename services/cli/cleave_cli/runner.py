@@ -27,11 +27,12 @@ from pathlib import Path
 
 import nats
 import structlog
-from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.api.stack import Proc, Stack
+from cleave.bus.limits import JOBS_MAX_BYTES
 from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, CreateRefused, WireError
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
@@ -248,9 +249,11 @@ class Runner:
 
 
 async def jobs_stream(bus: busmod.Bus) -> None:
-    """CLEAVE_JOBS: each submission kept on the hub until the runner has recorded it (a work queue)."""
+    """CLEAVE_JOBS: each submission kept on the hub until the runner has recorded it (a work queue, at most
+    JOBS_MAX_BYTES: full, it refuses a submission, whose submitter is told, instead of dropping one)."""
     await bus.stream(StreamConfig(name=JOBS_STREAM, subjects=[SUBJECT_JOB_SUBMIT_ALL],
                                   retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
+                                  max_bytes=JOBS_MAX_BYTES, discard=DiscardPolicy.NEW,
                                   max_msg_size=MAX_CONTROL_BYTES, num_replicas=bus.replicas))
 
 
