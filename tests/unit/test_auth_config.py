@@ -204,6 +204,10 @@ def test_sites_and_a_cluster_in_the_written_config(tmp_path: Path) -> None:
         init(tmp_path / "plain", "--cluster", "n1,n2,n3")
     with pytest.raises(ConfigError, match="site name"):
         init(tmp_path / "bad", "--sites", "a.b")
+    # a site's workers log in with the shared worker credential, which pinned credentials replace
+    with pytest.raises(ConfigError, match="--sites and --worker-ids do not go together"):
+        init(tmp_path / "pinned", "--sites", "lab-a", "--worker-ids", "w1,w2")
+    assert not (tmp_path / "pinned").exists()  # refused before anything is written
 
 
 def test_a_leaf_node_holds_the_site_seed_and_verifies_the_hub(tmp_path: Path) -> None:

@@ -96,6 +96,10 @@ def init(args: argparse.Namespace) -> list[Path]:
     worker_ids = tuple(w.strip() for w in args.worker_ids.split(",") if w.strip())
     creds = auth.credentials(worker_ids)  # validates ids and names before anything is written
     sites = [auth.site_credential(n) for n in _names(getattr(args, "sites", ""), "--sites")]
+    if sites and worker_ids:  # (a site's workers log in with sites/<name>/worker.env)
+        raise ConfigError("--sites and --worker-ids do not go together: a site's workers log in with the shared "
+                          "worker credential, which --worker-ids does not issue; issue the sites' credentials "
+                          "without --worker-ids")
     nodes = _names(getattr(args, "cluster", ""), "--cluster")
     if nodes and not (args.tls or args.tls_ca):
         raise ConfigError("--cluster: routes verify each other against a CA: pass --tls (or --tls-cert with --tls-ca)")
