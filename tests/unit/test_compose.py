@@ -135,6 +135,21 @@ def test_workers_scale() -> None:
         assert "container_name" not in service
 
 
+def test_every_published_port_binds_the_loopback_unless_told_otherwise() -> None:
+    """Least privilege by default: what a compose file publishes listens on 127.0.0.1 until its *_BIND
+    variable says otherwise (the hub's client and leaf ports, the site's, the dashboard); NATS monitoring
+    (8222) is never published, and workers publish nothing (`test_workers_scale`)."""
+    published = 0
+    for path in sorted(COMPOSE.glob("docker-compose*.yml")):
+        for name, service in (resolve(yaml.safe_load(path.read_text())).get("services") or {}).items():
+            for port in service.get("ports", []):
+                published += 1
+                host, _, target = str(port).rpartition(":")
+                assert host.startswith("127.0.0.1:"), f"{path.name}: {name} publishes {port} beyond the loopback"
+                assert target != "8222", f"{path.name}: {name} publishes NATS monitoring"
+    assert published >= 4  # the hub's NATS, leaf port and dashboard, the site's leaf node
+
+
 def test_lifecycle_health_and_start_order() -> None:
     services = BASE["services"]
     for role in SERVICES:
