@@ -7,6 +7,8 @@ nats-servers, and the hub's job runner judging submissions, with no training in 
   a worker may send and receive: no tiles, state, events, jobs or other replies of the PS's go in, no results,
   heartbeats or replies of others come out;
 - a site's credential is no client login; the submitter submits and reads but cannot write a job's record;
+- `cleave site` with a CA that is not the hub's says it cannot verify the hub's certificate and exits 2;
+- a full job queue refuses a submission at once and keeps every job waiting in it;
 - the runner records a verdict for each submission: accepted, or refused with the reason (invalid, another
   job's name, a changed identity of a job that has state).
 """
@@ -17,8 +19,10 @@ import argparse
 import asyncio
 import gc
 import json
+import shutil
 import ssl
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -366,3 +370,17 @@ async def test_a_full_job_queue_refuses_a_submission_and_keeps_every_waiting_one
     finally:
         await ps.close()
         await submitter.close()
+
+
+def test_a_site_that_cannot_verify_the_hubs_certificate_says_so_and_exits(deployment, tmp_path) -> None:
+    """`cleave site` whose CA is not the hub's (a man in the middle, or another deployment's folder): the leaf
+    node refuses the hub's certificate, and the command ends with a message saying so (exit 2), instead of
+    waiting for a link that will never come. With the right CA the same leaf node links (`leaf()` above)."""
+    folder = tmp_path / "s1"
+    shutil.copytree(deployment.auth / "sites" / "s1", folder)
+    (folder / "ca.pem").write_bytes(serverconf.generate_tls(["127.0.0.1"]).ca_pem)  # a CA, not the hub's
+    done = subprocess.run([sys.executable, "-m", "cleave_cli", "site", "--hub", f"tls://127.0.0.1:{deployment.hub.leaf_port}",
+                           "--name", "s1", "--auth", str(folder), "--workers", "0", "--listen", f"127.0.0.1:{free_port()}",
+                           "--run-dir", str(tmp_path / "site")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "site s1 could not verify the hub's certificate" in done.stderr, done.stderr
