@@ -4,13 +4,14 @@ from a worker that is one.)"""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import torch
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.schemas import TileResult, TileTask
+from cleave.schemas import LinkCheckAck, TileResult, TileTask
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from tests.integration.fleet import InProcessPS, assert_same, start_fleet
@@ -78,3 +79,41 @@ async def test_flood_of_bad_results_never_reaches_the_model(tmp_path, nats_url):
         await sub.unsubscribe()
         await attacker.close()
         fleet.stop()
+
+
+async def test_a_flood_past_the_pending_limit_is_dropped_unread_not_held(nats_url):
+    """A peer that floods a subscription while its handler is busy (the PS's results during a step's local
+    compute): the subscription holds at most its `pending_bytes` (the PS's: CLEAVE_PS_MAX_PENDING_BYTES)
+    unread, drops the rest and says so (`Bus.on_dropped`, which the dispatcher hears), so a flood costs
+    messages, never the receiver's memory."""
+    ps, mallory = await busmod.connect(nats_url, "ps"), await busmod.connect(nats_url, "mallory")
+    limit, block, sent = 8 << 20, b"\0" * (1 << 20), 64
+    busy, last, handled, dropped = asyncio.Event(), asyncio.Event(), [], []
+    ps.on_dropped.append(dropped.append)
+
+    async def handler(msg: LinkCheckAck, nbytes: int) -> None:
+        handled.append(msg.worker_id)
+        if msg.worker_id == "last":
+            last.set()
+        await busy.wait()
+
+    sub = await ps.subscribe("flood.mallory", LinkCheckAck, handler, pending_bytes=limit)
+    try:
+        await ps.nc.flush()
+        await mallory.nc.publish("flood.mallory", codec.encode(LinkCheckAck(worker_id="first")))
+        for _ in range(sent):
+            await mallory.nc.publish("flood.mallory", block)
+        await mallory.nc.flush()
+        await ps.nc.flush()  # (the server has delivered everything published before this round trip)
+        assert handled == ["first"]
+        assert sub.pending_bytes <= limit and len(dropped) >= sent - limit // len(block), (sub.pending_bytes, len(dropped))
+        assert set(dropped) == {"flood.mallory"}
+        busy.set()
+        await mallory.nc.publish("flood.mallory", codec.encode(LinkCheckAck(worker_id="last")))
+        await asyncio.wait_for(last.wait(), 10)  # read in order: everything held before it has been read
+        held = sent - len(dropped)  # ... and refused as the garbage it is
+        assert ps.rejected.get("bad_magic", 0) == held and handled == ["first", "last"]
+    finally:
+        await sub.unsubscribe()
+        await mallory.close()
+        await ps.close()
