@@ -41,7 +41,8 @@ def register(p: argparse.ArgumentParser) -> None:
                                                    "arrived (default 0: every worker of the plan)")
     p.add_argument("--val-every", type=int, help="validation loss of the PS's model every N steps or rounds")
     p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine")
-    p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION")
+    p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION, "
+                   "topkq:FRACTION[:BITS]")
     p.add_argument("--lora-rank", "--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of "
                    "this rank")
     p.add_argument("--lora-alpha", type=float, help="LoRA's scale is alpha / rank (default 16)")
