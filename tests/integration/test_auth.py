@@ -1,28 +1,20 @@
 """`cleave auth init` against a real nats-server: who may connect, publish and subscribe, and TLS.
 
 Each test writes a fresh config with the real `auth init` code, starts nats-server with it on a free port
-and waits for its "Server is ready" line. A refusal is observed the way a service would see it: the
-connect raises, or the server reports a permissions violation through `error_cb`.
+and waits for its "Server is ready" line (`tests/integration/authserver.py`). A refusal is observed the way a
+service would see it: the connect raises, or the server reports a permissions violation through `error_cb`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import subprocess
-import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import SimpleNamespace
 
 import nats
 import pytest
 from nats.js.api import DeliverPolicy
 
 from cleave import auth, codec
-from cleave.api.natsconf import free_port, nats_server_binary
-from cleave.bus import Bus, receive
+from cleave.bus import Bus
 from cleave.schemas import (
     EVENTS_STREAM,
     PLAN_BUCKET,
@@ -40,174 +32,25 @@ from cleave.schemas import (
     SUBJECT_RESULTS,
     SUBJECT_TILES,
     SUBJECT_UPDATES,
-    DeviceProfile,
     Event,
     Heartbeat,
     Plan,
     TileResult,
 )
 from cleave_cli import auth_cmd
-from cleave_monitor.settings import MonitorSettings
-from cleave_ps.settings import PsSettings
-from cleave_scheduler.settings import SchedulerSettings
 from cleave_worker.settings import WorkerSettings
+from tests.integration import authserver
+from tests.integration.authserver import OP_TIMEOUT_S, SETTINGS, AuthServer, Client, heartbeat, refused
 
-READY_TIMEOUT_S = 20.0
-OP_TIMEOUT_S = 5.0
+server, tls_server, pinned_server = authserver.server, authserver.tls_server, authserver.pinned_server  # fixtures
+connect = authserver.connect  # (a fixture)
+init_args, launch, start_server = authserver.init_args, authserver.launch, authserver.start_server  # (test_bundles, test_hostile)
+
 pytestmark = pytest.mark.timeout(60)
-SETTINGS = {"ps": PsSettings, "scheduler": SchedulerSettings, "monitor": MonitorSettings, "worker": WorkerSettings}
-
-
-@dataclass
-class AuthServer:
-    """A nats-server running the config `cleave auth init` wrote into `out`."""
-
-    out: Path
-    port: int
-    tls: bool
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
-
-    def seed(self, name: str, var: str = "") -> str:
-        """The seed in `<name>.env` (its first, or the one of variable `var`)."""
-        line = next(x for x in (self.out / f"{name}.env").read_text().splitlines()
-                    if x.startswith(var or "CLEAVE_"))
-        return line.split("=", 1)[1]
-
-    def probe_echo(self) -> SimpleNamespace:
-        """Settings of the scheduler's probe connection (`scheduler.env` holds its second seed)."""
-        ca = self.out / auth_cmd.TLS_DIR / auth_cmd.CA_NAME if self.tls else None
-        return SimpleNamespace(nats_url=self.url, nats_tls_ca=ca,
-                               nats_nkey_seed=self.seed("scheduler", "CLEAVE_SCHEDULER_PROBE_NKEY_SEED"))
-
-    def settings(self, role: str, name: str | None = None):
-        ca = self.out / auth_cmd.TLS_DIR / auth_cmd.CA_NAME if self.tls else None
-        extra = {"worker_id": name.removeprefix("worker-")} if name and name.startswith("worker-") else {}
-        return SETTINGS.get(role, SimpleNamespace)(nats_url=self.url, nats_nkey_seed=self.seed(name or role),
-                                                   nats_tls_ca=ca, **extra)
-
-
-def start_server(out: Path, log: Path) -> subprocess.Popen:
-    with open(log, "ab") as f:
-        proc = subprocess.Popen([nats_server_binary(), "-c", str(out / auth_cmd.CONFIG_NAME)],
-                                stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while "Server is ready" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"nats-server did not start: {log.read_text(errors='replace')[-2000:]}")
-        time.sleep(0.02)
-    return proc
-
-
-def init_args(out: Path, port: int, **over) -> argparse.Namespace:
-    base = dict(out=out, tls=False, hosts=None, tls_cert=None, tls_key=None, tls_ca=None, worker_ids="",
-                listen=f"127.0.0.1:{port}", http=f"127.0.0.1:{free_port()}", store_dir=str(out.parent / "js"),
-                server_dir=None, max_payload=1024 * 1024, force=False)
-    return argparse.Namespace(**{**base, **over})
-
-
-def launch(tmp_path: Path, **over) -> Iterator[AuthServer]:
-    port = free_port()
-    out = tmp_path / "auth"
-    auth_cmd.init(init_args(out, port, **over))
-    server = AuthServer(out, port, tls=bool(over.get("tls") or over.get("tls_cert")))
-    server.proc = start_server(out, tmp_path / "nats.log")
-    try:
-        yield server
-    finally:
-        server.proc.terminate()
-        server.proc.wait(timeout=10)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[AuthServer]:
-    yield from launch(tmp_path)
-
-
-@pytest.fixture
-def tls_server(tmp_path: Path) -> Iterator[AuthServer]:
-    yield from launch(tmp_path, tls=True, hosts=["127.0.0.1", "localhost"])
-
-
-@pytest.fixture
-def pinned_server(tmp_path: Path) -> Iterator[AuthServer]:
-    yield from launch(tmp_path, worker_ids="w1,w2")
-
-
-@dataclass
-class Client:
-    """A connection as a role, recording the errors the server reports (permission violations)."""
-
-    nc: nats.NATS
-    errors: list[str] = field(default_factory=list)
-    got_error: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def violation(self, subject: str) -> str:
-        """Wait for the server to report a permissions violation naming `subject` (nats-py lower-cases it)."""
-        subject = subject.lower()
-        async with asyncio.timeout(OP_TIMEOUT_S):
-            while not any(subject in e.lower() for e in self.errors):
-                self.got_error.clear()
-                await self.got_error.wait()
-        return next(e for e in self.errors if subject in e.lower())
-
-
-@pytest.fixture
-async def connect() -> AsyncIterator:
-    clients: list[Client] = []
-
-    async def make(settings, role: str) -> Client:
-        client = Client(nc=None)  # type: ignore[arg-type]
-
-        async def on_error(e: Exception) -> None:
-            client.errors.append(str(e))
-            client.got_error.set()
-
-        client.nc = await receive.connect(settings.nats_url, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S,
-                                       error_cb=on_error, **auth.connect_options(settings, role))
-        clients.append(client)
-        return client
-
-    yield make
-    for c in clients:
-        await c.nc.close()
-
-
-async def refused(url: str, **options) -> str:
-    """The error a connection attempt ends with (the test fails if it connects)."""
-    async def quiet(e: Exception) -> None:
-        pass
-
-    nc = nats.NATS()
-    try:
-        await nc.connect(url, allow_reconnect=False, connect_timeout=OP_TIMEOUT_S, error_cb=quiet, **options)
-    except Exception as e:
-        discard(nc)
-        return str(e)
-    await nc.close()
-    pytest.fail(f"connected to {url} with {sorted(options)}")
-
-
-def discard(nc: nats.NATS) -> None:
-    """Close a refused client's sockets: nats-py leaves them open, and its close() hangs after a TLS failure."""
-    transport = nc._transport
-    if transport is not None:
-        for writer in {transport._io_writer, transport._bare_io_writer} - {None}:
-            writer.close()
 
 
 def tile_result(worker_id: str) -> TileResult:
     return TileResult(job="j", epoch=1, step=0, op=1, tile=0, attempt=0, worker_id=worker_id, error="test")
-
-
-def heartbeat(worker_id: str) -> bytes:
-    profile = DeviceProfile(flops=1e9, memory_bytes=1 << 20, downlink_bytes_per_s=1e6, uplink_bytes_per_s=1e6,
-                            latency_s=0.0)
-    return codec.encode(Heartbeat(worker_id=worker_id, profile=profile, sent_at=1.0, started_at=0.0))
 
 
 # ---- who may connect ---------------------------------------------------------------------------------
@@ -218,10 +61,6 @@ async def test_no_credentials_is_refused(server: AuthServer) -> None:
 async def test_unknown_nkey_is_refused(server: AuthServer) -> None:
     stranger = auth.new_credential("worker")  # a valid nkey the server has never heard of
     assert "Authorization Violation" in await refused(server.url, nkeys_seed_str=stranger.seed)
-
-
-async def test_wrong_password_is_refused(server: AuthServer) -> None:
-    assert "Authorization Violation" in await refused(server.url, user="ps", password="guess")
 
 
 async def test_every_issued_credential_connects(server: AuthServer, connect) -> None:

@@ -189,8 +189,8 @@ def test_sites_and_a_cluster_in_the_written_config(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     text = (out / "nats.conf").read_text()
     assert text.count('allowed_connection_types: ["LEAFNODE"]') == 2  # the sites' keys make leaf links only
-    # ps, scheduler and its probe echo, monitor, submitter, worker
-    assert text.count('allowed_connection_types: ["STANDARD"]') == 6
+    # ps, scheduler and its probe echo, monitor, submitter, worker, and the operators' admin
+    assert text.count('allowed_connection_types: ["STANDARD"]') == 7
     assert 'listen: "0.0.0.0:7422"' in text and "verify: true" in text
     assert '"nats-route://n2:16222"' in text and '"nats-route://n1:6222"' in text
     for site in ("lab-a", "lab-b"):

@@ -54,8 +54,9 @@ def _subjects(subjects: tuple[str, ...]) -> str:
 
 def _user_block(c: Credential) -> str:
     p = c.permissions
-    if c.role == ADMIN:
-        return f"    # {c.name}: unrestricted, for operators\n    {{ nkey: {_q(c.public)} }}"
+    if c.role == ADMIN:  # every subject, but client connections only: not a leaf link with all rights
+        return (f"    # {c.name}: unrestricted subjects, for operators\n"
+                f"    {{ nkey: {_q(c.public)}, allowed_connection_types: [\"STANDARD\"] }}")
     resp = "\n        allow_responses: true" if p.allow_responses else ""
     kind = "LEAFNODE" if c.role == SITE else "STANDARD"  # a site's key makes leaf links only; no other key does
     return (f"    # {c.name}\n    {{\n      nkey: {_q(c.public)}\n      allowed_connection_types: [{_q(kind)}]\n"
