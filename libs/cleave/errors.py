@@ -124,6 +124,19 @@ class ReplicaLost(CleaveError):
     exit_code = EXIT_GROUP_LOST
 
 
+class PsEnded(CleaveError):
+    """A job's PS process ended with a non-zero `status`. The command that supervised it ends with the same
+    status where it is the job's verdict (3: fenced, 4: the job cannot go on), else with EXIT_ERROR."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def exit_code(self) -> int:
+        return self.status if self.status in (EXIT_FENCED, EXIT_JOB_FAILED) else EXIT_ERROR
+
+
 # ---- the command line --------------------------------------------------------------------------------
 class Stopped(BaseException):  # noqa: N818 - like KeyboardInterrupt, a request, not an error
     """A stop signal reached the `cleave` command's supervisor; `signum` says which. A BaseException so that

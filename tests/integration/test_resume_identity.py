@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cleave.api.fleet import LocalFleet, run_reference
-from cleave.errors import EXIT_JOB_FAILED, CleaveError
+from cleave.errors import EXIT_JOB_FAILED, PsEnded
 from cleave.train.job import JobConfig
 from tests.integration.fleet import assert_same
 
@@ -39,8 +39,9 @@ def test_more_steps_continue_a_changed_seed_is_refused_once_and_metrics_only_gro
         log = (tmp_path / "run" / "logs" / "ps.log").read_text()
         assert "job_settings_changed" in log and "steps='3 -> 5'" in log and "from_step=3" in log
         fleet.start_ps(JobConfig.build(job_id=job_id, preset="tiny", steps=5, seed=7), metrics)
-        with pytest.raises(CleaveError, match=f"exited with {EXIT_JOB_FAILED}"):
+        with pytest.raises(PsEnded, match=f"exited with {EXIT_JOB_FAILED}") as ended:
             fleet.wait_ps(metrics, timeout_s=300)
+        assert ended.value.exit_code == EXIT_JOB_FAILED  # `cleave train` ends with it too
         ps = fleet.stack.procs["ps"]
         assert ps.restarts == 0, "a changed identity is refused once, never restarted"
         said = (tmp_path / "run" / "logs" / "ps.log").read_text()[ps.log_offset:]

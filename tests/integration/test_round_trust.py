@@ -14,6 +14,7 @@ import torch
 from cleave import bus as busmod
 from cleave.api.fleet import LocalFleet
 from cleave.compression import get_compressor, unpack
+from cleave.errors import EXIT_JOB_FAILED, PsEnded
 from cleave.schemas import SUBJECT_ROUNDCAST_ALL, SUBJECT_UPDATES, PackedTensors, RoundTask, RoundUpdate
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
@@ -122,8 +123,9 @@ def test_members_without_own_data_or_memory_are_refused_and_not_asked_again(tmp_
 def test_a_job_whose_rounds_accept_nothing_fails_with_what_it_saw(tmp_path):
     job = JobConfig(job_id="empty", preset="tiny", steps=3, method="fedavg", local_steps=1, own_data=True,
                     max_empty_rounds=2, round_timeout_s=60)
-    with pytest.raises(Exception, match="exited with 4"):
+    with pytest.raises(PsEnded, match="exited with 4") as ended:
         run(tmp_path / "run", job, {"nodata": {}}, timeout_s=120)
+    assert ended.value.exit_code == EXIT_JOB_FAILED  # what `cleave train` ends with: the job's verdict, not 2
     ps = (tmp_path / "run" / "logs" / "ps.log").read_text()
     assert "2 rounds in a row (round 0) ended with no accepted update" in ps
     assert "declared none" in ps

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
-from cleave.errors import CleaveError
+from cleave.errors import CleaveError, PsEnded
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
@@ -197,8 +197,8 @@ class LocalFleet:
                 yield from tail.read()
                 for name in self.ps_names:
                     if ended[name] != 0:
-                        raise CleaveError(f"the parameter server {name} exited with {ended[name]}; "
-                                          f"see {self.run_dir}/logs/{name}.log")
+                        raise PsEnded(f"the parameter server {name} exited with {ended[name]}; "
+                                      f"see {self.run_dir}/logs/{name}.log", ended[name])
                 return
             if deadline and time.monotonic() > deadline:
                 raise CleaveError(f"the job did not finish within {timeout_s}s; see {self.run_dir}/logs")
