@@ -9,6 +9,7 @@ benchmarks/results/sim_default_point.json (docs/evaluation.md cites it).
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,8 @@ def row(case: str, bandwidth: float | None, fan_out: bool, flags: str) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()  # (--help)
     rows = [row(*c) for c in CASES]
     for r in rows:
         best = r["with_replicas"] or {}
