@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from cleave import Job, follow, run, status, submit
 from cleave.api.fleet import LocalFleet
-from cleave.errors import CleaveError
+from cleave.errors import EXIT_ERROR, CleaveError, PsEnded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,6 +106,19 @@ def test_a_stack_in_a_run_dir_of_any_name_trains_and_a_worker_that_cannot_start_
             fleet.wait_joined(timeout_s=60)
     finally:
         fleet.stop()
+
+
+def test_a_ps_that_refuses_its_job_stops_the_run_with_its_own_words(tmp_path: Path) -> None:
+    """A job whose data cannot be read: the PS exits 2 at its start. Restarted, it would refuse again for ever
+    (the run hung, silent); it stays down, and the run raises its words with its status (`cleave train` ends 2)."""
+    job = Job(job_id="api-nodata", preset="tiny", steps=2, batch_size=2, data=str(tmp_path / "no-such-corpus.txt"))
+    start = time.monotonic()
+    with pytest.raises(PsEnded, match=r"exited with 2: data=.*no-such-corpus.txt.*cannot read") as ended:
+        list(run(job, workers=1, run_dir=tmp_path / "run"))
+    assert ended.value.exit_code == EXIT_ERROR and time.monotonic() - start < 60
+    stack = json.loads((tmp_path / "run" / "stack.json").read_text())
+    ps = next(p for p in stack["processes"] if p["name"] == "ps")
+    assert ps["restarts"] == 0, ps
 
 
 @pytest.mark.slow  # ~60 s

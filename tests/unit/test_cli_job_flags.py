@@ -7,7 +7,7 @@ import pytest
 from cleave.methods import diloco, fedavg
 from cleave.train.job import JobConfig
 from cleave_cli.commands import job_from_args
-from cleave_cli.main import build_parser
+from cleave_cli.main import build_parser, main
 
 
 def job(*flags: str) -> JobConfig:
@@ -50,3 +50,29 @@ def test_fine_tuning_flags_are_job_fields() -> None:
         True, 0.5, 2, True, 0.8, 1e-6)
     plain = job("--method", "fedavg")
     assert (plain.own_data, plain.secagg, plain.lora_targets) == (False, False, ())
+
+
+def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, capsys) -> None:
+    """What a user mistypes ends before any process starts, in one `cleave: error:` line (or argparse's usage
+    line), status 2: no traceback, no stack left running."""
+    a_file, a_dir, binary = tmp_path / "a-file", tmp_path / "a-dir", tmp_path / "bin.toml"
+    a_file.write_text("x")
+    a_dir.mkdir()
+    binary.write_bytes(b"\xff\xfe\x00steps = 2")
+    cases = {
+        ("train", "--preset", "tiny", "--run-dir", str(a_file)): f"{a_file}: File exists",
+        ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_dir)): f"{a_dir}: Is a directory",
+        ("train", "--config", str(binary)): "not a text file",
+        ("train", "--preset", "tiny", "--lr", "inf", "--dry-run"): "lr: Input should be a finite number",
+        ("train", "--preset", "tiny", "--workers", "0", "--dry-run"): "--workers: must be at least 1, got 0",
+        ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",
+        ("up", "--max-running", "0"): "--max-running: must be at least 1, got 0",
+    }
+    for argv, said in cases.items():
+        try:
+            status = main(list(argv))
+        except SystemExit as e:  # argparse's refusal
+            status = e.code
+        err = capsys.readouterr().err
+        assert status == 2 and said in err and "Traceback" not in err, (argv, status, err)
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # nothing started

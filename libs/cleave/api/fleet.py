@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
-from cleave.errors import CleaveError, PsEnded
+from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, PsEnded
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
@@ -118,6 +118,9 @@ class LocalFleet:
 
     def __post_init__(self) -> None:
         self.stack = Stack(self.run_dir)
+        # a PS that refuses its job (a wrong setting, data or input: exit 2) would only refuse it again, for ever:
+        # it stays down, and `follow_ps` raises its own words
+        self.stack.stays_down["ps"] = (*NOT_RESTARTED, EXIT_ERROR)
 
     def start(self, with_fleet: bool = True) -> None:
         if self.nats_url:
@@ -197,8 +200,9 @@ class LocalFleet:
                 yield from tail.read()
                 for name in self.ps_names:
                     if ended[name] != 0:
-                        raise PsEnded(f"the parameter server {name} exited with {ended[name]}; "
-                                      f"see {self.run_dir}/logs/{name}.log", ended[name])
+                        said = self.stack.last_words(self.stack.procs[name])
+                        raise PsEnded(f"the parameter server {name} exited with {ended[name]}"
+                                      f"{f': {said}' if said else ''} (see {self.stack.log_path(name)})", ended[name])
                 return
             if deadline and time.monotonic() > deadline:
                 raise CleaveError(f"the job did not finish within {timeout_s}s; see {self.run_dir}/logs")

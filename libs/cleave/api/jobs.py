@@ -61,6 +61,8 @@ def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path |
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(job)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = Path(metrics_out) if metrics_out is not None else run_dir / "metrics.jsonl"
+    metrics_out.parent.mkdir(parents=True, exist_ok=True)
+    open(metrics_out, "a").close()  # (a path it cannot write to fails here, before any process starts)
     if reference:
         yield from reference_steps(job, metrics_out)
         return

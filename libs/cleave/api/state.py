@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import torch
 
 from cleave import bus as busmod
-from cleave.api.hub import DEFAULT_CONNECT_TIMEOUT_S, connect
+from cleave.api.hub import connect
 from cleave.api.stack import Stack
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods.export import job_model
@@ -97,8 +97,7 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
     """The job's last committed head record, its job and model config, and the model with the checkpoint's
     weights (every key, shape and chunk hash checked; the optimizer's state is skipped). `auth_dir`: log in
     with the submitter's credential found there."""
-    bus = await connect(url, auth_dir) if auth_dir is not None else await asyncio.wait_for(
-        busmod.connect(url, "export"), DEFAULT_CONNECT_TIMEOUT_S)
+    bus = await connect(url, auth_dir)  # (a clear error when NATS does not answer)
     try:
         try:
             kv = await asyncio.wait_for(bus.js.key_value(STATE_BUCKET), busmod.DEFAULT_TIMEOUT_S)

@@ -41,9 +41,11 @@ def read(path: str | Path) -> dict[str, Any]:
     """The file's settings as a dict: TOML (by default) or JSON (a `.json` file)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read settings file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a settings file is UTF-8 TOML or JSON)") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:

@@ -68,7 +68,7 @@ DEFAULT_DP_DELTA = 1e-5  # the delta of the (epsilon, delta) the privacy account
 
 
 class JobConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # (inf would be written as null)
 
     job_id: str = Field("job", pattern=JOB_ID_PATTERN)
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds

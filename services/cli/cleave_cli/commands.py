@@ -11,9 +11,9 @@ import statistics
 import time
 from pathlib import Path
 
-from cleave import bus as busmod
-from cleave.api import credentials, jobs
+from cleave.api import jobs
 from cleave.api.fleet import LocalFleet, default_run_dir
+from cleave.api.hub import connect as hub_connect
 from cleave.errors import ConfigError, Stopped
 from cleave.runtime import config_file
 from cleave.runtime.trackers import Trackers
@@ -67,7 +67,7 @@ def workers_line(budgets: list[int], registry: bool) -> str:
 def registry_budgets(nats: str, auth: Path | None = None) -> list[int]:
     """The memory budgets the workers of a running stack declared (its registry); `auth`: log in as the PS."""
     async def read() -> list[int]:
-        bus = await busmod.connect(nats, "cleave-preflight", **credentials.client_options(auth, "ps"))
+        bus = await hub_connect(nats, auth, role="ps")  # (a clear error when NATS does not answer)
         try:
             return await worker_budgets(bus)
         finally:

@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
-from cleave.errors import EXIT_INTERRUPTED, CleaveError, Stopped
+from cleave.errors import EXIT_ERROR, EXIT_INTERRUPTED, CleaveError, Stopped
 from cleave.runtime import config_file
 from cleave_cli import joboptions
 
@@ -37,6 +37,17 @@ def _service_args(p: argparse.ArgumentParser) -> None:
                    "(environment variables and flags win over it; docs/user-guide.md, 'Settings file')")
 
 
+def at_least(low: int):  # noqa: ANN201 - an argparse type
+    """An argparse type: an integer no lower than `low`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names it in "invalid integer value"
+    return parse
+
+
 def version() -> str:
     """The installed distribution's version (`cleave-train`), or "unknown" when run from a bare checkout."""
     try:
@@ -58,12 +69,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         return parser
 
     p = sub.add_parser("demo", help="train the small GPT on a local fleet, kill a worker midway, report")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=at_least(2), default=4, help="(one of them is killed midway)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--run-dir", type=Path)
 
     p = sub.add_parser("up", help="run nats, scheduler and workers in the foreground until Ctrl-C")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=at_least(0), default=4, help="workers on this machine (0: a hub whose "
+                   "workers are elsewhere)")
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--nats-cluster", type=int, default=0, metavar="N",
                    help="N routed nats-servers with JetStream replicated (R3 from 3) instead of one")
@@ -76,11 +88,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    "users, and each service's own login")
     p.add_argument("--dashboard-listen", metavar="HOST[:PORT]", help="serve the dashboard there (default "
                    "127.0.0.1); beyond this machine it asks for a token, printed with its URL")
-    p.add_argument("--max-running", type=int, default=1, help="submitted jobs run at once (default 1)")
+    p.add_argument("--max-running", type=at_least(1), default=1, help="submitted jobs run at once (default 1)")
 
     p = sub.add_parser("train", help="run one training job")
     joboptions.register(p)
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--workers", type=at_least(1), default=4, help="workers of the local stack (default 4)")
     p.add_argument("--nats", help="use this NATS (with its scheduler and workers) instead of a local stack")
     p.add_argument("--auth", type=Path, help="with --nats: log the PS in with the PS credential and the CA of this "
                    "directory (`cleave auth init`'s)")
@@ -185,5 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     except CleaveError as e:
         print(f"cleave: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a path it cannot read or write (a file given for a folder, no permission, ...)
+        if e.filename is None:  # not about a path: a fault, with its traceback
+            raise
+        print(f"cleave: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
