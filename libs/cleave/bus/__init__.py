@@ -33,6 +33,7 @@ from nats.js.object_store import ObjectStore
 from cleave import codec
 from cleave.bus import create, direct, receive
 from cleave.bus.limits import BUCKET_LIMITS, DEFAULT_BUCKET_LIMITS, EVENTS_MAX_BYTES, HEADROOM
+from cleave.bus.stopping import done_unless_stopped
 from cleave.errors import CleaveError, Conflict, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
@@ -55,12 +56,10 @@ R = TypeVar("R")
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RECONNECT_WAIT_S = 0.5
-DEFAULT_PENDING_BYTES = 512 * 1024 * 1024  # per subscription: past this, nats-py drops (a flood cannot
-# exhaust memory; a dropped tile or result is re-sent after its deadline)
+DEFAULT_PENDING_BYTES = 512 << 20  # per subscription; past it nats-py drops (a dropped tile is re-sent)
 DEFAULT_REGISTRY_TTL_S = 10.0  # registry entries outlive a missed heartbeat or two, then vanish
 DEFAULT_WATCH_POLL_S = 0.5
-ELECTION_S = 30.0  # a JetStream stream that lost its leader (a cluster node died) elects one within seconds:
-# idempotent requests are retried this long (`Bus.patiently`)
+ELECTION_S = 30.0  # a stream that lost its leader elects one in seconds: `Bus.patiently` retries this long
 TRANSIENT = (TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError)  # what an election looks like
 NO_RESPONDERS = "503"  # the status nats-server answers a request with when nobody subscribes
 OFF_LOOP_BYTES = 1 << 20  # a received message larger than this is decoded in a worker thread
@@ -404,8 +403,10 @@ def replicas_of(nc: Client) -> int:
     return max(1, min(MAX_REPLICAS, len(urls) or 1, len(nc.servers)))
 
 
-async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options) -> Bus:
-    """Connect with unlimited reconnects; the first connection is retried with back-off until it works."""
+async def connect(url: str, name: str, connect_timeout_s: float = 2.0, stop: asyncio.Event | None = None,
+                  **options) -> Bus | None:
+    """Connect with unlimited reconnects; the first connection is retried with back-off until it works, or
+    (given `stop`) until `stop` is set: then None, a service asked to stop before NATS ever answered."""
     delay = 0.2
     made: list[Bus] = []  # the Bus, once connected, for the callbacks
 
@@ -419,10 +420,8 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options
             log.warning("nats_error", service=name, error=repr(e))
 
     async def on_disconnected() -> None:
-        if made and made[0].closing:
-            log.info("nats_closed", service=name)  # our own close, not a lost connection
-        else:
-            log.warning("nats_disconnected", service=name)
+        closing = bool(made) and made[0].closing  # our own close, not a lost connection
+        (log.info if closing else log.warning)("nats_closed" if closing else "nats_disconnected", service=name)
 
     async def on_reconnected() -> None:
         log.info("nats_reconnected", service=name)
@@ -431,17 +430,21 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, **options
     while True:
         try:
             nc = receive.client()
-            await nc.connect(
+            connecting = nc.connect(
                 servers, name=name, connect_timeout=connect_timeout_s, max_reconnect_attempts=-1,
                 reconnect_time_wait=DEFAULT_RECONNECT_WAIT_S, allow_reconnect=True,
                 error_cb=on_error, disconnected_cb=on_disconnected, reconnected_cb=on_reconnected,
                 flush_timeout=DEFAULT_TIMEOUT_S, **options,
             )
+            if not await done_unless_stopped(connecting, stop):  # (nats-py retries inside connect)
+                await asyncio.gather(nc.close(), return_exceptions=True)
+                return None
             made.append(Bus(nc, name))
             return made[0]
         except Exception as e:
             if "authorization violation" in str(e).lower():  # retrying cannot fix wrong credentials
                 raise CleaveError(f"NATS at {url} refused {name}'s credentials: {e}") from None
             log.warning("nats_unreachable", service=name, url=url, error=repr(e), retry_in_s=round(delay, 2))
-            await asyncio.sleep(delay)
+            if not await done_unless_stopped(asyncio.sleep(delay), stop):
+                return None
             delay = min(delay * 2, 5.0)

@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Event) -> int:
-    bus = await busmod.connect(s.nats_url, "cleave-runner", **auth.connect_options(s, "ps"))
+    bus = await busmod.connect(s.nats_url, "cleave-runner", stop=stop, **auth.connect_options(s, "ps"))
+    if bus is None:  # stopped before NATS answered
+        return 0
     stack = Stack(run_dir)
     stack.nats_url = s.nats_url
     stack.stays_down = {"ps": FINAL}

@@ -126,14 +126,9 @@ async def wait_any(timeout_s: float, *events: asyncio.Event) -> None:
 
 
 async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event) -> None:
-    connecting = asyncio.create_task(busmod.connect(s.nats_url, "cleave-monitor", **auth.connect_options(s, "monitor")))
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not connecting.done():  # stopped before NATS was ever reached
-        connecting.cancel()
+    bus = await busmod.connect(s.nats_url, "cleave-monitor", stop=stop, **auth.connect_options(s, "monitor"))
+    if bus is None:  # stopped before NATS was ever reached
         return
-    bus = connecting.result()
     ctx.nats_connected = True
     try:
         await bus.setup()

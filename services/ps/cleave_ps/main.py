@@ -28,7 +28,9 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
     if s.replicas > 1 and job.method != "cleave":
         raise ConfigError(f"replicas={s.replicas}: several PS replicas train method 'cleave' only, not {job.method!r}")
     name = f"cleave-ps-{job.job_id}" + (f"-r{s.replica}" if s.replicas > 1 else "")  # /connz tells replicas apart
-    bus = await busmod.connect(s.nats_url, name, **auth.connect_options(s, "ps"))
+    bus = await busmod.connect(s.nats_url, name, stop=stop, **auth.connect_options(s, "ps"))
+    if bus is None:  # stopped before NATS answered
+        return 0
     await bus.setup()
     try:
         return await lifecycle.run(driver(s, job, bus, stop), bus, stop)

@@ -254,14 +254,20 @@ class Scheduler:
 
 
 async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
-    bus = await busmod.connect(s.nats_url, "cleave-scheduler", **auth.connect_options(s, "scheduler"))
+    bus = await busmod.connect(s.nats_url, "cleave-scheduler", stop=stop, **auth.connect_options(s, "scheduler"))
+    if bus is None:  # stopped before NATS answered
+        return 0
     await bus.setup()
     sched = Scheduler(s, bus)
     await sched.start()
     sub = await bus.subscribe(SUBJECT_HEARTBEAT_ALL, Heartbeat, sched.on_heartbeat, max_bytes=65536,
                               sender="worker_id")
     observed = await bus.subscribe(SUBJECT_OBSERVED_ALL, Observed, sched.on_observed, max_bytes=MAX_OBSERVED_BYTES)
-    probe_bus = await probe_connection(s, bus)
+    probe_bus = await probe_connection(s, bus, stop)
+    if probe_bus is None:  # stopped before its probe connection was made
+        sched.close()
+        await bus.close()
+        return 0
     desk = ProbeDesk(probe_bus.max_payload)
 
     async def on_probe(probe: Probe, subject: str) -> Probe | None:
@@ -284,13 +290,15 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     return 0
 
 
-async def probe_connection(s: SchedulerSettings, bus: busmod.Bus) -> busmod.Bus:
+async def probe_connection(s: SchedulerSettings, bus: busmod.Bus,
+                           stop: asyncio.Event) -> busmod.Bus | None:
     """The connection probes are answered on: with its own credential (`probe_nkey_seed`, which may publish
     only to the workers' inboxes) when there is one, else the scheduler's own."""
     seed = s.probe_nkey_seed.get_secret_value()
     if seed:
         view = SimpleNamespace(nats_nkey_seed=seed, nats_tls_ca=s.nats_tls_ca)
-        return await busmod.connect(s.nats_url, "cleave-scheduler-probe", **auth.connect_options(view, "scheduler"))
+        return await busmod.connect(s.nats_url, "cleave-scheduler-probe", stop=stop,
+                                    **auth.connect_options(view, "scheduler"))
     if s.nats_nkey_seed.get_secret_value():
         log.warning("probes_on_main_credential", hint="set CLEAVE_SCHEDULER_PROBE_NKEY_SEED from the scheduler.env "
                     "that `cleave auth init` writes: its own credential may not answer probes")

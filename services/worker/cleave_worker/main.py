@@ -63,22 +63,24 @@ async def run_worker(settings: WorkerSettings, stop: asyncio.Event, flops: float
     if settings.data:  # its own data: checked now, and only its size is ever told (never its path or content)
         log.info("data_declared", bytes=await asyncio.to_thread(source_bytes, settings.data))
     declared = parse_profile(settings.profile) if settings.profile else None
-    bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}",
-                               **auth.connect_options(settings, "worker"))
+    options = auth.connect_options(settings, "worker")
+    bus = await busmod.connect(settings.nats_url, f"cleave-worker-{settings.worker_id}", stop=stop, **options)
+    if bus is None:  # stopped before NATS answered
+        return 0
     # a measuring device probes on a connection of its own: a re-probe's upload (up to MAX_PROBE_BYTES) would
     # otherwise sit in the tiles' socket ahead of every result sent after it (half a second at 5 MB/s up)
     probe_bus = None if declared is not None or shared is not None else await busmod.connect(
-        settings.nats_url, f"cleave-worker-{settings.worker_id}-probe", **auth.connect_options(settings, "worker"))
-    profile = declared or shared or await first_profile(settings, probe_bus, flops, stop)
-    if profile is None:  # stopped before the links could be measured
-        await bus.close()
-        if probe_bus is not None:
-            await probe_bus.close()
-        return 0
+        settings.nats_url, f"cleave-worker-{settings.worker_id}-probe", stop=stop, **options)
+    profile = None if stop.is_set() else declared or shared or await first_profile(settings, probe_bus, flops, stop)
     # a real device beats on its own connection, so that no result, probe or reconnect backlog on the
     # bulk one delays its heartbeats (a swarm's emulated workers share one machine and keep one each)
-    hb_bus = None if shared is not None else await busmod.connect(
-        settings.nats_url, f"cleave-worker-{settings.worker_id}-hb", **auth.connect_options(settings, "worker"))
+    hb_bus = None if shared is not None or profile is None else await busmod.connect(
+        settings.nats_url, f"cleave-worker-{settings.worker_id}-hb", stop=stop, **options)
+    if profile is None or stop.is_set():  # stopped before the links could be measured, or connected
+        for b in (bus, probe_bus, hb_bus):
+            if b is not None:
+                await b.close()
+        return 0
     worker = Worker(settings, bus, profile, hb_bus, probe_bus)
     tiles, methods = worker.tiles, worker.methods
     sub = await bus.subscribe(SUBJECT_TILES.format(worker_id=settings.worker_id), TileTask, tiles.on_tile)

@@ -51,7 +51,10 @@ async def serve_swarm(base: WorkerSettings, ids: list[str], stop: asyncio.Event)
 async def _links_once(base: WorkerSettings, first_id: str, flops: float, stop: asyncio.Event):
     """This machine's profile, measured once for all its workers (None if stopped before it was)."""
     s = base.model_copy(update={"worker_id": first_id})
-    bus = await busmod.connect(s.nats_url, f"cleave-worker-{first_id}-probe", **auth.connect_options(s, "worker"))
+    bus = await busmod.connect(s.nats_url, f"cleave-worker-{first_id}-probe", stop=stop,
+                               **auth.connect_options(s, "worker"))
+    if bus is None:
+        return None
     try:
         return await first_profile(s, bus, flops, stop)
     finally:
