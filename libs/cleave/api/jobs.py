@@ -105,6 +105,12 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         raise ConfigError("export needs exactly one of run_dir (a local run) and nats (a NATS holding the state)")
     if precision not in EXPORT_PRECISIONS:
         raise ConfigError(f"precision={precision!r}: choose fp32, bf16 or fp16")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file: the model is written as a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():  # not a model folder
+        raise ConfigError(f"{out} holds other files (a run dir?): export into a new or empty folder, or over an "
+                          "earlier export (a model folder, replaced)")
     if nats is not None:
         if not job_id:
             raise ConfigError("export from nats= needs job_id= (`cleave status --nats URL` lists the hub's jobs)")
@@ -113,6 +119,6 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         with state.state_server(Path(run_dir)) as url:
             head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.job_id_of(Path(run_dir))))
     dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
-    written, *adapter = methods_export.export(model, job, cfg, Path(out), dtype,
+    written, *adapter = methods_export.export(model, job, cfg, out, dtype,
                                               Path(adapter_out) if adapter_out else None)
     return Exported(written, adapter[0] if adapter else None, job, head)
