@@ -126,10 +126,13 @@ class Fleet:
 FleetLike = Fleet | Sequence[Device] | Mapping[str, DeviceProfile]
 
 
+MAX_SYNTHETIC = 1_000_000  # devices of a synthetic fleet: 100x the largest the planner is measured at (10,000)
+
+
 def synthetic_fleet(n: int, seed: int = 0) -> Fleet:
     """`n` devices drawn uniformly from the edge profile (EDGE_* above); ids `dev-00000`, ... ."""
-    if n <= 0:
-        raise ConfigError(f"a synthetic fleet needs at least one device, got n={n}")
+    if not 0 < n <= MAX_SYNTHETIC:
+        raise ConfigError(f"a synthetic fleet has 1 to {MAX_SYNTHETIC:,} devices, got n={n:,}")
     rng = np.random.default_rng(seed)
     width = max(5, len(str(n - 1)))
     return Fleet(
@@ -185,8 +188,8 @@ def fleet_from_spec(spec: str, seed: int = 0) -> Fleet:
     """`synthetic:N` (the edge profile, drawn with `seed`) or the path of a fleet file."""
     if spec.startswith("synthetic:"):
         count = spec.removeprefix("synthetic:")
-        if not count.isdigit() or int(count) <= 0:
-            raise ConfigError(f"--fleet {spec!r}: expected synthetic:N with N a positive integer")
+        if not count.isdigit() or not 0 < int(count) <= MAX_SYNTHETIC:
+            raise ConfigError(f"--fleet {spec!r}: expected synthetic:N with N from 1 to {MAX_SYNTHETIC:,}")
         return synthetic_fleet(int(count), seed)
     return load_fleet(spec)
 
