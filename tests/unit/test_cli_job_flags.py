@@ -68,7 +68,8 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",
         ("up", "--max-running", "0"): "--max-running: must be at least 1, got 0",
         ("export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path)): "holds other files",
-        ("plan", "--model", "tiny", "--fleet", "synthetic:99999999"): "N from 1 to 1,000,000",
+        ("plan", "--model", "tiny", "--fleet", "synthetic:99999999", "--batch-size", "8", "--seq-len", "64"):
+            "N from 1 to 1,000,000",
         ("export", "--run-dir", str(tmp_path / "run"), "--out", str(a_file)): f"{a_file} is a file",
     }
     for argv, said in cases.items():
