@@ -67,6 +67,10 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("train", "--preset", "tiny", "--workers", "0", "--dry-run"): "--workers: must be at least 1, got 0",
         ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",
         ("up", "--max-running", "0"): "--max-running: must be at least 1, got 0",
+        ("status", "--nats", "foo://127.0.0.1:1"): "expected nats://HOST:PORT or tls://HOST:PORT",
+        ("train", "--preset", "tiny", "--nats", "http://127.0.0.1:1", "--dry-run"): "expected nats://HOST:PORT",
+        ("up", "--run-dir", str(tmp_path / "up"), "--dashboard-listen", "127.0.0.1:99999"):
+            "--dashboard-listen '127.0.0.1:99999': expected HOST or HOST:PORT",
         ("export", "--run-dir", str(tmp_path / "run"), "--out", str(tmp_path)): "holds other files",
         ("plan", "--model", "tiny", "--fleet", "synthetic:99999999", "--batch-size", "8", "--seq-len", "64"):
             "N from 1 to 1,000,000",

@@ -137,6 +137,8 @@ def up(args: argparse.Namespace) -> int:
     if as_hub and (args.nats_cluster or args.site):
         raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "
                           "machine: use one or the other (docs/deploy.md)")
+    if args.dashboard_listen:  # (refused before anything starts)
+        split_listen(args.dashboard_listen, 0, "--dashboard-listen")
     hub = HubConfig.of(args.listen, args.auth, args.leaf_port) if as_hub else None
     # on the loopback no worker can dial in from elsewhere: the fleet is this machine's
     fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site),
@@ -174,7 +176,7 @@ def up(args: argparse.Namespace) -> int:
 def dashboard(stack, listen: str | None) -> str:  # noqa: ANN001 - a Stack
     """Start the monitor on `listen` (default: 127.0.0.1, a free port); beyond this machine with a token, kept in
     the run dir (monitor.token, 0600). Returns the URL to open (with the token)."""
-    host, port = split_listen(listen, 0) if listen else ("127.0.0.1", 0)
+    host, port = split_listen(listen, 0, "--dashboard-listen") if listen else ("127.0.0.1", 0)
     token = None if host in LOOPBACK else secrets.token_urlsafe(24)
     if token:
         write_private(stack.run_dir / "monitor.token", (token + "\n").encode())

@@ -41,14 +41,14 @@ leafnodes {{
 """
 
 
-def split_listen(listen: str, default_port: int) -> tuple[str, int]:
-    """HOST or HOST:PORT ([v6]:PORT) -> (host, port); port 0 picks a free one."""
+def split_listen(listen: str, default_port: int, flag: str = "--listen") -> tuple[str, int]:
+    """HOST or HOST:PORT ([v6]:PORT) -> (host, port); port 0 picks a free one. `flag` names it in the error."""
     host, sep, port = listen.rpartition(":") if listen.count(":") == 1 or listen.startswith("[") else ("", "", "")
     if not sep:
         host, port = listen, str(default_port)
     host = host.strip("[]")
     if not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"--listen {listen!r}: expected HOST or HOST:PORT")
+        raise ConfigError(f"{flag} {listen!r}: expected HOST or HOST:PORT (a port up to 65535)")
     return host, int(port) or free_port()
 
 
