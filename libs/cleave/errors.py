@@ -16,7 +16,8 @@ EXIT_FENCED = 3  # a PS whose job another PS took over: the supervisor does not 
 EXIT_JOB_FAILED = 4  # a job that cannot go on (e.g. split learning lost its client): not restarted either
 EXIT_GROUP_LOST = 5  # a PS replica of the group is gone: restart and re-form from the last commit
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: out at once, nothing drained
-NOT_RESTARTED = (EXIT_OK, EXIT_FENCED, EXIT_JOB_FAILED)  # a PS ending with these stays down
+# a PS ending with these stays down (one that refused its job, EXIT_ERROR, would only refuse it again)
+NOT_RESTARTED = (EXIT_OK, EXIT_ERROR, EXIT_FENCED, EXIT_JOB_FAILED)
 
 
 class CleaveError(Exception):

@@ -67,6 +67,7 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("train", "--preset", "tiny", "--workers", "0", "--dry-run"): "--workers: must be at least 1, got 0",
         ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",
         ("up", "--max-running", "0"): "--max-running: must be at least 1, got 0",
+        ("up", "--nats-cluster", "-1"): "--nats-cluster: must be at least 0, got -1",
         ("status", "--nats", "foo://127.0.0.1:1"): "expected nats://HOST:PORT or tls://HOST:PORT",
         ("train", "--preset", "tiny", "--nats", "http://127.0.0.1:1", "--dry-run"): "expected nats://HOST:PORT",
         ("up", "--run-dir", str(tmp_path / "up"), "--dashboard-listen", "127.0.0.1:99999"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cleave.api.natsconf import free_port
 from cleave.api.stack import Stack
-from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, PsEnded
+from cleave.errors import CleaveError, PsEnded
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import EXCLUDED, MetricsFile
@@ -118,9 +118,6 @@ class LocalFleet:
 
     def __post_init__(self) -> None:
         self.stack = Stack(self.run_dir)
-        # a PS that refuses its job (a wrong setting, data or input: exit 2) would only refuse it again, for ever:
-        # it stays down, and `follow_ps` raises its own words
-        self.stack.stays_down["ps"] = (*NOT_RESTARTED, EXIT_ERROR)
 
     def start(self, with_fleet: bool = True) -> None:
         if self.nats_url:

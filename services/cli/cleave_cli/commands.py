@@ -131,8 +131,6 @@ def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:
 
 def up(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or default_run_dir("up")
-    if args.nats_cluster < 0:
-        raise ConfigError(f"--nats-cluster must be at least 1, got {args.nats_cluster}")
     as_hub = args.listen is not None or args.auth is not None
     if as_hub and (args.nats_cluster or args.site):
         raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "

@@ -77,7 +77,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=at_least(0), default=4, help="workers on this machine (0: a hub whose "
                    "workers are elsewhere)")
     p.add_argument("--run-dir", type=Path)
-    p.add_argument("--nats-cluster", type=int, default=0, metavar="N",
+    p.add_argument("--nats-cluster", type=at_least(0), default=0, metavar="N",
                    help="N routed nats-servers with JetStream replicated (R3 from 3) instead of one")
     p.add_argument("--site", action="append", default=[], metavar="NAME",
                    help="a leaf node for site NAME (repeatable); the workers are dealt to the sites in turn")

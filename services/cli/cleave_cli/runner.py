@@ -9,7 +9,7 @@ from anywhere run here, one at a time unless the operator allows more (`--max-ru
   workers are registered (or after JOIN_WAIT_S). A runner that starts again finds `queued` and `running` jobs
   there and runs them; each PS resumes from its last commit, as the job id names its state.
 - Supervision, as `cleave up` supervises its processes: a PS that dies is started again (and resumes); one that
-  exits with a status of NOT_RESTARTED or EXIT_ERROR stays down: 0 with every step committed is `done`,
+  exits with a status of NOT_RESTARTED stays down: 0 with every step committed is `done`,
   anything else `failed`, with the PS's error as the reason. One that exits 0 short of its last step (stopped
   from outside) is started again.
 - On the hub's disk: `<run-dir>/jobs/<job>/job.json` and `metrics.jsonl` (appended over the job's runs),
@@ -33,7 +33,7 @@ from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.api.stack import Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES
-from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError, CreateRefused, WireError
+from cleave.errors import CleaveError, CreateRefused, WireError
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
 from cleave.runtime.logs import configure
@@ -59,7 +59,6 @@ DEFAULT_TICK_S = 0.5  # how often submissions are taken and the PS processes loo
 JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then starts with those there
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
 ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died) is handed over again
-FINAL = (*NOT_RESTARTED, EXIT_ERROR)  # a PS ending with these stays down (EXIT_ERROR: a wrong setting or input)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -83,7 +82,6 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
         return 0
     stack = Stack(run_dir)
     stack.nats_url = s.nats_url
-    stack.stays_down = {"ps": FINAL}
     runner = Runner(bus, stack, run_dir, max_running)
     try:
         while not stop.is_set():
@@ -196,7 +194,7 @@ class Runner:
 
     # ---- the queue and the PS processes --------------------------------------------------------------
     async def tick(self) -> None:
-        for proc in self.stack.supervise():  # the PSs that ended for good (FINAL) or were held down
+        for proc in self.stack.supervise():  # the PSs that ended for good (NOT_RESTARTED) or were held down
             await self.ended(proc)
         for rec in [r for r in self.records.values() if r.state == "running"]:
             proc = self.stack.procs.get(_ps_name(rec.job_id))
