@@ -86,6 +86,10 @@ def test_services_read_their_table_under_the_environment_and_flags(settings: Pat
     ('batch_size = "four"\n', "invalid job setting batch_size: Input should be a valid integer"),
     ("steps = \n", "not valid TOML"),
     ('method = "split"\ncompress = "fp16"\n', "compress='fp16' does not apply to method='split'"),
+    ("steps = true\n", "invalid job setting steps: Input should be a valid integer"),  # not 1
+    ('lr = "0.1"\n', "invalid job setting lr: Input should be a valid number"),
+    ("own_data = 1\nmethod = \"fedavg\"\n", "invalid job setting own_data: Input should be a valid boolean"),
+    ("batch_size = 8.0\n", "invalid job setting batch_size: Input should be a valid integer"),
 ])
 def test_a_bad_job_file_names_the_file_and_the_key(tmp_path: Path, body: str, says: str) -> None:
     path = tmp_path / "job.toml"
@@ -105,6 +109,33 @@ def test_a_bad_service_table_names_the_file_and_the_key(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match=rf"\[ps\] of {path}\): invalid setting persist_every: .*greater than"):
         PsSettings()
     JobConfig.load(path)  # the job's part is fine: only the PS's table is wrong
+
+
+def test_an_unknown_variable_or_fault_point_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """A misspelt CLEAVE_PS_* variable, or a fault point no code calls, would silently do nothing: refused."""
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    monkeypatch.setenv("CLEAVE_PS_PERSIST_EVRY", "3")
+    with pytest.raises(ConfigError, match=r"unknown variable CLEAVE_PS_PERSIST_EVRY \(did you mean "
+                                          r"CLEAVE_PS_PERSIST_EVERY\?\)"):
+        PsSettings()
+    assert cli(["ps"]) == 2  # before any connection: one line, status 2
+    assert "unknown variable CLEAVE_PS_PERSIST_EVRY" in capsys.readouterr().err
+    monkeypatch.delenv("CLEAVE_PS_PERSIST_EVRY")
+    monkeypatch.setenv("CLEAVE_PS_FAIL_AT", "after_comit:3")
+    with pytest.raises(ConfigError, match="fail_at point 'after_comit' is unknown here; known: before_commit"):
+        PsSettings()
+    monkeypatch.setenv("CLEAVE_PS_FAIL_AT", "garbage")
+    with pytest.raises(ConfigError, match="fail_at entry 'garbage' must look like POINT:STEP"):
+        PsSettings()
+    monkeypatch.setenv("CLEAVE_PS_FAIL_AT", "before_commit:3,in_step:2")
+    assert PsSettings().fail_at == "before_commit:3,in_step:2"
+    monkeypatch.setenv("CLEAVE_WORKER_FAIL_AT", "in_step:2")  # a PS point is no worker's
+    with pytest.raises(ConfigError, match="fail_at point 'in_step' is unknown here; known: tile"):
+        WorkerSettings()
+    monkeypatch.setenv("CLEAVE_WORKER_FAIL_AT", "tile:2")
+    monkeypatch.setenv("CLEAVE_WORKER_ID", "an-alias")  # the worker id's aliases are known names
+    assert WorkerSettings().worker_id == "an-alias"
 
 
 def test_cleave_train_reads_the_ps_table_of_its_config(settings: Path, capsys: pytest.CaptureFixture) -> None:

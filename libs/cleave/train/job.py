@@ -68,7 +68,9 @@ DEFAULT_DP_DELTA = 1e-5  # the delta of the (epsilon, delta) the privacy account
 
 
 class JobConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # (inf would be written as null)
+    # strict: `steps = true` or `lr = "0.1"` is an error, not 1 or 0.1 (a TOML or JSON job's types are its own);
+    # no inf or nan (inf would be written as null)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
     job_id: str = Field("job", pattern=JOB_ID_PATTERN)
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
@@ -85,7 +87,7 @@ class JobConfig(BaseModel):
     lora_rank: int = Field(0, ge=0)  # > 0: only LoRA adapters of this rank train and travel
     lora_alpha: float = Field(16.0, gt=0)  # the adapters' output is scaled by lora_alpha / lora_rank (as PEFT's)
     # the projections that get adapters, by module name; empty: attention and MLP (cleave.methods.lora)
-    lora_targets: tuple[str, ...] = Field((), max_length=64)
+    lora_targets: tuple[str, ...] = Field((), max_length=64, strict=False)  # (a JSON or TOML list)
     round_timeout_s: float = Field(120.0, gt=0)  # a round closes with what arrived by then
     max_staleness: int = Field(0, ge=0)  # late updates up to this many rounds old count, weight 1/(1+age)
     min_updates: int = Field(0, ge=0)  # a round closes once this many arrived (0: every worker of the plan)
