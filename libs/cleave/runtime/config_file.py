@@ -22,9 +22,11 @@ keys only) is read too. Errors name the file and the key.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -80,6 +82,18 @@ def validation_message(e: ValidationError, where: str) -> str:
     return f"{where}: invalid setting {key}: {msg}" if key else f"{where}: {msg}"
 
 
+def unknown_variables(settings: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """The variables of `environ` with the settings' prefix that name none of its fields (nor their aliases)."""
+    prefix = settings.model_config.get("env_prefix", "").upper()
+    if not prefix:
+        return []
+    known = {prefix + name.upper() for name in settings.model_fields}
+    for field in settings.model_fields.values():
+        alias = field.validation_alias
+        known.update(a.upper() for a in getattr(alias, "choices", [alias]) if isinstance(a, str))
+    return sorted(k for k in environ if k.upper().startswith(prefix) and k.upper() not in known)
+
+
 class FileSettings(BaseSettings):
     """Settings of a service: flags (init values) over environment variables over its table of the settings file
     named by CLEAVE_CONFIG over the defaults."""
@@ -87,10 +101,17 @@ class FileSettings(BaseSettings):
     config_table: ClassVar[str] = ""  # the service's table in the file: ps, worker, scheduler, monitor
 
     def __init__(self, **values: Any) -> None:
+        prefix = self.model_config.get("env_prefix", "")
+        unknown = unknown_variables(type(self), os.environ)
+        if unknown:
+            names = sorted(n.upper() for n in type(self).model_fields)
+            close = difflib.get_close_matches(unknown[0].upper().removeprefix(prefix.upper()), names, n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(prefix + n for n in names)}"
+            raise ConfigError(f"unknown variable{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} ({hint}): "
+                              f"a {prefix}* variable names a setting of {type(self).__name__}")
         try:
             super().__init__(**values)
         except ValidationError as e:
-            prefix = self.model_config.get("env_prefix", "")
             where = f"{type(self).__name__} (flags, {prefix}* variables"
             path = os.environ.get(CONFIG_ENV)
             where += f" or [{self.config_table}] of {path})" if path else ")"

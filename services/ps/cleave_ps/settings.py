@@ -11,7 +11,10 @@ from pydantic_settings import SettingsConfigDict
 from cleave.gemm.dealer.model import DEFAULT_COPY_SHARE
 from cleave.gemm.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
 from cleave.runtime.config_file import FileSettings
+from cleave.runtime.faults import PS_POINTS, spec_type
 from cleave.runtime.memory import DEFAULT_PRODUCT_POOL_BYTES
+
+FailAt = spec_type(PS_POINTS)  # fail_at's points: a typo is refused, not a fault that never fires
 
 
 class PsSettings(FileSettings):
@@ -45,7 +48,7 @@ class PsSettings(FileSettings):
     persist_every: int = Field(0, ge=0)  # commit the state every k steps; 0: when it costs <= 5% of training time
     checkpoint_staging: Literal["off", "auto"] = "off"  # auto: stream a host copy while training goes on, when
     # it takes at most half the free memory (a copy of the weights and optimizer: not the memory-light default)
-    fail_at: str = ""  # fault injection: "before_commit:3", "after_commit:3", "in_step:3", "in_round:3"
+    fail_at: FailAt = ""  # fault injection: "before_commit:3", "after_commit:3", "in_step:3", "in_round:3"
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default
     replicas: int = Field(1, ge=1, le=64)  # PS replicas of the job (cleave_ps.jobs.replicas); each trains a share

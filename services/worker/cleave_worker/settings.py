@@ -11,12 +11,16 @@ from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from cleave.runtime.config_file import FileSettings
+from cleave.runtime.faults import WORKER_POINTS, spec_type
 from cleave.schemas.subjects import WORKER_ID_PATTERN, token
 
 
 def default_worker_id() -> str:
     host = token(socket.gethostname())[:40]
     return f"{host}-{os.getpid()}"
+
+
+FailAt = spec_type(WORKER_POINTS)  # fail_at's points: a typo is refused, not a fault that never fires
 
 
 class WorkerSettings(FileSettings):
@@ -40,7 +44,7 @@ class WorkerSettings(FileSettings):
     # machine's available memory. A job that needs more is refused with the numbers, before anything is built
     lie_weight: float = 0.0  # testing knob: claim this aggregation weight in every round update (a lying member)
     corrupt: float = 0.0  # testing knob: add this to one element of every block (a lying worker)
-    fail_at: str = ""  # fault injection for tests: "tile:3" dies on receiving the first tile of step 3
+    fail_at: FailAt = ""  # fault injection for tests: "tile:3" dies on receiving the first tile of step 3
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
     nats_password: SecretStr = SecretStr("")
