@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cleave.api.stack import Stack
+from cleave.api.stack import CRASH_LOOP_STARTS, Stack
 from cleave.api.state import read_state, state_server
 from cleave.api.supervisor import signals_held, stop_signals
 from cleave.errors import Stopped
@@ -253,6 +253,31 @@ def test_a_worker_that_refuses_its_settings_stays_down_and_is_told_once(tmp_path
         crash.popen.wait(60)
         assert stack.tell_ended(stack.supervise()) == ["worker-2 stopped with status 1, not restarted: held down "
                                                        "(`cleave chaos ... --no-restart`)"]
+    finally:
+        stack.stop_all()
+
+
+def test_a_crash_loop_is_left_down_and_told_but_a_killed_process_always_comes_back(tmp_path: Path) -> None:
+    """A service that fails right after every start (a bug, a broken install) is left down after
+    CRASH_LOOP_STARTS failures in a row, with its words, instead of being restarted for ever behind a quiet
+    terminal; one killed by a signal (a drill, `cleave chaos kill`) is restarted however often it happens."""
+    stack = Stack(tmp_path)
+    crash = stack.spawn("worker-1", "worker", [sys.executable, "-c", "print('boom'); raise SystemExit(1)"])
+    sleeper = stack.spawn("worker-2", "worker", ["sleep", "600"])
+    try:
+        deadline = time.monotonic() + 120
+        ended: list = []
+        while not ended and time.monotonic() < deadline:
+            ended = stack.supervise()
+            time.sleep(0.05)
+        assert [p.name for p in ended] == ["worker-1"] and crash.restarts == CRASH_LOOP_STARTS - 1
+        assert stack.tell_ended(ended) == [f"worker-1 stopped with status 1, not restarted: it failed "
+                                           f"{CRASH_LOOP_STARTS} times in a row, each within 60 s of starting; boom "
+                                           f"(see {stack.log_path('worker-1')})"]
+        for _ in range(CRASH_LOOP_STARTS + 1):
+            stack.kill("worker-2")
+            assert stack.supervise() == [crash]
+        assert sleeper.restarts == CRASH_LOOP_STARTS + 1 and sleeper.running()
     finally:
         stack.stop_all()
 

@@ -1,8 +1,9 @@
 """The local stack: nats-server from the wheel plus the services as supervised processes.
 
-Restarts a service that dies (as compose would), records every process in `<run_dir>/stack.json`, and
-stops everything on exit. Each process logs to `<run_dir>/logs/<name>.log`. Children die with the
-supervisor even when it is killed (see cleave.api.supervisor). nats-server's HTTP monitoring port
+Restarts a service that dies (as compose would; a crash loop, CRASH_LOOP_STARTS quick failures in a row, is
+left down and told), records every process in `<run_dir>/stack.json`, and stops everything on exit. Each
+process logs to `<run_dir>/logs/<name>.log`. Children die with the supervisor even when it is killed (see
+cleave.api.supervisor). nats-server's HTTP monitoring port
 (`/varz`, `/connz`, `/jsz`) listens on 127.0.0.1 at a free port, recorded as `nats_monitor`. With a `hub`
 (`cleave up --listen/--auth`, cleave_cli.hub) the server listens where the hub says, with its credentials and
 TLS, and each service logs in with its role's credential.
@@ -21,11 +22,16 @@ from pathlib import Path
 
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
 from cleave.api.supervisor import held_down, parent_death_signal, signals_held
-from cleave.errors import EXIT_ERROR, NOT_RESTARTED, CleaveError
+from cleave.errors import EXIT_ERROR, EXIT_GROUP_LOST, NOT_RESTARTED, CleaveError
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
 LAST_WORDS_BYTES = 64 * 1024  # of a process's log read back for what it said last
+# a crash loop, left down: this many failures in a row (a status of its own, not a signal's, not 0, not a
+# replica's EXIT_GROUP_LOST, which asks for the restart), each within CRASH_WINDOW_S of its start
+CRASH_LOOP_STARTS = 5
+CRASH_WINDOW_S = 60.0
+
 @dataclass
 class Proc:
     name: str
@@ -36,6 +42,7 @@ class Proc:
     popen: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
+    crashes: int = 0  # failures in a row, each soon after its start (a crash loop at CRASH_LOOP_STARTS)
     log_offset: int = 0  # size of its log when it last started: readiness is read from there on
     told: bool = False  # its end for good was reported (Stack.tell_ended)
 
@@ -195,10 +202,13 @@ class Stack:
             if code is None:
                 continue
             stays_down = held_down(self.run_dir, proc.name) or code in self.stays_down.get(proc.role, ())
-            if proc.restart and not stays_down:
-                self.restart(proc.name)
-            else:
-                ended.append(proc)
+            if proc.restart and not stays_down and proc.crashes < CRASH_LOOP_STARTS:
+                crashed = code > 0 and code != EXIT_GROUP_LOST and time.time() - proc.started_at < CRASH_WINDOW_S
+                proc.crashes = proc.crashes + 1 if crashed else 0
+                if proc.crashes < CRASH_LOOP_STARTS:
+                    self.restart(proc.name)
+                    continue
+            ended.append(proc)
         return ended
 
     def tell_ended(self, ended: list[Proc]) -> list[str]:
@@ -210,6 +220,8 @@ class Stack:
                 p.told = True
                 why = "held down (`cleave chaos ... --no-restart`)" if held_down(self.run_dir, p.name) else \
                     f"{self.last_words(p) or 'no output'} (see {self.log_path(p.name)})"
+                if p.crashes >= CRASH_LOOP_STARTS:
+                    why = f"it failed {p.crashes} times in a row, each within {CRASH_WINDOW_S:.0f} s of starting; {why}"
                 lines.append(f"{p.name} stopped with status {p.popen.returncode}, not restarted: {why}")
         return lines
 
