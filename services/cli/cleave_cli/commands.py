@@ -135,8 +135,8 @@ def up(args: argparse.Namespace) -> int:
     if as_hub and (args.nats_cluster or args.site):
         raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "
                           "machine: use one or the other (docs/deploy.md)")
-    if args.dashboard_listen:  # (refused before anything starts)
-        split_listen(args.dashboard_listen, 0, "--dashboard-listen")
+    # the dashboard's address (a wrong one refused before anything starts); 127.0.0.1 at a free port by default
+    where = split_listen(args.dashboard_listen, 0, "--dashboard-listen") if args.dashboard_listen else None
     hub = HubConfig.of(args.listen, args.auth, args.leaf_port) if as_hub else None
     # on the loopback no worker can dial in from elsewhere: the fleet is this machine's
     fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site),
@@ -156,7 +156,7 @@ def up(args: argparse.Namespace) -> int:
                   "<its folder of `cleave auth init --sites NAME`>")
         for name, site in fleet.stack.sites.items():
             print(f"site {name}: leaf node {site.url} (monitoring {site.monitor}); its workers connect there")
-        print(f"dashboard: {dashboard(fleet.stack, args.dashboard_listen)}")
+        print(f"dashboard: {dashboard(fleet.stack, *where or ('127.0.0.1', 0))}")
         auth = f" --auth {args.auth}" if args.auth else ""
         print(f"submit jobs with: cleave submit --nats {fleet.stack.nats_url}{auth} --preset tiny "
               f"(or train in the foreground: cleave train --nats {fleet.stack.nats_url} --preset tiny)")
@@ -171,10 +171,9 @@ def up(args: argparse.Namespace) -> int:
         fleet.stop()
 
 
-def dashboard(stack, listen: str | None) -> str:  # noqa: ANN001 - a Stack
-    """Start the monitor on `listen` (default: 127.0.0.1, a free port); beyond this machine with a token, kept in
-    the run dir (monitor.token, 0600). Returns the URL to open (with the token)."""
-    host, port = split_listen(listen, 0, "--dashboard-listen") if listen else ("127.0.0.1", 0)
+def dashboard(stack, host: str, port: int) -> str:  # noqa: ANN001 - a Stack
+    """Start the monitor on host:port (0: a free one); beyond this machine with a token, kept in the run dir
+    (monitor.token, 0600). Returns the URL to open (with the token)."""
     token = None if host in LOOPBACK else secrets.token_urlsafe(24)
     if token:
         write_private(stack.run_dir / "monitor.token", (token + "\n").encode())
