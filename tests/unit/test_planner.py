@@ -100,10 +100,11 @@ def test_memory_budget_forces_several_tiles_and_holds():
 
 # The published formulation (REFERENCES.md), with our memory and latency terms: integer rows a_i and
 # columns b_i per device and a "used" flag; minimise T subject to every used device finishing its a_i x b_i
-# block within T and sum_i a_i·b_i >= m·n. It counts area only (no tiling constraint), so its optimum is a
-# lower bound on the best exact tiling, and "planner <= 1.05 x optimum" is a stricter test than "within 5%
-# of the best tiling". The product a_i·b_i is linearised by one-hot rows: u[i,a] = 1 iff a_i = a, and
-# v[i,a] = b_i·u[i,a] (integer), so a_i·b_i = sum_a a·v[i,a].
+# block within T and sum_i a_i·b_i >= m·n. It counts area only (no tiling constraint), but gives each device
+# one block: its optimum is a lower bound on every exact tiling that does the same. The planner may also give
+# a device several blocks in turn, each within its memory, which the formulation cannot express: where it
+# does, it can beat the MILP (benchmarks/planner_milp.py). The product a_i·b_i is linearised by one-hot rows:
+# u[i,a] = 1 iff a_i = a, and v[i,a] = b_i·u[i,a] (integer), so a_i·b_i = sum_a a·v[i,a].
 def area_milp_optimum(fleet: Fleet, m: int, n: int, k: int, b: int) -> float:
     r = Rates.of(fleet, k, b)
     lo, hi = min(m, n), max(m, n)
@@ -151,19 +152,23 @@ def area_milp_optimum(fleet: Fleet, m: int, n: int, k: int, b: int) -> float:
     return res.fun / 1e3
 
 
-@pytest.mark.parametrize("seed", [1, 2, 4, 6, 11, 14])
-def test_within_5_percent_of_the_exact_milp(seed):
+def milp_instance(seed: int) -> tuple[Fleet, int, int, int]:
+    """The random instances the planner is checked against the MILP on: up to 16 devices, small shapes."""
     rng = np.random.default_rng(seed)
     n_dev, m, n, k = int(rng.integers(2, 17)), int(rng.integers(2, 6)), int(rng.integers(6, 48)), 1024
-    fleet = random_fleet(rng, n_dev, k, 2, mem_factor=60)
+    return random_fleet(rng, n_dev, k, 2, mem_factor=60), m, n, k
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_within_5_percent_of_the_exact_milp(seed):
+    fleet, m, n, k = milp_instance(seed)
     opt = area_milp_optimum(fleet, m, n, k, 2)
     plan = plan_gemm(fleet, m, n, k, 2)
     assert_valid(plan, fleet)
-    assert plan.makespan_s >= opt * (1 - 1e-6)  # the MILP relaxes the tiling: no plan can beat it
     assert plan.makespan_s <= 1.05 * opt
-    assert plan.lower_bound_s <= opt * (
-        1 + 1e-6
-    )  # our relaxation is a valid bound, as tight as the MILP here
+    if np.bincount(plan.dev).max() == 1:  # one block per device, as the MILP: no such plan can beat it
+        assert plan.makespan_s >= opt * (1 - 1e-6)
+        assert plan.lower_bound_s <= opt * (1 + 1e-6)  # our relaxation is a valid bound, as tight as the MILP
 
 
 def test_ten_thousand_devices_whole_model_under_a_second_within_two_percent():
