@@ -17,14 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from nats.js.api import StorageType, StreamConfig
 
-from benchmarks.fanout import Nats
-from cleave import bus as busmod
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+from benchmarks.fanout import Nats  # noqa: E402
+from cleave import bus as busmod  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "fanout_transports.json"
 CHUNK = 1024 * 1024 - 8192  # under the default max_payload
