@@ -3,8 +3,8 @@
 Restarts a service that dies (as compose would; a crash loop, CRASH_LOOP_STARTS quick failures in a row, is
 left down and told), records every process in `<run_dir>/stack.json`, and stops everything on exit. Each
 process logs to `<run_dir>/logs/<name>.log`. Children die with the supervisor even when it is killed (see
-cleave.api.supervisor). nats-server's HTTP monitoring port
-(`/varz`, `/connz`, `/jsz`) listens on 127.0.0.1 at a free port, recorded as `nats_monitor`. With a `hub`
+cleave.api.supervisor). nats-server's HTTP monitoring port (`/varz`, `/connz`, `/jsz`) listens on 127.0.0.1 at
+a free port, recorded as `nats_monitor`. With a `hub`
 (`cleave up --listen/--auth`, cleave_cli.hub) the server listens where the hub says, with its credentials and
 TLS, and each service logs in with its role's credential.
 """

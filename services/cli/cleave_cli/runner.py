@@ -9,9 +9,9 @@ from anywhere run here, one at a time unless the operator allows more (`--max-ru
   workers are registered (or after JOIN_WAIT_S). A runner that starts again finds `queued` and `running` jobs
   there and runs them; each PS resumes from its last commit, as the job id names its state.
 - Supervision, as `cleave up` supervises its processes: a PS that dies is started again (and resumes); one that
-  exits with a status of NOT_RESTARTED stays down: 0 with every step committed is `done`,
-  anything else `failed`, with the PS's error as the reason; so is one in a crash loop (cleave.api.stack). One that exits 0 short of its last step (stopped
-  from outside) is started again.
+  exits with a status of NOT_RESTARTED stays down: 0 with every step committed is `done`, anything else
+  `failed`, with the PS's error as the reason, as is one in a crash loop (cleave.api.stack). One that exits 0
+  short of its last step (stopped from outside) is started again.
 - On the hub's disk: `<run-dir>/jobs/<job>/job.json` and `metrics.jsonl` (appended over the job's runs),
   `<run-dir>/logs/ps-<job>.log`.
 """
