@@ -21,8 +21,9 @@ from nats.js.errors import APIError
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api.credentials import client_options
+from cleave.bus import urls
 from cleave.bus.limits import STORE_FAILED
-from cleave.errors import CleaveError, ConfigError, WireError
+from cleave.errors import CleaveError, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
@@ -35,7 +36,6 @@ from cleave.schemas import (
 )
 from cleave.train.job import JobConfig
 
-URL_SCHEMES = ("nats", "tls", "ws", "wss")  # what nats-py dials
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
 DEFAULT_POLL_S = 0.25
@@ -49,11 +49,7 @@ ENDED = ("done", "failed")  # a job's states after which nothing more happens un
 # ---- the hub's client -------------------------------------------------------------------------------
 async def connect(url: str, folder: Path | None, role: str = "submitter") -> busmod.Bus:
     """Log in at `url` as `role` with the credential in `folder`; a clear error when that cannot be done."""
-    for server in url.split(","):
-        scheme, sep, _ = server.strip().partition("://")
-        if sep and scheme not in URL_SCHEMES:  # (HOST:PORT alone is nats://)
-            raise ConfigError(f"--nats {url!r}: expected nats://HOST:PORT or tls://HOST:PORT (a cluster: several, "
-                              "comma-separated)")
+    urls.servers(url)  # (a wrong URL named before the credential is read)
     options = client_options(folder, role)
     try:
         return await asyncio.wait_for(busmod.connect(url, f"cleave-{role}", **options), DEFAULT_CONNECT_TIMEOUT_S)

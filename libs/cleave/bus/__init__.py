@@ -31,7 +31,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from cleave import codec
-from cleave.bus import create, direct, receive
+from cleave.bus import create, direct, receive, urls
 from cleave.bus.limits import BUCKET_LIMITS, DEFAULT_BUCKET_LIMITS, EVENTS_MAX_BYTES, HEADROOM
 from cleave.bus.stopping import done_unless_stopped
 from cleave.errors import CleaveError, Conflict, WireError
@@ -426,7 +426,7 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, stop: asy
     async def on_reconnected() -> None:
         log.info("nats_reconnected", service=name)
 
-    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: several URLs
+    servers = urls.servers(url)  # a cluster: several URLs; a wrong one is refused here, not retried
     while True:
         try:
             nc = receive.client()

@@ -34,6 +34,7 @@ import time
 from collections import deque
 
 import structlog
+from nats import errors as nats_errors
 from nats.aio.client import DEFAULT_BUFFER_SIZE, PING_PROTO, Client
 from nats.protocol.parser import AWAITING_CONTROL_LINE, AWAITING_MSG_PAYLOAD, CRLF_SIZE, ProtocolError
 from nats.protocol.parser import Parser as NatsParser
@@ -356,6 +357,11 @@ class Transport:
         return self.stream is not None and self.stream.transport is not None
 
 
+class TlsRefused(nats_errors.Error):
+    """A server that does not require TLS at a tls:// URL (nats-py retries, as for any server that cannot be
+    used, and its error callback logs this)."""
+
+
 class _Client(Client):
     async def _send_ping(self, future: asyncio.Future | None = None) -> None:
         """nats-py's, with the PING queued behind the pending commands (see the module's doc)."""
@@ -371,6 +377,17 @@ class _Client(Client):
         if not isinstance(self._transport, Transport):
             self._transport = Transport(self._ps)
         await self._transport.connect(s.uri, DEFAULT_BUFFER_SIZE, self.options["connect_timeout"])
+
+    async def _process_info(self, info: dict, initial_connection: bool = False) -> None:
+        """nats-py's, refusing a server that does not require TLS at a tls:// URL: nats-py would go on in plain
+        text, login and all, with whatever answers at the address (a nats:// URL takes TLS where the server
+        requires it, with the CA given)."""
+        server = self._current_server
+        asked = server is not None and server.uri.scheme == "tls" and not self.options["tls_handshake_first"]
+        if initial_connection and asked and not info.get("tls_required"):
+            raise TlsRefused(f"NATS at {server.uri.geturl()} does not require TLS, which its tls:// URL asks for: "
+                             "not sending anything in plain text")
+        await super()._process_info(info, initial_connection)
 
 
 def hand_views(nc: Client, sid: int) -> None:

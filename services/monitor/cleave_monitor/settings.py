@@ -8,6 +8,7 @@ from typing import ClassVar
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from cleave.bus.urls import NatsUrl
 from cleave.runtime.config_file import FileSettings
 
 DEFAULT_PORT = 8787  # fixed, so compose and bookmarks know where to look; 0 = any free port
@@ -17,7 +18,7 @@ class MonitorSettings(FileSettings):
     config_table: ClassVar[str] = "monitor"  # its table of the settings file (cleave.runtime.config_file)
     model_config = SettingsConfigDict(env_prefix="CLEAVE_MONITOR_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: NatsUrl = "nats://127.0.0.1:4222"
     host: str = "127.0.0.1"  # 0.0.0.0 under compose, to publish the port: then with a token
     token: SecretStr = SecretStr("")  # asked for beyond localhost; empty there: one is made up and logged
     allowed_hosts: str = ""  # comma-separated Host names answered besides localhost (behind a proxy: its name)

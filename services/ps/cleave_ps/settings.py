@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from cleave.bus.urls import NatsUrl
 from cleave.gemm.dealer.model import DEFAULT_COPY_SHARE
 from cleave.gemm.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
 from cleave.runtime.config_file import FileSettings
@@ -21,7 +22,7 @@ class PsSettings(FileSettings):
     config_table: ClassVar[str] = "ps"  # its table of the settings file (cleave.runtime.config_file)
     model_config = SettingsConfigDict(env_prefix="CLEAVE_PS_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: NatsUrl = "nats://127.0.0.1:4222"
     job_file: Path | None = None  # JSON JobConfig; None = the default job
     metrics_out: Path | None = None  # JSON lines, one per step
     window: int = Field(DEFAULT_WINDOW, ge=1)  # tiles in flight per worker (a planned block's pieces: the plan's chunks)

@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from cleave.bus.urls import NatsUrl
 from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 from cleave.runtime.config_file import FileSettings
 
@@ -16,7 +17,7 @@ class SchedulerSettings(FileSettings):
     config_table: ClassVar[str] = "scheduler"  # its table of the settings file (cleave.runtime.config_file)
     model_config = SettingsConfigDict(env_prefix="CLEAVE_SCHEDULER_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: NatsUrl = "nats://127.0.0.1:4222"
     liveness_s: float = Field(1.0, gt=0)  # a worker silent this long has left
     sweep_s: float = Field(0.1, gt=0)  # how often liveness is checked
     tile_rows: int = Field(DEFAULT_TILE, gt=0)  # the largest block sent as one tile (planned blocks are cut to it)

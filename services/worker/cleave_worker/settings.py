@@ -10,6 +10,7 @@ from typing import ClassVar
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from cleave.bus.urls import NatsUrl
 from cleave.runtime.config_file import FileSettings
 from cleave.runtime.faults import WORKER_POINTS, spec_type
 from cleave.schemas.subjects import WORKER_ID_PATTERN, token
@@ -27,7 +28,7 @@ class WorkerSettings(FileSettings):
     config_table: ClassVar[str] = "worker"  # its table of the settings file (cleave.runtime.config_file)
     model_config = SettingsConfigDict(env_prefix="CLEAVE_WORKER_", extra="ignore", populate_by_name=True)
 
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: NatsUrl = "nats://127.0.0.1:4222"
     worker_id: str = Field(default_factory=default_worker_id, pattern=WORKER_ID_PATTERN,
                            validation_alias=AliasChoices("CLEAVE_WORKER_ID", "CLEAVE_WORKER_WORKER_ID"))
     # (the environment's CLEAVE_WORKER_ID; CLEAVE_WORKER_WORKER_ID, its first spelling, is read too)
