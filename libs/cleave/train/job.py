@@ -56,6 +56,7 @@ SETTING_NEEDS = {
     "lora_alpha": ("lora_rank", lambda v: v > 0, "lora_rank > 0"),
     "lora_targets": ("lora_rank", lambda v: v > 0, "lora_rank > 0"),
     "dp_delta": ("dp_noise", lambda v: v > 0, "dp_noise > 0"),
+    "val_every": ("val_fraction", lambda v: v > 0, "val_fraction > 0 (a validation split to evaluate on)"),
 }
 
 # diloco and fedavg defaults, measured on `small` (benchmarks/diloco_grid.py); the same in cleave.methods
@@ -113,10 +114,10 @@ class JobConfig(BaseModel):
     warmup_steps: int | None = Field(None, ge=0)  # None: 5% of the optimizer steps, at most 2000
     lr_min: float | None = Field(None, ge=0)  # the floor of the decay; None: lr / 10 (nanoGPT's min_lr)
     weight_decay: float = Field(0.1, ge=0)
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = Field(0.9, ge=0, lt=1)  # AdamW's betas (torch refuses others, but only once it builds one)
+    beta2: float = Field(0.95, ge=0, lt=1)
     grad_clip: float = Field(1.0, ge=0)  # 0 turns clipping off
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # (the data's generators are seeded with seed x 1,000,003 + step)
     data: str = "builtin"  # "builtin", a file, folder, glob, JSONL, hf:... or tokens: see cleave.train.sources
     # random: each batch's windows drawn anew (with replacement); epochs: every example (or window) once per epoch
     # in a shuffled order. Instruction data (prompt/response, chat messages) is always read in epochs.
@@ -144,6 +145,8 @@ class JobConfig(BaseModel):
             raise ValueError(str(e)) from None
         if self.seq_len is not None and self.seq_len > block:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={block}")
+        if self.lr_min is not None and self.lr_min > self.lr:
+            raise ValueError(f"lr_min={self.lr_min} is above lr={self.lr}: the decay's floor must be at most its peak")
         if self.batch_size % self.micro_batches:
             raise ValueError(f"micro_batches={self.micro_batches} must divide batch_size={self.batch_size}")
         if self.compress != "none":
