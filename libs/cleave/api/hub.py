@@ -14,12 +14,15 @@ import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
+from pydantic import Field
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api.args import JobId, Seconds, checked
 from cleave.api.credentials import client_options
 from cleave.bus import urls
 from cleave.bus.limits import STORE_FAILED
@@ -57,6 +60,16 @@ async def connect(url: str, folder: Path | None, role: str = "submitter") -> bus
         raise CleaveError(f"could not reach NATS at {url} within {DEFAULT_CONNECT_TIMEOUT_S:.0f}s: check the URL, "
                           "that the port is open to you, and (tls://) the CA in --auth") from None
 
+
+
+def reachable(url: str, folder: Path | None, role: str) -> None:
+    """Log in at `url` as `role` and out again: CleaveError (ConfigError for a wrong URL) when that cannot be
+    done, before a process that would retry it for ever is started."""
+
+    async def go() -> None:
+        await (await connect(url, folder, role)).close()
+
+    asyncio.run(go())
 
 
 async def store(bus: busmod.Bus, job_id: str, sub: JobSubmission, wait_s: float, url: str):  # noqa: ANN201 - a PubAck
@@ -150,8 +163,9 @@ def summary(rec: JobRecord, lines: list[StepMetrics]) -> dict:
 
 
 # ---- the Python API ------------------------------------------------------------------------------------
-def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_workers: int = 0,
-           wait_s: float = DEFAULT_WAIT_S) -> JobRecord | None:
+@checked
+def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_workers: Annotated[int, Field(ge=0)] = 0,
+           wait_s: Annotated[float, Field(ge=0)] = DEFAULT_WAIT_S) -> JobRecord | None:
     """Submit `job` to the hub at `nats`; returns the runner's record of it once it answers this submission
     (its state: queued, running, ...), None when no runner answered within `wait_s` (the job waits on the hub).
     A job the runner refuses raises CleaveError with its reason."""
@@ -172,7 +186,8 @@ def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_worker
     return asyncio.run(go())
 
 
-def status(nats: str, auth: str | Path | None = None, job_id: str | None = None) -> list[dict]:
+@checked
+def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = None) -> list[dict]:
     """The hub's jobs (or the one named), each as `cleave status --json` shows it: state, step, loss, workers."""
 
     async def go() -> list[dict]:
@@ -185,12 +200,19 @@ def status(nats: str, auth: str | Path | None = None, job_id: str | None = None)
     return asyncio.run(go())
 
 
-def follow(job_id: str, nats: str, auth: str | Path | None = None, poll_s: float = DEFAULT_FOLLOW_S,
-           timeout_s: float | None = None) -> Iterator[dict]:
+@checked
+def follow(job_id: JobId, nats: str, auth: str | Path | None = None, poll_s: Seconds = DEFAULT_FOLLOW_S,
+           timeout_s: Seconds | None = None) -> Iterator[dict]:
     """Each step's metrics of a job on the hub as they are committed, until the job is done (or failed: then
     CleaveError with its reason, after the steps it committed)."""
+    urls.servers(nats)  # (named at the call, not at the first step asked for)
+    return _follow(job_id, nats, auth, poll_s, timeout_s)
+
+
+def _follow(job_id: str, nats: str, auth: str | Path | None, poll_s: float,
+            timeout_s: float | None) -> Iterator[dict]:
     seen: set[int] = set()
-    deadline = time.monotonic() + timeout_s if timeout_s else None
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else None
 
     async def read() -> tuple[JobRecord | None, list[StepMetrics]]:
         bus = await connect(nats, _path(auth))
@@ -212,9 +234,9 @@ def follow(job_id: str, nats: str, auth: str | Path | None = None, poll_s: float
             if rec.state == "failed":
                 raise CleaveError(f"job {job_id} failed: {rec.reason or 'see the runner log on the hub'}")
             return
-        if deadline and time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise CleaveError(f"job {job_id} did not end within {timeout_s}s (it is {rec.state})")
-        time.sleep(poll_s)
+        time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
 def _path(auth: str | Path | None) -> Path | None:

@@ -15,12 +15,17 @@ stack's JetStream store, which `cleave export --run-dir` reads and the same job 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 from cleave import codec
-from cleave.api import credentials, state
+from cleave.api import credentials, hub, state
+from cleave.api.args import JobId, checked
 from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import ConfigError
@@ -33,20 +38,24 @@ Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small
 DEFAULT_WORKERS = 4  # as `cleave train`
 
 
+@checked
 def load_job(path: str | Path, **overrides: object) -> JobConfig:
-    """A job from a settings file (TOML or JSON), with `overrides` over it; errors name the file and the key."""
-    return JobConfig.load(path, **overrides)
+    """A job from a settings file (TOML or JSON), with `overrides` over it (an override of None is no override);
+    errors name the file and the key."""
+    return JobConfig.load(path, **{k: v for k, v in overrides.items() if v is not None})
 
 
+@checked
 def run_dir_of(job: JobConfig) -> Path:
     """Where a job keeps its files unless told: its own folder, so that the same job id finds its state again."""
     return Path("runs") / job.job_id
 
 
-def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path | None = None,
-          nats: str | None = None, auth: str | Path | None = None, metrics_out: str | Path | None = None,
-          ps_replicas: int = 1,
-          reference: bool = False, on_stack: Callable[[LocalFleet], None] | None = None) -> Iterator[dict]:
+@checked
+def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKERS, run_dir: str | Path | None = None,
+        nats: str | None = None, auth: str | Path | None = None, metrics_out: str | Path | None = None,
+        ps_replicas: Annotated[int, Field(ge=1, le=64)] = 1,
+        reference: bool = False, on_stack: Callable[[LocalFleet], None] | None = None) -> Iterator[dict]:
     """Train `job`, yielding each step's metrics (a dict: step, loss, step_time_s, workers, tokens, lr, ...; for
     diloco and fedavg one per round) as the PS commits it.
 
@@ -56,9 +65,32 @@ def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path |
     - `reference=True`: the same job in this process in plain PyTorch, the yardstick of exactness.
     - `ps_replicas`: PS replicas, each training an equal share of every batch (method cleave).
     - `on_stack(fleet)`: called once the stack is up, before the PS starts (its URL: `fleet.stack.nats_url`).
-    A PS that fails raises `cleave.errors.CleaveError` naming its log; nothing is left running either way.
+    A PS that fails raises `cleave.errors.CleaveError` naming its log; nothing is left running either way. A run
+    dir is one job's: one that holds another job (its job.json) is refused.
     """
+    if auth is not None and nats is None:
+        raise ConfigError("auth= logs the PS in to a running stack's NATS: it needs nats= (a local stack has none)")
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(job)
+    held = _job_of(run_dir)
+    if held not in (None, job.job_id):
+        raise ConfigError(f"{run_dir} holds job {held!r} (its job.json, state and metrics): train {job.job_id!r} in a "
+                          f"run dir of its own, or resume {held!r} with job_id={held!r}")
+    if nats is not None and not reference:
+        hub.reachable(nats, Path(auth) if auth is not None else None, "ps")  # (named now, not retried for ever)
+    return _run(job, workers, run_dir, nats, auth, metrics_out, ps_replicas, reference, on_stack)
+
+
+def _job_of(run_dir: Path) -> str | None:
+    """The job id in a run dir's job.json; None where there is none to read."""
+    try:
+        return json.loads((run_dir / "job.json").read_text()).get("job_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: str | Path | None,
+         metrics_out: str | Path | None, ps_replicas: int, reference: bool,
+         on_stack: Callable[[LocalFleet], None] | None) -> Iterator[dict]:
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = Path(metrics_out) if metrics_out is not None else run_dir / "metrics.jsonl"
     metrics_out.parent.mkdir(parents=True, exist_ok=True)
@@ -66,8 +98,6 @@ def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path |
     if reference:
         yield from reference_steps(job, metrics_out)
         return
-    if auth is not None and nats is None:
-        raise ConfigError("auth= logs the PS in to a running stack's NATS: it needs nats= (a local stack has none)")
     ps_env = credentials.role_env(Path(auth), "ps") if auth is not None else None
     fleet = LocalFleet(run_dir, workers, nats_url=nats, one_machine=True)
     try:
@@ -80,9 +110,12 @@ def run(job: JobConfig, *, workers: int = DEFAULT_WORKERS, run_dir: str | Path |
         fleet.stop()
 
 
+@checked
 def metrics(run_dir: str | Path) -> list[dict]:
     """The committed steps' metrics of the job a run dir holds (each step once, in step order), e.g. after
-    `train` or `cleave train` ended, or while it runs."""
+    `train` or `cleave train` ended, or while it runs (none yet: an empty list)."""
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"{run_dir} is no run dir (no such folder)")
     return MetricsFile(Path(run_dir) / "metrics.jsonl").lines()
 
 
@@ -94,8 +127,10 @@ class Exported:
     head: StateHead  # the checkpoint exported: its step (from 0) and epoch
 
 
+@checked
 def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | None = None,
-           auth: str | Path | None = None, job_id: str | None = None, precision: str = "fp32",
+           auth: str | Path | None = None, job_id: JobId | None = None,
+           precision: Literal["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"] = "fp32",
            adapter_out: str | Path | None = None) -> Exported:
     """Write a job's model, as of its last committed checkpoint, as a Hugging Face model directory `out` (and a
     LoRA job's PEFT adapter, by default in `out/adapter`), as `cleave export` does: from a run dir (`run_dir`;

@@ -37,7 +37,7 @@ def job_id_of(run_dir: Path) -> str:
     try:
         return json.loads(path.read_text())["job_id"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(f"cannot read the job id from {path} ({e}); pass --job-id") from None
+        raise ConfigError(f"cannot read the job id from {path} ({e}): name the job (--job-id, job_id=)") from None
 
 
 # ---------------------------------------------------------------- reaching the run's state

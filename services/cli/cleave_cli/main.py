@@ -12,6 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
+from pydantic import ValidationError
+
 from cleave.errors import EXIT_ERROR, EXIT_INTERRUPTED, CleaveError, Stopped
 from cleave.runtime import config_file
 from cleave_cli import joboptions
@@ -197,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except CleaveError as e:
         print(f"cleave: error: {e}", file=sys.stderr)
         return e.exit_code
+    except ValidationError as e:  # a value the Python API refuses that no flag's own check caught
+        print(f"cleave: error: {config_file.validation_message(e, e.title)}", file=sys.stderr)
+        return EXIT_ERROR
     except OSError as e:  # a path it cannot read or write (a file given for a folder, no permission, ...)
         if e.filename is None:  # not about a path: a fault, with its traceback
             raise
