@@ -352,12 +352,17 @@ def connect_options(settings: Any, role: str) -> dict[str, Any]:
     user = getattr(settings, "nats_user", "") or ""
     if seed and user:
         raise ConfigError(f"set either the nkey seed or nats_user/nats_password for {role}, not both")
+    password = _secret(getattr(settings, "nats_password", None))
     if seed:
         if not seed.startswith("SU"):
             raise ConfigError(f"CLEAVE_{role.upper()}_NATS_NKEY_SEED is not a NATS user seed (it starts with SU)")
+        _public(f"CLEAVE_{role.upper()}_NATS_NKEY_SEED", seed)  # (a malformed one, retried for ever by nats-py)
         opts["nkeys_seed_str"] = seed
     elif user:
-        opts["user"], opts["password"] = user, _secret(getattr(settings, "nats_password", None))
+        opts["user"], opts["password"] = user, password
+    elif password:
+        raise ConfigError(f"CLEAVE_{role.upper()}_NATS_PASSWORD is set without CLEAVE_{role.upper()}_NATS_USER: "
+                          "a password logs in only with its user")
     ca = getattr(settings, "nats_tls_ca", None)
     if ca:
         try:

@@ -138,6 +138,25 @@ def test_an_unknown_variable_or_fault_point_is_refused_by_name(monkeypatch: pyte
     assert WorkerSettings().worker_id == "an-alias"
 
 
+@pytest.mark.parametrize(("env", "says"), [
+    ({"CLEAVE_WORKER_HEARTBEAT_S": "inf"}, "invalid setting heartbeat_s: Input should be a finite number"),
+    ({"CLEAVE_WORKER_LIE_WEIGHT": "nan"}, "invalid setting lie_weight: Input should be a finite number"),
+    ({"CLEAVE_WORKER_THREADS": "1000000"}, "invalid setting threads: Input should be less than or equal to 1024"),
+    ({"CLEAVE_WORKER_MODEL_CACHE": "/etc/passwd"}, "model_cache: /etc/passwd is not a folder"),
+    ({"CLEAVE_WORKER_NATS_NKEY_SEED": "SUjunk"}, "CLEAVE_WORKER_NATS_NKEY_SEED: not a NATS user seed"),
+    ({"CLEAVE_WORKER_NATS_PASSWORD": "secret"}, "CLEAVE_WORKER_NATS_PASSWORD is set without CLEAVE_WORKER_NATS_USER"),
+])
+def test_a_worker_refuses_a_setting_it_could_only_crash_on_or_retry_for_ever(
+        env: dict[str, str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Each of these was accepted: a segfault in libgomp (a million threads), retries for ever (a malformed
+    seed), a login that ignored the password, an infinite heartbeat period. Status 2 and one line, at once."""
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli(["worker", "--nats", "nats://127.0.0.1:1"]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_cleave_train_reads_the_ps_table_of_its_config(settings: Path, capsys: pytest.CaptureFixture) -> None:
     """`cleave train --config` hands the file to the stack's services: the PS's memory from [ps] refuses the job."""
     settings.write_text('preset = "tiny"\nbatch_size = 2\n[ps]\nmemory_bytes = 1000000\n')

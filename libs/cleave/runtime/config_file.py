@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cleave.errors import ConfigError
 
@@ -99,6 +99,7 @@ class FileSettings(BaseSettings):
     named by CLEAVE_CONFIG over the defaults."""
 
     config_table: ClassVar[str] = ""  # the service's table in the file: ps, worker, scheduler, monitor
+    model_config = SettingsConfigDict(allow_inf_nan=False)  # (a service's own model_config adds to this)
 
     def __init__(self, **values: Any) -> None:
         prefix = self.model_config.get("env_prefix", "")

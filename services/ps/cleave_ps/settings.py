@@ -51,7 +51,7 @@ class PsSettings(FileSettings):
     # it takes at most half the free memory (a copy of the weights and optimizer: not the memory-light default)
     fail_at: FailAt = ""  # fault injection: "before_commit:3", "after_commit:3", "in_step:3", "in_round:3"
     fault_dir: Path | None = None  # with fail_at: remember fired faults here so each fires once
-    threads: int = Field(0, ge=0)  # torch threads on the PS; 0 = torch's default
+    threads: int = Field(0, ge=0, le=1024)  # torch threads on the PS; 0 = torch's default
     replicas: int = Field(1, ge=1, le=64)  # PS replicas of the job (cleave_ps.jobs.replicas); each trains a share
     replica: int = Field(0, ge=0)  # this one's index, 0..replicas-1; replica 0 hosts the rendezvous and commits
     replica_addr: str = "127.0.0.1"  # where replica 0 listens for the others (torchrun's MASTER_ADDR)

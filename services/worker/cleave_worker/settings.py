@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from cleave.bus.urls import NatsUrl
@@ -35,7 +35,7 @@ class WorkerSettings(FileSettings):
     memory_bytes: int = Field(512 * 1024 * 1024, gt=0)  # budget for a tile's inputs and output
     cache_bytes: int = Field(128 * 1024 * 1024, ge=0)  # input blocks kept for reuse (within the budget)
     heartbeat_s: float = Field(0.25, gt=0)
-    threads: int = Field(1, ge=1)  # torch intra-op threads for the GEMMs
+    threads: int = Field(1, ge=1, le=1024)  # torch intra-op threads for the GEMMs
     profile: str = ""  # declared device, "flops=..,down=..,up=..,latency=..,memory=..": the worker paces itself
     probe_every_s: float = Field(60.0, gt=0)  # re-measure the links this often (measured profiles only)
     data: str | None = None  # this client's own data source (a data spec): it trains the round methods and split
@@ -51,3 +51,10 @@ class WorkerSettings(FileSettings):
     nats_password: SecretStr = SecretStr("")
     nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
     nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store
+
+    @field_validator("model_cache")
+    @classmethod
+    def _a_folder(cls, path: Path) -> Path:
+        if path.expanduser().exists() and not path.expanduser().is_dir():
+            raise ValueError(f"{path} is not a folder (the cache of base weights and tokenizers is one)")
+        return path
