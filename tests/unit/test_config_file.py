@@ -139,6 +139,11 @@ def test_an_unknown_variable_or_fault_point_is_refused_by_name(monkeypatch: pyte
 
 
 @pytest.mark.parametrize(("env", "says"), [
+    ({"CLEAVE_PS_REPLICA": "5"}, "replica=5 and fail_replica=-1 must be below replicas=1"),
+    ({"CLEAVE_PS_METRICS_OUT": "/proc/no/m.jsonl"}, "/proc/no: No such file or directory"),
+    ({"CLEAVE_MONITOR_HOST": "8.8.8.8"}, "the monitor cannot listen on 8.8.8.8:"),
+    ({"CLEAVE_MONITOR_NATS_NKEY_SEED": "notaseed"}, "CLEAVE_MONITOR_NATS_NKEY_SEED is not a NATS user seed"),
+    ({"CLEAVE_SCHEDULER_NATS_URL": "nats://127.0.0.1:0"}, "invalid setting nats_url"),
     ({"CLEAVE_WORKER_HEARTBEAT_S": "inf"}, "invalid setting heartbeat_s: Input should be a finite number"),
     ({"CLEAVE_WORKER_LIE_WEIGHT": "nan"}, "invalid setting lie_weight: Input should be a finite number"),
     ({"CLEAVE_WORKER_THREADS": "1000000"}, "invalid setting threads: Input should be less than or equal to 1024"),
@@ -146,15 +151,19 @@ def test_an_unknown_variable_or_fault_point_is_refused_by_name(monkeypatch: pyte
     ({"CLEAVE_WORKER_NATS_NKEY_SEED": "SUjunk"}, "CLEAVE_WORKER_NATS_NKEY_SEED: not a NATS user seed"),
     ({"CLEAVE_WORKER_NATS_PASSWORD": "secret"}, "CLEAVE_WORKER_NATS_PASSWORD is set without CLEAVE_WORKER_NATS_USER"),
 ])
-def test_a_worker_refuses_a_setting_it_could_only_crash_on_or_retry_for_ever(
+def test_a_service_refuses_a_setting_it_could_only_crash_on_or_retry_for_ever(
         env: dict[str, str], says: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Each of these was accepted: a segfault in libgomp (a million threads), retries for ever (a malformed
-    seed), a login that ignored the password, an infinite heartbeat period. Status 2 and one line, at once."""
+    seed), a login that ignored the password, an infinite heartbeat period, a PS replica that is none of the
+    group, a metrics file the PS could not write after its first step, a monitor that could not bind (a
+    traceback), a port 0 to dial. Status 2 and one line, at once."""
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert cli(["worker", "--nats", "nats://127.0.0.1:1"]) == 2
-    assert says in capsys.readouterr().err
+    service = next(iter(env)).split("_")[1].lower()
+    assert cli([service, *(["--nats", "nats://127.0.0.1:1"] if service != "scheduler" else [])]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
 
 
 def test_cleave_train_reads_the_ps_table_of_its_config(settings: Path, capsys: pytest.CaptureFixture) -> None:

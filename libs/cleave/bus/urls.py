@@ -29,7 +29,7 @@ def servers(url: object, flag: str = "--nats") -> list[str]:
             port = parts.port
         except ValueError:
             port = -1
-        if parts.scheme not in SCHEMES or not parts.hostname or port == -1 or any(c.isspace() for c in server):
+        if parts.scheme not in SCHEMES or not parts.hostname or port in (-1, 0) or any(c.isspace() for c in server):
             which = "" if len(found) == 1 else f" {server!r}"
             raise ConfigError(f"{named}:{which} not a NATS server's URL; expected {EXPECTED}")
     return found

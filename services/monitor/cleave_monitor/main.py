@@ -18,7 +18,7 @@ import structlog
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.errors import WireError
+from cleave.errors import ConfigError, WireError
 from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
 from cleave.schemas import (
@@ -125,8 +125,8 @@ async def wait_any(timeout_s: float, *events: asyncio.Event) -> None:
             w.cancel()
 
 
-async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event) -> None:
-    bus = await busmod.connect(s.nats_url, "cleave-monitor", stop=stop, **auth.connect_options(s, "monitor"))
+async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asyncio.Event, options: dict) -> None:
+    bus = await busmod.connect(s.nats_url, "cleave-monitor", stop=stop, **options)
     if bus is None:  # stopped before NATS was ever reached
         return
     ctx.nats_connected = True
@@ -159,7 +159,11 @@ async def serve(s: MonitorSettings, stop: asyncio.Event, ready: asyncio.Future[s
     allowed = frozenset(h.strip().lower() for h in s.allowed_hosts.split(",") if h.strip())
     ctx = web.Context(state, hub, keepalive_s=s.keepalive_s, bind=s.host, token=token, allowed_hosts=allowed)
     feed = Feed(state, hub)
-    runner, url = await web.start(web.build_app(ctx), s.host, s.port)
+    options = auth.connect_options(s, "monitor")  # (a wrong credential or CA named before anything starts)
+    try:
+        runner, url = await web.start(web.build_app(ctx), s.host, s.port)
+    except OSError as e:  # a host that is not this machine's, a port in use
+        raise ConfigError(f"the monitor cannot listen on {s.host}:{s.port}: {e.strerror or e}") from None
     log.info("monitor_started", url=f"{url}/?token={token}" if token else url, nats=s.nats_url)
     if s.url_file:
         write_url(s.url_file, url)  # without the token: supervisors record it (the token is the operator's)
@@ -167,7 +171,7 @@ async def serve(s: MonitorSettings, stop: asyncio.Event, ready: asyncio.Future[s
         ready.set_result(url)
     try:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(follow_bus(s, ctx, feed, stop))
+            tg.create_task(follow_bus(s, ctx, feed, stop, options))
             tg.create_task(feed.push_status(stop, s.status_every_s))
     finally:
         hub.close()  # ends the live streams, so the server can stop without waiting for them

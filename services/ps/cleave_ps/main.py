@@ -49,5 +49,8 @@ def driver(s: PsSettings, job: JobConfig, bus: busmod.Bus, stop: asyncio.Event) 
 
 def main(settings: PsSettings | None = None) -> int:
     settings = settings or PsSettings()
+    if settings.metrics_out is not None:  # (one it cannot write is named now, not after the first step)
+        settings.metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        open(settings.metrics_out, "a").close()
     configure("ps")
     return run(lambda stop: serve(settings, stop))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from cleave.bus.urls import NatsUrl
@@ -54,7 +54,7 @@ class PsSettings(FileSettings):
     threads: int = Field(0, ge=0, le=1024)  # torch threads on the PS; 0 = torch's default
     replicas: int = Field(1, ge=1, le=64)  # PS replicas of the job (cleave_ps.jobs.replicas); each trains a share
     replica: int = Field(0, ge=0)  # this one's index, 0..replicas-1; replica 0 hosts the rendezvous and commits
-    replica_addr: str = "127.0.0.1"  # where replica 0 listens for the others (torchrun's MASTER_ADDR)
+    replica_addr: str = Field("127.0.0.1", min_length=1)  # where replica 0 listens for the others (torchrun's MASTER_ADDR)
     replica_port: int = Field(29500, ge=1, le=65535)  # ... and its port (MASTER_PORT)
     replica_join_timeout_s: float = Field(60.0, gt=0)  # reach the others within this, or exit non-zero
     replica_step_timeout_s: float = Field(1800.0, gt=0)  # a collective waiting longer than this fails
@@ -63,3 +63,10 @@ class PsSettings(FileSettings):
     nats_password: SecretStr = SecretStr("")
     nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
     nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store
+
+    @model_validator(mode="after")
+    def _replicas(self) -> PsSettings:
+        if self.replica >= self.replicas or self.fail_replica >= self.replicas:
+            raise ValueError(f"replica={self.replica} and fail_replica={self.fail_replica} must be below "
+                             f"replicas={self.replicas} (replicas are numbered from 0)")
+        return self
