@@ -42,20 +42,25 @@ def run(args: argparse.Namespace) -> int:
         from cleave.plan.profile import parse_profile
 
         parse_profile(args.profile)  # a bad one is refused here, not by each worker
+    base = _settings(args)  # (wrong settings refused here, not by each process)
     if args.processes == 1:
-        return _one_process(args)
+        return _one_process(args, base)
     return _supervise(args)
 
 
-def _one_process(args: argparse.Namespace) -> int:
-    from cleave.runtime.lifecycle import run as run_service
-    from cleave.runtime.logs import configure
+def _settings(args: argparse.Namespace):  # noqa: ANN202 - a WorkerSettings (imported late: no torch here)
     from cleave_worker.settings import WorkerSettings
-    from cleave_worker.swarm import serve_swarm, swarm_ids
 
     fields = dict(nats_url=args.nats, profile=args.profile, heartbeat_s=args.heartbeat_s,
                   worker_id=f"{args.prefix}-{args.process_index}")
-    base = WorkerSettings(**{k: v for k, v in fields.items() if v is not None})
+    return WorkerSettings(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _one_process(args: argparse.Namespace, base) -> int:  # noqa: ANN001 - a WorkerSettings
+    from cleave.runtime.lifecycle import run as run_service
+    from cleave.runtime.logs import configure
+    from cleave_worker.swarm import serve_swarm, swarm_ids
+
     configure("worker")
     ids = swarm_ids(args.prefix, args.process_index, args.workers)
     return run_service(lambda stop: serve_swarm(base, ids, stop))
