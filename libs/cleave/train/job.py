@@ -152,7 +152,10 @@ class JobConfig(BaseModel):
         if self.compress != "none":
             from cleave.compression import get_compressor  # noqa: PLC0415 - compression imports torch
 
-            get_compressor(self.compress)  # a ConfigError naming the bad spec
+            try:
+                get_compressor(self.compress)
+            except ConfigError as e:  # (a ValidationError naming the setting, as every other one)
+                raise ValueError(f"compress={self.compress!r}: {e}") from None
         self._check_privacy()
         return self
 
