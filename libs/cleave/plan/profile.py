@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from cleave.errors import ConfigError
 from cleave.schemas import DeviceProfile
 
@@ -35,6 +37,8 @@ def parse_profile(spec: str) -> DeviceProfile:
         key, sep, value = part.partition("=")
         if not sep or key.strip() not in KEYS:
             raise ConfigError(f"profile entry {part!r}: expected one of {', '.join(f'{k}=' for k in KEYS)}")
+        if KEYS[key.strip()] in values:
+            raise ConfigError(f"profile {spec!r}: {key.strip()}= is given twice")
         try:
             values[KEYS[key.strip()]] = _number(value)
         except ValueError:
@@ -45,8 +49,11 @@ def parse_profile(spec: str) -> DeviceProfile:
     values["memory_bytes"] = int(values["memory_bytes"])
     try:
         return DeviceProfile(**values, declared=True)
-    except ValueError as e:
-        raise ConfigError(f"profile {spec!r}: {e}") from None
+    except ValidationError as e:  # the first of what is wrong, on one line, by the profile's own key
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
+        key = next((k for k, v in KEYS.items() if v == field), field)
+        raise ConfigError(f"profile {spec!r}: {key}= {first['msg'].removeprefix('Value error, ')}") from None
 
 
 Clock = tuple[float, float, float]  # when a device's downlink, compute and uplink are next free

@@ -40,7 +40,8 @@ class PsSettings(FileSettings):
     gemm_timeout_s: float = Field(3600.0, gt=0)  # a GEMM not done by then aborts the step (nothing applied)
     max_inflight_bytes: int = Field(48 * 1024 * 1024, ge=0)  # input bytes in flight to one worker past its
     # first tile (and no more than 2 s of its downlink): under nats-server's max_pending (64 MiB); 0 = no limit
-    max_result_bytes: int = Field(64 * 1024 * 1024, gt=0)  # larger results are refused on receipt
+    max_result_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)  # larger results are refused on receipt
+    # (at least 1 MiB: a 512 x 512 float32 block; under the blocks the plan deals, no step could end)
     max_pending_bytes: int = Field(256 * 1024 * 1024, gt=0)  # results queued unread; a flood past it is dropped
     memory_bytes: int = Field(0, ge=0)  # what the PS may use (preflight); 0: the machine's available memory
     product_pool_bytes: int = Field(DEFAULT_PRODUCT_POOL_BYTES, ge=0)  # freed GEMM outputs of 1 MiB or more kept
