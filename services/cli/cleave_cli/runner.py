@@ -77,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Event) -> int:
+    stack = Stack(run_dir)  # (a run dir it cannot make is named now, not once NATS answers)
     bus = await busmod.connect(s.nats_url, "cleave-runner", stop=stop, **auth.connect_options(s, "ps"))
     if bus is None:  # stopped before NATS answered
         return 0
-    stack = Stack(run_dir)
     stack.nats_url = s.nats_url
     runner = Runner(bus, stack, run_dir, max_running)
     try:
