@@ -15,7 +15,6 @@ stack's JetStream store, which `cleave export --run-dir` reads and the same job 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,21 +70,16 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
     if auth is not None and nats is None:
         raise ConfigError("auth= logs the PS in to a running stack's NATS: it needs nats= (a local stack has none)")
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(job)
-    held = _job_of(run_dir)
+    try:
+        held = state.job_id_of(run_dir)
+    except ConfigError:  # no job.json (a new run dir), or none that names a job
+        held = None
     if held not in (None, job.job_id):
         raise ConfigError(f"{run_dir} holds job {held!r} (its job.json, state and metrics): train {job.job_id!r} in a "
                           f"run dir of its own, or resume {held!r} with job_id={held!r}")
     if nats is not None and not reference:
         hub.reachable(nats, Path(auth) if auth is not None else None, "ps")  # (named now, not retried for ever)
     return _run(job, workers, run_dir, nats, auth, metrics_out, ps_replicas, reference, on_stack)
-
-
-def _job_of(run_dir: Path) -> str | None:
-    """The job id in a run dir's job.json; None where there is none to read."""
-    try:
-        return json.loads((run_dir / "job.json").read_text()).get("job_id")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: str | Path | None,

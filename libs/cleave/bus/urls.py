@@ -3,12 +3,10 @@ ever (nats-py spins on an empty list of servers and retries a host that cannot e
 
 from __future__ import annotations
 
-from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator
-
 from cleave.errors import ConfigError
+from cleave.schemas.base import checked_str
 
 SCHEMES = ("nats", "tls", "ws", "wss")  # what nats-py dials
 EXPECTED = "nats://HOST:PORT or tls://HOST:PORT (a cluster: several, comma-separated)"
@@ -35,12 +33,4 @@ def servers(url: object, flag: str = "--nats") -> list[str]:
     return found
 
 
-def _checked(url: str) -> str:
-    try:
-        servers(url, "")
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
-    return url
-
-
-NatsUrl = Annotated[str, AfterValidator(_checked)]  # a settings field's type: a URL `servers` accepts
+NatsUrl = checked_str(lambda url: servers(url, ""))  # a settings field's type: a URL `servers` accepts

@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Annotated, Any
-
-from pydantic import AfterValidator
+from typing import Any
 
 from cleave.errors import ConfigError
+from cleave.schemas.base import checked_str
 
 # the points each service's code calls `hit` at: a spec naming another would never fire
 PS_POINTS = ("before_commit", "mid_commit", "after_commit", "in_step", "in_round")
@@ -35,15 +34,7 @@ def parse(spec: str, known: tuple[str, ...] | None = None) -> dict[str, int]:
 
 def spec_type(known: tuple[str, ...]) -> Any:  # noqa: ANN401 - an Annotated type for a settings field
     """A settings field's type: a spec of `known` points, checked when the settings are read."""
-
-    def check(spec: str) -> str:
-        try:
-            parse(spec, known)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return spec
-
-    return Annotated[str, AfterValidator(check)]
+    return checked_str(lambda spec: parse(spec, known))
 
 
 class Faults:

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, model_validator
 
+from cleave.errors import CleaveError
 from cleave.schemas.dtypes import DTYPE_SIZES, DTYPES
 from cleave.schemas.limits import MAX_TENSOR_ELEMENTS
 
 COMPRESSION_KINDS = ("none", "fp16", "bf16", "int8", "topk", "topkq")  # what a Packed tensor may be (cleave.compression)
+
+def checked_str(check: Callable[[str], object]) -> Any:  # noqa: ANN401 - an Annotated type
+    """A str field's type whose value `check` accepts: what `check` raises (a CleaveError naming the mistake)
+    becomes the field's validation error, so a setting or message names it like any other."""
+
+    def validate(value: str) -> str:
+        try:
+            check(value)
+        except CleaveError as e:
+            raise ValueError(str(e)) from None
+        return value
+
+    return Annotated[str, AfterValidator(validate)]
+
 
 class Wire(BaseModel):
     """Base of all messages: immutable, and open-world (fields a newer peer adds are ignored)."""

@@ -136,7 +136,8 @@ def up(args: argparse.Namespace) -> int:
         raise ConfigError("--listen/--auth run one hub server; --nats-cluster and --site emulate a topology on this "
                           "machine: use one or the other (docs/deploy.md)")
     # the dashboard's address (a wrong one refused before anything starts); 127.0.0.1 at a free port by default
-    where = split_listen(args.dashboard_listen, 0, "--dashboard-listen") if args.dashboard_listen else None
+    where = split_listen(args.dashboard_listen, 0, "--dashboard-listen") if args.dashboard_listen \
+        else ("127.0.0.1", 0)
     hub = HubConfig.of(args.listen, args.auth, args.leaf_port) if as_hub else None
     # on the loopback no worker can dial in from elsewhere: the fleet is this machine's
     fleet = LocalFleet(run_dir, 0, nats_cluster=args.nats_cluster, sites=tuple(args.site),
@@ -156,7 +157,7 @@ def up(args: argparse.Namespace) -> int:
                   "<its folder of `cleave auth init --sites NAME`>")
         for name, site in fleet.stack.sites.items():
             print(f"site {name}: leaf node {site.url} (monitoring {site.monitor}); its workers connect there")
-        print(f"dashboard: {dashboard(fleet.stack, *where or ('127.0.0.1', 0))}")
+        print(f"dashboard: {dashboard(fleet.stack, *where)}")
         auth = f" --auth {args.auth}" if args.auth else ""
         print(f"submit jobs with: cleave submit --nats {fleet.stack.nats_url}{auth} --preset tiny "
               f"(or train in the foreground: cleave train --nats {fleet.stack.nats_url} --preset tiny)")
