@@ -42,6 +42,11 @@ class Snapshot:
     optimizer_groups: list[dict]
     rng: torch.Tensor
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its stream takes (the checkpoint's data object)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
 
 def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None, job_id: str, step: int, epoch: int) -> Snapshot:
     """The model's weights, the optimizer's state and the RNG after `step`; nothing is copied."""

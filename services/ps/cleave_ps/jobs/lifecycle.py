@@ -113,7 +113,7 @@ async def run(driver: Driver, bus: Bus, stop: asyncio.Event) -> int:
 
 
 async def _steps(driver: Driver, plans: PlanWatch, first: int, stop: asyncio.Event) -> int:
-    code = EXIT_OK
+    code, failed = EXIT_OK, None
 
     async def stop_then_abort() -> None:
         await stop.wait()
@@ -134,9 +134,13 @@ async def _steps(driver: Driver, plans: PlanWatch, first: int, stop: asyncio.Eve
                 await driver.finish(first)
         except JobEnded as e:
             code = ended(e, stop)
+        except CleaveError as e:  # raised as itself once the group is done (not as an ExceptionGroup): its
+            failed = e  # one line and exit status (a store too small for a checkpoint: 2)
         finally:
             stop.set()  # the job is over: the process ends with it
             watcher.cancel()
+    if failed is not None:
+        raise failed
     return code
 
 

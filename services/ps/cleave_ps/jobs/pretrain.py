@@ -147,6 +147,8 @@ class Pretrain:
             head = await self.progress.persister.load(model, opt)
             first = 0 if head is None else head.step + 1
         await asyncio.to_thread(self.trainer.hold_optimizer_state)  # the peak from the first step (a fresh job)
+        if self.s.replica == 0:  # (with AdamW's state now held: the checkpoint's full size)
+            self.progress.check_room(model, opt)
         if self.group is not None:
             await asyncio.to_thread(self.group.agree, str(first), "the step to resume from")
         if not first:

@@ -35,12 +35,12 @@ import time
 import structlog
 import torch
 from nats.js.api import ObjectMeta, ObjectMetaOptions
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import APIError, KeyNotFoundError
 from torch import nn
 
 from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
-from cleave.errors import CleaveError, Conflict, CorruptCheckpoint, Fenced, JobChanged, WireError
+from cleave.errors import CleaveError, ConfigError, Conflict, CorruptCheckpoint, Fenced, JobChanged, WireError
 from cleave.runtime.faults import Faults
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import MetricsFile
@@ -61,6 +61,9 @@ from cleave_ps.state import sweep
 log = structlog.get_logger("ps")
 KEEP_CHECKPOINTS = 2
 CHECKPOINT_BUDGET = 0.05  # persist_every=0: commit when the last commit cost <= 5% of the training since
+STORE_OVERHEAD_PERCENT = 1  # a checkpoint's chunks take this much more in the store's stream (0.1% measured)
+MANIFEST_ALLOWANCE = 1 << 20  # ... and its manifest about 100 bytes a tensor and a 16 MiB chunk (Llama3-1B: 70 kB)
+STORE_FULL = 10077  # JetStream's error code for a stream at its max_bytes ('maximum bytes exceeded')
 STAGING_SHARE = 0.5  # checkpoint_staging=auto: a staged copy may take at most this share of the free memory
 __all__ = ["Fenced", "Persister", "Progress", "identity_changes", "snapshot", "write_checkpoint"]
 # what makes a job the job it is: its model and the order of its data. Any other setting may change on resume.
@@ -111,10 +114,27 @@ class Persister:
         self.orphan_age_s = sweep.DEFAULT_ORPHAN_AGE_S  # nameless chunks older than this are purged
         self.collected = sweep.Collected()  # what the last commit's clean-up removed
         self.store_max_bytes: int | None = None  # the checkpoint store's size limit where this PS creates it
+        self.store_limit: int | None = None  # the store's limit, whoever created it (None: JetStream's own)
 
     async def open(self) -> None:
         self.kv = await self.bus.kv(STATE_BUCKET, history=5)
         self.store = await self.bus.object_store(STATE_OBJECTS, self.store_max_bytes)
+        limit = (await asyncio.wait_for(self.store.status(), DEFAULT_TIMEOUT_S)).stream_info.config.max_bytes
+        self.store_limit = limit if limit and limit > 0 else None
+
+    def check_room(self, snap: Snapshot) -> None:
+        """Refuse (ConfigError), before a byte is written, a checkpoint store too small for this job: it holds
+        the job's last KEEP_CHECKPOINTS checkpoints and the one being written beside them."""
+        one = snap.nbytes * (100 + STORE_OVERHEAD_PERCENT) // 100 + MANIFEST_ALLOWANCE
+        need = (KEEP_CHECKPOINTS + 1) * one
+        if self.store_limit is not None and need > self.store_limit:
+            raise ConfigError(
+                f"the checkpoint store (JetStream stream OBJ_{STATE_OBJECTS}) holds at most "
+                f"{self.store_limit / 2**20:.1f} MiB, but job {self.job_id!r} keeps its last {KEEP_CHECKPOINTS} "
+                f"checkpoints of {one / 2**20:.1f} MiB and writes the next one beside them: {need / 2**20:.1f} MiB. "
+                f"Where the PS creates the store, set CLEAVE_PS_STATE_MAX_BYTES to at least {need} (or 0: "
+                f"JetStream's own limit); a store that exists keeps the limit it was created with "
+                f"(`nats stream edit OBJ_{STATE_OBJECTS} --max-bytes ...`)")
 
     async def claim_epoch(self) -> int:
         """A new, higher epoch for this PS incarnation (compare-and-set, so two PSs never share one); a PS that
@@ -218,8 +238,17 @@ class Persister:
         """Stream the checkpoint, then switch the head to it; raises Fenced if another PS took over.
         Each metrics line's `checkpoint_s` is filled in with the time the stream took."""
         name = f"{self.job_id}/step-{snap.step:08d}-e{self.epoch}"
+        self.check_room(snap)
         t0 = time.perf_counter()
-        manifest, size = await write_checkpoint(self.bus, self.store, snap, name, on_read)
+        try:
+            manifest, size = await write_checkpoint(self.bus, self.store, snap, name, on_read)
+        except APIError as e:
+            if e.err_code != STORE_FULL:
+                raise
+            raise CleaveError(f"the checkpoint store (JetStream stream OBJ_{STATE_OBJECTS}) is full: the checkpoint "
+                              f"of step {snap.step} ({snap.nbytes / 2**20:.1f} MiB) does not fit beside what other "
+                              "jobs keep there; nothing was committed. Give the store more room (CLEAVE_PS_STATE_MAX_"
+                              "BYTES where the PS creates it) or remove the state of jobs that are done") from None
         spent = time.perf_counter() - t0
         if metrics:
             metrics = (*metrics[:-1], metrics[-1].model_copy(update={"checkpoint_s": spent}))
@@ -314,8 +343,10 @@ class Progress:
 
     async def resume(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> int:
         """Restore `model` and `opt` from the last committed checkpoint, report its lines and say so (log and
-        event); the first step (or round) to run: 0 for a new job."""
+        event); the first step (or round) to run: 0 for a new job. A checkpoint store too small for the state
+        held now is refused here (`check_room`), before a step is run."""
         head = await self.persister.load(model, opt)
+        self.check_room(model, opt)
         if head is None:
             await asyncio.to_thread(self.set_aside)
             return 0
@@ -325,6 +356,11 @@ class Progress:
         await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job_id, step=first, cause="restart",
                                   detail={"epoch": self.epoch}))
         return first
+
+    def check_room(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
+        """Refuse a checkpoint store too small for the checkpoint of `model` and `opt` as they are now (an
+        optimizer's state exists after its first step: each commit checks again, `Persister.check_room`)."""
+        self.persister.check_room(snapshot(model, opt, self.job_id, 0, self.epoch))
 
     def set_aside(self) -> None:
         """A new job: lines already in its metrics file are another job's; that file is renamed, never deleted."""
@@ -361,7 +397,7 @@ class Progress:
         staging is off or the copy would take more than STAGING_SHARE of the memory still available."""
         if self.staging == "off":
             return None
-        need = sum(t.numel() * t.element_size() for t in snap.tensors.values())
+        need = snap.nbytes
         free = preflight.available_memory()
         if self.memory_bytes:  # the PS's own budget, less what it has held at its peak (a step's comes again)
             free = min(free, self.memory_bytes - peak_rss_bytes())
