@@ -90,14 +90,14 @@ def test_precision_is_a_validated_setting_and_a_flag():
 
 
 def test_the_ps_refuses_the_approximate_tile_dtype_with_a_precision():
-    from cleave_ps.jobs.pretrain import Pretrain  # noqa: PLC0415 - the PS service, only for this test
+    from cleave_ps.jobs.pretrain import fit, wire_bytes  # noqa: PLC0415 - the PS service, only for this test
     from cleave_ps.settings import PsSettings  # noqa: PLC0415
 
     job = JobConfig(preset="tiny", precision="bf16")
     with pytest.raises(ConfigError, match="CLEAVE_PS_TILE_DTYPE=fp16 is the approximate mode of an fp32 job"):
-        Pretrain(PsSettings(tile_dtype="fp16"), job, bus=None).preflight()
-    assert Pretrain(PsSettings(), job, bus=None).wire_bytes == 2
-    assert Pretrain(PsSettings(), JobConfig(preset="tiny"), bus=None).wire_bytes == 4
+        fit(PsSettings(tile_dtype="fp16"), job)
+    assert wire_bytes(PsSettings(), job) == 2
+    assert wire_bytes(PsSettings(), JobConfig(preset="tiny")) == 4
 
 
 def test_the_loss_scale_survives_the_streamed_checkpoint():

@@ -52,6 +52,20 @@ def test_train_dry_run_prints_the_estimate_and_refuses_what_cannot_fit(tmp_path)
     assert refused.returncode == 2 and "lower batch_size (now 64)" in refused.stderr, refused.stderr
 
 
+def test_a_ps_that_cannot_fit_is_refused_before_it_dials_nats() -> None:
+    """Nothing answers at the PS's NATS address: the refusal comes at once all the same (it used to wait for
+    the bus, retrying, before its preflight ran)."""
+    from cleave.api.natsconf import free_port  # noqa: PLC0415
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLEAVE_")}
+    refused = subprocess.run([sys.executable, "-m", "cleave_cli", "ps", "--nats", f"nats://127.0.0.1:{free_port()}"],
+                             capture_output=True, text=True, timeout=60, env={**env, "CLEAVE_PS_MEMORY_BYTES": "1000"})
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert re.search(r"cleave: error: job 'job' needs about 0\.\d+ GB on the PS .* but 0\.00 GB are available",
+                     refused.stderr), refused.stderr[-2000:]
+    assert "nats" not in refused.stderr.lower()  # (no connection tried, nothing retried)
+
+
 def test_recomputation_and_micro_batches_shrink_what_a_forward_keeps() -> None:
     plain = preflight.estimate(JobConfig(preset="small", batch_size=8, seq_len=128, recompute=False), workers=2)
     again = preflight.estimate(JobConfig(preset="small", batch_size=8, seq_len=128, recompute=True), workers=2)

@@ -24,7 +24,7 @@ from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args, new_job_id
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import ProgressBar, unit_of
-from cleave_ps.jobs.pretrain import worker_budgets
+from cleave_ps.jobs.pretrain import fit, worker_budgets
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
 
@@ -38,10 +38,7 @@ def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = N
         if dry_run:
             print(f"no preflight estimate for method {job.method!r} yet")
         return job
-    ps = PsSettings()
-    memory = preflight.ps_memory(job, ps.memory_bytes)
-    job, est = preflight.resolve(job, memory, workers, deferred=ps.deferred_gemms, replicas=replicas,
-                                 pool=ps.product_pool_bytes)
+    job, est, memory = fit(PsSettings(replicas=replicas), job, workers)  # (the PS's own, as it will start)
     budgets = registry_budgets(nats, auth) if nats else [WorkerSettings().memory_bytes]
     if dry_run:
         lay = est.layout

@@ -12,9 +12,10 @@ from cleave.runtime import config_file
 from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
 from cleave.runtime.threads import use_threads
+from cleave.train import preflight
 from cleave.train.job import JobConfig
 from cleave_ps.jobs import lifecycle
-from cleave_ps.jobs.pretrain import Pretrain
+from cleave_ps.jobs.pretrain import Pretrain, fit
 from cleave_ps.jobs.rounds import Rounds
 from cleave_ps.jobs.split import SplitJob
 from cleave_ps.settings import PsSettings
@@ -27,6 +28,8 @@ async def serve(s: PsSettings, stop: asyncio.Event) -> int:
         use_threads(s.threads)
     if s.replicas > 1 and job.method != "cleave":
         raise ConfigError(f"replicas={s.replicas}: several PS replicas train method 'cleave' only, not {job.method!r}")
+    if job.method == "cleave":  # a job that cannot fit this PS is refused before NATS is dialled
+        preflight.check(*await asyncio.to_thread(fit, s, job), [])
     name = f"cleave-ps-{job.job_id}" + (f"-r{s.replica}" if s.replicas > 1 else "")  # /connz tells replicas apart
     bus = await busmod.connect(s.nats_url, name, stop=stop, **auth.connect_options(s, "ps"))
     if bus is None:  # stopped before NATS answered

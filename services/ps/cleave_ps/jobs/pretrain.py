@@ -102,6 +102,24 @@ def snapshot_counters(d: Dispatcher) -> dict:
                 planned_gemm_s=c.planned_gemm_s, unplanned=c.unplanned, verify_cpu_s=c.verify_cpu_s)
 
 
+def wire_bytes(s: PsSettings, job: JobConfig) -> int:
+    """Bytes an input element of a tile takes on the wire."""
+    return 4 if s.tile_dtype == "fp32" and job.precision == "fp32" else 2
+
+
+def fit(s: PsSettings, job: JobConfig, workers: int = 1) -> tuple[JobConfig, preflight.Estimate, preflight.Memory]:
+    """`job` with `recompute` decided, its estimate over `workers` and the memory this PS may use (what
+    `preflight.check` then judges). It needs no NATS: `serve` checks it before dialling, so a PS that cannot fit
+    says so at once, not once the bus answers; the workers' budgets from the registry are checked later."""
+    if job.precision != "fp32" and s.tile_dtype != "fp32":
+        raise ConfigError(f"CLEAVE_PS_TILE_DTYPE={s.tile_dtype} is the approximate mode of an fp32 job; "
+                          f"with precision={job.precision} the tiles already travel in 2 bytes: unset it")
+    memory = preflight.ps_memory(job, s.memory_bytes)
+    job, est = preflight.resolve(job, memory, workers=workers, tile_bytes=wire_bytes(s, job), deferred=s.deferred_gemms,
+                                 replicas=s.replicas, pool=s.product_pool_bytes)
+    return job, est, memory
+
+
 class Pretrain:
     """The pretraining driver of a job's lifecycle (`lifecycle.Driver`): the dispatcher deals every linear
     GEMM of the trainer's step to the fleet; with replicas, each trains its share of the batch and replica 0
@@ -168,14 +186,8 @@ class Pretrain:
     def preflight(self, budgets: list[int] | None = None) -> None:
         """Refuse a job whose estimated peak memory exceeds what this PS may use, or whose thinnest tile no
         registered worker can hold (ConfigError, exit 2); decide `recompute` if the job left it open."""
-        if self.job.precision != "fp32" and self.s.tile_dtype != "fp32":
-            raise ConfigError(f"CLEAVE_PS_TILE_DTYPE={self.s.tile_dtype} is the approximate mode of an fp32 job; "
-                              f"with precision={self.job.precision} the tiles already travel in 2 bytes: unset it")
-        memory = preflight.ps_memory(self.job, self.s.memory_bytes)
-        self.job, est = preflight.resolve(self.job, memory, workers=max(1, len(budgets or ())), tile_bytes=self.wire_bytes,
-                                          deferred=self.s.deferred_gemms, replicas=self.s.replicas,
-                                          pool=self.s.product_pool_bytes)
         budgets = budgets or []
+        self.job, est, memory = fit(self.s, self.job, workers=max(1, len(budgets)))
         preflight.check(self.job, est, memory, budgets or preflight.DEFAULT_WORKER_MEMORY)
         self.dispatcher.products = Products(est.pool)  # (the pool of freed outputs in the memory the job leaves)
         if est.deferred[0] < self.s.deferred_gemms:  # the job fits only with fewer weight gradients deferred
@@ -187,11 +199,6 @@ class Pretrain:
                  recompute=self.job.recompute, micro_batches=self.job.micro_batches, deferred_gemms=est.deferred[0],
                  head_chunks=est.layout.head_chunks, workers_declared=len(budgets),
                  free_outputs_gb=round(est.pool / 1e9, 2))
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes an input element of a tile takes on the wire."""
-        return 4 if self.s.tile_dtype == "fp32" and self.job.precision == "fp32" else 2
 
     async def describe_job(self) -> None:
         """Tell the scheduler this job's GEMM shapes, so that its plan fits them: elements travel in the job's
