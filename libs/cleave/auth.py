@@ -284,6 +284,15 @@ def credential_from_seed(name: str, role: str, seed: str, worker_id: str | None 
     return Credential(name, role, seed, public, perms, companions)
 
 
+def user_seed(name: str, seed: str) -> str:
+    """`seed` if it is a well-formed NATS user seed, else ConfigError naming the setting `name` (nats-py retries
+    a malformed one for ever)."""
+    if not seed.startswith("SU"):
+        raise ConfigError(f"{name} is not a NATS user seed (it starts with SU)")
+    _public(name, seed)
+    return seed
+
+
 def _public(name: str, seed: str) -> str:
     try:
         return nkeys.from_seed(bytearray(seed.encode())).public_key.decode()
@@ -354,10 +363,7 @@ def connect_options(settings: Any, role: str) -> dict[str, Any]:
         raise ConfigError(f"set either the nkey seed or nats_user/nats_password for {role}, not both")
     password = _secret(getattr(settings, "nats_password", None))
     if seed:
-        if not seed.startswith("SU"):
-            raise ConfigError(f"CLEAVE_{role.upper()}_NATS_NKEY_SEED is not a NATS user seed (it starts with SU)")
-        _public(f"CLEAVE_{role.upper()}_NATS_NKEY_SEED", seed)  # (a malformed one, retried for ever by nats-py)
-        opts["nkeys_seed_str"] = seed
+        opts["nkeys_seed_str"] = user_seed(f"CLEAVE_{role.upper()}_NATS_NKEY_SEED", seed)
     elif user:
         opts["user"], opts["password"] = user, password
     elif password:

@@ -254,7 +254,8 @@ class Scheduler:
 
 
 async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
-    bus = await busmod.connect(s.nats_url, "cleave-scheduler", stop=stop, **auth.connect_options(s, "scheduler"))
+    options, probe_options = auth.connect_options(s, "scheduler"), probe_credential(s)  # both checked first
+    bus = await busmod.connect(s.nats_url, "cleave-scheduler", stop=stop, **options)
     if bus is None:  # stopped before NATS answered
         return 0
     await bus.setup()
@@ -263,7 +264,7 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     sub = await bus.subscribe(SUBJECT_HEARTBEAT_ALL, Heartbeat, sched.on_heartbeat, max_bytes=65536,
                               sender="worker_id")
     observed = await bus.subscribe(SUBJECT_OBSERVED_ALL, Observed, sched.on_observed, max_bytes=MAX_OBSERVED_BYTES)
-    probe_bus = await probe_connection(s, bus, stop)
+    probe_bus = await probe_connection(s, probe_options, bus, stop)
     if probe_bus is None:  # stopped before its probe connection was made
         sched.close()
         await bus.close()
@@ -290,15 +291,22 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     return 0
 
 
-async def probe_connection(s: SchedulerSettings, bus: busmod.Bus,
-                           stop: asyncio.Event) -> busmod.Bus | None:
-    """The connection probes are answered on: with its own credential (`probe_nkey_seed`, which may publish
-    only to the workers' inboxes) when there is one, else the scheduler's own."""
+def probe_credential(s: SchedulerSettings) -> dict | None:
+    """The connect options of the probe credential (`probe_nkey_seed`); None when there is none. A malformed
+    seed is refused by its own name before anything is dialled."""
     seed = s.probe_nkey_seed.get_secret_value()
-    if seed:
-        view = SimpleNamespace(nats_nkey_seed=seed, nats_tls_ca=s.nats_tls_ca)
-        return await busmod.connect(s.nats_url, "cleave-scheduler-probe", stop=stop,
-                                    **auth.connect_options(view, "scheduler"))
+    if not seed:
+        return None
+    auth.user_seed("CLEAVE_SCHEDULER_PROBE_NKEY_SEED", seed)
+    return auth.connect_options(SimpleNamespace(nats_nkey_seed=seed, nats_tls_ca=s.nats_tls_ca), "scheduler")
+
+
+async def probe_connection(s: SchedulerSettings, options: dict | None, bus: busmod.Bus,
+                           stop: asyncio.Event) -> busmod.Bus | None:
+    """The connection probes are answered on: with its own credential (`options`, which may publish only to
+    the workers' inboxes) when there is one, else the scheduler's own."""
+    if options is not None:
+        return await busmod.connect(s.nats_url, "cleave-scheduler-probe", stop=stop, **options)
     if s.nats_nkey_seed.get_secret_value():
         log.warning("probes_on_main_credential", hint="set CLEAVE_SCHEDULER_PROBE_NKEY_SEED from the scheduler.env "
                     "that `cleave auth init` writes: its own credential may not answer probes")
