@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NO_CHROMIUM = "chromium is not installed (.ci/run installs Debian's: apt-get install -y chromium)"
 TIMEOUT_S = 60.0
+TOKEN = "s3cret-s3cret-s3cret"  # a monitor token given (16 characters at least)
 JOB_STEPS = 96  # long enough that the job still runs while chromium starts and watches the curve grow: 48
 # tiny steps (0.2-0.4 s each) once ended first on a loaded machine
 PROFILE = DeviceProfile(
@@ -260,7 +261,7 @@ async def test_the_host_header_and_the_token_guard_it_and_it_lists_the_hubs_jobs
                         break
             (job,) = (await get_json(http, url + "/api/jobs"))["jobs"]
             assert (job["job_id"], job["state"], job["runs"], job["reason"]) == ("hub-job", "failed", 2, "changed seed")
-        guarded = InProcessMonitor(nats_url, tmp_path, host="0.0.0.0", token="s3cret", allowed_hosts="hub.example.org")
+        guarded = InProcessMonitor(nats_url, tmp_path, host="0.0.0.0", token=TOKEN, allowed_hosts="hub.example.org")
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http, guarded as url:
             for path in ("/", "/api/state", "/metrics", "/api/stream"):
                 async with http.get(url + path) as resp:
@@ -269,11 +270,11 @@ async def test_the_host_header_and_the_token_guard_it_and_it_lists_the_hubs_jobs
                 assert resp.status == 200
             async with http.get(url + "/api/state?token=wrong") as resp:
                 assert resp.status == 401
-            async with http.get(url + "/api/state", headers={"Authorization": "Bearer s3cret"}) as resp:
+            async with http.get(url + "/api/state", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
                 assert resp.status == 200
-            async with http.get(url + "/api/jobs?token=s3cret", headers={"Host": "evil.example.org"}) as resp:
+            async with http.get(f"{url}/api/jobs?token={TOKEN}", headers={"Host": "evil.example.org"}) as resp:
                 assert resp.status == 403  # the names it serves are listed: another one is refused
-            async with http.get(url + "/?token=s3cret", headers={"Host": "hub.example.org:8787"}) as resp:
+            async with http.get(f"{url}/?token={TOKEN}", headers={"Host": "hub.example.org:8787"}) as resp:
                 assert resp.status == 200 and "cleave_token" in resp.cookies
             async with http.get(url + "/api/jobs") as resp:  # the page's own requests: the cookie
                 assert resp.status == 200

@@ -147,8 +147,12 @@ def write_url(path: Path, url: str) -> None:
     """Write atomically: a reader sees the whole URL or no file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(url + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(url + "\n")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # (nothing of a failed write is left behind)
+        raise
 
 
 async def serve(s: MonitorSettings, stop: asyncio.Event, ready: asyncio.Future[str] | None = None) -> int:

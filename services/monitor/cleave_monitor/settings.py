@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from cleave.bus.urls import NatsUrl
 from cleave.runtime.config_file import FileSettings
 
 DEFAULT_PORT = 8787  # fixed, so compose and bookmarks know where to look; 0 = any free port
+MIN_TOKEN_CHARS = 16  # a token given: the one made up has 32 (`guard.new_token`)
 
 
 class MonitorSettings(FileSettings):
@@ -34,3 +35,19 @@ class MonitorSettings(FileSettings):
     nats_password: SecretStr = SecretStr("")
     nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)
     nats_tls_ca: Path | None = None  # CA of the NATS server's certificate; None = the system's trust store
+
+    @field_validator("token")
+    @classmethod
+    def _unguessable(cls, token: SecretStr) -> SecretStr:
+        if 0 < len(token.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"a token shorter than {MIN_TOKEN_CHARS} characters could be guessed, and it opens the "
+                             "dashboard to whoever can reach it: use a longer one (`python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(24))'`), or leave it empty to have one made up and logged")
+        return token
+
+    @field_validator("url_file")
+    @classmethod
+    def _a_file(cls, path: Path | None) -> Path | None:
+        if path is not None and path.is_dir():
+            raise ValueError(f"{path} is a folder; the dashboard's URL is written to a file (e.g. {path}/monitor.url)")
+        return path
