@@ -5,6 +5,7 @@ process started with `--config` takes its table of the file, against a real nats
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ from cleave.runtime.config_file import CONFIG_ENV
 from cleave.schemas import SUBJECT_HEARTBEAT_ALL
 from cleave.train.job import JobConfig
 from cleave_cli.main import main as cli
+from cleave_monitor.settings import MonitorSettings
 from cleave_ps.settings import PsSettings
+from cleave_scheduler.settings import SchedulerSettings
 from cleave_worker.settings import WorkerSettings
 
 EVERY_KNOB = """\
@@ -109,6 +112,39 @@ def test_a_bad_service_table_names_the_file_and_the_key(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match=rf"\[ps\] of {path}\): invalid setting persist_every: .*greater than"):
         PsSettings()
     JobConfig.load(path)  # the job's part is fine: only the PS's table is wrong
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("[worker]\nheartbeat_s = true", "[worker] heartbeat_s = true: Input should be a valid number"),
+    ("[worker]\nthreads = 2.0", "[worker] threads = 2.0: Input should be a valid integer"),
+    ("[worker]\nworker_id = 5", "[worker] worker_id = 5: Input should be a valid string"),
+    ("[ps]\npersist_every = \"10\"", "[ps] persist_every = \"10\": Input should be a valid integer"),
+    ("[scheduler]\nliveness_s = 1979-05-27", "[scheduler] liveness_s = 1979-05-27: not a number, string or boolean"),
+])
+def test_a_service_table_value_of_the_wrong_type_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          line: str, says: str) -> None:
+    """A TOML value is typed: `true` is not 1.0 and 2.0 is not 2 (each was taken as that). The same text in an
+    environment variable, always a string, is converted (`CLEAVE_WORKER_THREADS=2`)."""
+    path = tmp_path / "cleave.toml"
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    path.write_text(line + "\n")
+    settings = {"worker": WorkerSettings, "ps": PsSettings, "scheduler": SchedulerSettings}[line[1:line.index("]")]]
+    with pytest.raises(ConfigError) as refused:
+        settings()
+    assert str(refused.value) == f"{path}: {says}"
+
+
+@pytest.mark.parametrize("settings", [PsSettings, WorkerSettings, SchedulerSettings, MonitorSettings])
+def test_every_service_default_written_in_its_table_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                settings: type) -> None:
+    """What the strict table check lets through: each setting's default, as a file would hold it."""
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    expected = settings().model_dump(mode="json")
+    defaults = {k: "" if "*" in str(v) else v for k, v in expected.items() if v is not None}  # (secrets: ****)
+    path = tmp_path / "cleave.json"
+    path.write_text(json.dumps({settings.config_table: defaults}))
+    monkeypatch.setenv(CONFIG_ENV, str(path))
+    assert settings().model_dump(mode="json") == expected
 
 
 def test_an_unknown_variable_or_fault_point_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,

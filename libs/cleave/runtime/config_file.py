@@ -30,7 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cleave.errors import ConfigError
@@ -62,15 +63,25 @@ def job_settings(path: str | Path) -> dict[str, Any]:
     return {k: v for k, v in read(path).items() if k not in SERVICE_TABLES}
 
 
-def service_table(path: str | Path, table: str, known: set[str]) -> dict[str, Any]:
-    """A service's table of the file; an unknown key is an error naming it (a typo would silently do nothing)."""
+def service_table(path: str | Path, table: str, fields: Mapping[str, FieldInfo]) -> dict[str, Any]:
+    """A service's table of the file; an unknown key is an error naming it (a typo would silently do nothing),
+    and so is a value of the wrong TOML type (`heartbeat_s = true` is not 1.0, `threads = 2.0` not 2; an
+    environment variable, always a string, is converted as pydantic does)."""
     values = read(path).get(table, {})
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: [{table}] must be a table of settings")
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"{path}: unknown setting{'s' if len(unknown) > 1 else ''} in [{table}]: "
-                          f"{', '.join(unknown)}; known: {', '.join(sorted(known))}")
+                          f"{', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    for key, value in values.items():
+        try:  # strict as JSON is: a string for a path, an integer for a float, and nothing else converted
+            text = json.dumps(value)
+            TypeAdapter(fields[key].annotation).validate_json(text, strict=True)
+        except TypeError:  # a TOML date or time
+            raise ConfigError(f"{path}: [{table}] {key} = {value}: not a number, string or boolean") from None
+        except ValidationError as e:
+            raise ConfigError(f"{path}: [{table}] {key} = {text}: {e.errors()[0]['msg']}") from None
     return values
 
 
@@ -127,6 +138,6 @@ class FileSettings(BaseSettings):
         path = os.environ.get(CONFIG_ENV)
         if not path or not cls.config_table:
             return init_settings, env_settings, dotenv_settings, file_secret_settings
-        table = service_table(path, cls.config_table, set(cls.model_fields))
+        table = service_table(path, cls.config_table, cls.model_fields)
         return (init_settings, env_settings, dotenv_settings, InitSettingsSource(settings_cls, init_kwargs=table),
                 file_secret_settings)
