@@ -188,6 +188,7 @@ def test_an_unknown_variable_or_fault_point_is_refused_by_name(monkeypatch: pyte
     ({"CLEAVE_WORKER_NATS_PASSWORD": "secret"}, "CLEAVE_WORKER_NATS_PASSWORD is set without CLEAVE_WORKER_NATS_USER"),
     ({"CLEAVE_MONITOR_TOKEN": "a"}, "a token shorter than 16 characters could be guessed"),
     ({"CLEAVE_MONITOR_URL_FILE": "/tmp"}, "/tmp is a folder; the dashboard's URL is written to a file"),
+    ({"CLEAVE_WORKER_MEMORY_BYTES": str(10**30)}, "invalid setting memory_bytes: Input should be less than or equal to"),
     ({"CLEAVE_SCHEDULER_PROBE_NKEY_SEED": "SUjunk"}, "CLEAVE_SCHEDULER_PROBE_NKEY_SEED: not a NATS user seed"),
     ({"CLEAVE_SCHEDULER_PROBE_NKEY_SEED": "x"}, "CLEAVE_SCHEDULER_PROBE_NKEY_SEED is not a NATS user seed"),
 ])

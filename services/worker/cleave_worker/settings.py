@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 from cleave.bus.urls import NatsUrl
 from cleave.runtime.config_file import FileSettings
 from cleave.runtime.faults import WORKER_POINTS, spec_type
+from cleave.schemas.fleet import MAX_MEMORY_BYTES
 from cleave.schemas.subjects import WORKER_ID_PATTERN, token
 
 
@@ -32,8 +33,9 @@ class WorkerSettings(FileSettings):
     worker_id: str = Field(default_factory=default_worker_id, pattern=WORKER_ID_PATTERN,
                            validation_alias=AliasChoices("CLEAVE_WORKER_ID", "CLEAVE_WORKER_WORKER_ID"))
     # (the environment's CLEAVE_WORKER_ID; CLEAVE_WORKER_WORKER_ID, its first spelling, is read too)
-    memory_bytes: int = Field(512 * 1024 * 1024, gt=0)  # budget for a tile's inputs and output
-    cache_bytes: int = Field(128 * 1024 * 1024, ge=0)  # input blocks kept for reuse (within the budget)
+    memory_bytes: int = Field(512 * 1024 * 1024, gt=0, le=MAX_MEMORY_BYTES)  # budget for a tile's inputs and output
+    cache_bytes: int = Field(128 * 1024 * 1024, ge=0, le=MAX_MEMORY_BYTES)  # input blocks kept for reuse (besides
+    # the budget: docs/security.md)
     heartbeat_s: float = Field(0.25, gt=0)
     threads: int = Field(1, ge=1, le=1024)  # torch intra-op threads for the GEMMs
     profile: str = ""  # declared device, "flops=..,down=..,up=..,latency=..,memory=..": the worker paces itself
