@@ -122,7 +122,8 @@ def test_shaped_fleet_trains_like_the_reference_without_false_losses(tmp_path: P
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_three_minutes_behind_5_mb_uplinks_without_a_false_loss(tmp_path: Path) -> None:
-    no_false_losses(tmp_path, steps=400, min_training_s=180)
+    # 1,000 steps trained in 149 s on a quiet 2-core machine (2026-12): 1,500 for three minutes and room
+    no_false_losses(tmp_path, steps=1500, min_training_s=180)
 
 
 def test_a_probe_that_times_out_yields_its_bound(tmp_path: Path) -> None:
@@ -152,7 +153,7 @@ asyncio.run(main())
     assert links["up"] <= 64 * 1024 / 1.0 + 1 and links["down"] <= 64 * 1024 / 1.0 + 1, links
 
 
-@pytest.mark.slow  # about two minutes
+@pytest.mark.slow  # about half a minute
 @pytest.mark.timeout(600)
 def test_a_cut_link_is_detected_and_its_worker_proven_before_it_gets_tiles_again(tmp_path: Path) -> None:
     """edge1's link is cut for 10 s mid-step: the scheduler loses it, its tiles are redone elsewhere (copied
@@ -162,7 +163,10 @@ def test_a_cut_link_is_detected_and_its_worker_proven_before_it_gets_tiles_again
     job = JobConfig.build(job_id=f"cut-{time.time_ns()}", preset="tiny", steps=40)
     run = tmp_path / "run"
     events: dict[str, float] = {}
-    fleet = ShapedFleet(run, 0, links=links, worker_env={"CLEAVE_WORKER_PROBE_EVERY_S": "600"})
+    # even blocks: edge1 always holds a share (the cost planner may deal all of tiny's GEMMs to the fast
+    # workers, and then a cut costs nothing to redo)
+    fleet = ShapedFleet(run, 0, links=links, worker_env={"CLEAVE_WORKER_PROBE_EVERY_S": "600"},
+                        scheduler_env={"CLEAVE_SCHEDULER_PLANNER": "even"})
 
     def restore() -> None:
         fleet.restore("edge1")

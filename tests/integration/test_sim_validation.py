@@ -68,7 +68,7 @@ def test_the_cost_model_predicts_gemms_behind_shaped_links_within_20_percent(tmp
     simulated = simulate_step(profiles, shapes, 4, steps=2)
     for key, value in (("measured_gemm_s", measured), ("simulated_gemm_s", simulated),
                        ("scheduler_predicted_gemm_s", scheduler)):
-        record_property(key, round(value, 4))
+        record_property(key, round(float(value), 4))  # (an xdist worker cannot send a numpy float)
     print(f"GEMMs per step behind shaped links: measured {measured:.3f} s, the scheduler's prediction "
           f"{scheduler:.3f} s ({measured / scheduler:.2f}x), simulated {simulated:.3f} s ({measured / simulated:.2f}x)")
     assert abs(measured / scheduler - 1) <= TOLERANCE
