@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
 from cleave import bus as busmod
-from cleave.schemas import MAX_MESSAGE_BYTES
+from cleave.schemas import MAX_MESSAGE_BYTES, STATE_OBJECTS
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_ps.state.persist import Persister, snapshot
@@ -119,4 +121,39 @@ async def test_every_kept_head_is_read_even_where_a_watch_would_end_early(nats_u
         assert all(torch.equal(v, want[k]) for k, v in fresh.model.state_dict().items())
     finally:
         await other_bus.close()
+        await bus.close()
+
+
+async def test_a_checkpoint_the_server_cannot_deliver_is_given_up_when_it_stalls(nats_server, monkeypatch):
+    """A damaged block of the server's own store (a flipped bit on its disk): the server never delivers that
+    chunk, and a read waited an hour (the whole transfer's timeout) without a word. A read that receives
+    nothing for TRANSFER_STALL_S is given up; the checkpoint before it is loaded instead."""
+    from cleave.train import checkpoint
+
+    monkeypatch.setattr(checkpoint, "TRANSFER_STALL_S", 1.0)
+    first, second = nn.Linear(1024, 1024), nn.Linear(1024, 1024)  # 4 MiB each: several messages of the store
+    bus, p = await persister(nats_server.url, "disk")
+    try:
+        await p.commit(snapshot(first, None, "disk", 0, p.epoch), ())
+        await p.commit(snapshot(second, None, "disk", 1, p.epoch), ())
+    finally:
+        await bus.close()
+    nats_server.stop()
+    blocks = nats_server.store.glob(f"jetstream/*/streams/OBJ_{STATE_OBJECTS}/msgs/*.blk")
+    block = max(blocks, key=lambda b: b.stat().st_size)  # (8 MiB blocks: the first holds most of both)
+    data = bytearray(block.read_bytes())
+    data[len(data) - 100_000] ^= 1  # in the last checkpoint's data, before its manifest
+    block.write_bytes(bytes(data))
+    nats_server.start()
+    bus = await busmod.connect(nats_server.url, "test")
+    try:
+        q = Persister(bus, "disk", "{}")
+        await q.open()
+        got, t0 = nn.Linear(1024, 1024), time.monotonic()
+        head = await q.load(got, None)
+        assert head is not None and head.step == 0 and torch.equal(got.weight, first.weight)
+        [(step, reason)] = q.rejected
+        assert step == 1 and "stalled: nothing arrived for 1 s" in reason, reason
+        assert time.monotonic() - t0 < 30
+    finally:
         await bus.close()

@@ -16,8 +16,9 @@ import hashlib
 import io
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from cleave.bus import DEFAULT_TIMEOUT_S
 from cleave.errors import CleaveError, ConfigError, CorruptCheckpoint, WireError
 from cleave.schemas import DTYPE_SIZES, MAX_MANIFEST_BYTES, CheckpointManifest, StateHead, TensorEntry
 
+T = TypeVar("T")
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # hashed unit of the stream: a bad chunk is named, not just "bad"
 
 
@@ -235,6 +237,24 @@ def encode(snap: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[byte
 
 
 DEFAULT_TRANSFER_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
+TRANSFER_STALL_S = 60.0  # a checkpoint read that receives nothing this long is given up (its bytes stalled)
+
+
+async def progressing(aw: Awaitable[T], progress: Callable[[], int], stall_s: float) -> T:
+    """`aw`'s result, or TimeoutError once `progress()` (a count that grows as it works) has not moved for
+    `stall_s`: a long transfer gets as long as it keeps moving, a stalled one fails in `stall_s`."""
+    task = asyncio.ensure_future(aw)
+    try:
+        seen = -1
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=stall_s)
+            if done:
+                return task.result()
+            if progress() == seen:
+                raise TimeoutError
+            seen = progress()
+    finally:
+        task.cancel()
 
 
 async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.optim.Optimizer | None,  # noqa: ANN001
@@ -254,9 +274,12 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
     dests = targets(model, opt, m, skip_optimizer)
     dec = Decoder(m, dests)
     try:
-        await asyncio.wait_for(store.get(m.data_object, writeinto=dec), DEFAULT_TRANSFER_TIMEOUT_S)
+        await progressing(store.get(m.data_object, writeinto=dec), lambda: dec.received, TRANSFER_STALL_S)
     except CleaveError:
         raise
+    except TimeoutError:  # a chunk the server cannot deliver (a damaged block of its store) never comes
+        raise CorruptCheckpoint(f"data {m.data_object} stalled: nothing arrived for {TRANSFER_STALL_S:.0f} s at byte "
+                                f"{dec.received:,} of {m.size:,} (a damaged store?)") from None
     except Exception as e:  # nats-py: not found, or its own digest over the whole object
         raise CorruptCheckpoint(f"data {m.data_object} is unreadable ({type(e).__name__})") from None
     dec.finish()
