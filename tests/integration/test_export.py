@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cleave.api import state
+from cleave.api import jobs, state
 from cleave.api.stack import Stack
+from cleave.errors import ConfigError
+from cleave.methods import export as methods_export
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli import export_cmd
@@ -110,6 +112,34 @@ def test_export_from_the_running_stack(run_dir: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         want = ours(TOKENS)
     torch.testing.assert_close(hf_logits(tmp_path / "hf").float(), want, rtol=0, atol=0.1)
+
+
+def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(run_dir: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier export's files do not outlive it: a stale tokenizer.json won over the new model's tokenizer
+    (transformers and `--tokenizer OUT` read it), a stale adapter/ was another job's. An export that fails
+    midway (a full disk) leaves the earlier one as it was, and nothing beside it."""
+    out = tmp_path / "hf"
+    (out / "adapter").mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "adapter/adapter_config.json"):
+        (out / name).write_text("{}")  # an earlier export of another job (BPE tokenizer, LoRA adapter)
+    export(run_dir, out)
+    assert sorted(p.name for p in out.iterdir()) == ["cleave_tokenizer.json", "config.json", "model.safetensors"]
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(model, cfg, where, **kw) -> None:  # noqa: ANN001 - export_hf's arguments
+        (Path(where) / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
+        (Path(where) / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(methods_export, "export_hf", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        jobs.export(out, run_dir=run_dir)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left
+    with pytest.raises(ConfigError, match="adapter_out=.* is the model's own folder"):
+        jobs.export(out, run_dir=run_dir, adapter_out=out)
 
 
 @pytest.mark.slow  # ~13 s (init_from itself: test_init_any_hf in the default run)

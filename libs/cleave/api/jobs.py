@@ -15,7 +15,10 @@ stack's JetStream store, which `cleave export --run-dir` reads and the same job 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -137,6 +140,9 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file: the model is written as a folder")
+    if adapter_out is not None and Path(adapter_out).resolve() == out.resolve():
+        raise ConfigError(f"adapter_out={adapter_out} is the model's own folder: transformers would apply the adapter "
+                          "again over the merged weights; leave it unset (it goes to OUT/adapter) or name another")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():  # not a model folder
         raise ConfigError(f"{out} holds other files (a run dir?): export into a new or empty folder, or over an "
                           "earlier export (a model folder, replaced)")
@@ -148,6 +154,31 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         with state.state_server(Path(run_dir)) as url:
             head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.job_id_of(Path(run_dir))))
     dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
-    written, *adapter = methods_export.export(model, job, cfg, out, dtype,
-                                              Path(adapter_out) if adapter_out else None)
+    adapters = Path(adapter_out) if adapter_out else None
+    inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())
+    with replacing(out) as staging:  # (an adapter folder inside `out` is written inside the staging too)
+        written, *adapter = methods_export.export(
+            model, job, cfg, staging, dtype, staging / adapters.resolve().relative_to(out.resolve()) if inside
+            else adapters, home=out, adapter_home=adapters)
     return Exported(written, adapter[0] if adapter else None, job, head)
+
+
+@contextmanager
+def replacing(out: Path) -> Iterator[Path]:
+    """A new folder beside `out` to write an export into, put in `out`'s place once it is written whole: an
+    earlier export there is replaced, none of its files left behind (a stale tokenizer would win over the new
+    model's), and a write that fails (a full disk, a signal) leaves it as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        staging.chmod(0o755)  # (mkdtemp's 0700: an export is shared like any folder of the user's)
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = staging.with_suffix(".old") if out.exists() else None
+    if old is not None:
+        out.rename(old)
+    staging.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -44,16 +44,26 @@ def base_of(model: nn.Module) -> nn.Module:
 
 
 def export(model: nn.Module, job: JobConfig, cfg: ModelConfig, out: str | Path, dtype: torch.dtype | None = None,
-           adapter_out: str | Path | None = None) -> list[Path]:
-    """Write the job's model (merged) to `out` and, for a LoRA job, its PEFT adapter; the directories written."""
+           adapter_out: str | Path | None = None, home: str | Path | None = None,
+           adapter_home: str | Path | None = None) -> list[Path]:
+    """Write the job's model (merged) to `out` and, for a LoRA job, its PEFT adapter; the directories written,
+    where they will be found: `home` and `adapter_home`, the places `out` and `adapter_out` are moved to once
+    written (a staging folder: `cleave.api.jobs.export`), by default where they are. The adapter names its base
+    model by an absolute path (a local one: read from any working directory) or a repo id."""
+    home = Path(home or out)
     if not job.lora_rank:
-        return [export_hf(model, cfg, out, tokenizer_name=job.tokenizer, dtype=dtype)]
+        export_hf(model, cfg, out, tokenizer_name=job.tokenizer, dtype=dtype)
+        return [home]
     adapters = Path(adapter_out) if adapter_out else Path(out) / ADAPTER_DIR
-    written = []
+    adapters_home = Path(adapter_home or adapter_out or home / ADAPTER_DIR)
+    written = [home, adapters_home]
     base = job.init_from or ""
     if not base:
-        base = str(export_hf(base_of(model), cfg, adapters / BASE_DIR, tokenizer_name=job.tokenizer, dtype=dtype))
-        written.append(Path(base))
-    written.insert(0, write_adapter(adapters, cfg, lora_state(model), job.lora_rank, job.lora_alpha, base))
-    written.insert(0, export_hf(merge_lora(model), cfg, out, tokenizer_name=job.tokenizer, dtype=dtype))
+        export_hf(base_of(model), cfg, adapters / BASE_DIR, tokenizer_name=job.tokenizer, dtype=dtype)
+        base = str((adapters_home / BASE_DIR).resolve())
+        written.append(adapters_home / BASE_DIR)
+    elif Path(base).is_dir():
+        base = str(Path(base).resolve())
+    write_adapter(adapters, cfg, lora_state(model), job.lora_rank, job.lora_alpha, base)
+    export_hf(merge_lora(model), cfg, out, tokenizer_name=job.tokenizer, dtype=dtype)
     return written
