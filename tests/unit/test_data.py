@@ -288,6 +288,39 @@ def test_prepare_data_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert torch.equal(a.batch(0, 3, 8, 64)[0], b.batch(0, 3, 8, 64)[0])
 
 
+def test_prepare_data_refuses_what_would_go_wrong_later_and_leaves_nothing_half_written(tmp_path: Path) -> None:
+    """Its own output inside the source (a second run read the first's token file and sidecar as text: 14 ->
+    216 tokens), an empty source (a 0-token file, refused only when a stack started), a file whose sidecar
+    says more tokens than it holds (an incomplete copy trained on half the data), a full disk (a traceback)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("hello world\n")
+    (tmp_path / "t.u16.json").write_text("a text file named like the sidecar of t.u16\n")
+    for source, out in ((str(src), src / "out.u16"), (f"{src}/*", src / "x.u16"),
+                        (str(tmp_path / "t.u16.json"), tmp_path / "t.u16")):
+        with pytest.raises(ConfigError, match="is among what --source .* reads"):
+            sources.prepare_data(source, BYTES, out)
+    assert sorted(p.name for p in src.iterdir()) == ["a.txt"]
+    sources.prepare_data(f"{src}/*.txt", BYTES, src / "ok.u16")  # a glob that cannot match it: fine
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "e.txt").write_text("")
+    with pytest.raises(ConfigError, match="holds no text"):
+        sources.prepare_data(str(tmp_path / "empty"), BYTES, tmp_path / "e.u16")
+    assert not list(tmp_path.glob("e.u16*"))
+    full = sources.prepare_data("builtin", BYTES, tmp_path / "full.u16")
+    half = full.tokens // 2
+    (tmp_path / "half.u16").write_bytes((tmp_path / "full.u16").read_bytes()[: 2 * half])  # an incomplete copy
+    (tmp_path / "half.u16.json").write_text((tmp_path / "full.u16.json").read_text())
+    with pytest.raises(ConfigError, match=f"holds {half:,} tokens but half.u16.json says {full.tokens}"):
+        Corpus(str(tmp_path / "half.u16"))
+    if Path("/dev/full").exists():  # a device whose writes fail with ENOSPC
+        (tmp_path / "disk").mkdir()
+        (tmp_path / "disk" / "d.u16.tmp").symlink_to("/dev/full")
+        with pytest.raises(ConfigError, match="nothing written: .*No space left on device"):
+            sources.prepare_data("builtin", BYTES, tmp_path / "disk" / "d.u16")
+        assert not (tmp_path / "disk" / "d.u16").exists() and not (tmp_path / "disk" / "d.u16.json").exists()
+
+
 # ---------------------------------------------------------------- with the trainer
 
 

@@ -20,6 +20,7 @@ memory and `cleave prepare-data` gives exactly the tokens that reading the text 
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -312,6 +313,9 @@ def open_tokens(source: str | Source) -> TokenFile:
     tokens = (
         np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r") if size else np.zeros(0, dtype)
     )
+    if "tokens" in meta and meta["tokens"] != len(tokens):
+        raise ConfigError(f"data={src.spec!r} holds {len(tokens):,} tokens but {side.name} says {meta['tokens']}: "
+                          "an incomplete copy, or a file another run overwrote; copy it again or prepare it again")
     vocab = meta.get("vocab_size")
     return TokenFile(tokens, meta.get("tokenizer"), int(vocab) if vocab is not None else None)
 
@@ -348,23 +352,51 @@ def prepare_data(
             f"tokenizer {tok.name!r} has {tok.vocab_size} tokens, too many for {dtype}; use .u32"
         )
     stats = PrepareStats()
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for ids, chars, doc in iter_token_chunks(source, tok, chunk_chars):
-            f.write(ids.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
-            stats.documents, stats.chars, stats.tokens = doc + 1, stats.chars + chars, stats.tokens + len(ids)
-            if on_progress and chars:
-                on_progress(stats)
-    tmp.replace(out)
-    meta = {
-        "format": TOKEN_FORMAT,
-        "dtype": dtype,
-        "tokens": stats.tokens,
-        "tokenizer": tok.name,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "source": source,
-        "documents": stats.documents,
-    }
-    sidecar_path(out).write_text(json.dumps(meta, indent=2) + "\n")
+    tmp, side = out.with_name(out.name + ".tmp"), sidecar_path(out)
+    if _reads(parse_source(source), (out, tmp, side)):
+        raise ConfigError(f"--out {out} is among what --source {source!r} reads: a later run would tokenise it (and "
+                          "its sidecar) as text; write it outside the source")
+    try:
+        with open(tmp, "wb") as f:
+            for ids, chars, doc in iter_token_chunks(source, tok, chunk_chars):
+                f.write(ids.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
+                stats.documents, stats.chars, stats.tokens = doc + 1, stats.chars + chars, stats.tokens + len(ids)
+                if on_progress and chars:
+                    on_progress(stats)
+        if not stats.tokens:
+            raise ConfigError(f"--source {source!r} holds no text: nothing to train on")
+        meta = {
+            "format": TOKEN_FORMAT,
+            "dtype": dtype,
+            "tokens": stats.tokens,
+            "tokenizer": tok.name,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "source": source,
+            "documents": stats.documents,
+        }
+        # the sidecar first: a crash between the two renames leaves an earlier token file whose count the new
+        # sidecar contradicts (`open_tokens` refuses it), never new tokens described by an older sidecar
+        side_tmp = side.with_name(side.name + ".tmp")
+        side_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        side_tmp.replace(side)
+        tmp.replace(out)
+    except OSError as e:  # a full disk, a folder that is not there or not writable
+        raise ConfigError(f"prepare-data stopped, nothing written: {e.filename or out}: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)  # (nothing half-written is left behind: a failure, Ctrl-C)
+        side.with_name(side.name + ".tmp").unlink(missing_ok=True)
     return stats
+
+
+def _reads(src: Source, paths: tuple[Path, ...]) -> bool:
+    """Whether text source `src` would read any of `paths` (written by prepare-data: out, its .tmp, sidecar)."""
+    if src.kind == "text":
+        return any(p.resolve() == Path(src.path).expanduser().resolve() for p in paths)
+    if src.kind == "folder":
+        return any(p.resolve().is_relative_to(Path(src.path).expanduser().resolve()) for p in paths)
+    if src.kind == "glob":
+        pattern = os.path.expanduser(src.path)
+        return any(fnmatch.fnmatch(str(p), pattern) or fnmatch.fnmatch(os.path.abspath(p), os.path.abspath(pattern))
+                   for p in paths)
+    return False
