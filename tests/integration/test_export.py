@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ import torch
 
 from cleave.api import jobs, state
 from cleave.api.stack import Stack
-from cleave.errors import ConfigError
+from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
+from cleave.schemas import STATE_OBJECTS
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_cli import export_cmd
@@ -140,6 +142,16 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left
     with pytest.raises(ConfigError, match="adapter_out=.* is the model's own folder"):
         jobs.export(out, run_dir=run_dir, adapter_out=out)
+
+
+def test_a_store_without_its_checkpoints_is_named_not_a_traceback(run_dir: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "run"
+    shutil.copytree(run_dir, damaged)
+    (objects,) = damaged.glob(f"jetstream/jetstream/*/streams/OBJ_{STATE_OBJECTS}")
+    shutil.rmtree(objects)
+    with pytest.raises(CleaveError, match=f"holds the head of job '{JOB_ID}' .* but no checkpoint store"):
+        jobs.export(tmp_path / "hf", run_dir=damaged)
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.slow  # ~13 s (init_from itself: test_init_any_hf in the default run)

@@ -258,6 +258,11 @@ def test_missing_directories_and_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no config.json"):
         load_hf(tmp_path)
     out = _exported(tmp_path)
+    weights = (out / "model.safetensors").read_bytes()
+    for damaged in (weights[: len(weights) // 2], b"\xff" * 64 + weights[64:]):  # truncated; its header garbled
+        (out / "model.safetensors").write_bytes(damaged)  # (the PS crashed on these, restarted five times)
+        with pytest.raises(ConfigError, match=r"model.safetensors: cannot read its weights, the file is truncated"):
+            load_hf(out)
     (out / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="no weights in"):
         load_hf(out)

@@ -113,7 +113,11 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
         job = JobConfig.build(**json.loads(head.job_config))
         cfg = job.arch()
         model = job_model(job)  # every weight is overwritten by the checkpoint
-        store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
+        try:
+            store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
+        except Exception as e:  # the head record is there, its objects are not: a damaged or partial store
+            raise CleaveError(f"{url} holds the head of job {job_id!r} (step {head.step}) but no checkpoint store "
+                              f"{STATE_OBJECTS} ({type(e).__name__}): the store is damaged or incomplete") from None
         await read_checkpoint(store, head, model, None, skip_optimizer=True)
         return head, job, cfg, model
     finally:

@@ -321,11 +321,13 @@ def model_files(path: str | Path) -> list[Path]:
 
 def _read_weights(directory: Path) -> StateDict:
     files = weight_files(directory)
-    if files[0].suffix == ".bin":
-        return torch.load(files[0], map_location="cpu", weights_only=True)
     st, sd = _safetensors(), {}
     for f in files:
-        sd.update(st.load_file(f))
+        try:
+            sd.update(torch.load(f, map_location="cpu", weights_only=True) if f.suffix == ".bin" else st.load_file(f))
+        except Exception as e:  # safetensors' and torch's own errors for a truncated or damaged file
+            raise ConfigError(f"{f}: cannot read its weights, the file is truncated or damaged ({e}); copy or "
+                              "download it again") from None
     return sd
 
 
