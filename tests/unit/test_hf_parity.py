@@ -28,6 +28,7 @@ from cleave.models.hf import (
 )
 from cleave.models.llama import rope_frequencies
 from cleave.models.tokenizer import TOKENIZER_RECORD, load_tokenizer
+from cleave.train.job import JobConfig
 
 TOL = 1e-5  # float32
 SMALL = dict(vocab_size=256, block_size=32, n_layer=2, n_embd=32)
@@ -287,6 +288,11 @@ def test_export_records_and_copies_the_tokenizer(tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.token_to_id("<|endoftext|>")
     assert load_tokenizer(out).encode("hello edge") == tok.encode("hello edge").ids
     assert load_tokenizer(_exported(tmp_path / "b")).name == "bytes"
+    # a job started from a model takes the model's own tokenizer unless it names one (it trained a BPE model on
+    # byte ids, silently)
+    assert JobConfig(init_from=str(out)).tokenizer == str(out)
+    assert JobConfig(init_from=str(tmp_path / "b" / "m")).tokenizer == "bytes"
+    assert JobConfig(init_from=str(out), tokenizer="bytes").tokenizer == "bytes"  # named: kept
     small = cfg.model_copy(update={"vocab_size": 96})
     with pytest.raises(ConfigError, match="has 256 tokens, over vocab_size=96"):
         export_hf(build_model(small), small, tmp_path / "x", tokenizer_name="bytes")

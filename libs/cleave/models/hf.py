@@ -296,6 +296,23 @@ def resolve_model_dir(path: str | Path) -> Path:
     return snapshot
 
 
+def own_tokenizer(path: str | Path) -> str | None:
+    """The tokenizer a model directory comes with, as a `load_tokenizer` spec: the directory itself where it holds
+    tokenizer files, "bytes" where its export record says so; None where it has none (or is not here)."""
+    try:
+        directory = resolve_model_dir(path)
+    except ConfigError:
+        return None
+    if any((directory / f).is_file() for f in ("tokenizer.json", "vocab.json")):
+        return str(path)
+    record = directory / TOKENIZER_RECORD
+    try:
+        recorded = json.loads(record.read_text()).get("tokenizer") if record.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return DEFAULT_TOKENIZER if recorded == DEFAULT_TOKENIZER else None
+
+
 def weight_files(directory: Path) -> list[Path]:
     """The files that hold a model directory's weights: its safetensors shards (as its index lists them), or
     pytorch_model.bin."""

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cleave.errors import ConfigError
 from cleave.models import PRESETS, ModelConfig, StepLayout, get_preset, head_chunks
 from cleave.models.gemms import DEFAULT_LOGITS_BYTES, head_slices
-from cleave.models.hf import read_hf_config
+from cleave.models.hf import own_tokenizer, read_hf_config
 from cleave.runtime import config_file
 from cleave.schemas.jobs import JOB_ID_PATTERN
 
@@ -129,9 +129,14 @@ class JobConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_preset(cls, data: object) -> object:
+    def _defaults(cls, data: object) -> object:
+        """No preset and no init_from: the default preset. init_from without a tokenizer: the model's own (a BPE
+        model fine-tuned on byte ids trained, silently, on the wrong tokens)."""
         if isinstance(data, dict) and data.get("preset") is None and data.get("init_from") is None:
             return {**data, "preset": DEFAULT_PRESET}
+        if isinstance(data, dict) and data.get("init_from") and data.get("tokenizer") is None:
+            own = own_tokenizer(data["init_from"])
+            return {**data, "tokenizer": own} if own else data
         return data
 
     @model_validator(mode="after")
