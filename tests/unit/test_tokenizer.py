@@ -78,6 +78,11 @@ def test_bpe_from_tokenizer_json_round_trips(tmp_path: Path) -> None:
     assert len(ids) < len(SAMPLE.encode("utf-8"))  # the merges were learnt and are used
     assert tok.decode(ids) == SAMPLE
     assert load_tokenizer(tmp_path / "tokenizer.json").encode(SAMPLE) == ids  # the file itself works too
+    # a special token's string in text is text (a quoted "<|endoftext|>" forged a document boundary), unless
+    # the text is a chat template's rendering
+    quoted = "ab<|endoftext|>cd"
+    assert tok.eos_id not in tok.encode(quoted) and tok.decode(tok.encode(quoted)) == quoted
+    assert tok.eos_id in tok.encode(quoted, special=True)
 
 
 def test_gpt2_vocab_and_merges_files(tmp_path: Path) -> None:

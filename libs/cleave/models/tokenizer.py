@@ -55,7 +55,10 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """`text`'s ids; a special token's string in it ("<|endoftext|>") is text like any other unless
+        `special` (a chat template's rendering, whose control tokens are meant)."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -69,7 +72,7 @@ class ByteTokenizer:
     chat_template = None
     special_tokens: dict[str, str] = {}  # noqa: RUF012 - read only
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -84,6 +87,10 @@ class HFTokenizer:
 
     def __init__(self, tok: tokenizers.Tokenizer, name: str, files: Sequence[Path] = ()) -> None:
         self._tok = tok
+        # the same tokenizer reading special tokens' strings as text (quoted "<|endoftext|>" in a corpus
+        # forged a document boundary): a copy, as the setting is the tokenizer's own, not an encode argument
+        self._ordinary = type(tok).from_str(tok.to_str())
+        self._ordinary.encode_special_tokens = True
         self._name = name
         self.files = tuple(files)  # the local files it was read from, copied next to an exported checkpoint
         self._eos_id = next((i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None), None)
@@ -110,8 +117,8 @@ class HFTokenizer:
     def eos_id(self) -> int | None:
         return self._eos_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        return (self._tok if special else self._ordinary).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)

@@ -66,11 +66,12 @@ def kind(src: Source) -> str | None:
     return None
 
 
-def _encode(tok: Tokenizer, pieces: Sequence[tuple[str, bool]], eos_after: bool) -> Example:
+def _encode(tok: Tokenizer, pieces: Sequence[tuple[str, bool]], eos_after: bool, special: bool = False) -> Example:
+    """`special`: the pieces are a chat template's rendering, whose control tokens are meant as such."""
     ids: list[int] = []
     mask: list[bool] = []
     for text, learn in pieces:
-        got = tok.encode(text) if text else []
+        got = tok.encode(text, special) if text else []
         ids += got
         mask += [learn] * len(got)
     if eos_after and tok.eos_id is not None:
@@ -125,7 +126,7 @@ def read_examples(src: Source, tok: Tokenizer) -> tuple[list[Example], int]:
                 raise ConfigError(f"{where}: expected string fields 'prompt' and 'response'")
             ex = _encode(tok, [(prompt, False), (response, True)], eos_after=True)
         else:
-            ex = _encode(tok, _chat_pieces(tok, _messages(row, where), where), eos_after=False)
+            ex = _encode(tok, _chat_pieces(tok, _messages(row, where), where), eos_after=False, special=True)
         if ex.mask[1:].any():  # a target of the loss is a token after the first
             out.append(ex)
         else:
