@@ -176,7 +176,13 @@ def test_jsonl_errors_name_the_line_and_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"line 2 has no text field 'text' \(it has: content\).*:FIELD"):
         sources.tokenize(str(p), BYTES)
     p.write_text('{"text": "a"}\nnot json\n')
-    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+    with pytest.raises(ConfigError, match=r"line 2 is not JSON \(Expecting value at column 1\)"):
+        sources.tokenize(str(p), BYTES)
+    p.write_text('{"text": 123}\n')  # (it said: no text field 'text' (it has: text))
+    with pytest.raises(ConfigError, match="line 1's 'text' is int, not text"):
+        sources.tokenize(str(p), BYTES)
+    p.write_text('{"prompt": "Q", "response": 5}\n')  # not instruction data (a response that is no string)
+    with pytest.raises(ConfigError, match="instruction rows: pass the file to --data as it is.*both be strings"):
         sources.tokenize(str(p), BYTES)
     with pytest.raises(ConfigError, match="line 1 has no text field 'body'"):
         sources.tokenize(f"{p}:body", BYTES)

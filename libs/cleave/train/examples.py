@@ -49,7 +49,8 @@ def _rows(src: Source) -> Iterator[tuple[int, object]]:
                 try:
                     yield lineno, json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"data={src.spec!r}: line {lineno} is not JSON ({e.msg})") from None
+                    raise ConfigError(f"data={src.spec!r}: line {lineno} is not JSON ({e.msg} at column "
+                                      f"{e.colno})") from None
 
 
 def kind(src: Source) -> str | None:

@@ -150,14 +150,19 @@ def _jsonl_documents(src: Source) -> Iterator[Document]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(f"data={src.spec!r}: line {lineno} is not JSON ({e.msg})") from None
+                raise ConfigError(f"data={src.spec!r}: line {lineno} is not JSON ({e.msg} at column "
+                                  f"{e.colno})") from None
             text = row.get(src.text_field) if isinstance(row, dict) else None
+            if isinstance(row, dict) and src.text_field in row and not isinstance(text, str):
+                raise ConfigError(f"data={src.spec!r}: line {lineno}'s {src.text_field!r} is "
+                                  f"{type(text).__name__}, not text")
             if not isinstance(text, str):
                 fields = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-                raise ConfigError(
-                    f"data={src.spec!r}: line {lineno} has no text field {src.text_field!r} "
-                    f"(it has: {fields}); name the field as {src.path}:FIELD"
-                )
+                hint = (" (instruction rows: pass the file to --data as it is; they cannot be prepared, and "
+                        "'prompt' and 'response' must both be strings)" if isinstance(row, dict) and
+                        {"prompt", "response", "messages"} & set(row) else f"; name the field as {src.path}:FIELD")
+                raise ConfigError(f"data={src.spec!r}: line {lineno} has no text field {src.text_field!r} "
+                                  f"(it has: {fields}){hint}")
             yield iter((text,))
 
 
