@@ -136,7 +136,7 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(methods_export, "export_hf", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CleaveError, match="cannot write the export to .* No space left on device; nothing was"):
         jobs.export(out, run_dir=run_dir)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left

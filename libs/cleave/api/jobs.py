@@ -30,7 +30,7 @@ from cleave.api import credentials, hub, state
 from cleave.api.args import JobId, checked
 from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.state import EXPORT_PRECISIONS
-from cleave.errors import ConfigError
+from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
@@ -156,10 +156,14 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
     adapters = Path(adapter_out) if adapter_out else None
     inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())
-    with replacing(out) as staging:  # (an adapter folder inside `out` is written inside the staging too)
-        written, *adapter = methods_export.export(
-            model, job, cfg, staging, dtype, staging / adapters.resolve().relative_to(out.resolve()) if inside
-            else adapters, home=out, adapter_home=adapters)
+    try:
+        with replacing(out) as staging:  # (an adapter folder inside `out` is written inside the staging too)
+            written, *adapter = methods_export.export(
+                model, job, cfg, staging, dtype, staging / adapters.resolve().relative_to(out.resolve()) if inside
+                else adapters, home=out, adapter_home=adapters)
+    except OSError as e:  # a full disk, a folder it may not write: nothing of the export is left
+        raise CleaveError(f"cannot write the export to {out}: {e.filename or ''} {e.strerror or e}; nothing was "
+                          "written") from None
     return Exported(written, adapter[0] if adapter else None, job, head)
 
 

@@ -18,7 +18,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from cleave.errors import ConfigError
+from cleave.errors import CleaveError, ConfigError
 from cleave.models.config import ModelConfig, RopeScaling
 from cleave.models.hub import cached_snapshot
 from cleave.models.presets import build_model
@@ -399,7 +399,10 @@ def export_hf(
     tensors = {k: t.detach().to("cpu", out_dtype).contiguous() for k, t in hf_sd.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _safetensors().save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    try:
+        _safetensors().save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    except Exception as e:  # safetensors' own error for a full disk or a folder it cannot write
+        raise CleaveError(f"{out / WEIGHTS_FILE}: cannot write the weights ({e})") from None
     (out / CONFIG_FILE).write_text(json.dumps(to_hf_config(cfg, out_dtype, tok.eos_id), indent=2) + "\n")
     for f in getattr(tok, "files", ()):
         if f.resolve() != (out / f.name).resolve():
