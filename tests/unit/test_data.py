@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -325,6 +326,22 @@ def test_prepare_data_refuses_what_would_go_wrong_later_and_leaves_nothing_half_
         with pytest.raises(ConfigError, match="nothing written: .*No space left on device"):
             sources.prepare_data("builtin", BYTES, tmp_path / "disk" / "d.u16")
         assert not (tmp_path / "disk" / "d.u16").exists() and not (tmp_path / "disk" / "d.u16.json").exists()
+
+
+def test_a_token_files_tokenizer_is_recorded_by_absolute_path(tmp_path: Path, bpe_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recorded as typed ('bpe'), the same tokenizer was refused from another working directory, and another
+    tokenizer that a folder there held under the same name was taken for it."""
+    shutil.copytree(bpe_dir, tmp_path / "here" / "bpe")
+    (tmp_path / "elsewhere" / "bpe").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here")
+    sources.prepare_data("builtin", load_tokenizer("bpe"), tmp_path / "t.u16")
+    assert json.loads((tmp_path / "t.u16.json").read_text())["tokenizer"] == str(tmp_path / "here" / "bpe")
+    monkeypatch.chdir(tmp_path)
+    assert Corpus(str(tmp_path / "t.u16"), tokenizer="here/bpe").vocab_size > 256  # the same, named otherwise
+    monkeypatch.chdir(tmp_path / "elsewhere")  # where 'bpe' is another folder
+    with pytest.raises(ConfigError, match="was tokenised with"):
+        Corpus(str(tmp_path / "t.u16"), tokenizer="bpe")
 
 
 # ---------------------------------------------------------------- with the trainer

@@ -22,7 +22,7 @@ from cleave.errors import CleaveError, ConfigError
 from cleave.models.config import ModelConfig, RopeScaling
 from cleave.models.hub import cached_snapshot
 from cleave.models.presets import build_model
-from cleave.models.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_RECORD, load_tokenizer
+from cleave.models.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_RECORD, load_tokenizer, recorded_spec
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -407,6 +407,6 @@ def export_hf(
     for f in getattr(tok, "files", ()):
         if f.resolve() != (out / f.name).resolve():
             shutil.copy2(f, out / f.name)
-    record = {"tokenizer": tok.name, "vocab_size": tok.vocab_size}
+    record = {"tokenizer": recorded_spec(tok.name), "vocab_size": tok.vocab_size}
     (out / TOKENIZER_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out

@@ -216,6 +216,13 @@ def _from_directory(directory: Path, name: str) -> Tokenizer:
     )
 
 
+def recorded_spec(spec: str) -> str:
+    """A tokenizer spec as a file records it (a token file's sidecar, an export's record): a local path made
+    absolute, so that it names the same tokenizer read from any working directory; others as they are."""
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if spec != DEFAULT_TOKENIZER and path.exists() else spec
+
+
 def load_tokenizer(spec: str | Path = DEFAULT_TOKENIZER) -> Tokenizer:
     """`"bytes"`, a local directory or tokenizer.json, or a repo id in the local Hugging Face cache."""
     name = str(spec)

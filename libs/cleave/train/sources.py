@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl
 import numpy as np
 
 from cleave.errors import ConfigError
-from cleave.models.tokenizer import ByteTokenizer, Tokenizer
+from cleave.models.tokenizer import ByteTokenizer, Tokenizer, recorded_spec
 
 BUILTIN = "builtin"
 HF_PREFIX = "hf:"
@@ -374,7 +374,7 @@ def prepare_data(
             "format": TOKEN_FORMAT,
             "dtype": dtype,
             "tokens": stats.tokens,
-            "tokenizer": tok.name,
+            "tokenizer": recorded_spec(tok.name),
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
             "source": source,
