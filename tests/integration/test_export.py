@@ -142,6 +142,8 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left
     with pytest.raises(ConfigError, match="adapter_out=.* is the model's own folder"):
         jobs.export(out, run_dir=run_dir, adapter_out=out)
+    with pytest.raises(ConfigError, match=f"job '{JOB_ID}' has no LoRA adapters"):  # (it was ignored)
+        jobs.export(out, run_dir=run_dir, adapter_out=tmp_path / "adapter")
 
 
 def test_a_store_without_its_checkpoints_is_named_not_a_traceback(run_dir: Path, tmp_path: Path) -> None:

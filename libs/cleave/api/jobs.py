@@ -153,6 +153,9 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     else:
         with state.state_server(Path(run_dir)) as url:
             head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.job_id_of(Path(run_dir))))
+    if adapter_out is not None and not job.lora_rank:
+        raise ConfigError(f"adapter_out={adapter_out}: job {job.job_id!r} has no LoRA adapters (lora_rank=0); "
+                          "its export is the model alone")
     dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
     adapters = Path(adapter_out) if adapter_out else None
     inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())

@@ -140,7 +140,7 @@ class Corpus:
             return x, y
         data = self.train if split == "train" else self.val
         if len(data) <= seq + 1:
-            raise ConfigError(f"the {split} split has {len(data)} tokens, fewer than seq_len+1={seq + 1}")
+            raise ConfigError(f"the {split} split has {len(data)} tokens; it needs at least seq_len + 2 = {seq + 2}")
         if self.sampling == "epochs":
             starts = [i * seq for i in self._items(split, seed, step, batch_size, (len(data) - 1) // seq)]
         else:
