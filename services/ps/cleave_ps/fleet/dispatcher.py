@@ -143,7 +143,8 @@ class Dispatcher:
         self._sent_bytes = sent.itemsize
         self.seq += 1
         seq = self.seq
-        a_key, b_key = (f"{self.epoch}.{self._uid(t)}" for t in names or (a, bt))
+        # (the job too: every job's PS numbers its tensors from 1 in its first epoch, and workers outlive jobs)
+        a_key, b_key = (f"{self.job_id}.{self.epoch}.{self._uid(t)}" for t in names or (a, bt))
         if cast is not None:
             a, bt = await asyncio.to_thread(lambda: (a.to(cast), bt.to(cast)))
         if not self.runs:
