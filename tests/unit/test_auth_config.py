@@ -84,6 +84,21 @@ def test_probes_are_answered_by_a_credential_that_may_publish_nowhere_else(tmp_p
     assert echo_back.public in HubConfig.of("127.0.0.1:0", out).server_config(str(tmp_path / "js"), 0, 1 << 20)
 
 
+def test_a_hub_beyond_this_machine_takes_tls(tmp_path: Path) -> None:
+    """An auth folder without a certificate (written without --tls, or one that lost it) served NATS and the
+    sites' leaf port in plain text on a public address, credentials and all, without a word."""
+    plain, tls = tmp_path / "plain", tmp_path / "tls"
+    init(plain)
+    init(tls, "--tls", "--host", "hub.example.org")
+    assert HubConfig.of("127.0.0.1:0", plain).url.startswith("nats://")  # on the loopback: as it was
+    with pytest.raises(ConfigError, match=r"--listen 0.0.0.0 opens NATS beyond this machine, which takes TLS"):
+        HubConfig.of("0.0.0.0:0", plain)
+    assert HubConfig.of("0.0.0.0:0", tls).url.startswith("tls://")
+    (tls / "tls" / "server-key.pem").unlink()
+    with pytest.raises(ConfigError, match="has no key beside it"):
+        HubConfig.of("0.0.0.0:0", tls)
+
+
 @pytest.mark.parametrize("bad", ["", "a.b", "a*", "x" * 129, "w 1"])
 def test_worker_ids_that_would_widen_a_subject_are_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match="worker id"):

@@ -69,6 +69,14 @@ class HubConfig:
         hub = cls(host, port, (leaf_port if listen else 0) or free_port(), auth_dir)
         if auth_dir is not None:
             hub.creds = users(auth_dir)
+            tls = auth_dir / auth_cmd.TLS_DIR
+            if host not in LOOPBACK and not hub.tls:  # (credentials and their signatures in plain text)
+                raise ConfigError(f"--listen {host} opens NATS beyond this machine, which takes TLS, but {auth_dir} has "
+                                  f"no {auth_cmd.TLS_DIR}/{auth_cmd.CERT_NAME}: write it with `cleave auth init --tls "
+                                  "--host NAME` (NAME: how sites and submitters reach this machine)")
+            if hub.tls and not (tls / auth_cmd.KEY_NAME).is_file():
+                raise ConfigError(f"{tls / auth_cmd.CERT_NAME} has no key beside it ({auth_cmd.KEY_NAME}): copy the "
+                                  "whole auth folder, or write it again with `cleave auth init --tls`")
         return hub
 
     @property
