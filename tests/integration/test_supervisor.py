@@ -24,7 +24,7 @@ import pytest
 from cleave.api.stack import CRASH_LOOP_STARTS, Stack
 from cleave.api.state import read_state, state_server
 from cleave.api.supervisor import signals_held, stop_signals
-from cleave.errors import Stopped
+from cleave.errors import CleaveError, Stopped
 
 READY_TIMEOUT_S = 120.0  # the monitor and the workers import torch first; the machine may be loaded
 GONE_TIMEOUT_S = 30.0
@@ -324,3 +324,22 @@ def test_a_stop_signal_within_signals_held_is_raised_as_the_block_ends() -> None
             done.append("the block's end")
         done.append("after the block")
     assert done == ["the block's end"] and stopped.value.signum == signal.SIGINT
+
+
+def test_a_nats_server_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """Its reason was only in its log ("nats-server exited with 1; see ..."): a port in use, a key that does not
+    match its certificate. The error now carries nats-server's own line."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    stack = Stack(tmp_path)
+    stack._nats_port = taken.getsockname()[1]
+    try:
+        with pytest.raises(CleaveError, match=r"nats-server exited with 1: Error listening on port: .*address already "
+                                              r"in use.* \(see .*nats.log\)"):
+            stack.start_nats()
+    finally:
+        stack.stop_all()
+        taken.close()

@@ -99,7 +99,9 @@ class Stack:
         deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise CleaveError(f"nats-server exited with {proc.popen.returncode}; see {log}")
+                said = self.last_words(proc)  # (its one-line reason: a port in use, a key that does not match, ...)
+                raise CleaveError(f"nats-server exited with {proc.popen.returncode}"
+                                  + (f": {said.split('] ', 2)[-1]}" if said else "") + f" (see {log})")
             with open(log, "rb") as f:
                 f.seek(proc.log_offset)
                 if b"Server is ready" in f.read():
