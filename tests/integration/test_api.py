@@ -158,3 +158,31 @@ def test_cleave_train_logs_its_ps_in_to_a_hub_with_auth(tmp_path: Path) -> None:
     finally:
         up.terminate()
         up.wait(60)
+
+
+def test_submit_says_the_job_is_stored_before_it_waits_for_the_runner(nats_url: str) -> None:
+    """A Ctrl-C while `cleave submit` waited for the runner's answer exited 130 without a word, although the
+    hub had the job and ran it later: the submitter now hears that it is stored before the wait."""
+    import asyncio
+
+    from cleave import bus as busmod
+    from cleave_cli.runner import jobs_stream
+
+    async def hub_without_runner() -> None:
+        bus = await busmod.connect(nats_url, "setup")
+        try:
+            await bus.setup()
+            await jobs_stream(bus)
+        finally:
+            await bus.close()
+
+    asyncio.run(hub_without_runner())
+    said: list[str] = []
+    assert submit(Job(job_id="queued", preset="tiny", steps=1), nats=nats_url, wait_s=0.5,
+                  on_stored=lambda: said.append("stored")) is None  # no runner answered
+    assert said == ["stored"]
+    done = subprocess.run([sys.executable, "-m", "cleave_cli", "submit", "--nats", nats_url, "--preset", "tiny",
+                           "--steps", "1", "--job-id", "queued2", "--wait", "0.5"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "queued2: stored on the hub; waiting up to 0.5s for its runner's answer" in done.stderr, done.stderr

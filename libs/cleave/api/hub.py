@@ -12,7 +12,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -165,10 +165,12 @@ def summary(rec: JobRecord, lines: list[StepMetrics]) -> dict:
 # ---- the Python API ------------------------------------------------------------------------------------
 @checked
 def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_workers: Annotated[int, Field(ge=0)] = 0,
-           wait_s: Annotated[float, Field(ge=0)] = DEFAULT_WAIT_S) -> JobRecord | None:
+           wait_s: Annotated[float, Field(ge=0)] = DEFAULT_WAIT_S,
+           on_stored: Callable[[], None] | None = None) -> JobRecord | None:
     """Submit `job` to the hub at `nats`; returns the runner's record of it once it answers this submission
     (its state: queued, running, ...), None when no runner answered within `wait_s` (the job waits on the hub).
-    A job the runner refuses raises CleaveError with its reason."""
+    A job the runner refuses raises CleaveError with its reason. `on_stored` is called once the hub has stored
+    the submission (from then on the job runs whatever happens to this call)."""
 
     async def go() -> JobRecord | None:
         sub = JobSubmission(job=job.model_dump_json(), nonce=secrets.token_hex(8), submitted_at=time.time(),
@@ -176,6 +178,8 @@ def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_worker
         bus = await connect(nats, _path(auth))
         try:
             await store(bus, job.job_id, sub, wait_s, nats)
+            if on_stored is not None:
+                on_stored()
             rec = await verdict(bus, job.job_id, sub.nonce, wait_s)
         finally:
             await bus.close()

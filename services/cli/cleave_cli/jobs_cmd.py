@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from cleave.api import hub
-from cleave.errors import EXIT_ERROR, CleaveError, ConfigError
+from cleave.errors import EXIT_ERROR, EXIT_INTERRUPTED, CleaveError, ConfigError
 from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import JobRecord
@@ -67,8 +67,17 @@ def run(args: argparse.Namespace) -> int:
 # ---- submit ------------------------------------------------------------------------------------------
 def submit(args: argparse.Namespace) -> int:
     job = joboptions.job_from_args(args, kind="job")
+    follow = f"cleave status --nats {args.nats}{f' --auth {args.auth}' if args.auth else ''} --job-id {job.job_id}"
+
+    def stored() -> None:  # (a Ctrl-C while the runner's answer is awaited leaves the job on the hub: say so first)
+        print(f"{job.job_id}: stored on the hub; waiting up to {args.wait:g}s for its runner's answer",
+              file=sys.stderr, flush=True)
+
     try:
-        rec = hub.submit(job, args.nats, args.auth, min_workers=args.workers, wait_s=args.wait)
+        rec = hub.submit(job, args.nats, args.auth, min_workers=args.workers, wait_s=args.wait, on_stored=stored)
+    except KeyboardInterrupt:
+        print(f"{job.job_id}: no longer waiting; if it was stored, the job runs on the hub: {follow}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except CleaveError as e:
         if "refused" not in str(e):
             raise
@@ -78,8 +87,7 @@ def submit(args: argparse.Namespace) -> int:
         print(f"{job.job_id}: the hub's runner has not answered within {args.wait:.0f}s; the job waits on the hub "
               "for it", file=sys.stderr)
         return 0
-    print(f"{job.job_id}: {rec.state}; follow it with: cleave status --nats {args.nats}"
-          f"{f' --auth {args.auth}' if args.auth else ''} --job-id {job.job_id}")
+    print(f"{job.job_id}: {rec.state}; follow it with: {follow}")
     return 0
 
 
