@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import ssl
 import subprocess
 from pathlib import Path
@@ -97,6 +98,22 @@ def test_a_hub_beyond_this_machine_takes_tls(tmp_path: Path) -> None:
     (tls / "tls" / "server-key.pem").unlink()
     with pytest.raises(ConfigError, match="has no key beside it"):
         HubConfig.of("0.0.0.0:0", tls)
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--tls", "--host", "bad host!"], "--host 'bad host!' is not a host name or IP address"),
+    (["--tls", "--host", "tls://hub.example.org:4222"], "is not a host name or IP address"),
+    (["--tls", "--host", ""], "is not a host name or IP address"),
+    (["--host", "hub.example.org"], "names the generated certificate: it goes with --tls"),
+])
+def test_auth_init_refuses_a_host_no_certificate_should_name(tmp_path: Path, extra: list[str], says: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        init(tmp_path / "auth", *extra)
+    assert not (tmp_path / "auth").exists()  # nothing written
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="is a file: the credentials are written into a folder"):
+        init(tmp_path / "afile")
+    init(tmp_path / "ok", "--tls", "--host", "203.0.113.7", "--host", "hub.example.org", "--host", "::1")
 
 
 @pytest.mark.parametrize("bad", ["", "a.b", "a*", "x" * 129, "w 1"])

@@ -17,7 +17,9 @@ Layout of `--out DIR` (the server reads DIR as `--server-dir`, e.g. /etc/nats/au
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import re
 from pathlib import Path
 
 from cleave import auth
@@ -84,8 +86,31 @@ def run(args: argparse.Namespace) -> int:
     raise ConfigError(f"unknown auth command {args.auth_command!r}")
 
 
+HOST_NAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+                       r"[A-Za-z0-9])?)*\.?$")
+
+
+def check_host(host: str) -> str:
+    """A name or IP address a certificate can name (what clients dial), or ConfigError."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if not HOST_NAME.match(host):
+        raise ConfigError(f"--host {host!r} is not a host name or IP address (e.g. hub.example.org or 203.0.113.7; "
+                          "no scheme, no port)")
+    return host
+
+
 def init(args: argparse.Namespace) -> list[Path]:
     out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: the credentials are written into a folder")
+    for host in args.hosts or ():
+        if not args.tls:
+            raise ConfigError(f"--host {host} names the generated certificate: it goes with --tls")
+        check_host(host)
     if (out / CONFIG_NAME).exists() and not args.force:
         raise ConfigError(f"{out / CONFIG_NAME} exists: pass --force to re-issue every credential")
     uses_tls = args.tls or args.tls_cert is not None

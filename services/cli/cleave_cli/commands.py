@@ -157,7 +157,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"dashboard: {dashboard(fleet.stack, *where)}")
         auth = f" --auth {args.auth}" if args.auth else ""
         print(f"submit jobs with: cleave submit --nats {fleet.stack.nats_url}{auth} --preset tiny "
-              f"(or train in the foreground: cleave train --nats {fleet.stack.nats_url} --preset tiny)")
+              f"(or train in the foreground: cleave train --nats {fleet.stack.nats_url}{auth} --preset tiny)")
         print("Ctrl-C (or SIGTERM, SIGHUP) stops everything", flush=True)
         while True:
             for line in fleet.stack.tell_ended(fleet.stack.supervise()):
