@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from cleave.methods import diloco, fedavg
@@ -88,3 +91,21 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         err = capsys.readouterr().err
         assert status == 2 and said in err and "Traceback" not in err, (argv, status, err)
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # nothing started
+
+
+def test_status_metrics_out_sets_another_jobs_file_aside(tmp_path: Path) -> None:
+    """`cleave status --job-id J --metrics-out F` where F held another job's steps wrote nothing (its steps
+    were taken for J's) and said nothing: F is set aside, as a PS does, and J's lines are written."""
+    from cleave.schemas import StepMetrics  # noqa: PLC0415
+    from cleave_cli.jobs_cmd import mirror  # noqa: PLC0415
+
+    def steps(job: str, losses: list[float]) -> list[StepMetrics]:
+        return [StepMetrics(job=job, step=i, loss=x, step_time_s=0.1, workers=1) for i, x in enumerate(losses)]
+
+    f = tmp_path / "m.jsonl"
+    assert mirror(f, "j2", steps("j2", [5.0, 4.0])) is None
+    assert mirror(f, "j2", steps("j2", [5.0, 4.0, 3.0])) is None  # the same job, further on: appended
+    assert [json.loads(x)["loss"] for x in f.read_text().splitlines()] == [5.0, 4.0, 3.0]
+    kept = mirror(f, "j1", steps("j1", [6.0, 5.5]))
+    assert kept is not None and kept.exists() and len(kept.read_text().splitlines()) == 3  # j2's, untouched
+    assert [json.loads(x)["loss"] for x in f.read_text().splitlines()] == [6.0, 5.5]

@@ -23,7 +23,7 @@ from cleave.api import hub
 from cleave.errors import EXIT_ERROR, EXIT_INTERRUPTED, CleaveError, ConfigError
 from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
-from cleave.schemas import JobRecord
+from cleave.schemas import JobRecord, StepMetrics
 from cleave_cli import joboptions
 from cleave_cli.progress import unit_of
 
@@ -106,14 +106,25 @@ async def status(args: argparse.Namespace) -> int:
         await bus.close()
     rec = records[0]
     if args.metrics_out:
-        out = MetricsFile(args.metrics_out)
-        written = out.steps()
-        for m in lines:
-            if m.step not in written:
-                out.write(m)
+        kept = mirror(args.metrics_out, args.job_id, lines)
+        if kept is not None:
+            print(f"{args.metrics_out} held another job's steps: set aside as {kept}", file=sys.stderr)
     view = hub.summary(rec, lines)
     print(json.dumps(view) if args.json else line(view))
     return 0
+
+
+def mirror(path: Path, job_id: str, lines: list[StepMetrics]) -> Path | None:
+    """Bring the metrics file `path` up to the hub's `lines` of job `job_id` (the steps it lacks appended). A
+    file holding steps that are not this job's (another loss at a step, or a step the hub has not) is set aside
+    first, as a PS does (it was left as it was, and none of this job's lines were written); its new name."""
+    out, mine = MetricsFile(path), {m.step: m.loss for m in lines}
+    kept = out.set_aside(job_id) if any(mine.get(m["step"]) != m.get("loss") for m in out.lines()) else None
+    written = out.steps()
+    for m in lines:
+        if m.step not in written:
+            out.write(m)
+    return kept
 
 
 def line(v: dict) -> str:
