@@ -28,6 +28,7 @@ from cleave.api import credentials
 from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.api.topology import get_json
 from cleave.bus import Bus
+from cleave.errors import CleaveError
 from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
@@ -591,3 +592,21 @@ async def test_a_password_login_on_a_server_you_run_refuses_a_wrong_password(tmp
         await nc.close()
     finally:
         stop_server(proc)
+
+
+def test_a_credential_without_the_submitters_rights_is_told_so_not_that_there_are_no_jobs(server, tmp_path) -> None:
+    """A worker's credential given as the submitter's: the server drops its requests without a reply, and
+    `cleave status` said 'no jobs on this hub' (exit 0), `the hub knows no job`, `holds no persisted PS state`."""
+    from cleave.api import hub
+    from cleave.api.jobs import export
+
+    assert hub.status(server.url, server.out) == []  # the submitter's own: a hub with no job yet
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    shutil.copy(server.out / "worker.env", wrong / "submitter.env")
+    with pytest.raises(CleaveError, match=r"could not be read \(TimeoutError\)\. .*is --auth the submitter's folder"):
+        hub.status(server.url, wrong)
+    with pytest.raises(CleaveError, match=r"PS state at .* could not be read .*is --auth the submitter's folder"):
+        export(tmp_path / "out", nats=server.url, auth=wrong, job_id="j")
+    with pytest.raises(CleaveError, match="holds no persisted PS state"):  # the submitter's own: there is none
+        export(tmp_path / "out", nats=server.url, auth=server.out, job_id="j")

@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
+import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError
+from nats.js.errors import APIError, BucketNotFoundError
 from pydantic import Field
 
 from cleave import bus as busmod
@@ -88,7 +89,7 @@ async def store(bus: busmod.Bus, job_id: str, sub: JobSubmission, wait_s: float,
             refused = e
         if time.monotonic() > deadline:
             raise CleaveError(f"the hub at {url} did not take the job within {wait_s:.0f}s ({type(refused).__name__}): "
-                              "is its runner up (`cleave up`, or compose's `runner`)?")
+                              "is its runner up (`cleave up`, or compose's `runner`)?" + unanswered(refused))
         await asyncio.sleep(DEFAULT_RETRY_S)
 
 
@@ -109,11 +110,22 @@ async def verdict(bus: busmod.Bus, job_id: str, nonce: str, wait_s: float) -> Jo
 
 
 
+def unanswered(e: BaseException) -> str:
+    """What a request the server never answered may mean: the server drops, without a reply, a request that the
+    credential may not make (its -ERR goes to the connection's log)."""
+    if not isinstance(e, TimeoutError | nats.errors.TimeoutError):
+        return ""
+    return (" The server did not answer, which is also how it treats a request this credential may not make: "
+            "is --auth the submitter's folder (submitter.env, not a worker's or a site's)?")
+
+
 async def read_records(bus: busmod.Bus, job_id: str | None) -> list[JobRecord]:
     try:
         kv = await asyncio.wait_for(bus.js.key_value(JOBS_BUCKET), busmod.DEFAULT_TIMEOUT_S)
-    except Exception:
+    except BucketNotFoundError:
         return []  # no runner has ever run there
+    except Exception as e:
+        raise CleaveError(f"the hub's job records could not be read ({type(e).__name__})." + unanswered(e)) from None
     if job_id is not None:
         got = await bus.kv_get(kv, job_id, JobRecord)
         return [got[0]] if got else []

@@ -15,9 +15,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from nats.js.errors import BucketNotFoundError
 
 from cleave import bus as busmod
-from cleave.api.hub import connect
+from cleave.api.hub import connect, unanswered
 from cleave.api.stack import Stack
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods.export import job_model
@@ -101,8 +102,10 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
     try:
         try:
             kv = await asyncio.wait_for(bus.js.key_value(STATE_BUCKET), busmod.DEFAULT_TIMEOUT_S)
+        except BucketNotFoundError:
+            raise CleaveError(f"{url} holds no persisted PS state (no {STATE_BUCKET} bucket)") from None
         except Exception as e:
-            raise CleaveError(f"{url} holds no persisted PS state ({type(e).__name__})") from None
+            raise CleaveError(f"the PS state at {url} could not be read ({type(e).__name__})." + unanswered(e)) from None
         got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
         if got is None:
             jobs = [k.removesuffix(".head") for k in await bus.keys(kv) if k.endswith(".head")]
