@@ -610,3 +610,18 @@ def test_a_credential_without_the_submitters_rights_is_told_so_not_that_there_ar
         export(tmp_path / "out", nats=server.url, auth=wrong, job_id="j")
     with pytest.raises(CleaveError, match="holds no persisted PS state"):  # the submitter's own: there is none
         export(tmp_path / "out", nats=server.url, auth=server.out, job_id="j")
+
+
+def test_a_hub_on_an_address_its_certificate_does_not_name_says_so_in_one_line(tmp_path) -> None:
+    """The error was right but came after a 20-line traceback from nats-py's own error callback."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "cleave_cli", "auth", "init", "--out", str(tmp_path / "auth"), "--tls"],
+                   check=True, capture_output=True, timeout=60)
+    up = subprocess.run([sys.executable, "-m", "cleave_cli", "up", "--listen", f"127.0.0.2:{free_port()}", "--auth",
+                         str(tmp_path / "auth"), "--workers", "0", "--run-dir", str(tmp_path / "run")],
+                        capture_output=True, text=True, timeout=120)
+    assert up.returncode == 2, up.stderr[-2000:]
+    assert "does the certificate in" in up.stderr and "name 127.0.0.2?" in up.stderr
+    assert "Traceback" not in up.stderr and "encountered error" not in up.stderr, up.stderr[-3000:]

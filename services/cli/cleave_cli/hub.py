@@ -126,9 +126,13 @@ class HubConfig:
 
         logging.getLogger("asyncio").setLevel(logging.ERROR)  # its note on a TLS connection's end
 
+        async def unsaid(e: Exception) -> None:  # (nats-py's own callback printed a traceback before the error)
+            pass
+
         async def attempt() -> None:
             nc = await nats.connect(self.url, connect_timeout=DEFAULT_LOGIN_TIMEOUT_S, max_reconnect_attempts=0,
-                                    allow_reconnect=False, **credentials.client_options(self.auth_dir, "ps"))
+                                    allow_reconnect=False, error_cb=unsaid,
+                                    **credentials.client_options(self.auth_dir, "ps"))
             await nc.close()
 
         try:
