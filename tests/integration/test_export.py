@@ -128,6 +128,10 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
     export(run_dir, out)
     assert sorted(p.name for p in out.iterdir()) == ["cleave_tokenizer.json", "config.json", "model.safetensors"]
     assert oct(out.stat().st_mode & 0o777) == "0o755"
+    monkeypatch.chdir(out)
+    export(run_dir, Path("."))  # over the export it is run in
+    monkeypatch.chdir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def full_disk(model, cfg, where, **kw) -> None:  # noqa: ANN001 - export_hf's arguments

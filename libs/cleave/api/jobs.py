@@ -175,17 +175,19 @@ def replacing(out: Path) -> Iterator[Path]:
     """A new folder beside `out` to write an export into, put in `out`'s place once it is written whole: an
     earlier export there is replaced, none of its files left behind (a stale tokenizer would win over the new
     model's), and a write that fails (a full disk, a signal) leaves it as it was."""
+    out = out.resolve()  # (`.` has no name to stage beside)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    old = staging.with_suffix(".old")
     try:
         staging.chmod(0o755)  # (mkdtemp's 0700: an export is shared like any folder of the user's)
         yield staging
+        if out.exists():
+            out.rename(old)
+        staging.rename(out)
     except BaseException:
+        if old.exists() and not out.exists():  # (the swap failed halfway: the earlier export goes back)
+            old.rename(out)
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    old = staging.with_suffix(".old") if out.exists() else None
-    if old is not None:
-        out.rename(old)
-    staging.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
