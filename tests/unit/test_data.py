@@ -323,7 +323,7 @@ def test_prepare_data_refuses_what_would_go_wrong_later_and_leaves_nothing_half_
     if Path("/dev/full").exists():  # a device whose writes fail with ENOSPC
         (tmp_path / "disk").mkdir()
         (tmp_path / "disk" / "d.u16.tmp").symlink_to("/dev/full")
-        with pytest.raises(ConfigError, match="nothing written: .*No space left on device"):
+        with pytest.raises(ConfigError, match="not written: .*No space left on device"):
             sources.prepare_data("builtin", BYTES, tmp_path / "disk" / "d.u16")
         assert not (tmp_path / "disk" / "d.u16").exists() and not (tmp_path / "disk" / "d.u16.json").exists()
 

@@ -387,7 +387,7 @@ def prepare_data(
         side_tmp.replace(side)
         tmp.replace(out)
     except OSError as e:  # a full disk, a folder that is not there or not writable
-        raise ConfigError(f"prepare-data stopped, nothing written: {e.filename or out}: {e.strerror or e}") from None
+        raise ConfigError(f"prepare-data stopped, {out} not written: {e.filename or out}: {e.strerror or e}") from None
     finally:
         tmp.unlink(missing_ok=True)  # (nothing half-written is left behind: a failure, Ctrl-C)
         side.with_name(side.name + ".tmp").unlink(missing_ok=True)
