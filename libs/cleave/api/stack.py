@@ -23,6 +23,7 @@ from pathlib import Path
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
 from cleave.api.supervisor import held_down, parent_death_signal, signals_held
 from cleave.errors import EXIT_ERROR, EXIT_GROUP_LOST, NOT_RESTARTED, CleaveError
+from cleave.runtime.files import write_atomic
 
 DEFAULT_READY_TIMEOUT_S = 20.0
 DEFAULT_STOP_GRACE_S = 10.0
@@ -279,6 +280,4 @@ class Stack:
                 for p in self.procs.values()
             ],
         }
-        tmp = self.run_dir / "stack.json.tmp"
-        tmp.write_text(json.dumps(doc, indent=2))
-        tmp.replace(self.run_dir / "stack.json")
+        write_atomic(self.run_dir / "stack.json", json.dumps(doc, indent=2))

@@ -33,6 +33,7 @@ import numpy as np
 
 from cleave.errors import ConfigError
 from cleave.models.tokenizer import ByteTokenizer, Tokenizer, recorded_spec
+from cleave.runtime.files import write_atomic
 
 BUILTIN = "builtin"
 HF_PREFIX = "hf:"
@@ -382,15 +383,12 @@ def prepare_data(
         }
         # the sidecar first: a crash between the two renames leaves an earlier token file whose count the new
         # sidecar contradicts (`open_tokens` refuses it), never new tokens described by an older sidecar
-        side_tmp = side.with_name(side.name + ".tmp")
-        side_tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        side_tmp.replace(side)
+        write_atomic(side, json.dumps(meta, indent=2) + "\n")
         tmp.replace(out)
     except OSError as e:  # a full disk, a folder that is not there or not writable
         raise ConfigError(f"prepare-data stopped, {out} not written: {e.filename or out}: {e.strerror or e}") from None
     finally:
         tmp.unlink(missing_ok=True)  # (nothing half-written is left behind: a failure, Ctrl-C)
-        side.with_name(side.name + ".tmp").unlink(missing_ok=True)
     return stats
 
 

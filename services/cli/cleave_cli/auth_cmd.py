@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import os
 import re
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from cleave.api.credentials import (  # reading the directory back: every --auth
     TLS_DIR,
 )
 from cleave.errors import ConfigError
+from cleave.runtime.files import write_atomic
 from cleave_cli import serverconf
 
 CONFIG_NAME = "nats.conf"
@@ -142,17 +142,18 @@ def init(args: argparse.Namespace) -> list[Path]:
         leaf_listen=getattr(args, "leaf_listen", None) or (serverconf.DEFAULT_LEAF_LISTEN if sites else None),
         routes=tuple(f"nats-route://{n if ':' in n else n + ':6222'}" for n in nodes),
     )
-    written.append(_write(out / CONFIG_NAME, serverconf.server_config([*creds, *sites, admin], opts).encode(), 0o644))
+    config = serverconf.server_config([*creds, *sites, admin], opts)
+    written.append(write_atomic(out / CONFIG_NAME, config.encode(), 0o644))
     for c in creds:
-        written.append(_write(out / f"{c.name}.env", auth.env_text(c).encode(), 0o600))
-    written.append(_write(out / ADMIN_NAME, (admin.seed + "\n").encode(), 0o600))
+        written.append(write_atomic(out / f"{c.name}.env", auth.env_text(c).encode(), 0o600))
+    written.append(write_atomic(out / ADMIN_NAME, (admin.seed + "\n").encode(), 0o600))
     worker = next((c for c in creds if c.name == "worker"), None)
     for site in sites:
         folder = out / SITES_DIR / site.name.removeprefix(f"{auth.SITE}-")
         folder.mkdir(parents=True, exist_ok=True)
-        written.append(_write(folder / SITE_ENV, auth.env_text(site).encode(), 0o600))
+        written.append(write_atomic(folder / SITE_ENV, auth.env_text(site).encode(), 0o600))
         if worker is not None:
-            written.append(_write(folder / "worker.env", auth.env_text(worker).encode(), 0o600))
+            written.append(write_atomic(folder / "worker.env", auth.env_text(worker).encode(), 0o600))
         if has_ca:
             written.append(_copy(out / TLS_DIR / CA_NAME, folder / CA_NAME, 0o644))
     return written
@@ -177,26 +178,10 @@ def _write_tls(args: argparse.Namespace, out: Path, hosts: list[str] = ()) -> li
             written.append(_copy(args.tls_ca, tls_dir / CA_NAME, 0o644))
         return written
     material = serverconf.generate_tls(list(dict.fromkeys([*DEFAULT_HOSTS, *(args.hosts or ()), *hosts])))
-    return [_write(tls_dir / CA_NAME, material.ca_pem, 0o644), _write(tls_dir / CERT_NAME, material.cert_pem, 0o644),
-            _write(tls_dir / KEY_NAME, material.key_pem, 0o600)]
-
-
-def _write(path: Path, data: bytes, mode: int) -> Path:
-    """Write atomically with `mode` from the start (a secret is never world-readable, not even briefly)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)  # the umask may have narrowed it
-    tmp.replace(path)
-    return path
-
-
-def write_private(path: Path, data: bytes) -> Path:
-    """A file only its owner may read (it holds a seed), written atomically."""
-    return _write(path, data, 0o600)
+    return [write_atomic(tls_dir / CA_NAME, material.ca_pem, 0o644),
+            write_atomic(tls_dir / CERT_NAME, material.cert_pem, 0o644),
+            write_atomic(tls_dir / KEY_NAME, material.key_pem, 0o600)]
 
 
 def _copy(src: Path, dst: Path, mode: int) -> Path:
-    return _write(dst, src.read_bytes(), mode)
+    return write_atomic(dst, src.read_bytes(), mode)

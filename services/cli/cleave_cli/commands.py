@@ -16,10 +16,10 @@ from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.api.hub import connect as hub_connect
 from cleave.errors import ConfigError, Stopped
 from cleave.runtime import config_file
+from cleave.runtime.files import write_atomic
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
 from cleave.train.job import JobConfig
-from cleave_cli.auth_cmd import write_private
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args, new_job_id
 from cleave_cli.monitor_cmd import start_monitor
@@ -174,7 +174,7 @@ def dashboard(stack, host: str, port: int) -> str:  # noqa: ANN001 - a Stack
     (monitor.token, 0600). Returns the URL to open (with the token)."""
     token = None if host in LOOPBACK else secrets.token_urlsafe(24)
     if token:
-        write_private(stack.run_dir / "monitor.token", (token + "\n").encode())
+        write_atomic(stack.run_dir / "monitor.token", token + "\n", 0o600)
     return start_monitor(stack, port=port or None, host=host, token=token)
 
 

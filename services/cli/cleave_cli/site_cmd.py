@@ -24,6 +24,7 @@ from cleave.api.natsconf import free_port, nats_server_binary
 from cleave.api.stack import Stack
 from cleave.api.topology import get_json
 from cleave.errors import ConfigError, Stopped
+from cleave.runtime.files import write_atomic
 from cleave_cli import auth_cmd, serverconf
 from cleave_cli.hub import WILDCARD, split_listen
 
@@ -136,7 +137,7 @@ def start_leaf(site: SiteRun, site_cred: auth.Credential, worker: auth.Credentia
     opts = serverconf.LeafOptions(name=site.name, listen=f"{site.host}:{site.port}", http=f"127.0.0.1:{monitor_port}",
                                   hubs=site.hubs, ca_file=str(ca.resolve()) if ca else None)
     conf = site.stack.run_dir / "leaf.conf"
-    auth_cmd.write_private(conf, serverconf.leaf_config(site_cred, worker, opts).encode())  # it holds the seed
+    write_atomic(conf, serverconf.leaf_config(site_cred, worker, opts), 0o600)  # it holds the seed
     proc = site.stack.spawn("nats-leaf", "nats", [nats_server_binary(), "-c", str(conf)], restart=True)
     site.stack.wait_ready(proc)
     site.stack.nats_url = site.url

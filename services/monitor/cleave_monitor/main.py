@@ -10,7 +10,6 @@ written to `url_file` for supervisors.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import structlog
 from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.errors import ConfigError, WireError
+from cleave.runtime.files import write_atomic
 from cleave.runtime.lifecycle import run
 from cleave.runtime.logs import configure
 from cleave.schemas import (
@@ -146,13 +146,7 @@ async def follow_bus(s: MonitorSettings, ctx: web.Context, feed: Feed, stop: asy
 def write_url(path: Path, url: str) -> None:
     """Write atomically: a reader sees the whole URL or no file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(url + "\n")
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # (nothing of a failed write is left behind)
-        raise
+    write_atomic(path, url + "\n")
 
 
 async def serve(s: MonitorSettings, stop: asyncio.Event, ready: asyncio.Future[str] | None = None) -> int:
