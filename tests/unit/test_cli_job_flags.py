@@ -62,7 +62,11 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
     a_file.write_text("x")
     a_dir.mkdir()
     binary.write_bytes(b"\xff\xfe\x00steps = 2")
+    (tmp_path / "spm").mkdir()  # a model folder whose tokenizer needs converting (it was trained on byte ids)
+    (tmp_path / "spm" / "tokenizer.model").write_bytes(b"sentencepiece")
     cases = {
+        ("train", "--preset", "tiny", "--tokenizer", str(tmp_path / "spm"), "--run-dir", str(tmp_path / "r")):
+            "only a sentencepiece tokenizer.model; convert it",
         ("train", "--preset", "tiny", "--run-dir", str(a_file)): f"{a_file}: File exists",
         ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_dir)): f"{a_dir}: Is a directory",
         ("train", "--config", str(binary)): "not a text file",

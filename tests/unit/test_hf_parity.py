@@ -293,6 +293,23 @@ def test_export_records_and_copies_the_tokenizer(tmp_path: Path) -> None:
     assert JobConfig(init_from=str(out)).tokenizer == str(out)
     assert JobConfig(init_from=str(tmp_path / "b" / "m")).tokenizer == "bytes"
     assert JobConfig(init_from=str(out), tokenizer="bytes").tokenizer == "bytes"  # named: kept
+    # a model whose tokenizer cannot be read is not trained on byte ids either: loading it says why
+    spm = _exported(tmp_path / "spm")
+    (spm / TOKENIZER_RECORD).unlink()
+    (spm / "tokenizer.model").write_bytes(b"sentencepiece")
+    assert JobConfig(init_from=str(spm)).tokenizer == str(spm)
+    with pytest.raises(ConfigError, match="only a sentencepiece tokenizer.model; convert it"):
+        load_tokenizer(spm)
+    (spm / "tokenizer.model").unlink()
+    (spm / TOKENIZER_RECORD).write_text(json.dumps({"tokenizer": "/gone/bpe", "vocab_size": 80}))
+    assert JobConfig(init_from=str(spm)).tokenizer == str(spm)
+    with pytest.raises(ConfigError, match="names tokenizer '/gone/bpe' but its files are not in"):
+        load_tokenizer(spm)
+    (spm / TOKENIZER_RECORD).write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_tokenizer(spm)
+    (spm / TOKENIZER_RECORD).unlink()
+    assert JobConfig(init_from=str(spm)).tokenizer == "bytes"  # no tokenizer at all: the default
     small = cfg.model_copy(update={"vocab_size": 96})
     with pytest.raises(ConfigError, match="has 256 tokens, over vocab_size=96"):
         export_hf(build_model(small), small, tmp_path / "x", tokenizer_name="bytes")

@@ -22,7 +22,13 @@ from cleave.errors import CleaveError, ConfigError
 from cleave.models.config import ModelConfig, RopeScaling
 from cleave.models.hub import cached_snapshot
 from cleave.models.presets import build_model
-from cleave.models.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_RECORD, load_tokenizer, recorded_spec
+from cleave.models.tokenizer import (
+    DEFAULT_TOKENIZER,
+    TOKENIZER_RECORD,
+    load_tokenizer,
+    recorded_spec,
+    tokenizer_files,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -297,20 +303,21 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 def own_tokenizer(path: str | Path) -> str | None:
-    """The tokenizer a model directory comes with, as a `load_tokenizer` spec: the directory itself where it holds
-    tokenizer files, "bytes" where its export record says so; None where it has none (or is not here)."""
+    """The tokenizer a model directory comes with, as a `load_tokenizer` spec: "bytes" where its export record
+    says so, else the directory itself where it holds any tokenizer files (loading it then tells what is wrong
+    with them, a sentencepiece model that needs converting); None where it has none (or is not here)."""
     try:
         directory = resolve_model_dir(path)
     except ConfigError:
         return None
-    if any((directory / f).is_file() for f in ("tokenizer.json", "vocab.json")):
-        return str(path)
-    record = directory / TOKENIZER_RECORD
-    try:
-        recorded = json.loads(record.read_text()).get("tokenizer") if record.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return None
-    return DEFAULT_TOKENIZER if recorded == DEFAULT_TOKENIZER else None
+    kind = tokenizer_files(directory)
+    if kind == "record":
+        try:
+            recorded = json.loads((directory / TOKENIZER_RECORD).read_text()).get("tokenizer")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        return DEFAULT_TOKENIZER if recorded == DEFAULT_TOKENIZER else str(path)
+    return None if kind is None else str(path)
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -194,18 +194,37 @@ def _from_vocab_merges(directory: Path, name: str) -> HFTokenizer:
     return HFTokenizer(tok, name, files)
 
 
-def _from_directory(directory: Path, name: str) -> Tokenizer:
+def tokenizer_files(directory: Path) -> str | None:
+    """Which tokenizer `directory` holds, by its files: "tokenizer.json", "vocab.json" (with merges.txt),
+    "record" (an export's record of a tokenizer without files), "sentencepiece" (tokenizer.model alone, which
+    needs converting), or None (no tokenizer at all)."""
     if (directory / "tokenizer.json").is_file():
-        return _from_tokenizer_json(directory / "tokenizer.json", name)
+        return "tokenizer.json"
     if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        return "vocab.json"
+    if (directory / TOKENIZER_RECORD).is_file():
+        return "record"
+    if (directory / "tokenizer.model").is_file():
+        return "sentencepiece"
+    return None
+
+
+def _from_directory(directory: Path, name: str) -> Tokenizer:
+    kind = tokenizer_files(directory)
+    if kind == "tokenizer.json":
+        return _from_tokenizer_json(directory / "tokenizer.json", name)
+    if kind == "vocab.json":
         return _from_vocab_merges(directory, name)
-    record = directory / TOKENIZER_RECORD
-    if record.is_file():
-        recorded = json.loads(record.read_text()).get("tokenizer")
+    if kind == "record":
+        record = directory / TOKENIZER_RECORD
+        try:
+            recorded = json.loads(record.read_text()).get("tokenizer")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{record} cannot be read: {e}") from None
         if recorded == DEFAULT_TOKENIZER:
             return ByteTokenizer()
         raise ConfigError(f"{record} names tokenizer {recorded!r} but its files are not in {directory}")
-    if (directory / "tokenizer.model").is_file():
+    if kind == "sentencepiece":
         raise ConfigError(
             f"{directory} has only a sentencepiece tokenizer.model; convert it to tokenizer.json once with "
             "transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"

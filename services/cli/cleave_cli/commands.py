@@ -15,6 +15,7 @@ from cleave.api import jobs
 from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.api.hub import connect as hub_connect
 from cleave.errors import ConfigError, Stopped
+from cleave.models.tokenizer import load_tokenizer
 from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
 from cleave.runtime.trackers import Trackers
@@ -82,6 +83,8 @@ def train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
                           f"it times --micro-batches (the job has method {job.method}, batch size {job.batch_size}, "
                           f"micro-batches {job.micro_batches})")
+    if args.nats is None or args.reference:  # the PS runs here: a tokenizer it cannot read is told before it starts
+        load_tokenizer(job.tokenizer)
     job = check_fits(job, args.workers, args.dry_run, args.nats if not args.reference else None, args.ps_replicas,
                      args.auth)
     if args.dry_run:
