@@ -23,6 +23,7 @@ from pydantic import Field
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api import contact
 from cleave.api.args import JobId, Seconds, checked
 from cleave.api.credentials import client_options
 from cleave.bus import urls
@@ -55,11 +56,16 @@ async def connect(url: str, folder: Path | None, role: str = "submitter") -> bus
     """Log in at `url` as `role` with the credential in `folder`; a clear error when that cannot be done."""
     urls.servers(url)  # (a wrong URL named before the credential is read)
     options = client_options(folder, role)
+    start = time.monotonic()
+    first = await contact.first_try(url, options, folder, role)
+    if first is not None and first.final:  # a certificate, a credential, the wrong port: no retry mends it
+        raise CleaveError(f"NATS at {url}: {first.reason}")
+    left = max(1.0, DEFAULT_CONNECT_TIMEOUT_S - (time.monotonic() - start))
     try:
-        return await asyncio.wait_for(busmod.connect(url, f"cleave-{role}", **options), DEFAULT_CONNECT_TIMEOUT_S)
+        return await asyncio.wait_for(busmod.connect(url, f"cleave-{role}", **options), left)
     except TimeoutError:
-        raise CleaveError(f"could not reach NATS at {url} within {DEFAULT_CONNECT_TIMEOUT_S:.0f}s: check the URL, "
-                          "that the port is open to you, and (tls://) the CA in --auth") from None
+        why = first.reason if first is not None else "check the URL, that the hub is up and the port open to you"
+        raise CleaveError(f"could not reach NATS at {url} within {DEFAULT_CONNECT_TIMEOUT_S:.0f}s: {why}") from None
 
 
 

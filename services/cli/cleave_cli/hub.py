@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave import auth
-from cleave.api import credentials
+from cleave.api import contact, credentials
 from cleave.api.natsconf import free_port
 from cleave.bus.limits import SERVER_LIMITS
 from cleave.errors import ConfigError
@@ -120,26 +120,10 @@ class HubConfig:
         not know, is said now rather than by every service retrying forever."""
         if self.auth_dir is None:
             return
-        import logging
-
-        import nats
-
-        logging.getLogger("asyncio").setLevel(logging.ERROR)  # its note on a TLS connection's end
-
-        async def unsaid(e: Exception) -> None:  # (nats-py's own callback printed a traceback before the error)
-            pass
-
-        async def attempt() -> None:
-            nc = await nats.connect(self.url, connect_timeout=DEFAULT_LOGIN_TIMEOUT_S, max_reconnect_attempts=0,
-                                    allow_reconnect=False, error_cb=unsaid,
-                                    **credentials.client_options(self.auth_dir, "ps"))
-            await nc.close()
-
-        try:
-            asyncio.run(asyncio.wait_for(attempt(), DEFAULT_LOGIN_TIMEOUT_S))
-        except Exception as e:  # noqa: BLE001 - what nats-py raises varies: say it with the likely cause
-            raise ConfigError(f"the hub's own services cannot log in at {self.url} ({e!r}): does the certificate "
-                              f"in {self.auth_dir} name {self.host}? (`cleave auth init --tls --host {self.host}`)") from None
+        options = credentials.client_options(self.auth_dir, "ps")
+        said = asyncio.run(contact.first_try(self.url, options, self.auth_dir, "ps", DEFAULT_LOGIN_TIMEOUT_S))
+        if said is not None:
+            raise ConfigError(f"the hub's own services cannot log in at {self.url}: {said.reason}")
 
 
 def users(folder: Path) -> list[auth.Credential]:

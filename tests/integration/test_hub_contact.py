@@ -1,0 +1,68 @@
+"""A command that cannot log in at a hub says why, at once: the wrong CA, no --auth, another deployment's
+credential, the leaf-node port, a plain server at a tls:// URL, an unknown host. Each of these waited 15 s and
+said "could not reach NATS" (nats-py retries any server it cannot use); only a server that is not up is still
+retried, and its message names what the first try met. A real nats-server with `cleave auth init`'s config."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cleave.api import hub
+from cleave.api.natsconf import free_port
+from cleave.errors import CleaveError
+from cleave_cli import auth_cmd
+from tests.integration import authserver
+from tests.integration.authserver import AuthServer, launch
+
+server = authserver.server  # a fixture
+FAST_S = 8.0  # a refusal no retry mends is said well inside the 15 s connect timeout
+
+
+@pytest.fixture
+def tls_site_hub(tmp_path: Path) -> Iterator[AuthServer]:
+    """`cleave auth init --tls --sites s1`: TLS for clients and for the sites' leaf-node port."""
+    yield from launch(tmp_path, tls=True, hosts=["127.0.0.1", "localhost"], sites="s1",
+                      leaf_listen=f"127.0.0.1:{free_port()}")
+
+
+def _refused(url: str, folder: Path | None) -> str:
+    started = time.monotonic()
+    with pytest.raises(CleaveError) as e:
+        hub.status(url, folder)
+    took = time.monotonic() - started
+    return f"{took:.1f}s {e.value}"
+
+
+def test_each_refusal_is_named_at_once(tls_site_hub: AuthServer, tmp_path: Path) -> None:
+    hub_ = tls_site_hub
+    assert hub.status(hub_.url, hub_.out) == []  # the hub's own folder logs in (no jobs yet)
+    other = tmp_path / "other"  # another deployment: its own CA and credentials
+    auth_cmd.init(authserver.init_args(other, free_port(), tls=True))
+    mixed = tmp_path / "mixed"  # this hub's CA, another deployment's submitter
+    (mixed / "tls").mkdir(parents=True)
+    shutil.copy(hub_.out / "tls" / "ca.pem", mixed / "tls" / "ca.pem")
+    shutil.copy(other / "submitter.env", mixed / "submitter.env")
+    cases = {
+        (hub_.url, other): f"{other}/tls/ca.pem did not sign it",
+        (hub_.url, None): "this machine's trust store does not trust it (unable to get local issuer certificate): "
+                          "pass --auth DIR",
+        (hub_.url, mixed): f"it refused the credential {mixed}/submitter.env (Authorization Violation)",
+        (f"tls://127.0.0.1:{hub_.leaf_port}", hub_.out): "that is the hub's leaf-node port, for `cleave site`",
+        ("tls://no-such-host.invalid:4222", hub_.out): "its host name is not known here",
+    }
+    for (url, folder), said in cases.items():
+        told = _refused(url, folder)
+        assert said in told and float(told.split("s ", 1)[0]) < FAST_S, (url, folder, told)
+
+
+def test_a_plain_server_at_a_tls_url_and_a_closed_port_are_told_apart(server: AuthServer) -> None:
+    tls_url = server.url.replace("nats://", "tls://")
+    told = _refused(tls_url, server.out)
+    assert "it does not serve TLS, which its tls:// URL asks for" in told and float(told.split("s ", 1)[0]) < FAST_S
+    told = _refused(f"nats://127.0.0.1:{free_port()}", server.out)  # not up: retried, then its cause named
+    assert "within 15s: nothing listens there (connection refused)" in told, told
