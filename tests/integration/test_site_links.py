@@ -384,3 +384,16 @@ def test_a_site_that_cannot_verify_the_hubs_certificate_says_so_and_exits(deploy
                            "--run-dir", str(tmp_path / "site")], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "site s1 could not verify the hub's certificate" in done.stderr, done.stderr
+
+
+def test_a_site_pointed_at_the_hubs_client_port_is_told_at_once(deployment, tmp_path) -> None:
+    """`--hub` with the client port (4222) instead of the leaf-node port: the hub answers each try with 'wrong
+    port', and the command waited out its link timeout asking whether the hub was reachable."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "cleave_cli", "site", "--hub", f"tls://127.0.0.1:{deployment.hub.port}",
+                           "--name", "s1", "--auth", str(deployment.auth / "sites" / "s1"), "--workers", "0",
+                           "--listen", f"127.0.0.1:{free_port()}", "--run-dir", str(tmp_path / "site"),
+                           "--connect-timeout", "60"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "is a client port, not the hub's leaf-node port" in done.stderr, done.stderr
+    assert time.monotonic() - started < 30

@@ -33,6 +33,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 60.0  # the first link to the hub; later cuts are wa
 DEFAULT_POLL_S = 0.2
 REFUSED = ("authorization violation", "authentication", "permissions violation")  # the hub said no
 UNVERIFIED = ("x509", "certificate", "tls: ")  # the hub's certificate did not verify
+WRONG_PORT = "attempted to connect to wrong port"  # a client port (the hub's 4222) answered the leaf node
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -176,6 +177,10 @@ def check_refused(site: SiteRun, offset: int) -> int:
         low = raw.lower()
         if "[err]" not in low and "error" not in low:
             continue
+        if WRONG_PORT in low:
+            raise ConfigError(f"site {site.name}: {', '.join(site.hubs)} is a client port, not the hub's leaf-node "
+                              "port: --hub takes the `sites dial tls://HOST:PORT` address `cleave up` prints (7422 "
+                              "by default)")
         if any(k in low for k in REFUSED):
             raise ConfigError(f"the hub at {', '.join(site.hubs)} refused site {site.name}'s credential "
                               f"({raw.split(' - ')[-1].strip()}): give this site its own sites/{site.name}/ folder "
