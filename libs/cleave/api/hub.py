@@ -32,6 +32,7 @@ from cleave.errors import CleaveError, WireError
 from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
+    JOBS_STREAM,
     MAX_CONTROL_BYTES,
     SUBJECT_EVENTS,
     SUBJECT_JOB_SUBMIT,
@@ -39,6 +40,7 @@ from cleave.schemas import (
     JobSubmission,
     StepMetrics,
 )
+from cleave.schemas.jobs import RUNNER_SILENT_S
 from cleave.train.job import JobConfig
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
@@ -139,14 +141,30 @@ async def read_records(bus: busmod.Bus, job_id: str | None) -> list[JobRecord]:
     return sorted((g[0] for g in found if g), key=lambda r: r.submitted_at)
 
 
+async def untaken(bus: busmod.Bus, job_id: str | None = None) -> list[str]:
+    """The jobs (or only `job_id`) whose submission waits on the hub for a runner to take it (CLEAVE_JOBS is a
+    work queue: what is still there is not taken); none where that cannot be read."""
+    try:
+        info = await bus.js.stream_info(JOBS_STREAM, subjects_filter=SUBJECT_JOB_SUBMIT.format(job=job_id or "*"))
+    except Exception:  # noqa: BLE001 - no stream (no submission ever), or the server does not answer
+        return []
+    return sorted(subject.rsplit(".", 1)[-1] for subject in info.state.subjects or {})
+
+
 async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
     """The job's step lines from the events stream, in step order, each step once (its last line: a PS that
     resumed reports the lines of its last commit again)."""
+    return (await read_all_metrics(bus, job_id)).get(job_id, [])
+
+
+async def read_all_metrics(bus: busmod.Bus, job_id: str | None = None) -> dict[str, list[StepMetrics]]:
+    """Every job's step lines (or only `job_id`'s) as `read_metrics` gives one job's, in one pass over the
+    events stream."""
     config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
                             inactive_threshold=DEFAULT_CONSUMER_IDLE_S)  # gone soon after this command
     sub = await asyncio.wait_for(bus.js.pull_subscribe(SUBJECT_EVENTS.format(kind="metrics"), stream=EVENTS_STREAM,
                                                        config=config), busmod.DEFAULT_TIMEOUT_S)
-    steps: dict[int, StepMetrics] = {}
+    steps: dict[str, dict[int, StepMetrics]] = {}
     try:
         while True:
             try:
@@ -158,20 +176,25 @@ async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
                     sm = codec.decode(m.data, StepMetrics, MAX_CONTROL_BYTES)
                 except WireError:
                     continue
-                if sm.job == job_id:
-                    steps[sm.step] = sm
+                if job_id is None or sm.job == job_id:
+                    steps.setdefault(sm.job, {})[sm.step] = sm
             if msgs[-1].metadata.num_pending == 0:
                 break
     finally:
         await sub.unsubscribe()
-    return [steps[s] for s in sorted(steps)]
+    return {job: [by_step[s] for s in sorted(by_step)] for job, by_step in steps.items()}
 
 
-def summary(rec: JobRecord, lines: list[StepMetrics]) -> dict:
+def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None) -> dict:
+    """A job as `cleave status --json` shows it. `runner_silent_s`: for a queued or running job whose runner has
+    not stamped its record for RUNNER_SILENT_S, how long (its runner is gone: it goes on once one is back)."""
     job = json.loads(rec.job)
     steps = job.get("steps")
     last = lines[-1] if lines else None
+    silent = (time.time() if now is None else now) - rec.heard_at if rec.heard_at is not None else 0.0
+    gone = rec.state in ("queued", "running") and silent > RUNNER_SILENT_S
     return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
+            "runner_silent_s": round(silent) if gone else None,
             "method": job.get("method", "cleave"),
             "step": last.step if last else None, "steps_reported": len(lines),
             "loss": last.loss if last else None, "workers": last.workers if last else None,
@@ -215,7 +238,9 @@ def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = Non
     async def go() -> list[dict]:
         bus = await connect(nats, _path(auth))
         try:
-            return [summary(rec, await read_metrics(bus, rec.job_id)) for rec in await read_records(bus, job_id)]
+            records = await read_records(bus, job_id)
+            lines = await read_all_metrics(bus, job_id) if records else {}
+            return [summary(rec, lines.get(rec.job_id, [])) for rec in records]
         finally:
             await bus.close()
 

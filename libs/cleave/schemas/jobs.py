@@ -20,6 +20,8 @@ JOB_STATES = ("queued", "running", "done", "failed")  # a job's life on the hub,
 JOB_ID_PATTERN = rf"^[{TOKEN_CHARS}]{{1,64}}$"  # as JobConfig.job_id: one subject token, one KV key
 NONCE_PATTERN = r"^[0-9a-f]{16,64}$"
 MAX_MIN_WORKERS = 100_000
+RUNNER_REFRESH_S = 30.0  # the runner stamps its queued and running jobs' records this often (`heard_at`)
+RUNNER_SILENT_S = 180.0  # a record of a queued or running job unstamped this long: its runner is gone
 
 
 class JobSubmission(Wire):
@@ -47,3 +49,4 @@ class JobRecord(Wire):
     nonce: str = ""  # the latest submission's nonce, accepted or refused
     verdict: Literal["accepted", "refused"] = "accepted"
     verdict_reason: str = Field("", max_length=4096)  # why that submission was refused
+    heard_at: float | None = None  # when the runner last wrote it (every RUNNER_REFRESH_S while queued or running)

@@ -97,7 +97,13 @@ async def status(args: argparse.Namespace) -> int:
     try:
         records = await hub.read_records(bus, args.job_id)
         if args.job_id is None:
-            show_list(records, args.json)
+            lines = await hub.read_all_metrics(bus) if args.json and records else {}
+            waiting = [j for j in await hub.untaken(bus) if j not in {r.job_id for r in records}]
+            show_list(records, lines, waiting, args.json)
+            return 0
+        if not records and await hub.untaken(bus, args.job_id):
+            print(f"{args.job_id}: submitted, waiting on the hub for its runner to take it (is `cleave up` running "
+                  "there?)")
             return 0
         if not records:
             raise ConfigError(f"the hub knows no job {args.job_id!r} (cleave status --nats {args.nats} lists them)")
@@ -136,15 +142,29 @@ def line(v: dict) -> str:
     why = f"; {v['reason']}" if v["reason"] else ""
     refused = (f"; its last submission was refused: {v['last_submission']['reason']}"
                if v["last_submission"]["verdict"] == "refused" else "")
-    return f"{v['job']}: {v['state']}, {where}{loss}{workers}{why}{refused}"
+    return f"{v['job']}: {v['state']}, {where}{loss}{workers}{why}{refused}{silent(v)}"
 
 
-def show_list(records: list[JobRecord], as_json: bool) -> None:
+def silent(v: dict) -> str:
+    """The note on a queued or running job whose runner is gone (`hub.summary`'s `runner_silent_s`)."""
+    if v["runner_silent_s"] is None:
+        return ""
+    return (f" (not heard from the hub's runner for {v['runner_silent_s'] / 60:.0f} min: is `cleave up` still "
+            "running there? The job goes on once a runner is back)")
+
+
+def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], waiting: list[str],
+              as_json: bool) -> None:
+    """The hub's jobs; `waiting`: those submitted that no runner has taken yet (no record)."""
     if as_json:
-        print(json.dumps([hub.summary(r, []) for r in records]))
+        print(json.dumps([hub.summary(r, lines.get(r.job_id, [])) for r in records]
+                         + [{"job": j, "state": "submitted", "runner_silent_s": None} for j in waiting]))
         return
-    if not records:
+    if not records and not waiting:
         print("no jobs on this hub")
+    for j in waiting:
+        print(f"{j:<40} {'submitted':<8} waiting on the hub for its runner to take it (is `cleave up` running there?)")
     for r in records:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted_at))
-        print(f"{r.job_id:<40} {r.state:<8} submitted {when}, {r.runs} run(s)" + (f"; {r.reason}" if r.reason else ""))
+        print(f"{r.job_id:<40} {r.state:<8} submitted {when}, {r.runs} run(s)" + (f"; {r.reason}" if r.reason else "")
+              + silent(hub.summary(r, [])))

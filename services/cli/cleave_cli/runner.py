@@ -49,6 +49,7 @@ from cleave.schemas import (
     JobSubmission,
     StateHead,
 )
+from cleave.schemas.jobs import RUNNER_REFRESH_S
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
 from cleave_ps.state.persist import identity_changes
@@ -136,6 +137,8 @@ class Runner:
             config=ConsumerConfig(ack_wait=ACK_WAIT_S)), busmod.DEFAULT_TIMEOUT_S)
 
     async def put(self, rec: JobRecord) -> JobRecord:
+        """Write `rec`, stamped: a reader sees from `heard_at` that this runner is alive (`vouch`)."""
+        rec = rec.model_copy(update={"heard_at": time.time()})
         await self.bus.kv_put(self.kv, rec.job_id, rec)
         self.records[rec.job_id] = rec
         return rec
@@ -193,7 +196,16 @@ class Runner:
         return job, ""
 
     # ---- the queue and the PS processes --------------------------------------------------------------
+    async def vouch(self) -> None:
+        """Stamp the records of the jobs still queued or running every RUNNER_REFRESH_S: `cleave status` tells a
+        job whose runner is gone (its record unstamped for RUNNER_SILENT_S) from one that is merely slow."""
+        now = time.time()
+        for rec in [r for r in self.records.values() if r.state in ("queued", "running")]:
+            if now - (rec.heard_at or 0.0) >= RUNNER_REFRESH_S:
+                await self.put(rec)
+
     async def tick(self) -> None:
+        await self.vouch()
         for proc in self.stack.supervise():  # the PSs that ended for good (NOT_RESTARTED) or were held down
             await self.ended(proc)
         for rec in [r for r in self.records.values() if r.state == "running"]:
