@@ -6,10 +6,11 @@ import asyncio
 import time
 
 from cleave import bus as busmod
+from cleave import codec
 from cleave.api.fleet import LocalFleet
 from cleave.gemm import tiles
 from cleave.models import gemm_shapes, get_preset
-from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SHAPES_KEY, GemmSpec, JobShapes, Plan
+from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SHAPES_KEY, SUBJECT_EVENTS, Event, GemmSpec, JobShapes, Plan
 
 PROFILES = ["flops=2G,down=20M,up=5M,latency=0.01,memory=512Mi", "flops=0.5G,down=5M,up=2M,latency=0.02,memory=512Mi"]
 
@@ -71,3 +72,30 @@ async def test_cost_aware_plan_and_replanning_on_join_and_leave(tmp_path, nats_u
     finally:
         await bus.close()
         fleet.stop()
+
+
+async def test_two_workers_under_one_id_are_said(tmp_path, nats_url):
+    """Two worker processes started with one --worker-id (two machines given one credential folder): the
+    scheduler says so (log and event) instead of seeing one worker come and go."""
+    fleet = LocalFleet(tmp_path, 0, nats_url=nats_url)
+    bus = await busmod.connect(nats_url, "test")
+    seen: list[Event] = []
+    said = asyncio.Event()
+
+    async def on_event(m) -> None:  # noqa: ANN001 - a nats-py Msg
+        seen.append(codec.decode(m.data, Event))
+        said.set()
+
+    try:
+        await bus.setup()
+        sub = await bus.nc.subscribe(SUBJECT_EVENTS.format(kind="worker_id_shared"), cb=on_event)
+        fleet.start()
+        for name in ("a", "b"):
+            fleet.stack.service(f"w-{name}", "worker", ["--worker-id", "twin", "--profile", PROFILES[0]])
+        await asyncio.wait_for(said.wait(), 60)
+        await sub.unsubscribe()
+    finally:
+        await bus.close()
+        fleet.stop()
+    assert seen and seen[0].worker_id == "twin" and seen[0].detail["started_a"] != seen[0].detail["started_b"]
+    assert "worker_id_shared" in (tmp_path / "logs" / "scheduler.log").read_text()

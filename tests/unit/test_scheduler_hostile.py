@@ -106,3 +106,20 @@ async def test_a_device_that_breaks_the_planner_is_dropped_and_the_rest_planned(
     await sched.on_heartbeat(beat("odd", FAST), 0)  # a changed profile is heard again
     assert "odd" in sched.registry.devices
     sched.close()
+
+
+def test_two_processes_under_one_worker_id_are_told_apart_from_a_restart() -> None:
+    """Two machines with one credential folder (two `cleave site --name lab-a`) or one --worker-id: their
+    heartbeats alternate under one id, and the PS sees one worker that answers twice. A restart switches once."""
+    reg = Registry(liveness_s=1.0)
+
+    def at(started: float, now: float) -> tuple[float, float] | None:
+        hb = beat("w1").model_copy(update={"started_at": started, "sent_at": now})
+        reg.heartbeat(hb, now)
+        return reg.shared(hb, now)
+
+    assert [at(100.0, t) for t in (0.0, 0.5, 1.0)] == [None] * 3
+    assert [at(200.0, t) for t in (1.5, 2.0, 2.5, 3.0, 6.0, 9.5)] == [None] * 6  # restarted: a new process
+    said = [at(started, 10.0 + i / 4) for i, started in enumerate((300.0, 200.0, 300.0, 200.0))]
+    assert said == [None, None, (200.0, 300.0), (200.0, 300.0)]  # a second one beside it: said at its 3rd switch
+    assert reg.sweep(20.0) == ["w1"] and at(400.0, 20.0) is None  # gone and back: starts afresh

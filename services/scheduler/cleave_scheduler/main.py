@@ -52,6 +52,7 @@ log = structlog.get_logger("scheduler")
 PROCESS_MIN_DEVICES = 100  # fleets this large are planned in a process of their own
 MAX_SUSPECTS = 8  # devices tried, one at a time, as the cause of a planner failure
 MAX_OBSERVED_BYTES = 16 * 1024 * 1024  # a PS's report of what its workers delivered
+SHARED_TOLD_S = 60.0  # a worker id two processes share is said at most this often
 
 
 def planning_process() -> ProcessPoolExecutor:
@@ -65,6 +66,7 @@ class Scheduler:
         self.s, self.bus = s, bus
         self.registry = Registry(s.liveness_s)
         self.written: dict[str, float] = {}  # worker id -> when its registry entry was last written
+        self.told_shared: dict[str, float] = {}  # worker id -> when its sharing was last said
         self.changed = asyncio.Event()
         self.reasons: list[str] = []
         self.shapes: JobShapes | None = None
@@ -101,6 +103,15 @@ class Scheduler:
         joined = self.registry.heartbeat(hb, now)
         if joined is None:  # its profile broke the planner: dropped until it changes
             return
+        both = self.registry.shared(hb, now)
+        if both is not None and now - self.told_shared.get(hb.worker_id, 0.0) >= SHARED_TOLD_S:
+            self.told_shared[hb.worker_id] = now
+            started = [time.strftime("%H:%M:%S", time.localtime(t)) for t in both]
+            log.warning("worker_id_shared", worker_id=hb.worker_id, started=started,
+                        hint="two machines run with one worker id (one credential folder, or one --worker-id): "
+                             "give each its own; the PS cannot tell their results apart")
+            self.outbox.emit(Event(kind="worker_id_shared", at=now, worker_id=hb.worker_id,
+                                   detail={"started_a": both[0], "started_b": both[1]}))
         if joined:
             log.info("worker_joined", worker_id=hb.worker_id, flops=f"{hb.profile.flops / 1e9:.1f}G")
             self.reasons.append("join")

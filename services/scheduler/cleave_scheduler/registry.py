@@ -6,7 +6,9 @@ what the cost model leaves out: the PS's dealing, the bus) is planned, from then
 divided by that factor (its latency and memory as claimed); the factor moves again only when what it delivers
 moves by more than `HYSTERESIS` (so plans do not follow every report), and goes once it delivers within
 `RECOVERED` of its claim (`corrections`). A device whose profile broke the planner is dropped (`refuse`): its
-heartbeats are ignored until its profile changes.
+heartbeats are ignored until its profile changes. Heartbeats under one id that keep switching between two
+processes (their `started_at`) are two machines sharing a credential or `--worker-id` (`shared`): said, since
+neither can be told apart from the other by the PS.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ RECOVERED = 2.0  # ... until it delivers within this factor of its claim again
 TILE_OVERHEAD_S = 0.02  # a tile's cost beyond the cost model, allowed before comparing (measured: ~0.01-0.07 s a
 # tile of the tiny model on a loaded 2-core machine, where the cost model predicts a few ms)
 DEFAULT_LINK_GRACE_S = 5.0  # at most this much liveness a worker's claimed link adds (`liveness_limit`)
+SHARED_SWITCHES = 3  # heartbeats of one id switching process this often within SHARED_WINDOW liveness periods:
+SHARED_WINDOW = 5    # two processes share the id (a restart switches once)
 
 
 def scaled(p: DeviceProfile, factor: float) -> DeviceProfile:
@@ -40,6 +44,8 @@ class Registry:
     claimed: dict[str, DeviceProfile] = field(default_factory=dict)  # worker -> the profile it claims
     corrections: dict[str, float] = field(default_factory=dict)  # worker -> its claim's rates over what it delivers
     refused: dict[str, DeviceProfile] = field(default_factory=dict)  # worker -> a profile that broke the planner
+    started: dict[str, float] = field(default_factory=dict)  # worker -> the started_at of its last heartbeat
+    switches: dict[str, list[float]] = field(default_factory=dict)  # worker -> when its heartbeats changed process
 
     def heartbeat(self, hb: Heartbeat, now: float) -> bool | None:
         """Record a heartbeat; True when this worker is new (membership changed), None when it is refused."""
@@ -56,6 +62,18 @@ class Registry:
             last_seen=now, cache_bytes=hb.cache_bytes, tiles_done=hb.tiles_done,
         )
         return old is None
+
+    def shared(self, hb: Heartbeat, now: float) -> tuple[float, float] | None:
+        """The two processes' `started_at` when heartbeats under `hb.worker_id` keep switching between processes
+        (SHARED_SWITCHES times within SHARED_WINDOW liveness periods); None otherwise, a restart included."""
+        w, before = hb.worker_id, self.started.get(hb.worker_id)
+        self.started[w] = hb.started_at
+        if before is None or before == hb.started_at:
+            return None
+        window = SHARED_WINDOW * self.liveness_s
+        recent = [t for t in self.switches.get(w, ()) if now - t < window] + [now]
+        self.switches[w] = recent
+        return (min(before, hb.started_at), max(before, hb.started_at)) if len(recent) >= SHARED_SWITCHES else None
 
     def observe(self, report: Observed) -> list[tuple[str, float, float]]:
         """Apply what the PS saw the workers deliver; (worker, old factor, new factor) of each correction."""
@@ -108,6 +126,8 @@ class Registry:
         for w in gone:
             del self.devices[w]
             self.claimed.pop(w, None)
+            self.started.pop(w, None)
+            self.switches.pop(w, None)
         return gone
 
     def plan(self, now: float, tile_rows: int, tile_cols: int, reason: str, chunks: int = 1,
