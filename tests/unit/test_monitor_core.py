@@ -7,6 +7,7 @@ import math
 from prometheus_client.parser import text_string_to_metric_families
 
 from cleave.schemas import DeviceProfile, DeviceRecord, Event, JobRecord, Plan, PlanWorker, StepMetrics
+from cleave.schemas.jobs import RUNNER_SILENT_S
 from cleave_monitor import guard, prom
 from cleave_monitor.core import MonitorState
 from cleave_monitor.hub import Hub
@@ -61,6 +62,11 @@ def test_the_hubs_jobs_are_listed_oldest_first_and_leave_when_deleted():
     assert [j["job_id"] for j in s.status(0.0)["queue"]] == ["a", "b"]
     s.on_job_gone("a")
     assert [j["job_id"] for j in s.snapshot(0.0)["queue"]] == ["b"]
+    # a job whose runner stopped stamping its record: said once RUNNER_SILENT_S have passed, not for an ended one
+    s.on_job_record(JobRecord(job_id="b", job="{}", state="running", submitted_at=2.0, runs=1, heard_at=100.0))
+    s.on_job_record(JobRecord(job_id="c", job="{}", state="done", submitted_at=3.0, runs=1, heard_at=100.0))
+    assert [j["runner_silent_s"] for j in s.status(100.0 + RUNNER_SILENT_S)["queue"]] == [None, None]
+    assert [j["runner_silent_s"] for j in s.status(700.0)["queue"]] == [600, None]
 
 
 def test_host_names_the_dashboard_answers():

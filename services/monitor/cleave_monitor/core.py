@@ -14,6 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cleave.schemas import DeviceProfile, DeviceRecord, Event, JobRecord, Plan, StepMetrics
+from cleave.schemas.jobs import RUNNER_SILENT_S
 
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)  # seconds
 MEASURED_WINDOW = 10  # steps whose median is "measured step time" against the plan's prediction
@@ -179,7 +180,7 @@ class MonitorState:
 
     def on_job_record(self, rec: JobRecord) -> Update:
         view = {k: getattr(rec, k) for k in ("job_id", "state", "submitted_at", "started_at", "ended_at", "runs",
-                                             "exit_code", "reason", "min_workers")}
+                                             "exit_code", "reason", "min_workers", "heard_at")}
         self.queue[rec.job_id] = view
         return "queue", view
 
@@ -187,9 +188,14 @@ class MonitorState:
         self.queue.pop(job_id, None)
         return "queue", {"job_id": job_id}
 
-    def queue_view(self) -> list[dict]:
-        """The hub's submitted jobs, the oldest submission first."""
-        return sorted(self.queue.values(), key=lambda j: j["submitted_at"])
+    def queue_view(self, now: float) -> list[dict]:
+        """The hub's submitted jobs, the oldest submission first; `runner_silent_s` of a queued or running job
+        whose runner has not stamped its record for RUNNER_SILENT_S (its runner is gone), else None."""
+        def silent(j: dict) -> float | None:
+            quiet = now - j["heard_at"] if j.get("heard_at") is not None else 0.0
+            return round(quiet) if j["state"] in ("queued", "running") and quiet > RUNNER_SILENT_S else None
+
+        return [{**j, "runner_silent_s": silent(j)} for j in sorted(self.queue.values(), key=lambda j: j["submitted_at"])]
 
     def on_plan(self, plan: Plan) -> Update:
         self.plan = plan
@@ -277,7 +283,7 @@ class MonitorState:
             "plan": self.plan_view(),
             "totals": self.totals.view(),
             "rejected": self.rejected,
-            "queue": self.queue_view(),
+            "queue": self.queue_view(now),
         }
 
     def snapshot(self, now: float, job: str | None = None) -> dict:

@@ -85,7 +85,7 @@ async def api_plan(request: web.Request) -> web.Response:
 
 
 async def api_jobs(request: web.Request) -> web.Response:
-    return _json({"jobs": request.app[CONTEXT].state.queue_view()})
+    return _json({"jobs": request.app[CONTEXT].state.queue_view(time.time())})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -195,7 +195,8 @@ function renderQueue() {
     node("span", { class: "state " + j.state }, node("td", {}, tr), j.state);
     for (const k of ["submitted_at", "started_at", "ended_at"]) node("td", {}, tr, j[k] ? clock(j[k]) : "–");
     node("td", {}, tr, String(j.runs));
-    node("td", {}, tr, j.reason || "");
+    const gone = j.runner_silent_s ? `no word from the hub's runner for ${Math.round(j.runner_silent_s / 60)} min: is cleave up still running there?` : "";
+    node("td", {}, tr, [j.reason, gone].filter(Boolean).join("; "));
   }
 }
 
