@@ -83,8 +83,8 @@ async def first_try(url: str, options: dict[str, Any], folder: Path | None, role
         errors.append(e)
 
     servers = urls.servers(url)
-    host = urlsplit(servers[0] if "://" in servers[0] else f"nats://{servers[0]}").hostname if len(servers) == 1 \
-        else "HOST"
+    first = servers[0] if "://" in servers[0] else f"nats://{servers[0]}"
+    host = (urlsplit(first).hostname if len(servers) == 1 else None) or "HOST"  # (a cluster: which one is unsaid)
     nc = receive.client()
     try:
         await asyncio.wait_for(nc.connect(
@@ -94,6 +94,6 @@ async def first_try(url: str, options: dict[str, Any], folder: Path | None, role
         errors.append(e)
         await asyncio.gather(nc.close(), return_exceptions=True)
         info = getattr(nc, "_server_info", None) or {}
-        return refusal(errors, info, folder, role, host or "HOST") or Refusal(repr(e), False)
+        return refusal(errors, info, folder, role, host) or Refusal(repr(e), False)
     await nc.close()
     return None
