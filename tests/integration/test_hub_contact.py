@@ -6,6 +6,8 @@ retried, and its message names what the first try met. A real nats-server with `
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,3 +68,23 @@ def test_a_plain_server_at_a_tls_url_and_a_closed_port_are_told_apart(server: Au
     assert "it does not serve TLS, which its tls:// URL asks for" in told and float(told.split("s ", 1)[0]) < FAST_S
     told = _refused(f"nats://127.0.0.1:{free_port()}", server.out)  # not up: retried, then its cause named
     assert "within 15s: nothing listens there (connection refused)" in told, told
+
+
+def test_a_worker_started_by_hand_with_another_deployments_folder_says_so(tls_site_hub: AuthServer,
+                                                                         tmp_path: Path) -> None:
+    """`cleave worker --nats URL --auth DIR` with a folder whose CA is not the hub's logged `nats_error` every
+    half second, for ever; a hub that is not up is still waited for (a service's promise)."""
+    other = tmp_path / "other"
+    auth_cmd.init(authserver.init_args(other, free_port(), tls=True))
+    done = subprocess.run([sys.executable, "-m", "cleave_cli", "worker", "--nats", tls_site_hub.url, "--auth",
+                           str(other)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"{other}/tls/ca.pem did not sign it" in done.stderr, done.stderr[-2000:]
+    waiting = subprocess.Popen([sys.executable, "-m", "cleave_cli", "worker", "--nats",
+                                f"tls://127.0.0.1:{free_port()}", "--auth", str(tls_site_hub.out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=10)  # nothing listens there yet: it keeps trying
+    finally:
+        waiting.terminate()
+        waiting.wait(timeout=30)

@@ -147,7 +147,24 @@ def _settings(cls, args: argparse.Namespace, **fields):
         if cred.companions:  # the scheduler's probe echo
             values["probe_nkey_seed"] = cred.companions[0].seed
         values["nats_tls_ca"] = credentials.ca_file(args.auth)
+        settings = cls(**values)
+        _first_contact(settings, role, args.auth, name)
+        return settings
     return cls(**values)
+
+
+def _first_contact(settings, role: str, folder: Path, name: str) -> None:  # noqa: ANN001 - a service's settings
+    """A service started by hand with `--auth`: a refusal no retry mends (a certificate the folder's CA did not
+    sign, a credential the hub does not know, its leaf-node port) is said now, not logged for ever; a hub that
+    is not up is waited for, as always."""
+    import asyncio
+
+    from cleave import auth
+    from cleave.api import contact
+
+    said = asyncio.run(contact.first_try(settings.nats_url, auth.connect_options(settings, role), folder, name))
+    if said is not None and said.final:
+        raise CleaveError(f"NATS at {settings.nats_url}: {said.reason}")
 
 
 def run_service(args: argparse.Namespace) -> int:
