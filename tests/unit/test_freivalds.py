@@ -234,3 +234,61 @@ def test_planned_strips_refuse_huge_lies_and_lies_about_overflowing_products(dty
     lie[3, 3] = 1e30
     v = freivalds.check(norms, 0, 32, 0, 16, block_of(lie), name)
     assert not v.passed and v.row == 3
+
+
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float16, 1e-7), (torch.bfloat16, 1e-24), (torch.float32, 1e-24)])
+def test_tiny_half_precision_blocks_of_a_large_learning_rate_pass(dtype: torch.dtype, scale: float,
+                                                                 planned: bool) -> None:
+    """Honest blocks refused at a large learning rate (and the job hung once every worker was expelled): a
+    float16 weight gradient with subnormal elements (rounded by half their spacing, not relatively), and a
+    bfloat16 dX of 1e-23s whose squares underflowed float32 (its rounding term was 0). Lies are still caught."""
+    g = torch.Generator().manual_seed(5)
+    a = (torch.randn(64, 128, generator=g) * scale).to(dtype)
+    bt = torch.randn(48, 128, generator=g).to(dtype)
+    name = codec.dtype_name(dtype)
+
+    def block_of(t: torch.Tensor) -> np.ndarray:
+        t = t.to(dtype).contiguous()
+        return freivalds.block_float32((t.view(torch.int16) if dtype == torch.bfloat16 else t).numpy(), name)
+
+    exact = a.float() @ bt.float().T
+    if dtype == torch.float16:
+        assert ((exact.to(dtype).abs() < 2**-14) & (exact.to(dtype) != 0)).float().mean() > 0.5  # mostly subnormal
+    norms = freivalds.Norms(a, bt, ((0, 48),) if planned else ())
+    assert max(freivalds.check(norms, 0, 64, 0, 48, block_of(exact), name).worst for _ in range(3)) < 1.0
+    lie = exact.clone()
+    lie[9, 4] += 8 * float(exact.abs().max())
+    v = freivalds.check(norms, 0, 64, 0, 48, block_of(lie), name)
+    assert not v.passed and v.row == 9
+
+
+def test_an_honest_float16_overflow_is_accepted_and_a_lying_infinity_is_not() -> None:
+    """A float16 job at a large learning rate: the exact product of a few elements lies beyond float16's range,
+    and the worker's block holds infinities there, as the reference's does (which then skips the step). It was
+    refused as not finite and re-sent for ever. An infinity where the product is finite, one of the wrong sign,
+    or a lie in the finite rest, is still refused."""
+    from cleave.gemm.tiles import Tile
+    from cleave_ps.fleet.examine import examine
+    from cleave_ps.fleet.runs import GemmRun
+
+    g = torch.Generator().manual_seed(6)
+    a, bt = torch.randn(32, 64, generator=g).half(), torch.randn(16, 64, generator=g).half()
+    a[3] = 200.0
+    bt[5] = 100.0  # element (3, 5): 64 x 20,000 = 1.28e6, beyond 65,504
+    run = GemmRun(seq=1, step=0, op=0, name="lm_head.dw", a=a, bt=bt, out=torch.empty(32, 16, dtype=torch.float16))
+    t = Tile(0, 0, 32, 0, 16)
+    honest = (a.float() @ bt.float().T).half()
+    assert torch.isinf(honest[3, 5]) and torch.isfinite(honest).sum() == 32 * 16 - 1
+
+    def verdict(block: torch.Tensor) -> str:
+        return examine(run, t, block.numpy(), "float16")[0]
+
+    assert verdict(honest) == ""
+    for lie in ((3, 5, float("-inf")), (0, 0, float("inf")), (1, 1, 123.0)):
+        wrong = honest.clone()
+        wrong[lie[0], lie[1]] = lie[2]
+        assert verdict(wrong) in ("not_finite", "wrong_block"), lie
+    nan = honest.clone()
+    nan[3, 5] = float("nan")
+    assert verdict(nan) == "not_finite"

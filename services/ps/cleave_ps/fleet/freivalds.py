@@ -17,7 +17,8 @@ unit roundoff u, independently; the random signs of x make the sum over a row's 
   (u₆₄·cols·‖aᵢ‖·Σⱼ|xⱼ|·‖bⱼ‖, bounded by u₆₄·cols·√cols·‖aᵢ‖·‖x∘‖bⱼ‖‖: next to nothing), y rounded to float32
   and A·y summed over K in float32 (u·(√K + 1)·‖aᵢ‖·‖y‖), and C·x in float32 (u·√cols·Σⱼ|cᵢⱼ·xⱼ|, bounded by
   u·√cols·‖cᵢ‖·‖x‖, or by u·cols·‖cᵢ∘x‖ for a half-precision block, which needs that norm anyway);
-- a bf16 or fp16 block's rounding to its dtype: u_out·‖cᵢ∘x‖.
+- a bf16 or fp16 block's rounding to its dtype: u_out·‖cᵢ∘x‖, and where its elements are subnormal, half their
+  spacing each: s·Σⱼ|xⱼ| ≤ s·√cols·‖x‖ (a hard bound, not a multiple of `DEFAULT_Z`).
 
 The norms of `a`'s and `bt`'s rows are computed once per GEMM run (`Norms`), Btᵀ·x and the tolerance's
 terms that do not depend on the block once per strip (`Strip`), and A·y for every strip of the run's tiles in
@@ -47,8 +48,13 @@ U64 = 2.0**-53  # float64's
 CHUNK_ELEMENTS = 1 << 15  # of bt converted to float64 at once (256 KiB)
 PARTIAL = 16  # rows of bt summed in float32 by BLAS for each of Btᵀ·x's partial sums, which add up in float64
 PRODUCT_ELEMENTS = 1 << 17  # of a multiplied at once by its strips' vectors (512 KiB of float32)
+TINY_SQUARES = 2.0**-100  # a row's sum of squares below this may have underflowed float32: taken in float64
 FLOOR = 1e-30  # absolute slack per term, for blocks of (near) zeros: underflow, not lies
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # of a block's rounding to its dtype
+# ... which is relative only above the dtype's subnormals: below, a value rounds by up to half their spacing (a
+# weight gradient of float16 at a large learning rate had elements of 2**-24: 14 times the relative bound)
+SUBNORMAL_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-134, "float16": 2.0**-25}
 
 
 def as_float32(t: torch.Tensor) -> np.ndarray:
@@ -234,6 +240,11 @@ def row_squares(m: np.ndarray) -> np.ndarray:
         squares = np.vecdot(m, m) if m.strides[-1] == m.itemsize else np.einsum("ij,ij->i", m, m)
     if squares.size and not math.isfinite(squares.max()):
         squares = np.einsum("ij,ij->i", m, m, dtype=np.float64)
+    else:  # a row of tiny values whose squares underflowed float32 (to 0 or a subnormal): in float64
+        tiny = np.flatnonzero(squares < TINY_SQUARES)
+        if tiny.size:
+            squares = squares.astype(np.float64)
+            squares[tiny] = np.einsum("ij,ij->i", m[tiny], m[tiny], dtype=np.float64)
     return np.multiply(squares, 1 + m.shape[1] * U32, dtype=np.float64)
 
 
@@ -280,21 +291,27 @@ def check(norms: Norms, r0: int, r1: int, c0: int, c1: int, c: np.ndarray, dtype
             np.abs(residual, out=residual)
             tol = n.tol[st.column, r0:r1]
             if u_out:  # ‖cᵢ∘x‖ (a second product): C·x's rounding and the block's to its dtype (as `_check`)
-                c_sq_x = mv(np.square(c), st.x2)
+                c_sq_x = squares_x(c, st.x2)
                 if not math.isfinite(c_sq_x.max()):  # (overflowed float32: judged in float64)
-                    return _check(n, st, r0, r1, c, u_out)
-                tol = tol + (DEFAULT_Z * (U32 * c.shape[1] + u_out)) * np.sqrt(c_sq_x)
+                    return _check(n, st, r0, r1, c, u_out, dtype)
+                tol = tol + (DEFAULT_Z * (U32 * c.shape[1] + u_out)) * np.sqrt(c_sq_x) + subnormal(st, c.shape[1], dtype)
             residual /= tol
             worst = int(residual.argmax())
             if residual[worst] < 1.0:
                 return Verdict(True, float(residual[worst]), worst)
-        return _check(n, st, r0, r1, c, u_out)
+        return _check(n, st, r0, r1, c, u_out, dtype)
 
 
-def _check(n: Norms, st: Strip, r0: int, r1: int, c: np.ndarray, u_out: float) -> Verdict:
+def subnormal(st: Strip, cols: int, dtype: str) -> float:
+    """The bound on a row's residual from a half-precision block's subnormal elements (their rounding is
+    absolute): half their spacing times Σⱼ|xⱼ|."""
+    return SUBNORMAL_ROUNDOFF.get(dtype, 0.0) * math.sqrt(cols) * st.xn
+
+
+def _check(n: Norms, st: Strip, r0: int, r1: int, c: np.ndarray, u_out: float, dtype: str = "float32") -> Verdict:
     rows_of_a = lambda: n.a32[r0:r1] if n.a32 is not None else as_float32(n.a[r0:r1])  # noqa: E731 - when needed
     a_norm = n.a_norm[r0:r1]
-    slack = floor(n.a.shape[1], c.shape[1])
+    slack = floor(n.a.shape[1], c.shape[1]) + subnormal(st, c.shape[1], dtype)
     residual = mv(c, st.x)
     residual -= n.ay[st.column, r0:r1] if st.column >= 0 else mv(rows_of_a(), st.y)
     np.abs(residual, out=residual)
@@ -317,9 +334,22 @@ def _check(n: Norms, st: Strip, r0: int, r1: int, c: np.ndarray, u_out: float) -
     return Verdict(bool(ratio[worst] < 1.0), float(ratio[worst]), worst)
 
 
+def squares_x(c: np.ndarray, x2: np.ndarray) -> np.ndarray:
+    """‖cᵢ∘x‖² of every row of a block (`x2`: x squared); a row of tiny values, whose squares underflowed
+    float32 (a bf16 block of 1e-23s: its rounding term vanished, and honest rows failed), in float64."""
+    with np.errstate(under="ignore"):
+        c_sq_x = mv(np.square(c), x2)
+    tiny = np.flatnonzero(c_sq_x < TINY_SQUARES)
+    if tiny.size:
+        c_sq_x = c_sq_x.astype(np.float64)
+        rows = c[tiny].astype(np.float64)
+        c_sq_x[tiny] = np.square(rows) @ x2.astype(np.float64)
+    return c_sq_x
+
+
 def _block_sums(c: np.ndarray, x: np.ndarray, xn: float, u_out: float) -> tuple[np.ndarray | None, np.ndarray]:
     """(‖cᵢ∘x‖² for a half-precision block, else None; a bound on Σⱼ|cᵢⱼ·xⱼ|), from one pass over the block."""
     if u_out:
-        c_sq_x = mv(np.square(c), np.square(x))
+        c_sq_x = squares_x(c, np.square(x))
         return c_sq_x, math.sqrt(c.shape[1]) * np.sqrt(c_sq_x)
     return None, np.sqrt(np.einsum("ij,ij->i", c, c)) * xn
