@@ -40,7 +40,7 @@ def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = N
             print(f"no preflight estimate for method {job.method!r} yet")
         return job
     job, est, memory = fit(PsSettings(replicas=replicas), job, workers)  # (the PS's own, as it will start)
-    budgets = registry_budgets(nats, auth) if nats else [WorkerSettings().memory_bytes]
+    budgets = registry_budgets(nats, auth) if nats else [WorkerSettings().memory_bytes] * workers
     if dry_run:
         lay = est.layout
         print(f"preflight of job {job.job_id} ({job.model_name}, batch {job.batch_size} x seq {job.seq}, "
@@ -78,7 +78,13 @@ def train(args: argparse.Namespace) -> int:
     job = job_from_args(args)
     if args.config:  # the local stack's services read their tables of the same file ([ps], [worker], ...)
         os.environ[config_file.CONFIG_ENV] = str(args.config.resolve())
-    if args.ps_replicas < 1 or job.batch_size % (args.ps_replicas * job.micro_batches) or (
+    if args.ps_replicas < 1:
+        raise ConfigError(f"--ps-replicas: must be at least 1, got {args.ps_replicas}")
+    if args.ps_replicas > args.workers and args.nats is None and not args.reference:
+        raise ConfigError(f"--ps-replicas {args.ps_replicas} needs at least as many workers (each replica trains "
+                          f"with its own part of the fleet, and one with none waits for ever); --workers is "
+                          f"{args.workers}")
+    if job.batch_size % (args.ps_replicas * job.micro_batches) or (
             args.ps_replicas > 1 and job.method != "cleave"):
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
                           f"it times --micro-batches (the job has method {job.method}, batch size {job.batch_size}, "
