@@ -126,6 +126,7 @@ def test_a_job_whose_rounds_accept_nothing_fails_with_what_it_saw(tmp_path):
     with pytest.raises(PsEnded, match="exited with 4") as ended:
         run(tmp_path / "run", job, {"nodata": {}}, timeout_s=120)
     assert ended.value.exit_code == EXIT_JOB_FAILED  # what `cleave train` ends with: the job's verdict, not 2
+    assert "exited with 4: 2 rounds in a row" in str(ended.value)  # the reason, not the bus's last log line
     ps = (tmp_path / "run" / "logs" / "ps.log").read_text()
     assert "2 rounds in a row (round 0) ended with no accepted update" in ps
     assert "declared none" in ps

@@ -21,6 +21,7 @@ is; this module does the rest, in this order, for all three.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -151,4 +152,5 @@ def ended(e: CleaveError, stop: asyncio.Event) -> int:
         log.info(event, reason=str(e))
         return EXIT_OK
     log.warning(event, reason=str(e), exit_code=e.exit_code)
-    return e.exit_code
+    print(f"cleave: error: {e}", file=sys.stderr, flush=True)  # (its supervisor's `last_words`: the reason, not
+    return e.exit_code                                           # the bus's closing lines logged after it)
