@@ -116,3 +116,13 @@ def test_status_metrics_out_sets_another_jobs_file_aside(tmp_path: Path) -> None
     kept = mirror(f, "j1", steps("j1", [6.0, 5.5]))
     assert kept is not None and kept.exists() and len(kept.read_text().splitlines()) == 3  # j2's, untouched
     assert [json.loads(x)["loss"] for x in f.read_text().splitlines()] == [6.0, 5.5]
+
+
+def test_the_reference_of_an_approximate_method_says_what_it_trains(tmp_path, capsys) -> None:
+    """`--reference` of diloco or fedavg trains plain AdamW steps (the exact baseline), not the method; it
+    printed 'round' lines as though it ran the rounds."""
+    assert main(["train", "--method", "fedavg", "--preset", "tiny", "--steps", "2", "--batch-size", "2",
+                 "--local-steps", "3", "--reference", "--run-dir", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "method fedavg is approximate: --reference trains the exact baseline" in out
+    assert "over steps 0-1 (2 steps)" in out and "round" not in out.split("\n", 1)[1]

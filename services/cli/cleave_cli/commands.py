@@ -20,7 +20,7 @@ from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
-from cleave.train.job import JobConfig
+from cleave.train.job import ROUND_METHODS, JobConfig
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args, new_job_id
 from cleave_cli.monitor_cmd import start_monitor
@@ -98,13 +98,18 @@ def train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or jobs.run_dir_of(job)  # the job's own: the same --job-id finds its state again
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
-    progress = ProgressBar(job.steps, unit=unit_of(job.method))
+    unit = "step" if args.reference else unit_of(job.method)
+    if args.reference and job.method in ROUND_METHODS:
+        print(f"method {job.method} is approximate: --reference trains the exact baseline it is measured against, "
+              "one plain AdamW step of the whole model per round on shard 0's batches (no workers, local steps, "
+              "LoRA, compression or aggregation)")
+    progress = ProgressBar(job.steps, unit=unit)
     trackers = Trackers(args.log_to, run_name=job.job_id, config=job.model_dump())
     try:
         lines = run_job(args, job, run_dir, metrics_out, progress, trackers)
     finally:
         trackers.close()
-    summarize(lines, metrics_out, unit_of(job.method))
+    summarize(lines, metrics_out, unit)
     return 0
 
 
