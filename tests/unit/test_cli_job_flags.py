@@ -73,6 +73,8 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("train", "--preset", "tiny", "--lr", "inf", "--dry-run"): "lr: Input should be a finite number",
         ("train", "--preset", "tiny", "--workers", "0", "--dry-run"): "--workers: must be at least 1, got 0",
         ("train", "--preset", "tiny", "--ps-replicas", "0", "--dry-run"): "--ps-replicas: must be at least 1, got 0",
+        ("train", "--method", "fedavg", "--workers", "2", "--min-updates", "5", "--run-dir", str(tmp_path / "r")):
+            "--min-updates 5 is more than the 2 workers of this stack",
         ("train", "--preset", "tiny", "--workers", "1", "--ps-replicas", "2", "--run-dir", str(tmp_path / "r")):
             "--ps-replicas 2 needs at least as many workers",
         ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",

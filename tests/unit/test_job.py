@@ -54,6 +54,19 @@ def test_lora_alpha_needs_a_rank_and_compress_a_valid_spec():
         JobConfig.build(method="diloco", compress="int9")
 
 
+def test_split_layers_and_lora_targets_name_what_the_model_has():
+    """Refused by the job itself, so `--reference` refuses them too: it trained them, while the fleet's PS
+    refused them only once the stack had started."""
+    with pytest.raises(ConfigError, match="split_layers=3 must be between 0 and the model's n_layer=2"):
+        JobConfig.build(method="split", preset="tiny", split_layers=3)
+    assert JobConfig.build(method="split", preset="tiny", split_layers=2).split_layers == 2
+    with pytest.raises(ConfigError, match="lora_targets 'nosuch' name no linear layer of the model; it has c_attn, "
+                                          "c_fc, c_proj, lm_head"):
+        JobConfig.build(method="fedavg", preset="tiny", lora_rank=4, lora_targets=("c_attn", "nosuch"))
+    llama = JobConfig.build(method="fedavg", preset="tiny-llama", lora_rank=4, lora_targets=("q_proj", "v_proj"))
+    assert llama.lora_targets == ("q_proj", "v_proj")
+
+
 def test_secure_aggregation_and_dp_refuse_what_they_cannot_do():
     with pytest.raises(ConfigError, match=r"secagg needs aggregate='mean'.*aggregate='median'"):
         JobConfig.build(method="fedavg", secagg=True, aggregate="median")

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cleave.errors import ConfigError
-from cleave.models import PRESETS, ModelConfig, StepLayout, get_preset, head_chunks
+from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset, head_chunks
 from cleave.models.gemms import DEFAULT_LOGITS_BYTES, head_slices
 from cleave.models.hf import own_tokenizer, read_hf_config
 from cleave.runtime import config_file
@@ -145,9 +145,19 @@ class JobConfig(BaseModel):
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         try:
-            block = self.arch().block_size
+            arch = self.arch()
         except ConfigError as e:
             raise ValueError(str(e)) from None
+        block = arch.block_size
+        if self.method == "split" and not 0 <= self.split_layers <= arch.n_layer:  # (also what --reference trains)
+            raise ValueError(f"split_layers={self.split_layers} must be between 0 and the model's "
+                             f"n_layer={arch.n_layer}")
+        if self.lora_targets:  # (named by the last part of a linear layer's name, as `methods.lora` matches them)
+            linears = {g.name.split(".")[-2] for g in gemm_shapes(arch, 1, 1)}
+            unknown = [t for t in self.lora_targets if t not in linears]
+            if unknown:
+                raise ValueError(f"lora_targets {', '.join(map(repr, unknown))} name no linear layer of the model; "
+                                 f"it has {', '.join(sorted(linears))}")
         if self.seq_len is not None and self.seq_len > block:
             raise ValueError(f"seq_len={self.seq_len} exceeds the model's block_size={block}")
         if self.lr_min is not None and self.lr_min > self.lr:

@@ -84,6 +84,10 @@ def train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs at least as many workers (each replica trains "
                           f"with its own part of the fleet, and one with none waits for ever); --workers is "
                           f"{args.workers}")
+    if (job.method in ROUND_METHODS and job.min_updates > args.workers and not job.max_staleness
+            and args.nats is None and not args.reference):
+        raise ConfigError(f"--min-updates {job.min_updates} is more than the {args.workers} workers of this stack: "
+                          "no round could ever apply an update (each worker sends one a round)")
     if job.batch_size % (args.ps_replicas * job.micro_batches) or (
             args.ps_replicas > 1 and job.method != "cleave"):
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
