@@ -62,12 +62,14 @@ def test_each_refusal_is_named_at_once(tls_site_hub: AuthServer, tmp_path: Path)
         assert said in told and float(told.split("s ", 1)[0]) < FAST_S, (url, folder, told)
 
 
-def test_a_plain_server_at_a_tls_url_and_a_closed_port_are_told_apart(server: AuthServer) -> None:
+def test_a_plain_server_at_a_tls_url_and_a_closed_port_are_told_apart(server: AuthServer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub, "DEFAULT_CONNECT_TIMEOUT_S", 6.0)  # (the retries of a hub not up: 15 s by default)
     tls_url = server.url.replace("nats://", "tls://")
     told = _refused(tls_url, server.out)
     assert "it does not serve TLS, which its tls:// URL asks for" in told and float(told.split("s ", 1)[0]) < FAST_S
     told = _refused(f"nats://127.0.0.1:{free_port()}", server.out)  # not up: retried, then its cause named
-    assert "within 15s: nothing listens there (connection refused)" in told, told
+    assert "within 6s: nothing listens there (connection refused)" in told, told
 
 
 def test_a_worker_started_by_hand_with_another_deployments_folder_says_so(tls_site_hub: AuthServer,
@@ -84,7 +86,7 @@ def test_a_worker_started_by_hand_with_another_deployments_folder_says_so(tls_si
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with pytest.raises(subprocess.TimeoutExpired):
-            waiting.wait(timeout=10)  # nothing listens there yet: it keeps trying
+            waiting.wait(timeout=6)  # nothing listens there yet: it keeps trying
     finally:
         waiting.terminate()
         waiting.wait(timeout=30)
