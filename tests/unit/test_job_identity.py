@@ -35,6 +35,13 @@ def test_a_description_written_before_a_setting_existed_reads_it_at_its_default(
     assert identity_changes('{"job_id": "j", "preset": "tiny"}', job()) == []
 
 
+def test_seq_len_left_open_is_the_models_block_size() -> None:
+    """Naming the block size (64 for tiny) resumes a job that left seq_len open (it was refused as 'None ->
+    64'), and a real change says what it was."""
+    assert identity_changes(job(), job(seq_len=64)) == []
+    assert identity_changes(job(), job(seq_len=48)) == ["seq_len: 64 -> 48"]
+
+
 def test_a_new_job_sets_another_jobs_metrics_aside_and_never_deletes_them(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     out = MetricsFile(path)

@@ -27,6 +27,7 @@ once per step; a new job finding another job's lines there sets that file aside 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -72,9 +73,14 @@ IDENTITY = ("method", "preset", "init_from", "seq_len", "split_layers", "lora_ra
 
 
 def _fields(config: str) -> dict:
-    """A job description's settings (JSON), each one that is absent at its default."""
+    """A job description's settings (JSON), each one that is absent at its default; seq_len left open as the
+    model's block size it stands for (naming that size is the same job, and a change says what it was)."""
     raw = json.loads(config)
-    return {name: raw.get(name, f.default) for name, f in JobConfig.model_fields.items()}
+    fields = {name: raw.get(name, f.default) for name, f in JobConfig.model_fields.items()}
+    if fields["seq_len"] is None:
+        with contextlib.suppress(Exception):  # (a description that no longer validates keeps None)
+            fields["seq_len"] = JobConfig.model_validate(raw).seq
+    return fields
 
 
 def identity_changes(before: str, after: str) -> list[str]:
