@@ -93,8 +93,7 @@ def train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
                           f"it times --micro-batches (the job has method {job.method}, batch size {job.batch_size}, "
                           f"micro-batches {job.micro_batches})")
-    if args.nats is None or args.reference:  # the PS runs here: a tokenizer it cannot read is told before it starts
-        load_tokenizer(job.tokenizer)
+    load_tokenizer(job.tokenizer)  # the PS runs here (with --nats too): a tokenizer it cannot read is told now
     job = check_fits(job, args.workers, args.dry_run, args.nats if not args.reference else None, args.ps_replicas,
                      args.auth)
     if args.dry_run:
