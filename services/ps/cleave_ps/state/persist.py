@@ -73,13 +73,11 @@ IDENTITY = ("method", "preset", "init_from", "seq_len", "split_layers", "lora_ra
 
 
 def _fields(config: str) -> dict:
-    """A job description's settings (JSON), each one that is absent at its default; seq_len left open as the
-    model's block size it stands for (naming that size is the same job, and a change says what it was)."""
+    """A job description's settings (JSON), an absent one at its default, seq_len left open at the block size."""
     raw = json.loads(config)
     fields = {name: raw.get(name, f.default) for name, f in JobConfig.model_fields.items()}
-    if fields["seq_len"] is None:
-        with contextlib.suppress(Exception):  # (a description that no longer validates keeps None)
-            fields["seq_len"] = JobConfig.model_validate(raw).seq
+    with contextlib.suppress(Exception):  # (a description that no longer validates keeps None)
+        fields["seq_len"] = fields["seq_len"] or JobConfig.model_validate(raw).seq
     return fields
 
 
@@ -93,7 +91,6 @@ def other_changes(before: str, after: str) -> dict[str, str]:
     """The other settings that differ (free to change on resume): name -> 'old -> new'."""
     old, new = _fields(before), _fields(after)
     return {k: f"{old[k]!r} -> {new[k]!r}" for k in old if k not in IDENTITY and old[k] != new[k]}
-
 
 
 async def write_checkpoint(bus: Bus, store, snap: Snapshot, name: str, on_read=None) -> tuple[bytes, int]:  # noqa: ANN001
