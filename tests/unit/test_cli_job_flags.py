@@ -56,8 +56,8 @@ def test_fine_tuning_flags_are_job_fields() -> None:
 
 
 def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, capsys) -> None:
-    """What a user mistypes ends before any process starts, in one `cleave: error:` line (or argparse's usage
-    line), status 2: no traceback, no stack left running."""
+    """What a user mistypes ends before any process starts, in one `cleave: error:` line (argparse's too, with
+    where the options are listed instead of the whole usage), status 2: no traceback, no stack left running."""
     a_file, a_dir, binary = tmp_path / "a-file", tmp_path / "a-dir", tmp_path / "bin.toml"
     a_file.write_text("x")
     a_dir.mkdir()
@@ -99,6 +99,7 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
             status = e.code
         err = capsys.readouterr().err
         assert status == 2 and said in err and "Traceback" not in err, (argv, status, err)
+        assert "usage:" not in err and len(err.strip().splitlines()) == 1, (argv, err)  # one line, argparse's too
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())  # nothing started
 
 

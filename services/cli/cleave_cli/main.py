@@ -11,6 +11,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
+from typing import NoReturn
 
 from pydantic import ValidationError
 
@@ -58,9 +59,17 @@ def version() -> str:
         return "unknown"
 
 
+class CommandLine(argparse.ArgumentParser):
+    """argparse's, with a mistake told in one line and where the options are, not the whole usage (23 lines
+    for `cleave train`) before it; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole command line, or (`only`, one of LIGHT) that subcommand alone, importing nothing else."""
-    parser = argparse.ArgumentParser(prog="cleave", description=__doc__)
+    parser = CommandLine(prog="cleave", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cleave {version()} (Python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="command", required=True)
     if only == "scheduler":
