@@ -40,7 +40,7 @@ from cleave.schemas import (
     JobSubmission,
     StepMetrics,
 )
-from cleave.schemas.jobs import RUNNER_SILENT_S
+from cleave.schemas.jobs import runner_silent_s
 from cleave.train.job import JobConfig
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
@@ -191,10 +191,8 @@ def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None) 
     job = json.loads(rec.job)
     steps = job.get("steps")
     last = lines[-1] if lines else None
-    silent = (time.time() if now is None else now) - rec.heard_at if rec.heard_at is not None else 0.0
-    gone = rec.state in ("queued", "running") and silent > RUNNER_SILENT_S
     return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
-            "runner_silent_s": round(silent) if gone else None,
+            "runner_silent_s": runner_silent_s(rec.state, rec.heard_at, time.time() if now is None else now),
             "method": job.get("method", "cleave"),
             "step": last.step if last else None, "steps_reported": len(lines),
             "loss": last.loss if last else None, "workers": last.workers if last else None,

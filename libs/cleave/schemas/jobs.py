@@ -50,3 +50,10 @@ class JobRecord(Wire):
     verdict: Literal["accepted", "refused"] = "accepted"
     verdict_reason: str = Field("", max_length=4096)  # why that submission was refused
     heard_at: float | None = None  # when the runner last wrote it (every RUNNER_REFRESH_S while queued or running)
+
+
+def runner_silent_s(state: str, heard_at: float | None, now: float) -> int | None:
+    """How long the runner of a queued or running job has not stamped its record, once that is past
+    RUNNER_SILENT_S (its runner is gone: the job goes on once one is back); None otherwise."""
+    quiet = now - heard_at if heard_at is not None else 0.0
+    return round(quiet) if state in ("queued", "running") and quiet > RUNNER_SILENT_S else None

@@ -24,6 +24,7 @@ from cleave.errors import EXIT_ERROR, EXIT_INTERRUPTED, CleaveError, ConfigError
 from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import JobRecord, StepMetrics
+from cleave.schemas.jobs import runner_silent_s
 from cleave_cli import joboptions
 from cleave_cli.progress import unit_of
 
@@ -167,4 +168,4 @@ def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], wai
     for r in records:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted_at))
         print(f"{r.job_id:<40} {r.state:<8} submitted {when}, {r.runs} run(s)" + (f"; {r.reason}" if r.reason else "")
-              + silent(hub.summary(r, [])))
+              + silent({"runner_silent_s": runner_silent_s(r.state, r.heard_at, time.time())}))

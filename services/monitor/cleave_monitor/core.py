@@ -14,7 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cleave.schemas import DeviceProfile, DeviceRecord, Event, JobRecord, Plan, StepMetrics
-from cleave.schemas.jobs import RUNNER_SILENT_S
+from cleave.schemas.jobs import runner_silent_s
 
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)  # seconds
 MEASURED_WINDOW = 10  # steps whose median is "measured step time" against the plan's prediction
@@ -191,11 +191,8 @@ class MonitorState:
     def queue_view(self, now: float) -> list[dict]:
         """The hub's submitted jobs, the oldest submission first; `runner_silent_s` of a queued or running job
         whose runner has not stamped its record for RUNNER_SILENT_S (its runner is gone), else None."""
-        def silent(j: dict) -> float | None:
-            quiet = now - j["heard_at"] if j.get("heard_at") is not None else 0.0
-            return round(quiet) if j["state"] in ("queued", "running") and quiet > RUNNER_SILENT_S else None
-
-        return [{**j, "runner_silent_s": silent(j)} for j in sorted(self.queue.values(), key=lambda j: j["submitted_at"])]
+        return [{**j, "runner_silent_s": runner_silent_s(j["state"], j["heard_at"], now)}
+                for j in sorted(self.queue.values(), key=lambda j: j["submitted_at"])]
 
     def on_plan(self, plan: Plan) -> Update:
         self.plan = plan
