@@ -44,6 +44,7 @@ from cleave.schemas.jobs import runner_silent_s
 from cleave.train.job import JobConfig
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
+DEFAULT_ASK_AFTER_S = 2.0  # a login not done by then is tried once more on its own, to say why (`contact`)
 DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
 DEFAULT_POLL_S = 0.25
 DEFAULT_FOLLOW_S = 2.0  # how often `follow` reads a job's new steps
@@ -59,6 +60,16 @@ async def connect(url: str, folder: Path | None, role: str = "submitter") -> bus
     urls.servers(url)  # (a wrong URL named before the credential is read)
     options = client_options(folder, role)
     start = time.monotonic()
+    slow = asyncio.Event()  # the usual case logs in once, at once; only a login this slow is asked why (below)
+    timer = asyncio.get_running_loop().call_later(DEFAULT_ASK_AFTER_S, slow.set)
+    try:
+        bus = await busmod.connect(url, f"cleave-{role}", stop=slow, **options)
+    except CleaveError:  # refused outright: the try below says why in a user's terms (the leaf port, the folder)
+        bus = None
+    finally:
+        timer.cancel()
+    if bus is not None:
+        return bus
     first = await contact.first_try(url, options, folder, role)
     if first is not None and first.final:  # a certificate, a credential, the wrong port: no retry mends it
         raise CleaveError(f"NATS at {url}: {first.reason}")
