@@ -129,3 +129,14 @@ def test_the_reference_of_an_approximate_method_says_what_it_trains(tmp_path, ca
     out = capsys.readouterr().out
     assert "method fedavg is approximate: --reference trains the exact baseline" in out
     assert "over steps 0-1 (2 steps)" in out and "round" not in out.split("\n", 1)[1]
+
+
+def test_the_summary_of_one_step_names_that_step(tmp_path, capsys) -> None:
+    """One step's summary said 'over steps 3-3 (1 steps)'."""
+    from cleave_cli.commands import summarize  # noqa: PLC0415
+
+    summarize([{"step": 3, "loss": 2.5, "step_time_s": 0.2}], tmp_path / "m.jsonl")
+    assert capsys.readouterr().out.startswith("loss 2.5000 at step 3; median step 0.200s")
+    summarize([{"step": 0, "loss": 3.0, "step_time_s": 0.1}, {"step": 1, "loss": 2.0, "step_time_s": 0.3}],
+              tmp_path / "m.jsonl", unit="round")
+    assert "loss 3.0000 -> 2.0000 over rounds 0-1 (2 rounds); median round 0.200s" in capsys.readouterr().out

@@ -139,8 +139,11 @@ def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:
     if not lines:
         return
     times = [m["step_time_s"] for m in lines]
-    print(f"loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f} over {unit}s {lines[0]['step']}-{lines[-1]['step']} "
-          f"({len(lines)} {unit}s); median {unit} {statistics.median(times):.3f}s; metrics in {metrics_out}")
+    first, last = lines[0], lines[-1]
+    span = (f"loss {first['loss']:.4f} at {unit} {first['step']}" if len(lines) == 1 else
+            f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {unit}s {first['step']}-{last['step']} "
+            f"({len(lines)} {unit}s)")
+    print(f"{span}; median {unit} {statistics.median(times):.3f}s; metrics in {metrics_out}")
 
 
 def up(args: argparse.Namespace) -> int:
