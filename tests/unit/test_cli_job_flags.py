@@ -140,3 +140,18 @@ def test_the_summary_of_one_step_names_that_step(tmp_path, capsys) -> None:
     summarize([{"step": 0, "loss": 3.0, "step_time_s": 0.1}, {"step": 1, "loss": 2.0, "step_time_s": 0.3}],
               tmp_path / "m.jsonl", unit="round")
     assert "loss 3.0000 -> 2.0000 over rounds 0-1 (2 rounds); median round 0.200s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--data", "{tmp}/gone.txt"], "data='{tmp}/gone.txt': cannot read {tmp}/gone.txt (No such file or directory)"),
+    (["--data", "{tmp}/none/*.txt"], "data='{tmp}/none/*.txt': no files match"),
+    (["--init-from", "{tmp}/no-model"], "init_from: {tmp}/no-model is not a directory nor a repo"),
+])
+def test_what_the_ps_cannot_read_is_told_before_a_stack_starts(tmp_path, capsys, flags, says) -> None:
+    """A missing data file or model folder was told by the PS once the stack had started (12-14 s)."""
+    run_dir = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--steps", "1", "--run-dir", str(run_dir),
+            *(f.format(tmp=tmp_path) for f in flags)]
+    assert main(argv) == 2
+    assert says.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not run_dir.exists()  # no stack, no logs

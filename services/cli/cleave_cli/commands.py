@@ -15,12 +15,14 @@ from cleave.api import jobs
 from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.api.hub import connect as hub_connect
 from cleave.errors import ConfigError, Stopped
+from cleave.models.hf import resolve_model_dir
 from cleave.models.tokenizer import load_tokenizer
 from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
 from cleave.train.job import ROUND_METHODS, JobConfig
+from cleave.train.sources import parse_source, source_bytes
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args, new_job_id
 from cleave_cli.monitor_cmd import start_monitor
@@ -74,6 +76,19 @@ def registry_budgets(nats: str, auth: Path | None = None) -> list[int]:
     return asyncio.run(read())
 
 
+def check_inputs(job: JobConfig) -> None:
+    """What the PS reads (it runs here, with --nats too): a tokenizer, model folder or data it cannot read is told
+    now, not once a stack has started (a Hugging Face dataset is left to the PS: opening one may download it)."""
+    load_tokenizer(job.tokenizer)
+    if job.init_from is not None:
+        try:
+            resolve_model_dir(job.init_from)
+        except ConfigError as e:
+            raise ConfigError(f"init_from: {e}") from None
+    if parse_source(job.data).kind != "hf":
+        source_bytes(job.data)
+
+
 def train(args: argparse.Namespace) -> int:
     job = job_from_args(args)
     if args.config:  # the local stack's services read their tables of the same file ([ps], [worker], ...)
@@ -93,7 +108,7 @@ def train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
                           f"it times --micro-batches (the job has method {job.method}, batch size {job.batch_size}, "
                           f"micro-batches {job.micro_batches})")
-    load_tokenizer(job.tokenizer)  # the PS runs here (with --nats too): a tokenizer it cannot read is told now
+    check_inputs(job)
     job = check_fits(job, args.workers, args.dry_run, args.nats if not args.reference else None, args.ps_replicas,
                      args.auth)
     if args.dry_run:
