@@ -12,16 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api import hub
 from cleave.api.stack import Stack
-from cleave.schemas import JOBS_BUCKET, SUBJECT_JOB_SUBMIT, JobRecord, JobSubmission, StepMetrics
-from cleave.schemas.jobs import RUNNER_REFRESH_S, RUNNER_SILENT_S
+from cleave.errors import StepAborted
+from cleave.schemas import JOBS_BUCKET, SUBJECT_JOB_SUBMIT, Event, JobRecord, JobSubmission, StepMetrics
+from cleave.schemas.jobs import RUNNER_REFRESH_S, RUNNER_SILENT_S, WAIT_EVENT_S, waiting_for_workers
 from cleave.train.job import JobConfig
 from cleave_cli.main import main
 from cleave_cli.runner import Runner, jobs_stream
+from cleave_ps.fleet.idle import NOTICE_S, WaitNotice
+from cleave_ps.fleet.plans import PlanWatch
+from tests.integration.fleet import InProcessPS
 
 GONE_S = 600.0  # how long ago the dead runner last stamped its record
 
@@ -91,3 +96,58 @@ def test_a_live_runner_stamps_its_queued_and_running_jobs(nats_url: str, tmp_pat
     stamped = asyncio.run(go())
     assert stamped["old"] is not None and time.time() - stamped["old"] < 30  # written again, stamped now
     assert stamped["fresh"] is None and stamped["ended"] is None  # stamped recently / ended: not written
+
+
+def test_status_says_a_running_job_waits_for_workers(nats_url: str, capsys: pytest.CaptureFixture) -> None:
+    """A job whose PS has no worker to deal to (none came, every one left, or every one was expelled for wrong
+    results) showed as running at its last step, and nothing more. Here the PS's own dispatcher deals a GEMM to an
+    empty fleet (one worker expelled before), and a round method's PS waits for a plan with workers."""
+
+    async def status(*flags: str) -> str:
+        assert await asyncio.to_thread(main, ["status", "--nats", nats_url, *flags]) == 0
+        return capsys.readouterr().out
+
+    async def go() -> None:
+        async with InProcessPS(nats_url, job_id="idle") as ps:
+            kv = await ps.bus.kv(JOBS_BUCKET)
+            now = time.time()
+            for job_id in ("idle", "rounds"):
+                await ps.bus.kv_put(kv, job_id, _record(job_id, "running", now).model_copy(update={"started_at": now}))
+            await ps.bus.emit(StepMetrics(job="idle", step=0, loss=5.0, step_time_s=0.1, workers=1, at=now))
+            ps.dispatcher.faulty.add("liar")  # what expelling it left: never dealt to again
+            gemm = asyncio.create_task(ps.dispatcher.gemm(torch.ones(8, 4), torch.ones(8, 4), 1, 0, "x"))
+            plans, stop = PlanWatch(ps.bus, key="nobody"), asyncio.Event()
+            notice = WaitNotice(ps.bus, "rounds", NOTICE_S)
+            rounds = asyncio.create_task(plans.some_workers(stop, lambda: notice.waiting(4)))
+            for _ in range(int(8 * NOTICE_S)):  # (each read that finds nothing new takes a while too)
+                if len(await hub.read_waits(ps.bus)) == 2:
+                    break
+                await asyncio.sleep(0.5)
+            said = await status("--job-id", "idle")
+            assert "idle: running, step 0 (1/8 done), loss 5.0000, 1 workers; waiting for workers: its PS has had " \
+                   "none to deal to for 0 min" in said and "1 expelled for wrong results" in said, said
+            view = json.loads(await status("--job-id", "rounds", "--json"))
+            assert view["waiting_for_workers"]["step"] == 4 and view["waiting_for_workers"]["faulty"] == 0, view
+            listed = {x.split()[0]: x for x in (await status()).splitlines()}
+            assert all("waiting for workers" in listed[j] for j in ("idle", "rounds")), listed
+            # a step reported after the word: the wait is over
+            await ps.bus.emit(StepMetrics(job="idle", step=1, loss=4.0, step_time_s=0.1, workers=1, at=time.time()))
+            assert "waiting" not in await status("--job-id", "idle")
+            stop.set()
+            ps.dispatcher.stopping = True
+            with pytest.raises(StepAborted):
+                await gemm
+            assert await rounds == frozenset()
+
+    asyncio.run(go())
+
+
+def test_a_word_of_waiting_holds_while_it_is_fresh_and_the_latest() -> None:
+    now = time.time()
+    word = Event(kind="waiting_for_workers", at=now - 10, job="j", step=3, detail={"since": now - 100, "faulty": 2})
+    assert waiting_for_workers("running", word, now - 20, now) == {"since": now - 100, "step": 3, "faulty": 2}
+    assert waiting_for_workers("running", word, now - 5, now) is None  # a step came after it
+    assert waiting_for_workers("done", word, now - 20, now) is None
+    assert waiting_for_workers("running", None, now - 20, now) is None
+    stale = word.model_copy(update={"at": now - 3 * WAIT_EVENT_S - 1})  # its PS said nothing since: gone
+    assert waiting_for_workers("running", stale, 0.0, now) is None

@@ -9,12 +9,13 @@ submitter's copy of it: `submitter.env` and `tls/ca.pem`), or with none on a hub
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -36,13 +37,16 @@ from cleave.schemas import (
     MAX_CONTROL_BYTES,
     SUBJECT_EVENTS,
     SUBJECT_JOB_SUBMIT,
+    Event,
     JobRecord,
     JobSubmission,
     StepMetrics,
 )
-from cleave.schemas.jobs import runner_silent_s
+from cleave.schemas.base import Wire
+from cleave.schemas.jobs import runner_silent_s, waiting_for_workers
 from cleave.train.job import JobConfig
 
+T = TypeVar("T", bound=Wire)
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_ASK_AFTER_S = 2.0  # a login not done by then is tried once more on its own, to say why (`contact`)
 DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
@@ -171,39 +175,57 @@ async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
 async def read_all_metrics(bus: busmod.Bus, job_id: str | None = None) -> dict[str, list[StepMetrics]]:
     """Every job's step lines (or only `job_id`'s) as `read_metrics` gives one job's, in one pass over the
     events stream."""
+    steps: dict[str, dict[int, StepMetrics]] = {}
+    for sm in await _events(bus, "metrics", StepMetrics):
+        if job_id is None or sm.job == job_id:
+            steps.setdefault(sm.job, {})[sm.step] = sm
+    return {job: [by_step[s] for s in sorted(by_step)] for job, by_step in steps.items()}
+
+
+async def read_waits(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Event]:
+    """Each job's (or only `job_id`'s) latest word from its PS that it has no worker to deal to (the
+    `waiting_for_workers` events; `summary` judges whether it still holds)."""
+    return {e.job: e for e in await _events(bus, "waiting_for_workers", Event) if job_id is None or e.job == job_id}
+
+
+async def _events(bus: busmod.Bus, kind: str, schema: type[T]) -> list[T]:
+    """The events stream's messages of one kind, oldest first (one that does not decode is skipped)."""
     config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE,
                             inactive_threshold=DEFAULT_CONSUMER_IDLE_S)  # gone soon after this command
-    sub = await asyncio.wait_for(bus.js.pull_subscribe(SUBJECT_EVENTS.format(kind="metrics"), stream=EVENTS_STREAM,
+    sub = await asyncio.wait_for(bus.js.pull_subscribe(SUBJECT_EVENTS.format(kind=kind), stream=EVENTS_STREAM,
                                                        config=config), busmod.DEFAULT_TIMEOUT_S)
-    steps: dict[str, dict[int, StepMetrics]] = {}
+    found: list[T] = []
     try:
+        if not (await sub.consumer_info()).num_pending:
+            return found  # none (a fetch would wait out its timeout)
         while True:
             try:
                 msgs = await sub.fetch(DEFAULT_FETCH, timeout=2.0)
             except TimeoutError:
                 break  # nothing (more) there
             for m in msgs:
-                try:
-                    sm = codec.decode(m.data, StepMetrics, MAX_CONTROL_BYTES)
-                except WireError:
-                    continue
-                if job_id is None or sm.job == job_id:
-                    steps.setdefault(sm.job, {})[sm.step] = sm
+                with contextlib.suppress(WireError):
+                    found.append(codec.decode(m.data, schema, MAX_CONTROL_BYTES))
             if msgs[-1].metadata.num_pending == 0:
                 break
     finally:
         await sub.unsubscribe()
-    return {job: [by_step[s] for s in sorted(by_step)] for job, by_step in steps.items()}
+    return found
 
 
-def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None) -> dict:
+def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, wait: Event | None = None) -> dict:
     """A job as `cleave status --json` shows it. `runner_silent_s`: for a queued or running job whose runner has
-    not stamped its record for RUNNER_SILENT_S, how long (its runner is gone: it goes on once one is back)."""
+    not stamped its record for RUNNER_SILENT_S, how long (its runner is gone: it goes on once one is back).
+    `waiting_for_workers`: its PS has no worker to deal to (`wait`, its latest word of that, while it holds:
+    since when, at which step, how many workers it expelled as faulty), else None."""
     job = json.loads(rec.job)
     steps = job.get("steps")
     last = lines[-1] if lines else None
+    now = time.time() if now is None else now
+    heard = max(last.at if last else 0.0, rec.started_at or 0.0)  # (a word from before these is not news)
     return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
-            "runner_silent_s": runner_silent_s(rec.state, rec.heard_at, time.time() if now is None else now),
+            "runner_silent_s": runner_silent_s(rec.state, rec.heard_at, now),
+            "waiting_for_workers": waiting_for_workers(rec.state, wait, heard, now),
             "method": job.get("method", "cleave"),
             "step": last.step if last else None, "steps_reported": len(lines),
             "loss": last.loss if last else None, "workers": last.workers if last else None,
@@ -242,14 +264,16 @@ def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_worker
 
 @checked
 def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = None) -> list[dict]:
-    """The hub's jobs (or the one named), each as `cleave status --json` shows it: state, step, loss, workers."""
+    """The hub's jobs (or the one named), each as `cleave status --json` shows it: state, step, loss, workers, and
+    whether its PS waits for workers."""
 
     async def go() -> list[dict]:
         bus = await connect(nats, _path(auth))
         try:
             records = await read_records(bus, job_id)
             lines = await read_all_metrics(bus, job_id) if records else {}
-            return [summary(rec, lines.get(rec.job_id, [])) for rec in records]
+            waits = await read_waits(bus, job_id) if records else {}
+            return [summary(rec, lines.get(rec.job_id, []), wait=waits.get(rec.job_id)) for rec in records]
         finally:
             await bus.close()
 

@@ -14,6 +14,7 @@ from pydantic import Field
 
 from cleave.schemas.base import Wire
 from cleave.schemas.limits import MAX_JOB_BYTES
+from cleave.schemas.state import Event
 from cleave.schemas.subjects import TOKEN_CHARS
 
 JOB_STATES = ("queued", "running", "done", "failed")  # a job's life on the hub, in order
@@ -22,6 +23,7 @@ NONCE_PATTERN = r"^[0-9a-f]{16,64}$"
 MAX_MIN_WORKERS = 100_000
 RUNNER_REFRESH_S = 30.0  # the runner stamps its queued and running jobs' records this often (`heard_at`)
 RUNNER_SILENT_S = 180.0  # a record of a queued or running job unstamped this long: its runner is gone
+WAIT_EVENT_S = 60.0  # a PS with no worker to deal to says so (a `waiting_for_workers` event) this often
 
 
 class JobSubmission(Wire):
@@ -57,3 +59,13 @@ def runner_silent_s(state: str, heard_at: float | None, now: float) -> int | Non
     RUNNER_SILENT_S (its runner is gone: the job goes on once one is back); None otherwise."""
     quiet = now - heard_at if heard_at is not None else 0.0
     return round(quiet) if state in ("queued", "running") and quiet > RUNNER_SILENT_S else None
+
+
+def waiting_for_workers(state: str, wait: Event | None, last_step_at: float, now: float) -> dict | None:
+    """What the PS of a running job last said of its wait for workers (its latest `waiting_for_workers` event):
+    since when it has had none to deal to, at which step, and how many it expelled as faulty; while that is its
+    latest word (no step reported since) and fresh (said within 3 x WAIT_EVENT_S: it says it again every
+    WAIT_EVENT_S while the wait lasts). None otherwise."""
+    if state != "running" or wait is None or wait.at <= last_step_at or now - wait.at > 3 * WAIT_EVENT_S:
+        return None
+    return {"since": wait.detail.get("since") or wait.at, "step": wait.step, "faulty": wait.detail.get("faulty") or 0}

@@ -23,8 +23,7 @@ from cleave.api import hub
 from cleave.errors import EXIT_ERROR, EXIT_INTERRUPTED, CleaveError, ConfigError
 from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
-from cleave.schemas import JobRecord, StepMetrics
-from cleave.schemas.jobs import runner_silent_s
+from cleave.schemas import Event, JobRecord, StepMetrics
 from cleave_cli import joboptions
 from cleave_cli.progress import unit_of
 
@@ -98,9 +97,10 @@ async def status(args: argparse.Namespace) -> int:
     try:
         records = await hub.read_records(bus, args.job_id)
         if args.job_id is None:
-            lines = await hub.read_all_metrics(bus) if args.json and records else {}
+            waits = await hub.read_waits(bus) if records else {}
+            lines = await hub.read_all_metrics(bus) if records and (args.json or waits) else {}
             waiting = [j for j in await hub.untaken(bus) if j not in {r.job_id for r in records}]
-            show_list(records, lines, waiting, args.json)
+            show_list(records, lines, waits, waiting, args.json)
             return 0
         if not records and await hub.untaken(bus, args.job_id):
             print(f"{args.job_id}: submitted, waiting on the hub for its runner to take it (is `cleave up` running "
@@ -109,6 +109,7 @@ async def status(args: argparse.Namespace) -> int:
         if not records:
             raise ConfigError(f"the hub knows no job {args.job_id!r} (cleave status --nats {args.nats} lists them)")
         lines = await hub.read_metrics(bus, args.job_id)
+        wait = (await hub.read_waits(bus, args.job_id)).get(args.job_id)
     finally:
         await bus.close()
     rec = records[0]
@@ -116,7 +117,7 @@ async def status(args: argparse.Namespace) -> int:
         kept = mirror(args.metrics_out, args.job_id, lines)
         if kept is not None:
             print(f"{args.metrics_out} held another job's steps: set aside as {kept}", file=sys.stderr)
-    view = hub.summary(rec, lines)
+    view = hub.summary(rec, lines, wait=wait)
     print(json.dumps(view) if args.json else line(view))
     return 0
 
@@ -143,7 +144,17 @@ def line(v: dict) -> str:
     why = f"; {v['reason']}" if v["reason"] else ""
     refused = (f"; its last submission was refused: {v['last_submission']['reason']}"
                if v["last_submission"]["verdict"] == "refused" else "")
-    return f"{v['job']}: {v['state']}, {where}{loss}{workers}{why}{refused}{silent(v)}"
+    return f"{v['job']}: {v['state']}, {where}{loss}{workers}{why}{refused}{idle(v)}{silent(v)}"
+
+
+def idle(v: dict) -> str:
+    """The note on a running job whose PS has no worker to deal to (`hub.summary`'s `waiting_for_workers`)."""
+    w = v.get("waiting_for_workers")
+    if not w:
+        return ""
+    faulty = f"; {w['faulty']} expelled for wrong results" if w["faulty"] else ""
+    return (f"; waiting for workers: its PS has had none to deal to for {(time.time() - w['since']) / 60:.0f} min "
+            f"(since {time.strftime('%H:%M:%S', time.localtime(w['since']))}{faulty})")
 
 
 def silent(v: dict) -> str:
@@ -154,18 +165,19 @@ def silent(v: dict) -> str:
             "running there? The job goes on once a runner is back)")
 
 
-def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], waiting: list[str],
-              as_json: bool) -> None:
-    """The hub's jobs; `waiting`: those submitted that no runner has taken yet (no record)."""
+def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], waits: dict[str, Event],
+              waiting: list[str], as_json: bool) -> None:
+    """The hub's jobs; `waits`: their PSs' latest word that they wait for workers; `waiting`: the jobs submitted
+    that no runner has taken yet (no record)."""
+    views = [hub.summary(r, lines.get(r.job_id, []), wait=waits.get(r.job_id)) for r in records]
     if as_json:
-        print(json.dumps([hub.summary(r, lines.get(r.job_id, [])) for r in records]
-                         + [{"job": j, "state": "submitted", "runner_silent_s": None} for j in waiting]))
+        print(json.dumps(views + [{"job": j, "state": "submitted", "runner_silent_s": None} for j in waiting]))
         return
     if not records and not waiting:
         print("no jobs on this hub")
     for j in waiting:
         print(f"{j:<40} {'submitted':<8} waiting on the hub for its runner to take it (is `cleave up` running there?)")
-    for r in records:
+    for r, v in zip(records, views, strict=True):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted_at))
         print(f"{r.job_id:<40} {r.state:<8} submitted {when}, {r.runs} run(s)" + (f"; {r.reason}" if r.reason else "")
-              + silent({"runner_silent_s": runner_silent_s(r.state, r.heard_at, time.time())}))
+              + idle(v) + silent(v))

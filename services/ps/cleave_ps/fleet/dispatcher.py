@@ -39,6 +39,7 @@ from cleave.schemas import SUBJECT_OBSERVED, SUBJECT_RESULTS, Event, Observed, P
 from cleave.train import precision
 from cleave_ps.fleet import frames, freivalds, joins, linkcheck, prefault
 from cleave_ps.fleet.examine import examine, prepare
+from cleave_ps.fleet.idle import NOTICE_S, WaitNotice
 from cleave_ps.fleet.observe import Throughput
 from cleave_ps.fleet.products import Products
 from cleave_ps.fleet.runs import Check, Counters, GemmRun, recovery_event
@@ -46,7 +47,6 @@ from cleave_ps.fleet.verify import CrossChecks
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("ps")
-DEFAULT_WAIT_LOG_S = 5.0
 OFF_LOOP_BYTES = 1 << 20  # byte work on more than this runs in a worker thread
 RESULT_ENVELOPE = 64 * 1024  # a result's bytes besides its block (ids, an error text); its limit: + the largest block
 
@@ -76,6 +76,7 @@ class Dispatcher:
         self.tile_dtype = precision.DTYPES[s.tile_dtype]  # the approximate mode: inputs travel in half precision
         self.products = Products(s.product_pool_bytes)  # the outputs' memory, reused
         self.faulty: set[str] = set()  # workers caught returning wrong blocks: never dealt to again
+        self.idle = WaitNotice(bus, job_id, NOTICE_S + s.tick_s)  # none of them left to deal to
         self._tasks: set[asyncio.Task] = set()
         bus.on_dropped.append(self._dropped)
         self._joining: asyncio.Task | None = None  # telling the workers their fan-out groups
@@ -178,11 +179,10 @@ class Dispatcher:
                     await asyncio.wait_for(run.done.wait(), self.s.tick_s)
                 except TimeoutError:
                     await self._tick()
-                    if not self.live() and self.clock() - waited > DEFAULT_WAIT_LOG_S:
-                        waited = self.clock()
-                        led = self.dealer.deal(seq).ledger
-                        log.warning("waiting_for_workers", step=step, gemm=name,
-                                    pending=len(led.tiles) - len(led.done) - len(led.retired))
+                    if not self.live() and self.clock() - waited > NOTICE_S:
+                        waited, led = self.clock(), self.dealer.deal(seq).ledger
+                        self.track(self.idle.waiting(step, len(self.faulty), gemm=name, pending=len(led.tiles)
+                                                     - len(led.done) - len(led.retired)))
         finally:
             led = self.dealer.deal(seq).ledger
             self.dealer.end(seq)

@@ -16,6 +16,7 @@ from cleave import codec
 from cleave.bus import Bus
 from cleave.errors import WireError
 from cleave.schemas import MAX_PLAN_BYTES, PLAN_BUCKET, PLAN_KEY, Plan
+from cleave_ps.fleet.idle import NOTICE_S
 
 
 class PlanWatch:
@@ -43,11 +44,15 @@ class PlanWatch:
         """Every plan under the key (the current one first) until `stop`."""
         await self.bus.watch(PLAN_BUCKET, self.key, self.on_entry, stop)
 
-    async def some_workers(self, stop: asyncio.Event) -> frozenset[str]:
-        """The workers of the first plan that has any (empty once `stop` is set)."""
+    async def some_workers(self, stop: asyncio.Event, notice: Callable[[], Awaitable[None]] | None = None
+                           ) -> frozenset[str]:
+        """The workers of the first plan that has any (empty once `stop` is set); `notice` is awaited every
+        NOTICE_S while there are none (`WaitNotice.waiting`)."""
         while not self.workers and not stop.is_set():
             self.changed.clear()
-            await first_of(self.changed, stop)
+            await first_of(self.changed, stop, timeout_s=NOTICE_S if notice else None)
+            if notice is not None and not self.workers and not stop.is_set():
+                await notice()
         return self.workers
 
 

@@ -63,6 +63,7 @@ from cleave.schemas import (
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
 from cleave.train.trainer import Trainer
+from cleave_ps.fleet.idle import NOTICE_S, WaitNotice
 from cleave_ps.fleet.plans import PlanWatch, first_of
 from cleave_ps.jobs.lifecycle import Listen
 from cleave_ps.jobs.secure import SecureRound
@@ -80,6 +81,7 @@ class Rounds:
 
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
+        self.idle = WaitNotice(bus, job.job_id, NOTICE_S)  # no worker in the plan yet
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
         self.progress = Progress(bus, job, s, self.faults)
         self.epoch = 0  # claimed before `build`
@@ -281,7 +283,7 @@ class Rounds:
     async def attempt(self, r: int, tried: int) -> StepMetrics | str | None:
         """Deal round `r` and close it: its metrics line, or (nothing accepted) what the PS saw, or None."""
         t0 = time.perf_counter()
-        expected = set(await self.plan.some_workers(self.stop)) - set(self.refused)
+        expected = set(await self.plan.some_workers(self.stop, lambda: self.idle.waiting(r))) - set(self.refused)
         bytes_down = await self.deal(r, expected)
         self.faults.hit("in_round", r)
         if self.secure is not None:

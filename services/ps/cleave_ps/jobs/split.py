@@ -36,6 +36,7 @@ from cleave.schemas import (
 )
 from cleave.train.job import JobConfig
 from cleave.train.schedule import set_lr
+from cleave_ps.fleet.idle import NOTICE_S, WaitNotice
 from cleave_ps.fleet.plans import PlanWatch, first_of
 from cleave_ps.jobs.lifecycle import Listen
 from cleave_ps.settings import PsSettings
@@ -53,6 +54,7 @@ class SplitJob:
 
     def __init__(self, s: PsSettings, job: JobConfig, bus: Bus, stop: asyncio.Event) -> None:
         self.s, self.job, self.bus, self.stop = s, job, bus, stop
+        self.idle = WaitNotice(bus, job.job_id, NOTICE_S)  # no worker in the plan yet
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
         self.progress = Progress(bus, job, s, self.faults)
         self.epoch = 0  # claimed before `build`
@@ -133,7 +135,7 @@ class SplitJob:
 
     async def step(self, s: int) -> StepMetrics | None:
         if not self.client:  # the first step: the client is a worker of the plan (the same one on every PS)
-            self.client = min(await self.plan.some_workers(self.stop), default="")
+            self.client = min(await self.plan.some_workers(self.stop, lambda: self.idle.waiting(s)), default="")
             if not self.client:
                 return None  # stopped before any worker came
             log.info("ps_started", job=self.job.job_id, method="split", client=self.client, steps=self.job.steps,
