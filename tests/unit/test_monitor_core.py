@@ -67,6 +67,12 @@ def test_the_hubs_jobs_are_listed_oldest_first_and_leave_when_deleted():
     s.on_job_record(JobRecord(job_id="c", job="{}", state="done", submitted_at=3.0, runs=1, heard_at=100.0))
     assert [j["runner_silent_s"] for j in s.status(100.0 + RUNNER_SILENT_S)["queue"]] == [None, None]
     assert [j["runner_silent_s"] for j in s.status(700.0)["queue"]] == [600, None]
+    # a running job whose PS says it has no worker to deal to, until a step comes after that word
+    s.on_event(Event(kind="waiting_for_workers", at=710.0, job="b", step=4, detail={"since": 650.0, "faulty": 1}))
+    assert [j["waiting_for_workers"] for j in s.status(720.0)["queue"]] == [
+        {"since": 650.0, "step": 4, "faulty": 1}, None]
+    s.on_metrics(StepMetrics(job="b", step=4, loss=2.0, step_time_s=1.0, workers=1, at=715.0))
+    assert s.status(720.0)["queue"][0]["waiting_for_workers"] is None
 
 
 def test_host_names_the_dashboard_answers():

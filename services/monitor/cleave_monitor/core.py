@@ -14,7 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from cleave.schemas import DeviceProfile, DeviceRecord, Event, JobRecord, Plan, StepMetrics
-from cleave.schemas.jobs import runner_silent_s
+from cleave.schemas.jobs import runner_silent_s, waiting_for_workers
 
 STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, math.inf)  # seconds
 MEASURED_WINDOW = 10  # steps whose median is "measured step time" against the plan's prediction
@@ -141,6 +141,7 @@ class MonitorState:
         self.last: StepMetrics | None = None
         self.rejected = 0  # malformed messages the shell could not decode
         self.queue: dict[str, dict] = {}  # job id -> the hub runner's record of it (`cleave submit`'s jobs)
+        self.waits: dict[str, Event] = {}  # job id -> its PS's latest word that it has no worker to deal to
 
     # ---- inputs ---------------------------------------------------------------------------------------
     def on_metrics(self, m: StepMetrics) -> Update:
@@ -155,6 +156,8 @@ class MonitorState:
 
     def on_event(self, e: Event) -> Update:
         self.totals.events[e.kind] += 1
+        if e.kind == "waiting_for_workers":
+            self.waits[e.job] = e
         if e.worker_id:
             dev = self.devices.setdefault(e.worker_id, DeviceRow(e.worker_id))
             if e.kind == "worker_lost":
@@ -190,9 +193,17 @@ class MonitorState:
 
     def queue_view(self, now: float) -> list[dict]:
         """The hub's submitted jobs, the oldest submission first; `runner_silent_s` of a queued or running job
-        whose runner has not stamped its record for RUNNER_SILENT_S (its runner is gone), else None."""
-        return [{**j, "runner_silent_s": runner_silent_s(j["state"], j["heard_at"], now)}
+        whose runner has not stamped its record for RUNNER_SILENT_S (its runner is gone), else None;
+        `waiting_for_workers` of a running job whose PS has no worker to deal to (as `cleave status` says it)."""
+        return [{**j, "runner_silent_s": runner_silent_s(j["state"], j["heard_at"], now),
+                 "waiting_for_workers": waiting_for_workers(j["state"], self.waits.get(j["job_id"]),
+                                                            self.heard(j["job_id"], j["started_at"]), now)}
                 for j in sorted(self.queue.values(), key=lambda j: j["submitted_at"])]
+
+    def heard(self, job: str, started_at: float | None) -> float:
+        """When the job's PS last reported a step, or was started (a word older than both is not news)."""
+        series = self.jobs.get(job)
+        return max(series[-1]["at"] if series else 0.0, started_at or 0.0)
 
     def on_plan(self, plan: Plan) -> Update:
         self.plan = plan

@@ -196,7 +196,9 @@ function renderQueue() {
     for (const k of ["submitted_at", "started_at", "ended_at"]) node("td", {}, tr, j[k] ? clock(j[k]) : "–");
     node("td", {}, tr, String(j.runs));
     const gone = j.runner_silent_s ? `no word from the hub's runner for ${Math.round(j.runner_silent_s / 60)} min: is cleave up still running there?` : "";
-    node("td", {}, tr, [j.reason, gone].filter(Boolean).join("; "));
+    const w = j.waiting_for_workers, idle = w ? `waiting for workers: its PS has had none to deal to since ${clock(w.since)}` +
+      (w.faulty ? ` (${w.faulty} expelled for wrong results)` : "") : "";
+    node("td", {}, tr, [j.reason, idle, gone].filter(Boolean).join("; "));
   }
 }
 
