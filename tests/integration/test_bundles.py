@@ -102,3 +102,20 @@ async def test_a_worker_fetches_with_its_own_credential_and_no_jetstream(tmp_pat
                         "$O.cleave-models.C.forged", SUBJECT_MODELS_GET.format(worker_id="w2")):
             await w_c.nc.publish(subject, b"{}", reply="_INBOX.worker.w1.x.1")
             assert "publish" in await w_c.violation(subject)
+
+
+async def test_workers_sharing_a_cache_fetch_a_bundle_once(nats_url, tmp_path):
+    """A machine's workers share one model cache: each staged into the same folder and removed the other's, so
+    one worker's first round failed (FileExistsError, FileNotFoundError) on every first fine-tune."""
+    ps = await busmod.connect(nats_url, "ps", inbox_prefix=auth.inbox_prefix("ps"))
+    workers = [await as_worker(nats_url, f"w{i}") for i in range(3)]
+    try:
+        paths = files(tmp_path)
+        bid = await bundles.Shelf().publish(ps, "model", paths, CHUNK)
+        caches = [bundles.BundleCache(tmp_path / "cache", f"w{i}") for i in range(3)]  # as separate processes
+        got = await asyncio.gather(*(c.fetch(w, bid) for c, w in zip(caches, workers, strict=True)))
+        assert len(set(got)) == 1 and all((got[0] / p.name).read_bytes() == p.read_bytes() for p in paths)
+        assert sorted(c.fetched for c in caches) == [0, 0, sum(p.stat().st_size for p in paths)]
+    finally:
+        for bus in (ps, *workers):
+            await bus.close()

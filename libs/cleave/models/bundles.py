@@ -15,7 +15,9 @@ directory (`DEFAULT_WINDOW` requests in flight, each retried `DEFAULT_TRIES` tim
 checking every chunk's hash as it arrives (a bad chunk is refused by name, not written on), and renames the
 finished directory into place: `<cache>/<bundle id>/` then holds the files under their own names, which
 `load_hf` and `load_tokenizer` read like any local directory. A bundle already in the cache is checked once per
-process against its manifest (sizes and SHA-256s) and used without touching the bus. A worker needs no
+process against its manifest (sizes and SHA-256s) and used without touching the bus. Worker processes that share
+a cache (a machine's several workers) take a file lock per bundle (`<bundle id>.lock`): one fetches, the others
+wait and find it cached. A worker needs no
 JetStream for this: it publishes its requests on its own subject and reads the answers in its own inbox.
 """
 
@@ -31,6 +33,7 @@ from functools import partial
 from pathlib import Path
 
 import structlog
+from filelock import AsyncFileLock
 
 from cleave import codec
 from cleave.auth import reply_refusal
@@ -228,11 +231,14 @@ class BundleCache:
         async with self.locks.setdefault(bundle_id, asyncio.Lock()):
             if bundle_id in self.verified:
                 return directory
-            bundle = _cached(directory, bundle_id)
-            if bundle is not None and await asyncio.to_thread(_intact, directory, bundle):
-                log.info("bundle_cached", bundle=bundle_id[:16], kind=bundle.kind)
-            else:
-                await self._download(bus, bundle_id, directory)
+            self.root.mkdir(parents=True, exist_ok=True)
+            # the other worker processes of this machine share the cache: one fetches, the others then find it
+            async with AsyncFileLock(self.root / f"{bundle_id}.lock"):
+                bundle = _cached(directory, bundle_id)
+                if bundle is not None and await asyncio.to_thread(_intact, directory, bundle):
+                    log.info("bundle_cached", bundle=bundle_id[:16], kind=bundle.kind)
+                else:
+                    await self._download(bus, bundle_id, directory)
             self.verified.add(bundle_id)
             return directory
 
