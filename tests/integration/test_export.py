@@ -123,7 +123,7 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
     midway (a full disk) leaves the earlier one as it was, and nothing beside it."""
     out = tmp_path / "hf"
     (out / "adapter").mkdir(parents=True)
-    for name in ("config.json", "tokenizer.json", "adapter/adapter_config.json"):
+    for name in ("config.json", "tokenizer.json", "cleave_tokenizer.json", "adapter/adapter_config.json"):
         (out / name).write_text("{}")  # an earlier export of another job (BPE tokenizer, LoRA adapter)
     export(run_dir, out)
     assert sorted(p.name for p in out.iterdir()) == ["cleave_tokenizer.json", "config.json", "model.safetensors"]
@@ -182,3 +182,29 @@ def test_train_starts_from_an_export(run_dir: Path, tmp_path: Path) -> None:
     assert_same(got, [reference.step(s) for s in range(job.steps)])
     fresh = Trainer(job.model_copy(update={"init_from": None}))
     assert got[0] < fresh.step(0) - 0.1  # it starts from the trained weights, not from the seed's
+    # its export over the folder it started from would replace its own base (a resume would start from the
+    # fine-tuned weights; a LoRA adapter would be applied over them again): refused, the folder as it was
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    with pytest.raises(ConfigError, match="holds the job's own init_from"):
+        jobs.export(tmp_path / "hf", run_dir=tmp_path / "run")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+
+
+def test_an_export_replaces_only_an_earlier_export(tmp_path: Path) -> None:
+    """Any folder with a config.json was taken for an earlier export and replaced whole: a model of the user's
+    own, or an export the user had put notes in, lost its other files without a word."""
+    mine, notes, earlier = tmp_path / "mine", tmp_path / "notes", tmp_path / "earlier"
+    for folder, names in ((mine, ("config.json", "model.safetensors", "generation_config.json")),
+                          (notes, ("config.json", "cleave_tokenizer.json", "NOTES.md")),
+                          (earlier, ("config.json", "model.safetensors", "cleave_tokenizer.json", "tokenizer.json",
+                                     "adapter"))):
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text("{}")
+    with pytest.raises(ConfigError, match="holds other files and is not an earlier export"):
+        jobs.replaceable(mine)
+    with pytest.raises(ConfigError, match="is an earlier export but also holds NOTES.md"):
+        jobs.replaceable(notes)
+    for fine in (earlier, tmp_path / "new", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        jobs.replaceable(fine)

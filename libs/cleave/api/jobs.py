@@ -32,12 +32,16 @@ from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
+from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE
+from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
 from cleave.train.job import JobConfig
 
 Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small", steps=200, method="diloco", ...)
 DEFAULT_WORKERS = 4  # as `cleave train`
+# what an export writes in its folder (`cleave.models.hf.export_hf`, the default adapter folder)
+EXPORT_NAMES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_RECORD, *TOKENIZER_FILES, methods_export.ADAPTER_DIR})
 
 
 @checked
@@ -143,9 +147,7 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     if adapter_out is not None and Path(adapter_out).resolve() == out.resolve():
         raise ConfigError(f"adapter_out={adapter_out} is the model's own folder: transformers would apply the adapter "
                           "again over the merged weights; leave it unset (it goes to OUT/adapter) or name another")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():  # not a model folder
-        raise ConfigError(f"{out} holds other files (a run dir?): export into a new or empty folder, or over an "
-                          "earlier export (a model folder, replaced)")
+    replaceable(out)
     if nats is not None:
         if not job_id:
             raise ConfigError("export from nats= needs job_id= (`cleave status --nats URL` lists the hub's jobs)")
@@ -153,6 +155,11 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     else:
         with state.state_server(Path(run_dir)) as url:
             head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.job_id_of(Path(run_dir))))
+    for what, spec in (("init_from", job.init_from), ("tokenizer", job.tokenizer)):
+        home = Path(spec).expanduser() if spec else None
+        if home is not None and home.exists() and home.resolve().is_relative_to(out.resolve()):
+            raise ConfigError(f"{out} holds the job's own {what} ({spec}): the export would replace it; export into "
+                              "another folder")
     if adapter_out is not None and not job.lora_rank:
         raise ConfigError(f"adapter_out={adapter_out}: job {job.job_id!r} has no LoRA adapters (lora_rank=0); "
                           "its export is the model alone")
@@ -168,6 +175,18 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         raise CleaveError(f"cannot write the export to {out}: {e.filename or ''} {e.strerror or e}; nothing was "
                           "written") from None
     return Exported(written, adapter[0] if adapter else None, job, head)
+
+
+def replaceable(out: Path) -> None:
+    """Refuse an `out` that holds anything but an earlier export: an export replaces its folder whole, and nothing
+    else there may be lost (an earlier export is known by its tokenizer record)."""
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    if names and TOKENIZER_RECORD not in names:
+        raise ConfigError(f"{out} holds other files and is not an earlier export (a run dir, a model of your own?): "
+                          "export into a new or empty folder, or over an earlier export (replaced whole)")
+    if extra := sorted(names - EXPORT_NAMES):
+        raise ConfigError(f"{out} is an earlier export but also holds {', '.join(extra[:5])}: an export replaces its "
+                          "folder whole; move them, or export into another folder")
 
 
 @contextmanager
