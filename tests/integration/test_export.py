@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,12 @@ def cleave(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return out
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def export(run_dir: Path, out: Path, *extra: str) -> None:
@@ -128,6 +135,8 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
     export(run_dir, out)
     assert sorted(p.name for p in out.iterdir()) == ["cleave_tokenizer.json", "config.json", "model.safetensors"]
     assert oct(out.stat().st_mode & 0o777) == "0o755"
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {oct(0o666 & ~current_umask())}, modes  # (safetensors wrote the weights 0600)
     monkeypatch.chdir(out)
     export(run_dir, Path("."))  # over the export it is run in
     monkeypatch.chdir(tmp_path)

@@ -172,6 +172,7 @@ def test_fine_tune_lora_and_its_peft_adapter(world):
     export(run_dir, out)
     adapter = out / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    assert len({p.stat().st_mode for p in (*out.iterdir(), *adapter.iterdir()) if p.is_file()}) == 1  # (0600 weights)
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(d["base"])
     ids = transformers.AutoTokenizer.from_pretrained(out)(notes(5, 3))["input_ids"][:SEQ]
     x = torch.tensor([ids])

@@ -258,6 +258,10 @@ def test_missing_directories_and_files_are_named(tmp_path: Path) -> None:
         load_hf(tmp_path / "absent")
     with pytest.raises(ConfigError, match="has no config.json"):
         load_hf(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")  # JSON, not an object: a traceback ('list' has no to_dict)
+    with pytest.raises(ConfigError, match=r"config.json is not a JSON object \(it holds a list\)"):
+        load_hf(tmp_path)
+    (tmp_path / "config.json").unlink()
     out = _exported(tmp_path)
     weights = (out / "model.safetensors").read_bytes()
     for damaged in (weights[: len(weights) // 2], b"\xff" * 64 + weights[64:]):  # truncated; its header garbled

@@ -364,6 +364,9 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         raw = json.loads((directory / CONFIG_FILE).read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{directory / CONFIG_FILE} is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{directory / CONFIG_FILE} is not a JSON object (it holds a {type(raw).__name__}): "
+                          "a model's config.json maps names to values")
     return from_hf_config(raw)
 
 
@@ -411,6 +414,8 @@ def export_hf(
     except Exception as e:  # safetensors' own error for a full disk or a folder it cannot write
         raise CleaveError(f"{out / WEIGHTS_FILE}: cannot write the weights ({e})") from None
     (out / CONFIG_FILE).write_text(json.dumps(to_hf_config(cfg, out_dtype, tok.eos_id), indent=2) + "\n")
+    # (safetensors writes its file 0600: readable as the user's other files are, by the umask)
+    (out / WEIGHTS_FILE).chmod((out / CONFIG_FILE).stat().st_mode & 0o777)
     for f in getattr(tok, "files", ()):
         if f.resolve() != (out / f.name).resolve():
             shutil.copy2(f, out / f.name)

@@ -69,4 +69,5 @@ def write_adapter(out_dir: str | Path, cfg: ModelConfig, adapters: Mapping[str, 
     out.mkdir(parents=True, exist_ok=True)
     _safetensors().save_file(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, rank, alpha, targets, base), indent=2) + "\n")
+    (out / ADAPTER_WEIGHTS).chmod((out / ADAPTER_CONFIG).stat().st_mode & 0o777)  # (safetensors wrote it 0600)
     return out
