@@ -81,6 +81,8 @@ def test_diloco_ps_killed_mid_round_and_around_commits_resumes_exactly(tmp_path)
     assert len(list(faults.iterdir())) == 3  # all three faults fired
     assert [m["step"] for m in crashy] == list(range(6))  # every round reported exactly once
     assert_same([m["loss"] for m in crashy], [m["loss"] for m in calm])
+    # the rounds a restarted PS ran say so, as a step of method cleave does (they all said false)
+    assert [m["resumed"] for m in crashy] == [False] + [True] * 5 and not any(m["resumed"] for m in calm)
     assert "round_replayed" in "".join(p.read_text() for p in (tmp_path / "crashy" / "logs").glob("worker*.log"))
 
 

@@ -85,6 +85,7 @@ class Rounds:
         self.faults = Faults(s.fail_at, s.fault_dir, tag="ps")
         self.progress = Progress(bus, job, s, self.faults)
         self.epoch = 0  # claimed before `build`
+        self.first = 0  # the first round this PS runs (> 0: it resumed from persisted state)
         self.news = asyncio.Event()  # an update arrived or the plan changed: the round may close
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
         self.failed: dict[str, str] = {}  # workers that answered this round with an error, and the error
@@ -128,7 +129,7 @@ class Rounds:
 
     async def resume(self) -> int:
         """Restore the last committed round; the first round to run."""
-        first = await self.progress.resume(self.trainer.model, self.outer_opt)
+        first = self.first = await self.progress.resume(self.trainer.model, self.outer_opt)
         self.server.load_state_dict({**self.server.state_dict(), "round": first})
         log.info("ps_started", job=self.job.job_id, method=self.job.method, rounds=self.job.steps, epoch=self.epoch,
                  first=first)
@@ -320,7 +321,7 @@ class Rounds:
                         * self.job.batch_size * self.job.seq, lr=lr_at(self.job, r * self.job.local_steps), recoveries=len(lost),
                         recovery=tuple(lost), applied=report.applied, updates_late=report.late_folded,
                         dp_epsilon=epsilon(self.job.dp_noise, r + 1, self.job.dp_delta) if self.job.dp_noise else None,
-                        at=time.time())
+                        resumed=self.first > 0, at=time.time())
         self.raw_bytes = self.bytes_up = self.dropped = 0
         log.info("round_done", round=r, loss=round(m.loss, 5), workers=m.workers, val_loss=m.val_loss,
                  step_time_s=round(m.step_time_s, 3), bytes_up=m.bytes_up, raw_bytes_up=m.raw_bytes_up,
