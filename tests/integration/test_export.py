@@ -217,3 +217,12 @@ def test_an_export_replaces_only_an_earlier_export(tmp_path: Path) -> None:
     for fine in (earlier, tmp_path / "new", tmp_path / "empty"):
         (tmp_path / "empty").mkdir(exist_ok=True)
         jobs.replaceable(fine)
+
+
+def test_a_job_run_again_with_fewer_steps_says_it_trained_nothing(run_dir: Path, tmp_path: Path) -> None:
+    """`--steps` below what the job already ran showed its old steps as progress ('step 2 (3/1)') and ended as if
+    it had trained them."""
+    shutil.copytree(run_dir, tmp_path / "run")
+    said = cleave("train", "--preset", "tiny", "--steps", "1", "--workers", "1", "--run-dir", str(tmp_path / "run"),
+                  "--job-id", JOB_ID).stdout
+    assert f"job {JOB_ID} had already run {STEPS} steps, more than --steps 1: nothing was trained" in said, said

@@ -140,6 +140,11 @@ def test_the_summary_of_one_step_names_that_step(tmp_path, capsys) -> None:
     summarize([{"step": 0, "loss": 3.0, "step_time_s": 0.1}, {"step": 1, "loss": 2.0, "step_time_s": 0.3}],
               tmp_path / "m.jsonl", unit="round")
     assert "loss 3.0000 -> 2.0000 over rounds 0-1 (2 rounds); median round 0.200s" in capsys.readouterr().out
+    # a job that found no state started over after its file's earlier lines were shown: each step once, its last
+    old = [{"step": s, "loss": 9.0, "step_time_s": 5.0} for s in range(3)]
+    new = [{"step": s, "loss": 4.0 - s, "step_time_s": 0.1} for s in range(5)]
+    summarize(old + new, tmp_path / "m.jsonl")
+    assert "loss 4.0000 -> 0.0000 over steps 0-4 (5 steps); median step 0.100s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("flags", "says"), [

@@ -128,6 +128,10 @@ def train(args: argparse.Namespace) -> int:
     finally:
         trackers.close()
     summarize(lines, metrics_out, unit)
+    ran = max((m["step"] for m in lines), default=-1) + 1
+    if ran > job.steps:
+        print(f"job {job.job_id} had already run {ran} {unit}s, more than --steps {job.steps}: nothing was trained "
+              f"(a larger --steps trains it further)")
     return 0
 
 
@@ -151,6 +155,9 @@ def run_job(args: argparse.Namespace, job: JobConfig, run_dir: Path, metrics_out
 
 
 def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:
+    """One line: the loss from the first step to the last, the median step time. Each step counts once, by its
+    last line (a job that found no state of its own starts over after its file's earlier lines were shown)."""
+    lines = sorted({m["step"]: m for m in lines}.values(), key=lambda m: m["step"])
     if not lines:
         return
     times = [m["step_time_s"] for m in lines]
