@@ -8,10 +8,12 @@ import torch
 from torch import nn
 
 from cleave import bus as busmod
-from cleave.schemas import MAX_MESSAGE_BYTES, STATE_OBJECTS
+from cleave.runtime.faults import Faults
+from cleave.schemas import MAX_MESSAGE_BYTES, STATE_OBJECTS, StepMetrics
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
-from cleave_ps.state.persist import Persister, snapshot
+from cleave_ps.settings import PsSettings
+from cleave_ps.state.persist import Persister, Progress, snapshot
 
 BIG_ELEMENTS = 36 * 1024 * 1024  # two of these in fp32: 288 MiB, over the codec's 256 MiB message limit
 
@@ -77,6 +79,36 @@ async def test_a_damaged_checkpoint_falls_back_to_the_previous_one(nats_url):
             assert step == 1 and reason.endswith(why), reason
     finally:
         await bus.close()
+
+
+async def test_a_job_resumed_from_an_older_checkpoint_sets_its_later_lines_aside(nats_url, tmp_path):
+    """The metrics file kept the lines of the steps whose checkpoint did not read back, and the steps run again
+    were not written (each step is written once): it described a model thrown away. It is set aside whole and
+    begun anew with the lines up to the checkpoint resumed."""
+    job = JobConfig(job_id="older", preset="tiny", steps=4, batch_size=2, seq_len=16)
+    t, out = Trainer(job), tmp_path / "m.jsonl"
+    s = PsSettings(metrics_out=out, persist_every=1)
+    first = Progress(await busmod.connect(nats_url, "ps-1"), job, s, Faults(""))
+    try:
+        await first.bus.setup()
+        await first.open()
+        for step in range(2):
+            await first.commit(snapshot(t.model, t.opt, job.job_id, step, first.epoch),
+                               (StepMetrics(job=job.job_id, step=step, loss=t.step(step), step_time_s=0.1, workers=1),))
+        await _truncate(first.persister.store, f"{(await first.persister._heads())[0].object}.data")
+    finally:
+        await first.bus.close()
+    before = out.read_text().splitlines()
+    again = Progress(await busmod.connect(nats_url, "ps-2"), job, s, Faults(""))
+    try:
+        await again.open()
+        fresh = Trainer(job)
+        assert await again.resume(fresh.model, fresh.opt) == 1  # from step 0's checkpoint: step 1 runs again
+    finally:
+        await again.bus.close()
+    assert out.read_text().splitlines() == before[:1]
+    (kept,) = tmp_path.glob("m.before-older-*.jsonl")
+    assert kept.read_text().splitlines() == before
 
 
 async def _flip_one_byte(store, name: str) -> None:  # noqa: ANN001

@@ -160,3 +160,23 @@ def test_what_the_ps_cannot_read_is_told_before_a_stack_starts(tmp_path, capsys,
     assert main(argv) == 2
     assert says.format(tmp=tmp_path) in capsys.readouterr().err
     assert not run_dir.exists()  # no stack, no logs
+
+
+def test_a_run_says_where_its_metrics_files_earlier_lines_went(tmp_path, capsys) -> None:
+    """A PS that found no state of its job, or resumed from an older checkpoint, set the metrics file's lines aside
+    and said so only in its own log: the user saw old steps shown, then steps from 0 again."""
+    from cleave.runtime.metrics_file import MetricsFile  # noqa: PLC0415
+    from cleave.schemas import StepMetrics  # noqa: PLC0415
+    from cleave_cli.commands import tell_after  # noqa: PLC0415
+
+    job, path = JobConfig(job_id="j", preset="tiny", steps=4), tmp_path / "m.jsonl"
+    out = MetricsFile(path)
+    out.write(StepMetrics(step=0, loss=5.0, step_time_s=0.1, workers=1))
+    before = out.aside("j")
+    kept = out.set_aside("j")  # what the PS does
+    lines = [{"step": s, "loss": 1.0, "step_time_s": 0.1} for s in range(4)]
+    tell_after(job, lines, "step", path, before, tmp_path)
+    said = capsys.readouterr().out
+    assert f"{path} held lines not of the model trained now" in said and f"they are kept in {kept}" in said, said
+    tell_after(job, lines, "step", path, out.aside("j"), tmp_path)  # nothing new set aside, no step beyond: silent
+    assert capsys.readouterr().out == ""

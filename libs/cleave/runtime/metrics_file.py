@@ -13,7 +13,8 @@ EXCLUDED = {"job", "method"}  # carried on the bus, not in the per-step file
 
 class MetricsFile:
     """Appends step lines, flushed one by one so a reader (or a crash) sees whole lines only. Never truncated:
-    a resumed job appends the steps it adds; a new job sets another job's file aside (`set_aside`)."""
+    a resumed job appends the steps it adds; a new job sets another job's file aside (`set_aside`), and so does
+    a job that resumed from an older checkpoint than its file's last line (`cut_after`)."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -49,7 +50,27 @@ class MetricsFile:
         if self.path is None or not self.steps():
             return None
         kept = self.path.with_name(f"{self.path.stem}.before-{job_id}-{time.strftime('%Y%m%d-%H%M%S')}{self.path.suffix}")
+        if kept.exists():  # (twice within a second: a fallback right after a fresh start)
+            kept = kept.with_name(f"{kept.stem}-{time.time_ns()}{kept.suffix}")
         self.path.rename(kept)
+        return kept
+
+    def aside(self, job_id: str) -> set[Path]:
+        """The files `set_aside` made of this file for `job_id`."""
+        if self.path is None:
+            return set()
+        return set(self.path.parent.glob(f"{self.path.stem}.before-{job_id}-*{self.path.suffix}"))
+
+    def cut_after(self, step: int, job_id: str) -> Path | None:
+        """The job goes on after `step`: if the file holds lines of later steps (of checkpoints that did not read
+        back), it is set aside whole (`set_aside`) and begun anew with its lines up to `step`; the set-aside
+        name, or None when there was nothing to cut."""
+        lines = self.lines()
+        if all(m["step"] <= step for m in lines):
+            return None
+        kept = self.set_aside(job_id)
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(m) + "\n" for m in lines if m["step"] <= step)
         return kept
 
     def write(self, m: StepMetrics) -> None:

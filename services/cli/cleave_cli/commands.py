@@ -19,6 +19,7 @@ from cleave.models.hf import resolve_model_dir
 from cleave.models.tokenizer import load_tokenizer
 from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
+from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
 from cleave.train.job import ROUND_METHODS, JobConfig
@@ -123,16 +124,27 @@ def train(args: argparse.Namespace) -> int:
               "LoRA, compression or aggregation)")
     progress = ProgressBar(job.steps, unit=unit)
     trackers = Trackers(args.log_to, run_name=job.job_id, config=job.model_dump())
+    aside = MetricsFile(metrics_out).aside(job.job_id)
     try:
         lines = run_job(args, job, run_dir, metrics_out, progress, trackers)
     finally:
         trackers.close()
     summarize(lines, metrics_out, unit)
+    tell_after(job, lines, unit, metrics_out, aside, run_dir)
+    return 0
+
+
+def tell_after(job: JobConfig, lines: list[dict], unit: str, metrics_out: Path, aside: set[Path], run_dir: Path) -> None:
+    """What a run did beside its steps: its metrics file's earlier lines set aside (`aside`: those already set
+    aside before it), steps it was not asked for."""
+    for kept in sorted(MetricsFile(metrics_out).aside(job.job_id) - aside):
+        print(f"{metrics_out} held lines not of the model trained now (an earlier job {job.job_id} whose state is "
+              f"gone, or steps of a checkpoint that did not read back; {run_dir}/logs/ps.log says which): they "
+              f"are kept in {kept}")
     ran = max((m["step"] for m in lines), default=-1) + 1
     if ran > job.steps:
         print(f"job {job.job_id} had already run {ran} {unit}s, more than --steps {job.steps}: nothing was trained "
               f"(a larger --steps trains it further)")
-    return 0
 
 
 def run_job(args: argparse.Namespace, job: JobConfig, run_dir: Path, metrics_out: Path, progress: ProgressBar,

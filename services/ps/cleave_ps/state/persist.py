@@ -21,7 +21,9 @@ A job is its job id: a PS started under an id that has state resumes it, whateve
 job is still the same model on the same data order (`IDENTITY`); its other settings (`steps`, the learning
 rate and its schedule, timeouts, ...) may change from one run to the next. A changed identity is refused once
 (`JobChanged`, exit 4: not restarted). The metrics file is only ever appended to: a job's lines from every run,
-once per step; a new job finding another job's lines there sets that file aside (renamed, never deleted).
+once per step; a new job finding another job's lines there sets that file aside (renamed, never deleted), and so
+does a job resumed from an older checkpoint than its last line (a newer one did not read back), beginning it anew
+with the lines up to the checkpoint it resumed.
 """
 
 from __future__ import annotations
@@ -45,14 +47,7 @@ from cleave.errors import CleaveError, ConfigError, Conflict, CorruptCheckpoint,
 from cleave.runtime.faults import Faults
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import MetricsFile
-from cleave.schemas import (
-    MAX_CONTROL_BYTES,
-    STATE_BUCKET,
-    STATE_OBJECTS,
-    Event,
-    StateHead,
-    StepMetrics,
-)
+from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Event, StateHead, StepMetrics
 from cleave.train import checkpoint, preflight
 from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
 from cleave.train.job import JobConfig
@@ -350,14 +345,15 @@ class Progress:
         held now is refused here (`check_room`), before a step is run."""
         head = await self.persister.load(model, opt)
         self.check_room(model, opt)
+        await asyncio.to_thread(self.set_aside, None if head is None else head.step)
         if head is None:
-            await asyncio.to_thread(self.set_aside)
             return 0
         await self.report(head.metrics)  # lines that were committed but not written before a crash
-        first = head.step + 1
-        log.info("ps_resumed", job=self.job_id, from_step=first, epoch=self.epoch)
+        first, thrown = head.step + 1, [step for step, _ in self.persister.rejected]
+        log.info("ps_resumed", job=self.job_id, from_step=first, epoch=self.epoch, rejected_steps=thrown)
         await self.bus.emit(Event(kind="ps_resumed", at=time.time(), job=self.job_id, step=first, cause="restart",
-                                  detail={"epoch": self.epoch}))
+                                  detail={"epoch": self.epoch, "rejected": len(thrown),
+                                          "newest_rejected": max(thrown, default=None)}))
         return first
 
     def check_room(self, model: nn.Module, opt: torch.optim.Optimizer | None) -> None:
@@ -365,9 +361,11 @@ class Progress:
         optimizer's state exists after its first step: each commit checks again, `Persister.check_room`)."""
         self.persister.check_room(snapshot(model, opt, self.job_id, 0, self.epoch))
 
-    def set_aside(self) -> None:
-        """A new job: lines already in its metrics file are another job's; that file is renamed, never deleted."""
-        kept = self.out.set_aside(self.job_id)
+    def set_aside(self, after: int | None) -> None:
+        """A new job (`after` None): lines already in its metrics file are another job's; a job resumed after step
+        `after`: lines of later steps are of checkpoints that did not read back, not of its model. That file is
+        renamed, never deleted (and begun anew with its lines up to `after`)."""
+        kept = self.out.set_aside(self.job_id) if after is None else self.out.cut_after(after, self.job_id)
         if kept is not None:
             log.warning("metrics_set_aside", job=self.job_id, metrics=str(self.out.path), kept=str(kept))
 
