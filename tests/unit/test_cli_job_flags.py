@@ -180,3 +180,14 @@ def test_a_run_says_where_its_metrics_files_earlier_lines_went(tmp_path, capsys)
     assert f"{path} held lines not of the model trained now" in said and f"they are kept in {kept}" in said, said
     tell_after(job, lines, "step", path, out.aside("j"), tmp_path)  # nothing new set aside, no step beyond: silent
     assert capsys.readouterr().out == ""
+
+
+def test_every_job_made_without_an_id_gets_its_own(tmp_path) -> None:
+    """Every `Job(...)` without an id was job 'job': a second one with other settings was refused ('job' already
+    has state of another model), and a settings file naming `job_id = "job"` was given a new id (never resumed)."""
+    assert JobConfig(preset="tiny").job_id != JobConfig(preset="tiny").job_id
+    named, unnamed = tmp_path / "named.toml", tmp_path / "unnamed.toml"
+    named.write_text('job_id = "job"\npreset = "tiny"\n')
+    unnamed.write_text('preset = "tiny"\n')
+    assert job_from_args(build_parser().parse_args(["train", "--config", str(named)])).job_id == "job"
+    assert job_from_args(build_parser().parse_args(["train", "--config", str(unnamed)])).job_id.startswith("train-")

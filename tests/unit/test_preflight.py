@@ -62,7 +62,7 @@ def test_a_ps_that_cannot_fit_is_refused_before_it_dials_nats() -> None:
     refused = subprocess.run([sys.executable, "-m", "cleave_cli", "ps", "--nats", f"nats://127.0.0.1:{free_port()}"],
                              capture_output=True, text=True, timeout=60, env={**env, "CLEAVE_PS_MEMORY_BYTES": "1000"})
     assert refused.returncode == 2, refused.stderr[-2000:]
-    assert re.search(r"cleave: error: job 'job' needs about 0\.\d+ GB on the PS .* but 0\.00 GB are available",
+    assert re.search(r"cleave: error: job 'job-[0-9-]+-[0-9a-f]{4}' needs about 0\.\d+ GB on the PS .* but 0\.00 GB are available",
                      refused.stderr), refused.stderr[-2000:]
     assert "nats" not in refused.stderr.lower()  # (no connection tried, nothing retried)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import secrets
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -68,12 +70,17 @@ DEFAULT_MAX_EMPTY_ROUNDS = 4  # rounds in a row with no accepted update before t
 DEFAULT_DP_DELTA = 1e-5  # the delta of the (epsilon, delta) the privacy accountant reports
 
 
+def new_job_id(kind: str) -> str:
+    """Unique per job made: persisted state belongs to a job id, and a new job must not resume an old one."""
+    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
 class JobConfig(BaseModel):
     # strict: `steps = true` or `lr = "0.1"` is an error, not 1 or 0.1 (a TOML or JSON job's types are its own);
     # no inf or nan (inf would be written as null)
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
-    job_id: str = Field("job", pattern=JOB_ID_PATTERN)
+    job_id: str = Field(default_factory=lambda: new_job_id("job"), pattern=JOB_ID_PATTERN)  # new for every job made
     method: Literal["cleave", "diloco", "fedavg", "split"] = "cleave"  # for diloco/fedavg, steps count rounds
     split_layers: int = Field(1, ge=0)  # split learning: blocks the client keeps after the embedding
     device: Literal["auto", "cpu", "cuda"] = "auto"  # where the PS (or the reference run) computes

@@ -22,10 +22,10 @@ from cleave.runtime.files import write_atomic
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
-from cleave.train.job import ROUND_METHODS, JobConfig
+from cleave.train.job import ROUND_METHODS, JobConfig, new_job_id
 from cleave.train.sources import parse_source, source_bytes
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
-from cleave_cli.joboptions import job_from_args, new_job_id
+from cleave_cli.joboptions import job_from_args
 from cleave_cli.monitor_cmd import start_monitor
 from cleave_cli.progress import ProgressBar, unit_of
 from cleave_ps.jobs.pretrain import fit, worker_budgets

@@ -4,8 +4,6 @@ hub), and the job they describe."""
 from __future__ import annotations
 
 import argparse
-import secrets
-import time
 from pathlib import Path
 
 
@@ -69,14 +67,9 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, help="split each batch in N equal parts, gradients accumulated")
 
 
-def new_job_id(kind: str) -> str:
-    """Unique per invocation: persisted state belongs to a job id, and a new run must not resume an old one."""
-    return f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
 def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN201 - a JobConfig (torch: imported late)
     """The job the options describe: a job file's, with every option given on top; a new id unless one is named."""
-    from cleave.train.job import JobConfig
+    from cleave.train.job import JobConfig, new_job_id
 
     fields = dict(job_id=args.job_id, preset=args.preset, steps=args.steps, seed=args.seed,
                   batch_size=args.batch_size, lr=args.lr, data=args.data, method=args.method,
@@ -99,5 +92,5 @@ def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN20
         fields = {**named, **fields}
     if args.config:
         job = JobConfig.load(args.config, **fields)
-        return job if "job_id" in fields or job.job_id != "job" else job.model_copy(update={"job_id": new_job_id(kind)})
+        return job if "job_id" in job.model_fields_set else job.model_copy(update={"job_id": new_job_id(kind)})
     return JobConfig.build(**{"job_id": new_job_id(kind), **fields})
