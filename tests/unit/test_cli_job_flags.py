@@ -175,10 +175,11 @@ def test_a_run_says_where_its_metrics_files_earlier_lines_went(tmp_path, capsys)
     before = out.aside("j")
     kept = out.set_aside("j")  # what the PS does
     lines = [{"step": s, "loss": 1.0, "step_time_s": 0.1} for s in range(4)]
-    tell_after(job, lines, "step", path, before, tmp_path)
+    tell_after(job, lines, "step", path, before, tmp_path / "ps.log")
     said = capsys.readouterr().out
     assert f"{path} held lines not of the model trained now" in said and f"they are kept in {kept}" in said, said
-    tell_after(job, lines, "step", path, out.aside("j"), tmp_path)  # nothing new set aside, no step beyond: silent
+    assert f"{tmp_path / 'ps.log'} says which" in said
+    tell_after(job, lines, "step", path, out.aside("j"), None)  # nothing new set aside, no step beyond: silent
     assert capsys.readouterr().out == ""
 
 

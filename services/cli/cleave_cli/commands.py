@@ -130,17 +130,18 @@ def train(args: argparse.Namespace) -> int:
     finally:
         trackers.close()
     summarize(lines, metrics_out, unit)
-    tell_after(job, lines, unit, metrics_out, aside, run_dir)
+    tell_after(job, lines, unit, metrics_out, aside, None if args.reference else run_dir / "logs" / "ps.log")
     return 0
 
 
-def tell_after(job: JobConfig, lines: list[dict], unit: str, metrics_out: Path, aside: set[Path], run_dir: Path) -> None:
+def tell_after(job: JobConfig, lines: list[dict], unit: str, metrics_out: Path, aside: set[Path],
+               ps_log: Path | None) -> None:
     """What a run did beside its steps: its metrics file's earlier lines set aside (`aside`: those already set
-    aside before it), steps it was not asked for."""
+    aside before it), steps it was not asked for. `ps_log`: where the PS said why (None: no PS ran)."""
+    why = (f"another job's, an earlier job {job.job_id} whose state is gone, or steps of a checkpoint that did "
+           f"not read back: {ps_log} says which" if ps_log else "another run's")
     for kept in sorted(MetricsFile(metrics_out).aside(job.job_id) - aside):
-        print(f"{metrics_out} held lines not of the model trained now (an earlier job {job.job_id} whose state is "
-              f"gone, or steps of a checkpoint that did not read back; {run_dir}/logs/ps.log says which): they "
-              f"are kept in {kept}")
+        print(f"{metrics_out} held lines not of the model trained now ({why}): they are kept in {kept}")
     ran = max((m["step"] for m in lines), default=-1) + 1
     if ran > job.steps:
         print(f"job {job.job_id} had already run {ran} {unit}s, more than --steps {job.steps}: nothing was trained "
