@@ -48,6 +48,16 @@ def test_a_loop_that_breaks_stops_the_stack(tmp_path: Path) -> None:
     assert pids and all(alive(p) for p in pids)
     steps.close()  # what leaving a for loop early does once the generator is dropped
     assert not [p for p in pids if alive(p)]
+    # a generator kept in a variable, left unfinished: the stack stayed up until the interpreter's teardown,
+    # whose late stop failed ('Exception ignored ... sys.meta_path is None') and left stack.json saying running
+    script = ("import sys\nfrom cleave import Job, run\n"
+              "g = run(Job(preset='tiny', steps=50, batch_size=2), workers=1, run_dir=sys.argv[1])\n"
+              "for m in g:\n    break\n")
+    kept = subprocess.run([sys.executable, "-c", script, str(tmp_path / "kept")], capture_output=True, text=True,
+                          timeout=120)
+    assert kept.returncode == 0 and "Exception ignored" not in kept.stderr, kept.stderr[-2000:]
+    procs = json.loads((tmp_path / "kept" / "stack.json").read_text())["processes"]
+    assert procs and not [p for p in procs if p["running"] or alive(p["pid"])]
 
 
 def start_up(run_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:

@@ -15,6 +15,8 @@ stack's JetStream store, which `cleave export --run-dir` reads and the same job 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -101,6 +103,8 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
         return
     ps_env = credentials.role_env(Path(auth), "ps") if auth is not None else None
     fleet = LocalFleet(run_dir, workers, nats_url=nats, one_machine=True)
+    stop = functools.cache(fleet.stop)  # once: at the end, or at exit for a generator left unfinished (closed only
+    atexit.register(stop)  # when collected, too late to stop a stack cleanly)
     try:
         fleet.start(with_fleet=nats is None)
         if on_stack:
@@ -108,7 +112,8 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
         fleet.start_ps(job, metrics_out, ps_env=ps_env, replicas=ps_replicas)
         yield from fleet.follow_ps(metrics_out)
     finally:
-        fleet.stop()
+        atexit.unregister(stop)
+        stop()
 
 
 @checked
