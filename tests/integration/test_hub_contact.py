@@ -90,3 +90,18 @@ def test_a_worker_started_by_hand_with_another_deployments_folder_says_so(tls_si
     finally:
         waiting.terminate()
         waiting.wait(timeout=30)
+
+
+def test_cleave_train_at_a_hub_not_up_says_so_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cleave train --nats URL` (it reads the workers' budgets there) printed the client's `nats_error` warning
+    about twice a second on stdout, ~31 lines, before its one-line error."""
+    from cleave_cli.main import main  # noqa: PLC0415
+
+    monkeypatch.setattr(hub, "DEFAULT_CONNECT_TIMEOUT_S", 3.0)
+    url = f"nats://127.0.0.1:{free_port()}"
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--nats", url, "--run-dir", str(tmp_path / "r")]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.strip().splitlines() == [
+        f"cleave: error: could not reach NATS at {url} within 3s: nothing listens there (connection refused): is "
+        "the hub up, and is this its client port?"], said

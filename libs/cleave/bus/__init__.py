@@ -420,8 +420,8 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, stop: asy
             log.warning("nats_error", service=name, error=repr(e))
 
     async def on_disconnected() -> None:
-        closing = bool(made) and made[0].closing  # our own close, not a lost connection
-        (log.info if closing else log.warning)("nats_closed" if closing else "nats_disconnected", service=name)
+        if not (made and made[0].closing):  # (our own close is no news: a program using the API printed it)
+            log.warning("nats_disconnected", service=name)
 
     async def on_reconnected() -> None:
         log.info("nats_reconnected", service=name)

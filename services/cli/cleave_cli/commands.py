@@ -19,6 +19,7 @@ from cleave.models.hf import resolve_model_dir
 from cleave.models.tokenizer import load_tokenizer
 from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
+from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
@@ -91,6 +92,7 @@ def check_inputs(job: JobConfig) -> None:
 
 
 def train(args: argparse.Namespace) -> int:
+    configure("train", level="error")  # the client's reconnect chatter (a hub not up yet) is not for this user
     job = job_from_args(args)
     if args.config:  # the local stack's services read their tables of the same file ([ps], [worker], ...)
         os.environ[config_file.CONFIG_ENV] = str(args.config.resolve())
