@@ -78,6 +78,10 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("train", "--preset", "tiny", "--workers", "1", "--ps-replicas", "2", "--run-dir", str(tmp_path / "r")):
             "--ps-replicas 2 needs at least as many workers",
         ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",
+        # told by the command that lacks it (it pointed to `cleave --help`), with the option meant
+        ("train", "--presett", "tiny"): "cleave train: error: unrecognized arguments: --presett tiny; did you mean "
+                                        "--preset? (`cleave train --help` lists the options)",
+        ("train", "--preset", "tiny", "--auth", str(a_dir), "--dry-run"): "it needs nats (--nats URL)",
         ("up", "--max-running", "0"): "--max-running: must be at least 1, got 0",
         ("up", "--nats-cluster", "-1"): "--nats-cluster: must be at least 0, got -1",
         ("status", "--nats", "foo://127.0.0.1:1"): "expected nats://HOST:PORT or tls://HOST:PORT",

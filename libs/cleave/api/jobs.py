@@ -76,8 +76,7 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
     A PS that fails raises `cleave.errors.CleaveError` naming its log; nothing is left running either way. A run
     dir is one job's: one that holds another job (its job.json) is refused.
     """
-    if auth is not None and nats is None:
-        raise ConfigError("auth= logs the PS in to a running stack's NATS: it needs nats= (a local stack has none)")
+    check_auth(auth, nats)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(job)
     try:
         held = state.job_id_of(run_dir)
@@ -85,10 +84,16 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
         held = None
     if held not in (None, job.job_id):
         raise ConfigError(f"{run_dir} holds job {held!r} (its job.json, state and metrics): train {job.job_id!r} in a "
-                          f"run dir of its own, or resume {held!r} with job_id={held!r}")
+                          f"run dir of its own, or resume {held!r} under its id (--job-id {held} / job_id={held!r})")
     if nats is not None and not reference:
         hub.reachable(nats, Path(auth) if auth is not None else None, "ps")  # (named now, not retried for ever)
     return _run(job, workers, run_dir, nats, auth, metrics_out, ps_replicas, reference, on_stack)
+
+
+def check_auth(auth: str | Path | None, nats: str | None) -> None:
+    if auth is not None and nats is None:
+        raise ConfigError("auth (--auth) logs the PS in to a running stack's NATS: it needs nats (--nats URL); a "
+                          "local stack has no credentials")
 
 
 def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: str | Path | None,

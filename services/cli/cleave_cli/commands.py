@@ -96,6 +96,7 @@ def train(args: argparse.Namespace) -> int:
     job = job_from_args(args)
     if args.config:  # the local stack's services read their tables of the same file ([ps], [worker], ...)
         os.environ[config_file.CONFIG_ENV] = str(args.config.resolve())
+    jobs.check_auth(args.auth, args.nats)
     if args.ps_replicas < 1:
         raise ConfigError(f"--ps-replicas: must be at least 1, got {args.ps_replicas}")
     if args.ps_replicas > args.workers and args.nats is None and not args.reference:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import difflib
 import gc
 import importlib
 import os
@@ -65,6 +66,19 @@ class CommandLine(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's
+        """An option the command does not have is told by that command (argparse tells it at the top, pointing
+        to `cleave --help`, which lists commands, not their options), with the option it may have meant."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            subs = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+            own = subs.get(getattr(ns, "command", None), self)
+            close = [m for x in extras if x.startswith("-") for m in
+                     difflib.get_close_matches(x.split("=", 1)[0], list(own._option_string_actions), n=1)]
+            own.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; did you mean {', '.join(close)}?" if close
+                                                                       else ""))
+        return ns
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
