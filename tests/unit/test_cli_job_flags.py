@@ -196,3 +196,26 @@ def test_every_job_made_without_an_id_gets_its_own(tmp_path) -> None:
     unnamed.write_text('preset = "tiny"\n')
     assert job_from_args(build_parser().parse_args(["train", "--config", str(named)])).job_id == "job"
     assert job_from_args(build_parser().parse_args(["train", "--config", str(unnamed)])).job_id.startswith("train-")
+
+
+def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) -> None:
+    """`--dry-run` printed `fits` for jobs the PS then refused once a stack had started (~10 s later): a
+    tokenizer larger than the model's vocabulary, an init_from of another architecture than its --preset, a
+    token file that is not whole."""
+    from cleave.models import build_model, get_preset  # noqa: PLC0415
+    from cleave.models.hf import export_hf  # noqa: PLC0415
+    from tests.unit.test_tokenizer import _gpt2_style  # noqa: PLC0415
+
+    _gpt2_style().save(str(tmp_path / "tokenizer.json"))  # 400 tokens: over tiny's 256
+    export_hf(build_model(get_preset("tiny")), get_preset("tiny"), tmp_path / "tiny-model")
+    (tmp_path / "short.u16").write_bytes(b"abc")
+    cases = {
+        ("--preset", "tiny", "--tokenizer", str(tmp_path / "tokenizer.json")):
+            "has 400 tokens but preset 'tiny' has vocab_size=256",
+        ("--preset", "tiny-llama", "--init-from", str(tmp_path / "tiny-model")): "does not fit preset='tiny-llama'",
+        ("--preset", "tiny", "--data", str(tmp_path / "short.u16")): "3 bytes is not a whole number of uint16 tokens",
+    }
+    for flags, said in cases.items():
+        assert main(["train", *flags, "--dry-run"]) == 2, flags
+        out = capsys.readouterr()
+        assert said in out.err and "fits" not in out.out, (flags, out)

@@ -151,11 +151,11 @@ class Corpus:
         return xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
 
 
-def check_vocab(corpus: Corpus, vocab_size: int, preset: str) -> None:
-    """The model must have an embedding for every token id the data can hold."""
-    if corpus.vocab_size > vocab_size:
+def check_vocab(tokenizer: str, tokens: int, vocab_size: int, preset: str) -> None:
+    """The model must have an embedding for every token id the data can hold (`tokens`: its tokenizer's)."""
+    if tokens > vocab_size:
         raise ConfigError(
-            f"tokenizer {corpus.tokenizer!r} has {corpus.vocab_size} tokens but preset {preset!r} "
+            f"tokenizer {tokenizer!r} has {tokens} tokens but preset {preset!r} "
             f"has vocab_size={vocab_size}; choose a preset with a larger vocabulary or "
             f"tokenizer={DEFAULT_TOKENIZER!r}"
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import importlib.util
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -170,13 +171,9 @@ def _jsonl_documents(src: Source) -> Iterator[Document]:
 def _hf_dataset(src: Source):  # noqa: ANN202 - datasets is optional
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # never download: only local folders and the local cache
     os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(
-            f"data={src.spec!r}: Hugging Face datasets need the `datasets` package "
-            "(pip install datasets); or export the text to JSONL"
-        ) from None
+    check_source(src)
+    import datasets
+
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True  # if imported before us
     split = src.options.get("split") or DEFAULT_HF_SPLIT
     path = Path(src.path).expanduser()
@@ -224,6 +221,19 @@ def iter_documents(source: str | Source, chunk_chars: int = DEFAULT_CHUNK_CHARS)
         yield from _hf_documents(src)
     else:
         raise ConfigError(f"data={src.spec!r} holds token ids, not text")
+
+
+def check_source(source: str | Source) -> None:
+    """What can be told of a data source without reading it whole: it is there and readable (a token file: its
+    dtype, sidecar and length; a Hugging Face dataset: the `datasets` package is installed)."""
+    src = source if isinstance(source, Source) else parse_source(source)
+    if src.kind == "hf" and importlib.util.find_spec("datasets") is None:
+        raise ConfigError(f"data={src.spec!r}: Hugging Face datasets need the `datasets` package "
+                          "(pip install datasets); or export the text to JSONL")
+    if src.kind == "tokens":
+        open_tokens(src)
+    elif src.kind != "hf":
+        source_bytes(src.spec)
 
 
 def source_bytes(spec: str) -> int:

@@ -34,12 +34,17 @@ def load_init(model: torch.nn.Module, cfg: ModelConfig, job: JobConfig) -> None:
     config computes the same function as the preset's (when a preset is given) and that every key and shape
     matches."""
     hf_cfg, sd = load_hf(job.init_from)
+    check_init(hf_cfg, cfg, job)
+    check_state_dict(our_shapes(cfg), sd, f"init_from={job.init_from!r}")
+    model.load_state_dict(sd)
+
+
+def check_init(hf_cfg: ModelConfig, cfg: ModelConfig, job: JobConfig) -> None:
+    """`job.init_from`'s config (`hf_cfg`) computes the same function as the model's (`cfg`: its preset's)."""
     differ = [f"{f} is {getattr(hf_cfg, f)!r} there, {getattr(cfg, f)!r} in the preset"
               for f in INIT_FIELDS if getattr(hf_cfg, f) != getattr(cfg, f)]
     if differ:
         raise ConfigError(f"init_from={job.init_from!r} does not fit preset={job.preset!r}: " + "; ".join(differ))
-    check_state_dict(our_shapes(cfg), sd, f"init_from={job.init_from!r}")
-    model.load_state_dict(sd)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,7 +93,7 @@ class Trainer:
         if backend is not None:
             tiled.install(self.model, backend, self.dtype, self.late)
         self.corpus = corpus or Corpus.for_job(job)
-        check_vocab(self.corpus, self.cfg.vocab_size, job.model_name)
+        check_vocab(self.corpus.tokenizer, self.corpus.vocab_size, self.cfg.vocab_size, job.model_name)
         self.opt = make_adamw(self.model.parameters(), job)
         self.scaler = precision.LossScaler(self.opt) if job.precision == "fp16" else None
         self.skipped = 0  # fp16 steps skipped for an overflow in the gradients

@@ -15,7 +15,7 @@ from cleave.api import jobs
 from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.api.hub import connect as hub_connect
 from cleave.errors import ConfigError, Stopped
-from cleave.models.hf import resolve_model_dir
+from cleave.models.hf import read_hf_config, resolve_model_dir
 from cleave.models.tokenizer import load_tokenizer
 from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
@@ -23,8 +23,10 @@ from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
+from cleave.train.data import check_vocab
 from cleave.train.job import ROUND_METHODS, JobConfig, new_job_id
-from cleave.train.sources import parse_source, source_bytes
+from cleave.train.sources import check_source
+from cleave.train.trainer import check_init
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args
 from cleave_cli.monitor_cmd import start_monitor
@@ -79,16 +81,17 @@ def registry_budgets(nats: str, auth: Path | None = None) -> list[int]:
 
 
 def check_inputs(job: JobConfig) -> None:
-    """What the PS reads (it runs here, with --nats too): a tokenizer, model folder or data it cannot read is told
-    now, not once a stack has started (a Hugging Face dataset is left to the PS: opening one may download it)."""
-    load_tokenizer(job.tokenizer)
+    """What the PS reads (it runs here, with --nats too): a tokenizer, model folder or data it cannot read, or
+    that does not fit the model, is told now (before a dry run says `fits`), not once a stack has started."""
+    tok = load_tokenizer(job.tokenizer)
+    check_vocab(tok.name, tok.vocab_size, job.arch().vocab_size, job.model_name)
     if job.init_from is not None:
         try:
             resolve_model_dir(job.init_from)
         except ConfigError as e:
             raise ConfigError(f"init_from: {e}") from None
-    if parse_source(job.data).kind != "hf":
-        source_bytes(job.data)
+        check_init(read_hf_config(job.init_from), job.arch(), job)
+    check_source(job.data)
 
 
 def train(args: argparse.Namespace) -> int:

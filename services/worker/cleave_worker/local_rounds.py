@@ -113,7 +113,7 @@ class RoundRunner:
                 load_init(model, cfg, job)
             use_precision(attach_for_job(model, job), job.precision)
             corpus = Corpus.for_job(job, source=self.data)
-            check_vocab(corpus, cfg.vocab_size, job.model_name)
+            check_vocab(corpus.tokenizer, corpus.vocab_size, cfg.vocab_size, job.model_name)
             while len(self.jobs) >= MAX_JOBS:
                 self.jobs.pop(next(iter(self.jobs)))
             self.jobs[key] = LocalJob(job, model, make_adamw(trainable(model).values(), job), corpus,
