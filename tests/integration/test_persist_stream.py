@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from torch import nn
 
 from cleave import bus as busmod
+from cleave.errors import JobChanged
 from cleave.runtime.faults import Faults
 from cleave.schemas import MAX_MESSAGE_BYTES, STATE_OBJECTS, StepMetrics
 from cleave.train.job import JobConfig
@@ -187,5 +189,19 @@ async def test_a_checkpoint_the_server_cannot_deliver_is_given_up_when_it_stalls
         [(step, reason)] = q.rejected
         assert step == 1 and "stalled: nothing arrived for 1 s" in reason, reason
         assert time.monotonic() - t0 < 30
+    finally:
+        await bus.close()
+
+
+async def test_a_changed_round_method_job_is_refused_in_rounds(nats_url):
+    """The refusal of a changed diloco/fedavg job counted its rounds as steps ('up to step 2')."""
+    job = JobConfig(job_id="rounds-changed", method="diloco", preset="tiny", steps=3, local_steps=2)
+    t = Trainer(job)
+    bus, p = await persister(nats_url, job.job_id, job.model_dump_json())
+    try:
+        await p.commit(snapshot(t.model, None, job.job_id, 2, p.epoch), ())
+        changed = job.model_copy(update={"seed": 7}).model_dump_json()
+        with pytest.raises(JobChanged, match=r"already has state \(up to round 2\) of another model .* seed: 0 -> 7"):
+            await reload(bus, job.job_id, changed, Trainer(job).model, None)
     finally:
         await bus.close()

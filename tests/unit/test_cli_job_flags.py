@@ -92,6 +92,8 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("plan", "--model", "tiny", "--fleet", "synthetic:99999999", "--batch-size", "8", "--seq-len", "64"):
             "N from 1 to 1,000,000",
         ("export", "--run-dir", str(tmp_path / "run"), "--out", str(a_file)): f"{a_file} is a file",
+        ("export", "--run-dir", str(tmp_path / "run"), "--out", str(a_file / "sub")):  # (said 'File exists')
+            f"{a_file} is a file: no folder can be made under it",
         ("runner", "--run-dir", str(a_file), "--nats", "nats://127.0.0.1:1"): f"{a_file}/logs: Not a directory",
         ("swarm", "--workers", "2", "--processes", "2", "--heartbeat-s", "-1"):  # (not each process, exit 1)
             "invalid setting heartbeat_s: Input should be greater than 0",

@@ -154,6 +154,8 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file: the model is written as a folder")
+    if above := next((p for p in out.parents if p.exists() and not p.is_dir()), None):
+        raise ConfigError(f"{above} is a file: no folder can be made under it for {out}")
     if adapter_out is not None and Path(adapter_out).resolve() == out.resolve():
         raise ConfigError(f"adapter_out={adapter_out} is the model's own folder: transformers would apply the adapter "
                           "again over the merged weights; leave it unset (it goes to OUT/adapter) or name another")

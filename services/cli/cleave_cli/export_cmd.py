@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     head, job = done.head, done.job
     print(
         f"exported job {job.job_id} after {unit_of(job.method)} {head.step} ({head.step + 1} of {job.steps} done; "
-        f"epoch {head.epoch}, model {job.model_name}, tokenizer {job.tokenizer}) to {done.out}"
+        f"committed by PS run {head.epoch}, model {job.model_name}, tokenizer {job.tokenizer}) to {done.out}"
         + (f"; its LoRA adapter (PEFT) to {done.adapter}" if done.adapter else "")
     )
     return 0

@@ -50,7 +50,7 @@ from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Event, StateHead, StepMetrics
 from cleave.train import checkpoint, preflight
 from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
-from cleave.train.job import JobConfig
+from cleave.train.job import ROUND_METHODS, JobConfig
 from cleave_ps.settings import PsSettings
 from cleave_ps.state import sweep
 
@@ -210,7 +210,8 @@ class Persister:
             return None
         changed = identity_changes(heads[0].job_config, self.job_config)
         if changed:
-            raise JobChanged(f"job {self.job_id!r} already has state (up to step {heads[0].step}) of another model "
+            unit = "round" if json.loads(self.job_config).get("method") in ROUND_METHODS else "step"
+            raise JobChanged(f"job {self.job_id!r} already has state (up to {unit} {heads[0].step}) of another model "
                              f"or data order: {'; '.join(changed)}. Resume it with those settings as they were "
                              "(steps, the learning rate and the other settings may change), or use a new job id")
         if heads[0].job_config != self.job_config:
