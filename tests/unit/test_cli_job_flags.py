@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -211,7 +212,14 @@ def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) ->
     _gpt2_style().save(str(tmp_path / "tokenizer.json"))  # 400 tokens: over tiny's 256
     export_hf(build_model(get_preset("tiny")), get_preset("tiny"), tmp_path / "tiny-model")
     (tmp_path / "short.u16").write_bytes(b"abc")
+    shutil.copytree(tmp_path / "tiny-model", tmp_path / "cut")
+    weights = (tmp_path / "cut" / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    shutil.copytree(tmp_path / "tiny-model", tmp_path / "bare")
+    (tmp_path / "bare" / "model.safetensors").unlink()
     cases = {
+        ("--preset", "tiny", "--init-from", str(tmp_path / "cut")): "cannot read its weights, the file is truncated",
+        ("--preset", "tiny", "--init-from", str(tmp_path / "bare")): "no weights in",
         ("--preset", "tiny", "--tokenizer", str(tmp_path / "tokenizer.json")):
             "has 400 tokens but preset 'tiny' has vocab_size=256",
         ("--preset", "tiny-llama", "--init-from", str(tmp_path / "tiny-model")): "does not fit preset='tiny-llama'",

@@ -350,9 +350,28 @@ def _read_weights(directory: Path) -> StateDict:
         try:
             sd.update(torch.load(f, map_location="cpu", weights_only=True) if f.suffix == ".bin" else st.load_file(f))
         except Exception as e:  # safetensors' and torch's own errors for a truncated or damaged file
-            raise ConfigError(f"{f}: cannot read its weights, the file is truncated or damaged ({e}); copy or "
-                              "download it again") from None
+            raise _unreadable(f, e) from None
     return sd
+
+
+def check_weights(path: str | Path) -> None:
+    """The directory has weight files, and each safetensors file is whole (its header covers the file: read
+    without the weights themselves)."""
+    import safetensors  # noqa: PLC0415 - (`_safetensors` says how to install it)
+
+    _safetensors()
+    for f in weight_files(resolve_model_dir(path)):
+        if f.suffix == ".safetensors":
+            try:
+                with safetensors.safe_open(f, "pt"):
+                    pass
+            except Exception as e:  # safetensors' own error for a truncated or damaged header
+                raise _unreadable(f, e) from None
+
+
+def _unreadable(f: Path, e: Exception) -> ConfigError:
+    return ConfigError(f"{f}: cannot read its weights, the file is truncated or damaged ({e}); copy or download it "
+                       "again")
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:

@@ -15,7 +15,7 @@ from cleave.api import jobs
 from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.api.hub import connect as hub_connect
 from cleave.errors import ConfigError, Stopped
-from cleave.models.hf import read_hf_config, resolve_model_dir
+from cleave.models.hf import check_weights, read_hf_config, resolve_model_dir
 from cleave.models.tokenizer import load_tokenizer
 from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
@@ -91,6 +91,7 @@ def check_inputs(job: JobConfig) -> None:
         except ConfigError as e:
             raise ConfigError(f"init_from: {e}") from None
         check_init(read_hf_config(job.init_from), job.arch(), job)
+        check_weights(job.init_from)
     check_source(job.data)
 
 
