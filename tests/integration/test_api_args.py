@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from cleave import Job, follow, load_job, metrics, run, status, submit
 from cleave import bus as busmod
+from cleave.api import hub
 from cleave.errors import CleaveError, ConfigError
 from cleave.schemas import JOBS_BUCKET, JobRecord
 
@@ -50,8 +51,10 @@ def test_a_url_nats_cannot_use_is_named_by_every_call(url: str, tmp_path: Path) 
             call()
 
 
-def test_a_run_on_a_nats_that_does_not_answer_is_refused_before_the_ps_starts(tmp_path: Path) -> None:
-    with pytest.raises(CleaveError, match="could not reach NATS at nats://127.0.0.1:1"):
+def test_a_run_on_a_nats_that_does_not_answer_is_refused_before_the_ps_starts(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub, "DEFAULT_CONNECT_TIMEOUT_S", 3.0)  # (a hub not up is retried for 15 s by default)
+    with pytest.raises(CleaveError, match="could not reach NATS at nats://127.0.0.1:1 within 3s"):
         run(Job(steps=1), nats="nats://127.0.0.1:1", run_dir=tmp_path)
     assert not (tmp_path / "job.json").exists() and not (tmp_path / "logs").exists()
 
