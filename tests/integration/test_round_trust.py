@@ -99,25 +99,32 @@ def test_a_non_member_and_a_lying_member_do_not_move_the_global_weights(tmp_path
     assert "not_member" in log and "wrong_sender" in log
 
 
-@pytest.mark.slow  # ~25 s: three workers
+@pytest.mark.slow  # ~30 s: four workers
 def test_members_without_own_data_or_memory_are_refused_and_not_asked_again(tmp_path):
-    data = tmp_path / "site.txt"
+    """A member whose own data could not be used (too small, malformed) failed every round, its error (the data's
+    path, its field names) sent to the PS: it refuses the job once now, with a reason that names neither."""
+    data, wrong = tmp_path / "site.txt", tmp_path / "secret-notes.jsonl"
     data.write_text(TEXT)
+    wrong.write_text('{"body": "private field"}\n' * 50)
     job = JobConfig(job_id="own", preset="tiny", steps=3, method="fedavg", local_steps=1, own_data=True,
                     round_timeout_s=60)
     workers = {"site": {"CLEAVE_WORKER_DATA": str(data)}, "nodata": {},
-               "small": {"CLEAVE_WORKER_DATA": str(data), "CLEAVE_WORKER_ROUND_MEMORY_BYTES": "1000"}}
+               "small": {"CLEAVE_WORKER_DATA": str(data), "CLEAVE_WORKER_ROUND_MEMORY_BYTES": "1000"},
+               "unusable": {"CLEAVE_WORKER_DATA": str(wrong)}}
     lines = run(tmp_path / "run", job, workers)
     assert [m["workers"] for m in lines] == [1, 1, 1]
     logs = tmp_path / "run" / "logs"
     ps = (logs / "ps.log").read_text()
-    assert ps.count("round_member_refused") == 2
+    assert ps.count("round_member_refused") == 3
     assert "declared none (cleave worker --data SOURCE)" in ps and "CLEAVE_WORKER_ROUND_MEMORY_BYTES" in ps
-    for name in ("nodata", "small"):  # refused once, then not dealt the job again
+    assert "this worker's own data cannot be used for job 'own'" in ps
+    for name in ("nodata", "small", "unusable"):  # refused once, then not dealt the job again
         assert (logs / f"{name}.log").read_text().count("round_refused") == 1
+    assert "no text field 'text' (it has: body)" in (logs / "unusable.log").read_text()  # its own log says why
     site = (logs / "site.log").read_text()
     assert "data_declared" in site
-    assert str(data) not in ps and "site's own notes" not in ps  # the PS never learns the path or the text
+    for secret in (str(data), "site's own notes", "secret-notes", "body", "private field"):
+        assert secret not in ps, secret  # the PS never learns a path, a field or the text
 
 
 def test_a_job_whose_rounds_accept_nothing_fails_with_what_it_saw(tmp_path):

@@ -71,6 +71,29 @@ def job_for_worker(job_config: str, base: Path | None, tokenizer: Path | None) -
     return JobConfig.model_validate(raw)
 
 
+def own_corpus(job: JobConfig, data: str | None, vocab_size: int) -> Corpus:
+    """The job's data on this worker: its own (`data`, what it declared), else the job's. Own data it cannot use
+    (unreadable, too small, malformed, not of the model's vocabulary) refuses the job for good, with a reason that
+    names neither its path nor what it holds: the whole error stays in this worker's log."""
+    try:
+        corpus = Corpus.for_job(job, source=data)
+        check_vocab(corpus.tokenizer, corpus.vocab_size, vocab_size, job.model_name)
+    except ConfigError as e:
+        if not data:
+            raise
+        log.warning("own_data_unusable", job=job.job_id, error=str(e))
+        raise JobRefused(f"this worker's own data cannot be used for job {job.job_id!r} (its log says why; a worker "
+                         "sends neither its data's path nor what it holds)") from None
+    return corpus
+
+
+def private(text: str, data: str | None) -> str:
+    """`text` (an error sent to the PS) with this worker's data path, as given and resolved, left out."""
+    for path in {data, str(Path(data).expanduser().resolve())} if data else ():
+        text = text.replace(path, "<own data>")
+    return text
+
+
 def round_memory(job: JobConfig) -> dict[str, int]:
     """What a round of `job` holds on a worker: fp32 weights; for the trainable parameters their gradients,
     AdamW's two moments, the global weights and the update; the activations of one batch."""
@@ -112,8 +135,7 @@ class RoundRunner:
             if job.init_from:  # fine-tuning: the PS's base weights, fetched and verified
                 load_init(model, cfg, job)
             use_precision(attach_for_job(model, job), job.precision)
-            corpus = Corpus.for_job(job, source=self.data)
-            check_vocab(corpus.tokenizer, corpus.vocab_size, cfg.vocab_size, job.model_name)
+            corpus = own_corpus(job, self.data, cfg.vocab_size)
             while len(self.jobs) >= MAX_JOBS:
                 self.jobs.pop(next(iter(self.jobs)))
             self.jobs[key] = LocalJob(job, model, make_adamw(trainable(model).values(), job), corpus,

@@ -35,7 +35,7 @@ from cleave.schemas import (
     SplitTask,
 )
 from cleave_worker.device import DeviceState
-from cleave_worker.local_rounds import RoundRunner
+from cleave_worker.local_rounds import RoundRunner, private
 from cleave_worker.split_client import SplitRunner
 
 MAX_SESSIONS = 4  # secure-aggregation rounds remembered at once
@@ -85,7 +85,7 @@ class Methods:
             self.log.warning("round_refused" if refused else "round_failed", job=task.job, round=task.round,
                              error=str(e) if refused else repr(e))
             update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
-                                 error=(str(e) if refused else repr(e))[:500], refused=refused)
+                                 error=private(str(e) if refused else repr(e), self.s.data)[:500], refused=refused)
         else:
             if self.device.pacer is not None:  # behave like the declared device: answer when it would have
                 up = len(await asyncio.to_thread(codec.encode, update))
@@ -164,5 +164,5 @@ class Methods:
         except Exception as e:  # the PS hears why, and the step is not half-applied silently
             self.log.warning("split_step_failed", job=task.job, step=task.step, phase=task.phase, error=repr(e))
             reply = SplitReply(job=task.job, epoch=task.epoch, step=task.step, phase=task.phase,
-                               worker_id=self.s.worker_id, error=repr(e)[:500])
+                               worker_id=self.s.worker_id, error=private(repr(e), self.s.data)[:500])
         await self.bus.publish(task.reply, reply)

@@ -33,7 +33,7 @@ from cleave.schemas import SplitReply, SplitTask
 from cleave.train.data import Corpus
 from cleave.train.job import JobConfig
 from cleave.train.schedule import set_lr
-from cleave_worker.local_rounds import job_for_worker
+from cleave_worker.local_rounds import job_for_worker, own_corpus
 
 
 @dataclass
@@ -88,7 +88,7 @@ class SplitRunner:
                               "none (cleave worker --data SOURCE)")
             half, _ = split.split_model(build_model(job.arch(), seed=job.seed), task.split_layers)
             client = split.SplitClient(half, make_adamw(half.parameters(), job), job.grad_clip)
-            self.state = {key: ClientState(job, client, Corpus.for_job(job, source=self.data))}
+            self.state = {key: ClientState(job, client, own_corpus(job, self.data, job.arch().vocab_size))}
         return self.state[key]
 
     def run(self, task: SplitTask, tokenizer: Path | None = None) -> SplitReply:
