@@ -78,6 +78,11 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
             "--min-updates 5 is more than the 2 workers of this stack",
         ("train", "--preset", "tiny", "--workers", "1", "--ps-replicas", "2", "--run-dir", str(tmp_path / "r")):
             "--ps-replicas 2 needs at least as many workers",
+        # refused after rounds of retries (14 s, or minutes of round timeouts): a local stack cannot run them
+        ("train", "--method", "fedavg", "--secagg", "--workers", "1", "--run-dir", str(tmp_path / "r")):
+            "--secagg needs at least 2 workers",
+        ("train", "--method", "fedavg", "--own-data", "--workers", "2", "--run-dir", str(tmp_path / "r")):
+            "a local stack's workers declare none",
         ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",
         # told by the command that lacks it (it pointed to `cleave --help`), with the option meant
         ("train", "--presett", "tiny"): "cleave train: error: unrecognized arguments: --presett tiny; did you mean "

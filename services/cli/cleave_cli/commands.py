@@ -107,10 +107,17 @@ def train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs at least as many workers (each replica trains "
                           f"with its own part of the fleet, and one with none waits for ever); --workers is "
                           f"{args.workers}")
-    if (job.method in ROUND_METHODS and job.min_updates > args.workers and not job.max_staleness
-            and args.nats is None and not args.reference):
-        raise ConfigError(f"--min-updates {job.min_updates} is more than the {args.workers} workers of this stack: "
-                          "no round could ever apply an update (each worker sends one a round)")
+    if args.nats is None and not args.reference:  # a local stack: its workers are these, with no data of their own
+        if job.method in ROUND_METHODS and job.min_updates > args.workers and not job.max_staleness:
+            raise ConfigError(f"--min-updates {job.min_updates} is more than the {args.workers} workers of this "
+                              "stack: no round could ever apply an update (each worker sends one a round)")
+        if job.secagg and args.workers < 2:
+            raise ConfigError(f"--secagg needs at least 2 workers (a sum of one update hides nothing); --workers is "
+                              f"{args.workers}")
+        if job.own_data:
+            raise ConfigError("--own-data trains only on data the workers declared themselves (cleave worker --data "
+                              "SOURCE), and a local stack's workers declare none: run the job on a hub whose workers "
+                              "do (cleave up, then cleave submit or cleave train --nats URL; docs/methods.md)")
     if job.batch_size % (args.ps_replicas * job.micro_batches) or (
             args.ps_replicas > 1 and job.method != "cleave"):
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
