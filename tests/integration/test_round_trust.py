@@ -160,3 +160,8 @@ def test_a_round_that_accepted_nothing_runs_again_without_moving_the_schedule(tm
     assert [m["lr"] for m in lines] == [lr_at(job, s) for s in range(3)]
     log = (tmp_path / "run" / "logs" / "ps.log").read_text()
     assert log.count("round_empty") == 1 and "solo" in log
+    # the worker lost in the attempt that accepted nothing is round 0's recovery (its line said none), and the
+    # round's time counts that attempt too
+    (ev,) = lines[0]["recovery"]
+    assert ev["worker_id"] == "solo" and ev["step"] == 0 and 0 <= ev["detect_s"] <= ev["detect_s"] + ev["complete_s"]
+    assert lines[0]["recoveries"] == 1 and lines[0]["step_time_s"] >= ev["detect_s"] + ev["complete_s"] - 1e-6

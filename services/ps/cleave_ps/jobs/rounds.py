@@ -89,6 +89,9 @@ class Rounds:
         self.news = asyncio.Event()  # an update arrived or the plan changed: the round may close
         self.losses: dict[str, float] = {}  # sender -> first local loss, this round
         self.failed: dict[str, str] = {}  # workers that answered this round with an error, and the error
+        self.failed_at: dict[str, float] = {}  # ... and when it came (perf_counter)
+        self.round_started = 0.0  # perf_counter at the round's first attempt: its events and its time count from it
+        self.carried: list[Event] = []  # workers lost in this round's attempts that accepted nothing
         self.refused: dict[str, str] = {}  # workers that refused the job, and why: not dealt it again
         self.members: dict[int, frozenset[str]] = {}  # round -> the workers it was dealt to
         self.rejected: dict[str, int] = {}  # this round's refused updates, by reason
@@ -160,7 +163,7 @@ class Rounds:
                 self.refused[msg.worker_id] = msg.error
                 log.warning("round_member_refused", worker_id=msg.worker_id, reason=msg.error[:300])
             if msg.round == self.server.round:  # it answered: the round does not wait for it
-                self.failed[msg.worker_id] = msg.error
+                self.failed[msg.worker_id], self.failed_at[msg.worker_id] = msg.error, time.perf_counter()
                 self.news.set()
                 log.warning("round_update_failed", worker_id=msg.worker_id, round=msg.round, error=msg.error[:200])
             return
@@ -238,12 +241,13 @@ class Rounds:
             if missing and not self.stop.is_set():
                 log.warning("round_timed_out", round=r, missing=missing, timeout_s=self.job.round_timeout_s)
                 lost += [self.lost(r, w, "round_timeout", t0) for w in missing]
-        lost += [self.lost(r, w, "update_failed", t0) for w in sorted(self.failed)]
+        lost += [self.lost(r, w, "update_failed", t0, self.failed_at.get(w)) for w in sorted(self.failed)]
         return lost
 
-    def lost(self, r: int, worker: str, cause: str, t0: float) -> Event:
-        """A worker whose update for round `r` will not come: what the PS saw and what it did about it."""
-        detect_s = time.perf_counter() - t0
+    def lost(self, r: int, worker: str, cause: str, t0: float, at: float | None = None) -> Event:
+        """A worker whose update for round `r` will not come (`at`: when the PS learnt it, if not now): what the PS
+        saw and what it did about it."""
+        detect_s = (at or time.perf_counter()) - t0
         log.warning("round_worker_lost", round=r, worker_id=worker, cause=cause, detect_s=round(detect_s, 3))
         return Event(kind="recovered", at=time.time(), job=self.job.job_id, step=r, worker_id=worker, cause=cause,
                      detect_s=detect_s, detail={"round": r, "dropped": "its update for this round",
@@ -253,6 +257,7 @@ class Rounds:
         """Run round `r` until an update is accepted (at most `max_empty_rounds` tries); None if the PS is
         stopping (nothing applied: the round runs again after a restart)."""
         seen: list[str] = []
+        self.round_started, self.carried = time.perf_counter(), []
         while True:
             m = await self.attempt(r, len(seen))
             if m is None or isinstance(m, StepMetrics):
@@ -294,6 +299,7 @@ class Rounds:
             lost, why = await self.collect(r, expected, t0), None
         if self.stop.is_set():
             return None
+        lost = [ev.model_copy(update={"detect_s": (ev.detect_s or 0.0) + t0 - self.round_started}) for ev in lost]
         if self.secure is not None:
             report = self.server.close_with_sum(total, survivors)
         else:
@@ -303,18 +309,22 @@ class Rounds:
         losses = [self.losses[w] for w in report.senders if w in self.losses]
         self.losses.clear()
         self.failed.clear()
+        self.failed_at.clear()
         self.rejected.clear()
         if why is not None:
             self.raw_bytes = self.bytes_up = self.dropped = 0
+            self.carried += lost  # (reported with the round once an attempt of it is applied)
             return why
         closed = time.perf_counter()
-        lost = [ev.model_copy(update={"complete_s": closed - t0 - ev.detect_s}) for ev in lost]
+        lost = [ev.model_copy(update={"complete_s": closed - self.round_started - ev.detect_s})
+                for ev in self.carried + lost]
         val = None
         if self.job.val_every and (r + 1) % self.job.val_every == 0:
             val = await asyncio.to_thread(self.trainer.val_loss, r)
         m = StepMetrics(job=self.job.job_id, method=self.job.method, step=r,
                         loss=statistics.fmean(losses) if losses else float("nan"), val_loss=val,
-                        step_time_s=time.perf_counter() - t0, workers=len(report.senders), bytes_down=bytes_down,
+                        step_time_s=time.perf_counter() - self.round_started, workers=len(report.senders),
+                        bytes_down=bytes_down,
                         bytes_down_per_worker=bytes_down,
                         bytes_up=self.bytes_up, raw_bytes_up=self.raw_bytes, updates=len(report.senders),
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps

@@ -45,7 +45,7 @@ class Host(Protocol):
     failed: dict[str, str]  # members that answered the round with an error
     server: object  # its `params`: the trainable tensors, by name
 
-    def lost(self, r: int, worker: str, cause: str, t0: float) -> Event: ...
+    def lost(self, r: int, worker: str, cause: str, t0: float, at: float | None = None) -> Event: ...
 
 
 def threshold_for(members: int) -> int:
