@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from datetime import datetime
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from cleave import bus as busmod
 from cleave.api import state
 from cleave.api.fleet import LocalFleet
 from cleave.compression import unpack
+from cleave.errors import PsEnded
 from cleave.methods import secagg
 from cleave.schemas import RoundUpdate
 from cleave.train.job import JobConfig
@@ -117,3 +119,26 @@ def test_a_member_dropping_mid_round_is_tolerated(tmp_path):
     log = (tmp_path / "secure" / "run" / "logs" / "ps.log").read_text()
     assert "secagg_unmasked" in log and "dropped=['bob']" in log
     assert json.dumps(secure[1]["recovery"][0]["cause"]) in ('"left_plan"', '"round_timeout"')
+
+
+def test_a_round_given_up_is_dealt_again_without_waiting_out_its_timeout(tmp_path):
+    """bob dies for good as round 1 reaches it; ann, alone, cannot make a secure round (it needs 2), which is
+    given up and dealt again 2, 4, 8 s later until the job fails. ann waited out round_timeout_s for the members
+    of each session the PS had given up (its next round's task queued behind that wait): 60 s an attempt."""
+    job = JobConfig(job_id="alone", preset="tiny", steps=3, method="fedavg", local_steps=1, round_timeout_s=60,
+                    secagg=True)
+    fleet = LocalFleet(tmp_path / "run", 0, scheduler_env=CALM)
+    try:
+        fleet.start()
+        fleet.stack.service("ann", "worker", ["--worker-id", "ann"], restart=False)
+        fleet.stack.service("bob", "worker", ["--worker-id", "bob"], restart=False,
+                            env={"CLEAVE_WORKER_FAIL_AT": "round:1", "CLEAVE_WORKER_FAULT_DIR": str(tmp_path / "f")})
+        fleet.start_ps(job, tmp_path / "m.jsonl")
+        with pytest.raises(PsEnded, match="4 rounds in a row"):
+            fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=200)
+    finally:
+        fleet.stop()
+    log = (tmp_path / "run" / "logs" / "ps.log").read_text().splitlines()
+    empties = [datetime.fromisoformat(x.split()[0].rstrip("Z")) for x in log if "round_empty" in x]
+    assert len(empties) == 4 and (empties[-1] - empties[0]).total_seconds() < 30, empties  # 2 + 4 + 8 s, not 180
+    assert "secagg_session_given_up" in (tmp_path / "run" / "logs" / "ann.log").read_text()

@@ -49,6 +49,7 @@ class Session:
     reply: str  # its update subject
     base: dict  # job, epoch, round, worker_id of its updates
     members_known: asyncio.Event = field(default_factory=asyncio.Event)
+    abandoned: bool = False  # the PS dealt the job a new session: it gave this one up
 
 
 def masked_update(y: dict) -> PackedTensors:
@@ -65,6 +66,7 @@ class Methods:
         self.split = SplitRunner(self.s.worker_id, self.s.data)
         self.bundles = BundleCache(self.s.model_cache, self.s.worker_id)
         self.sessions: dict[str, Session] = {}
+        self.waiting: set[asyncio.Task] = set()  # masked updates waiting for their round's members
 
     async def fetch(self, bundle_id: str) -> Path | None:
         """The local directory of a published bundle ("" : none)."""
@@ -91,14 +93,24 @@ class Methods:
                 up = len(await asyncio.to_thread(codec.encode, update))
                 done = self.device.pacer.finish_at(arrived, nbytes, up, self.rounds.flops(task, base, tok))
                 await asyncio.sleep(max(0.0, done - time.time()))
-            if session is not None:
-                update = await self.masked(task, session, update)
-                if update is None:
-                    return
+            if session is not None:  # its wait for the members must not hold up the next round's task
+                waits = asyncio.get_running_loop().create_task(self.send_masked(task, session, update, reply))
+                self.waiting.add(waits)
+                waits.add_done_callback(self.waiting.discard)
+                return
         await self.bus.publish(reply, update)
+
+    async def send_masked(self, task: RoundTask, session: Session, update: RoundUpdate, reply: str) -> None:
+        masked = await self.masked(task, session, update)
+        if masked is not None:
+            await self.bus.publish(reply, masked)
 
     async def open_session(self, task: RoundTask, reply: str) -> Session:
         """Secure aggregation: fresh keys for this round's session, their public halves sent at once."""
+        for old in self.sessions.values():  # one session of a job at a time: a new one means the PS gave up the old
+            if old.base["job"] == task.job and not old.abandoned:
+                old.abandoned = True
+                old.members_known.set()
         member = secagg.SecureMember(self.s.worker_id, f"{task.job}|{task.epoch}|{task.round}|{task.session}")
         base = dict(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id)
         session = self.sessions[task.session] = Session(member, reply, base)
@@ -119,6 +131,9 @@ class Methods:
             await asyncio.wait_for(session.members_known.wait(), job.get("round_timeout_s", 120.0))
         except TimeoutError:
             self.log.warning("secagg_members_never_came", job=task.job, round=task.round, session=task.session)
+            return None
+        if session.abandoned:
+            self.log.info("secagg_session_given_up", job=task.job, round=task.round, session=task.session)
             return None
         self.device.faults.hit("secagg_masked", task.round)
         y = await asyncio.to_thread(session.member.mask, delta)
