@@ -205,8 +205,9 @@ async def check_api(http: aiohttp.ClientSession, url: str) -> None:
     assert (await get_json(http, url + "/api/plan"))["plan"]["predicted_step_s"] == 0.2
     assert len((await get_json(http, url + "/api/events"))["events"]) == 3
     assert len((await get_json(http, url + "/api/series?job=j"))["points"]) == 6
-    async with http.get(url + "/api/series?job=nope") as resp:
-        assert resp.status == 404
+    for path in ("/api/series?job=nope", "/api/state?job=nope"):  # (state gave another job's steps)
+        async with http.get(url + path) as resp:
+            assert resp.status == 404, path
     assert (await get_json(http, url + "/healthz"))["nats"] is True
     samples = await prom_samples(http, url)
     assert samples[("cleave_steps_total", ())] == 6 and samples[("cleave_tiles_total", ())] == 40
@@ -270,8 +271,9 @@ async def test_the_host_header_and_the_token_guard_it_and_it_lists_the_hubs_jobs
                 assert resp.status == 200
             async with http.get(url + "/api/state?token=wrong") as resp:
                 assert resp.status == 401
-            async with http.get(url + "/api/state", headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
-                assert resp.status == 200
+            for scheme in ("Bearer", "bearer"):  # (an auth scheme is case-insensitive: lowercase got 401)
+                async with http.get(url + "/api/state", headers={"Authorization": f"{scheme} {TOKEN}"}) as resp:
+                    assert resp.status == 200, scheme
             async with http.get(f"{url}/api/jobs?token={TOKEN}", headers={"Host": "evil.example.org"}) as resp:
                 assert resp.status == 403  # the names it serves are listed: another one is refused
             async with http.get(f"{url}/?token={TOKEN}", headers={"Host": "hub.example.org:8787"}) as resp:

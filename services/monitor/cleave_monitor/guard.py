@@ -45,9 +45,9 @@ def host_allowed(header: str, bind: str, token: str, allowed: frozenset[str]) ->
 
 
 def presented(request: web.Request) -> str:
-    auth = request.headers.get("Authorization", "")
-    if auth.startswith("Bearer "):
-        return auth[7:].strip()
+    scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer":  # (an auth scheme is case-insensitive: RFC 7235)
+        return credentials.strip()
     return request.query.get("token") or request.cookies.get(COOKIE, "")
 
 

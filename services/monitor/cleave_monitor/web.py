@@ -61,15 +61,21 @@ async def index(request: web.Request) -> web.FileResponse:
 
 async def api_state(request: web.Request) -> web.Response:
     ctx = request.app[CONTEXT]
-    return _json(ctx.state.snapshot(time.time(), request.query.get("job")))
+    return _json(ctx.state.snapshot(time.time(), known_job(request)))
 
 
 async def api_series(request: web.Request) -> web.Response:
     state = request.app[CONTEXT].state
-    job = request.query.get("job") or state.current_job
+    job = known_job(request) or state.current_job
+    return _json({"job": job, "points": state.series(job)})
+
+
+def known_job(request: web.Request) -> str | None:
+    """The job `?job=` names (None: none named); one the monitor has not seen is a 404, not another job's steps."""
+    state, job = request.app[CONTEXT].state, request.query.get("job") or None
     if job is not None and job not in state.jobs:
         raise web.HTTPNotFound(text=f"no job {job!r}; known: {', '.join(state.jobs) or 'none'}")
-    return _json({"job": job, "points": state.series(job)})
+    return job
 
 
 async def api_events(request: web.Request) -> web.Response:
