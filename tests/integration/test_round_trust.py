@@ -165,3 +165,16 @@ def test_a_round_that_accepted_nothing_runs_again_without_moving_the_schedule(tm
     (ev,) = lines[0]["recovery"]
     assert ev["worker_id"] == "solo" and ev["step"] == 0 and 0 <= ev["detect_s"] <= ev["detect_s"] + ev["complete_s"]
     assert lines[0]["recoveries"] == 1 and lines[0]["step_time_s"] >= ev["detect_s"] + ev["complete_s"] - 1e-6
+
+
+@pytest.mark.slow  # ~15 s
+def test_a_split_client_that_cannot_start_the_job_is_passed_over(tmp_path):
+    """Split learning took the lowest worker id as its client: one without own data refused step 0 and the job
+    ended (exit 4), with a worker holding data right there. A client that holds nothing yet is replaced."""
+    data = tmp_path / "site.txt"
+    data.write_text(TEXT)
+    job = JobConfig(job_id="split-own", preset="tiny", steps=2, method="split", own_data=True, round_timeout_s=60)
+    lines = run(tmp_path / "run", job, {"aa-nodata": {}, "zz-site": {"CLEAVE_WORKER_DATA": str(data)}})
+    assert [m["step"] for m in lines] == [0, 1]
+    ps = (tmp_path / "run" / "logs" / "ps.log").read_text()
+    assert "split_client_passed_over" in ps and "client=aa-nodata" in ps and "client=zz-site" in ps

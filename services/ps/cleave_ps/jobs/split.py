@@ -61,6 +61,7 @@ class SplitJob:
         self.reply = ""
         self.first = 0
         self.client = ""
+        self.passed: set[str] = set()  # workers that could not start the job as its client (at step 0)
         self.tokenizer = ""  # the job's tokenizer, published for the client (cleave.models.bundles)
         self.shelf = bundles.Shelf()  # ... and served to it from this PS's disk
         self.waiting: dict[tuple[int, str], asyncio.Future] = {}
@@ -135,16 +136,28 @@ class SplitJob:
 
     async def step(self, s: int) -> StepMetrics | None:
         if not self.client:  # the first step: the client is a worker of the plan (the same one on every PS)
-            self.client = min(await self.plan.some_workers(self.stop, lambda: self.idle.waiting(s)), default="")
-            if not self.client:
+            workers = await self.plan.some_workers(self.stop, lambda: self.idle.waiting(s))
+            if not workers:
                 return None  # stopped before any worker came
+            self.client = min(set(workers) - self.passed, default="")
+            if not self.client:
+                raise ClientLost(f"no worker of the plan can be the client: {', '.join(sorted(self.passed))} could "
+                                 "not start the job (their logs say why)")
             log.info("ps_started", job=self.job.job_id, method="split", client=self.client, steps=self.job.steps,
                      first=self.first)
         t0 = time.perf_counter()
         base = dict(job=self.job.job_id, epoch=self.epoch, step=s, job_config=self.job.model_dump_json(),
                     split_layers=self.job.split_layers, tokenizer_bundle=self.tokenizer,
                     reply=SUBJECT_UPDATES.format(job=self.job.job_id, epoch=self.epoch, worker_id=self.client))
-        fwd = await self.ask(SplitTask(**base, phase="forward"))
+        try:
+            fwd = await self.ask(SplitTask(**base, phase="forward"))
+        except ClientLost as e:  # a client that holds nothing yet (step 0) is replaced by another worker
+            if s or not set(self.plan.workers) - self.passed - {self.client}:
+                raise
+            log.warning("split_client_passed_over", client=self.client, reason=str(e)[:300])
+            self.passed.add(self.client)
+            self.client = ""
+            return await self.step(s)
         if fwd.activations is None or fwd.targets is None:
             raise ClientLost(f"client {self.client} sent no activations for step {s}")
         tied = None if fwd.tied_weight is None else codec.data_to_tensor(fwd.tied_weight)
