@@ -425,3 +425,20 @@ async def test_dashboard_during_a_real_job_and_restart(nats_url, tmp_path):
         await asyncio.to_thread(fleet.stop)
     if not CHROMIUM:
         pytest.skip(f"the browser part did not run: {NO_CHROMIUM}")
+
+
+def test_a_dashboard_port_in_use_is_told_in_the_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`cleave up --dashboard-listen` on a busy port said only 'the monitor exited with 2; see its log'."""
+    import socket  # noqa: PLC0415
+
+    from cleave_cli.main import main  # noqa: PLC0415
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["up", "--workers", "0", "--run-dir", str(tmp_path / "up"),
+                     "--dashboard-listen", f"127.0.0.1:{port}"]) == 2
+    said = capsys.readouterr().err
+    assert f"the monitor exited with 2: the monitor cannot listen on 127.0.0.1:{port}" in said, said
+    assert "address already in use" in said

@@ -52,7 +52,9 @@ def start_monitor(stack: Stack, port: int | None = None, timeout_s: float = DEFA
     deadline = time.monotonic() + timeout_s
     while wait and not url_file.exists():
         if proc.poll() is not None:
-            raise CleaveError(f"the monitor exited with {proc.popen.returncode}; see {log}")
+            said = stack.last_words(proc)
+            raise CleaveError(f"the monitor exited with {proc.popen.returncode}" + (f": {said}" if said else "")
+                              + f" (see {log})")
         if time.monotonic() > deadline:
             raise CleaveError(f"the monitor did not start serving within {timeout_s}s; see {log}")
         time.sleep(0.05)
