@@ -35,7 +35,10 @@ def test_the_eta_follows_the_recent_pace():
 def test_rounds_are_called_rounds():
     assert (unit_of("diloco"), unit_of("fedavg"), unit_of("cleave"), unit_of("split")) == ("round", "round", "step", "step")
     text = ProgressBar(8, io.StringIO(), tty=False, unit="round").line(line(2))
-    assert text.startswith("round 2 (3/8)") and "s/round" in text
+    assert text.startswith("round 2 (3/8)") and "s/round" in text and "applied" not in text
+    # a round that left the weights as they were says so (it read as any other)
+    kept = ProgressBar(8, io.StringIO(), tty=False, unit="round").line({**line(3), "applied": False})
+    assert kept.endswith("not applied (fewer updates than --min-updates)")
 
 
 def test_durations_read_as_people_write_them():

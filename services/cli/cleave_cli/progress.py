@@ -49,7 +49,8 @@ class ProgressBar:
         eta = f"ETA {duration(pace * (self.total - done))}  " if done < self.total else ""
         return (f"{self.unit} {m['step']} ({done}/{self.total})  loss {m['loss']:.4f}  {m['step_time_s']:.2f}s/{self.unit}"
                 f"  {rate}{eta}workers {m.get('workers', 0)}  resent {m.get('tiles_resent', 0)}  "
-                f"recoveries {self.recoveries}")
+                f"recoveries {self.recoveries}" + ("  not applied (fewer updates than --min-updates)"
+                                                   if m.get("applied") is False else ""))
 
     def update(self, m: dict) -> None:
         text, done = self.line(m), m["step"] + 1
