@@ -94,3 +94,20 @@ def test_fixed_point_round_trip():
     back = secagg.decode(secagg.encode(x))["a"]
     torch.testing.assert_close(back, x["a"].double(), rtol=0, atol=2.0**-32)
     assert secagg.encode(x)["a"].dtype == np.uint64
+
+
+def test_an_update_beyond_the_fixed_points_range_is_refused_not_wrapped():
+    """An entry of 2^31 / n or more wrapped the sum silently (the fixed point of n inputs holds 63 bits); nan too."""
+    xs = updates(3)
+    big = {u: dict(x) for u, x in xs.items()}
+    big["w1"]["a"] = big["w1"]["a"].clone()
+    big["w1"]["a"][0, 0] = 2.0**31 / 3
+    with pytest.raises(ValueError, match="beyond the 7.16e\\+08 that secure aggregation's fixed point sums for 3"):
+        run_round(big, threshold=2)
+    big["w1"]["a"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="clip updates"):
+        run_round(big, threshold=2)
+    big["w1"]["a"][0, 0] = 2.0**31 / 3 * 0.999  # just inside: the sum is the plain sum
+    total, *_ = run_round(big, threshold=2)
+    plain = sum(x["a"].double() for x in big.values())
+    torch.testing.assert_close(total["a"], plain, rtol=0, atol=1e-6)

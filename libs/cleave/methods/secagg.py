@@ -219,6 +219,11 @@ class SecureMember:
         """Phase 3: y = x + PRG(b) + the pair masks with every other member of U2."""
         if not self.u2:
             raise WireError("no_members", "the round's members (U2) are not known yet")
+        limit = 2.0 ** (63 - FIXED_POINT_BITS) / len(self.u2)  # the sum of the members' inputs fits 63 bits
+        worst = max((t.detach().abs().max().item() for t in update.values() if t.numel()), default=0.0)
+        if not worst < limit:  # (beyond it the sum would wrap silently; nan too)
+            raise ValueError(f"an entry of this update is {worst:.3g}, beyond the {limit:.3g} that secure "
+                             f"aggregation's fixed point sums for {len(self.u2)} members: clip updates (update_clip)")
         y = encode(update)
         shapes = {k: v.shape for k, v in y.items()}
         _add(y, prg(self.b_seed, shapes))

@@ -101,7 +101,12 @@ class Methods:
         await self.bus.publish(reply, update)
 
     async def send_masked(self, task: RoundTask, session: Session, update: RoundUpdate, reply: str) -> None:
-        masked = await self.masked(task, session, update)
+        try:
+            masked = await self.masked(task, session, update)
+        except Exception as e:  # an update it cannot mask: the round goes on without it, as without a dropout
+            self.log.warning("round_failed", job=task.job, round=task.round, error=repr(e))
+            masked = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
+                                 error=private(repr(e), self.s.data)[:500])
         if masked is not None:
             await self.bus.publish(reply, masked)
 
