@@ -145,9 +145,10 @@ def test_status_says_a_running_job_waits_for_workers(nats_url: str, capsys: pyte
 def test_a_word_of_waiting_holds_while_it_is_fresh_and_the_latest() -> None:
     now = time.time()
     word = Event(kind="waiting_for_workers", at=now - 10, job="j", step=3, detail={"since": now - 100, "faulty": 2})
-    assert waiting_for_workers("running", word, now - 20, now) == {"since": now - 100, "step": 3, "faulty": 2}
-    assert waiting_for_workers("running", word, now - 5, now) is None  # a step came after it
-    assert waiting_for_workers("done", word, now - 20, now) is None
-    assert waiting_for_workers("running", None, now - 20, now) is None
+    assert waiting_for_workers("running", word, now - 20, None, now) == {"since": now - 100, "step": 3, "faulty": 2}
+    assert waiting_for_workers("running", word, now - 5, None, now) is None  # a step came after it
+    assert waiting_for_workers("running", word, None, now - 5, now) is None  # said by a PS before the last one
+    assert waiting_for_workers("done", word, now - 20, None, now) is None
+    assert waiting_for_workers("running", None, now - 20, None, now) is None
     stale = word.model_copy(update={"at": now - 3 * WAIT_EVENT_S - 1})  # its PS said nothing since: gone
-    assert waiting_for_workers("running", stale, 0.0, now) is None
+    assert waiting_for_workers("running", stale, None, None, now) is None

@@ -222,10 +222,9 @@ def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, 
     steps = job.get("steps")
     last = lines[-1] if lines else None
     now = time.time() if now is None else now
-    heard = max(last.at if last else 0.0, rec.started_at or 0.0)  # (a word from before these is not news)
     return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
             "runner_silent_s": runner_silent_s(rec.state, rec.heard_at, now),
-            "waiting_for_workers": waiting_for_workers(rec.state, wait, heard, now),
+            "waiting_for_workers": waiting_for_workers(rec.state, wait, last.at if last else None, rec.started_at, now),
             "method": job.get("method", "cleave"),
             "step": last.step if last else None, "steps_reported": len(lines),
             "loss": last.loss if last else None, "workers": last.workers if last else None,

@@ -61,11 +61,13 @@ def runner_silent_s(state: str, heard_at: float | None, now: float) -> int | Non
     return round(quiet) if state in ("queued", "running") and quiet > RUNNER_SILENT_S else None
 
 
-def waiting_for_workers(state: str, wait: Event | None, last_step_at: float, now: float) -> dict | None:
+def waiting_for_workers(state: str, wait: Event | None, last_step_at: float | None, started_at: float | None,
+                        now: float) -> dict | None:
     """What the PS of a running job last said of its wait for workers (its latest `waiting_for_workers` event):
     since when it has had none to deal to, at which step, and how many it expelled as faulty; while that is its
-    latest word (no step reported since) and fresh (said within 3 x WAIT_EVENT_S: it says it again every
-    WAIT_EVENT_S while the wait lasts). None otherwise."""
-    if state != "running" or wait is None or wait.at <= last_step_at or now - wait.at > 3 * WAIT_EVENT_S:
+    latest word (no step reported since, and said by the PS started last) and fresh (said within 3 x
+    WAIT_EVENT_S: it says it again every WAIT_EVENT_S while the wait lasts). None otherwise."""
+    heard = max(last_step_at or 0.0, started_at or 0.0)
+    if state != "running" or wait is None or wait.at <= heard or now - wait.at > 3 * WAIT_EVENT_S:
         return None
     return {"since": wait.detail.get("since") or wait.at, "step": wait.step, "faulty": wait.detail.get("faulty") or 0}

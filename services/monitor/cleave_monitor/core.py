@@ -197,13 +197,13 @@ class MonitorState:
         `waiting_for_workers` of a running job whose PS has no worker to deal to (as `cleave status` says it)."""
         return [{**j, "runner_silent_s": runner_silent_s(j["state"], j["heard_at"], now),
                  "waiting_for_workers": waiting_for_workers(j["state"], self.waits.get(j["job_id"]),
-                                                            self.heard(j["job_id"], j["started_at"]), now)}
+                                                            self.last_at(j["job_id"]), j["started_at"], now)}
                 for j in sorted(self.queue.values(), key=lambda j: j["submitted_at"])]
 
-    def heard(self, job: str, started_at: float | None) -> float:
-        """When the job's PS last reported a step, or was started (a word older than both is not news)."""
+    def last_at(self, job: str) -> float | None:
+        """When the job's PS last reported a step (None: none seen)."""
         series = self.jobs.get(job)
-        return max(series[-1]["at"] if series else 0.0, started_at or 0.0)
+        return series[-1]["at"] if series else None
 
     def on_plan(self, plan: Plan) -> Update:
         self.plan = plan
