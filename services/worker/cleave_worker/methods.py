@@ -83,11 +83,7 @@ class Methods:
             with self.device.busy():
                 update = await asyncio.to_thread(self.rounds.run, task, base, tok)
         except Exception as e:  # a bad task spoils this round's update, not the worker
-            refused = isinstance(e, JobRefused)
-            self.log.warning("round_refused" if refused else "round_failed", job=task.job, round=task.round,
-                             error=str(e) if refused else repr(e))
-            update = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
-                                 error=private(str(e) if refused else repr(e), self.s.data)[:500], refused=refused)
+            update = self.failed(task, e)
         else:
             if self.device.pacer is not None:  # behave like the declared device: answer when it would have
                 up = len(await asyncio.to_thread(codec.encode, update))
@@ -104,11 +100,18 @@ class Methods:
         try:
             masked = await self.masked(task, session, update)
         except Exception as e:  # an update it cannot mask: the round goes on without it, as without a dropout
-            self.log.warning("round_failed", job=task.job, round=task.round, error=repr(e))
-            masked = RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
-                                 error=private(repr(e), self.s.data)[:500])
+            masked = self.failed(task, e)
         if masked is not None:
             await self.bus.publish(reply, masked)
+
+    def failed(self, task: RoundTask, e: Exception) -> RoundUpdate:
+        """What this worker answers a round it could not do (`refused`: nor any round of its job), logged here
+        in full, sent with its data path left out."""
+        refused = isinstance(e, JobRefused)
+        said = str(e) if refused else repr(e)
+        self.log.warning("round_refused" if refused else "round_failed", job=task.job, round=task.round, error=said)
+        return RoundUpdate(job=task.job, epoch=task.epoch, round=task.round, worker_id=self.s.worker_id,
+                           error=private(said, self.s.data)[:500], refused=refused)
 
     async def open_session(self, task: RoundTask, reply: str) -> Session:
         """Secure aggregation: fresh keys for this round's session, their public halves sent at once."""
