@@ -84,13 +84,15 @@ def check_inputs(job: JobConfig) -> None:
     """What the PS reads (it runs here, with --nats too): a tokenizer, model folder or data it cannot read, or
     that does not fit the model, is told now (before a dry run says `fits`), not once a stack has started."""
     tok = load_tokenizer(job.tokenizer)
-    check_vocab(tok.name, tok.vocab_size, job.arch().vocab_size, job.model_name)
     if job.init_from is not None:
         try:
             resolve_model_dir(job.init_from)
         except ConfigError as e:
             raise ConfigError(f"init_from: {e}") from None
-        check_init(read_hf_config(job.init_from), job.arch(), job)
+    arch = job.arch()  # (a job without a preset reads it from init_from)
+    check_vocab(tok.name, tok.vocab_size, arch.vocab_size, job.model_name)
+    if job.init_from is not None:
+        check_init(read_hf_config(job.init_from), arch, job)
         check_weights(job.init_from)
     check_source(job.data)
 
