@@ -289,7 +289,9 @@ def test_export_records_and_copies_the_tokenizer(tmp_path: Path) -> None:
         "tokenizer": str(tmp_path),
         "vocab_size": tok.get_vocab_size(),
     }
-    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.token_to_id("<|endoftext|>")
+    config = json.loads((out / "config.json").read_text())
+    # both ids, as GPT-2's published config has them (bos was null: generate() had no start token to give)
+    assert config["eos_token_id"] == config["bos_token_id"] == tok.token_to_id("<|endoftext|>")
     assert load_tokenizer(out).encode("hello edge") == tok.encode("hello edge").ids
     assert load_tokenizer(_exported(tmp_path / "b")).name == "bytes"
     # a job started from a model takes the model's own tokenizer unless it names one (it trained a BPE model on

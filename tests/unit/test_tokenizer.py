@@ -53,7 +53,7 @@ def _llama2_style() -> HFTok:
 def test_byte_tokenizer_round_trips_any_text() -> None:
     tok = load_tokenizer("bytes")
     assert isinstance(tok, ByteTokenizer) and isinstance(tok, Tokenizer)
-    assert (tok.name, tok.vocab_size, tok.eos_id) == ("bytes", 256, None)
+    assert (tok.name, tok.vocab_size, tok.eos_id, tok.bos_id) == ("bytes", 256, None, None)
     ids = tok.encode(SAMPLE)
     assert ids == list(SAMPLE.encode("utf-8")) and max(ids) < 256
     assert tok.decode(ids) == SAMPLE
@@ -73,6 +73,7 @@ def test_bpe_from_tokenizer_json_round_trips(tmp_path: Path) -> None:
     assert tok.name == str(tmp_path)
     assert tok.vocab_size == trained.get_vocab_size() == 400
     assert tok.eos_id == trained.token_to_id("<|endoftext|>")
+    assert tok.bos_id == tok.eos_id  # GPT-2 has no bos of its own: Hugging Face's config names its eos there
     ids = tok.encode(SAMPLE)
     assert ids == trained.encode(SAMPLE).ids
     assert len(ids) < len(SAMPLE.encode("utf-8"))  # the merges were learnt and are used
@@ -98,7 +99,7 @@ def test_llama_style_tokenizer_json(tmp_path: Path) -> None:
     trained = _llama2_style()
     trained.save(str(tmp_path / "tokenizer.json"))
     tok = load_tokenizer(tmp_path)
-    assert tok.eos_id == trained.token_to_id("</s>")
+    assert (tok.bos_id, tok.eos_id) == (trained.token_to_id("<s>"), trained.token_to_id("</s>"))
     ids = tok.encode(SAMPLE)
     assert ids == trained.encode(SAMPLE).ids
     assert tok.decode(ids) == SAMPLE

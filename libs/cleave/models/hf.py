@@ -44,12 +44,14 @@ StateDict = dict[str, torch.Tensor]
 # ---------------------------------------------------------------- configs
 
 
-def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, eos_id: int | None = None) -> dict:
+def to_hf_config(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, eos_id: int | None = None, bos_id: int | None = None
+) -> dict:
     """The config.json of the equivalent `GPT2LMHeadModel` or `LlamaForCausalLM`."""
     common: dict[str, Any] = {
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": None,
+        "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "dtype": str(dtype).removeprefix("torch."),
     }
@@ -432,7 +434,7 @@ def export_hf(
         _safetensors().save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     except Exception as e:  # safetensors' own error for a full disk or a folder it cannot write
         raise CleaveError(f"{out / WEIGHTS_FILE}: cannot write the weights ({e})") from None
-    (out / CONFIG_FILE).write_text(json.dumps(to_hf_config(cfg, out_dtype, tok.eos_id), indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(to_hf_config(cfg, out_dtype, tok.eos_id, tok.bos_id), indent=2) + "\n")
     # (safetensors writes its file 0600: readable as the user's other files are, by the umask)
     (out / WEIGHTS_FILE).chmod((out / CONFIG_FILE).stat().st_mode & 0o777)
     for f in getattr(tok, "files", ()):

@@ -33,6 +33,8 @@ TOKENIZER_FILES = (
 )
 # end-of-text tokens of the families we know, in the order they are tried
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>")
+# a document's first token: Llama 3's, SentencePiece's; GPT-2 has none and Hugging Face names its eos there
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|endoftext|>")
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves a tokenizer's chat template
 # the chat format of a tokenizer without a template: "role: content" lines
@@ -55,6 +57,9 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int | None: ...
 
+    @property
+    def bos_id(self) -> int | None: ...
+
     def encode(self, text: str, special: bool = False) -> list[int]:
         """`text`'s ids; a special token's string in it ("<|endoftext|>") is text like any other unless
         `special` (a chat template's rendering, whose control tokens are meant)."""
@@ -69,6 +74,7 @@ class ByteTokenizer:
     name = DEFAULT_TOKENIZER
     vocab_size = 256
     eos_id = None
+    bos_id = None
     chat_template = None
     special_tokens: dict[str, str] = {}  # noqa: RUF012 - read only
 
@@ -104,6 +110,9 @@ class HFTokenizer:
         self.special_tokens = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
         if self._eos_id is None and "eos_token" in self.special_tokens:
             self._eos_id = tok.token_to_id(self.special_tokens["eos_token"])
+        named = self.special_tokens.get("bos_token")
+        self._bos_id = next((i for t in (named, *BOS_CANDIDATES) if t and (i := tok.token_to_id(t)) is not None),
+                            None)
 
     @property
     def name(self) -> str:
@@ -116,6 +125,10 @@ class HFTokenizer:
     @property
     def eos_id(self) -> int | None:
         return self._eos_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
 
     def encode(self, text: str, special: bool = False) -> list[int]:
         return (self._tok if special else self._ordinary).encode(text, add_special_tokens=False).ids
