@@ -249,8 +249,9 @@ def _from_directory(directory: Path, name: str) -> Tokenizer:
 
 
 def recorded_spec(spec: str) -> str:
-    """A tokenizer spec as a file records it (a token file's sidecar, an export's record): a local path made
-    absolute, so that it names the same tokenizer read from any working directory; others as they are."""
+    """A tokenizer (or model) spec as a file records it (a job, a token file's sidecar, an export's record): a
+    local path made absolute, so that it names the same tokenizer read from any working directory; others as
+    they are."""
     path = Path(spec).expanduser()
     return str(path.resolve()) if spec != DEFAULT_TOKENIZER and path.exists() else spec
 

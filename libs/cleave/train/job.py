@@ -9,16 +9,35 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from cleave.errors import ConfigError
 from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset, head_chunks
 from cleave.models.gemms import DEFAULT_LOGITS_BYTES, head_slices
 from cleave.models.hf import own_tokenizer, read_hf_config
+from cleave.models.tokenizer import recorded_spec
 from cleave.runtime import config_file
 from cleave.schemas.jobs import JOB_ID_PATTERN
+from cleave.train.sources import recorded_source
 
 DEFAULT_PRESET = "tiny"
+PATH_SETTINGS = ("init_from", "tokenizer", "data")  # kept with their local paths made absolute
+
+
+def absolute_spec(name: str, spec: str | None) -> str | None:
+    """The setting `name` of `PATH_SETTINGS` as a job keeps it: a local path absolute, so that a job resumed
+    from another working directory names the same files (and the same name there, other files, is another job)."""
+    if spec is None:
+        return None
+    return recorded_source(spec) if name == "data" else recorded_spec(spec)
 
 
 @functools.lru_cache(maxsize=8)
@@ -145,6 +164,11 @@ class JobConfig(BaseModel):
             own = own_tokenizer(data["init_from"])
             return {**data, "tokenizer": own} if own else data
         return data
+
+    @field_validator(*PATH_SETTINGS)
+    @classmethod
+    def _absolute(cls, spec: str | None, info: ValidationInfo) -> str | None:
+        return absolute_spec(info.field_name, spec)
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:

@@ -90,6 +90,26 @@ def parse_source(spec: str) -> Source:
     return Source(spec, "text", spec)
 
 
+def recorded_source(spec: str) -> str:
+    """`spec` with its local path made absolute (as `recorded_spec` does a tokenizer's), so that a job read
+    from another working directory names the same files; builtin, hub names and paths not here as they are."""
+    try:
+        src = parse_source(spec)
+    except ConfigError:  # (reported where the spec is read)
+        return spec
+    if src.kind == "builtin":
+        return spec
+    path = Path(src.path).expanduser()
+    if src.kind == "glob":
+        absolute = os.path.abspath(path)
+    elif path.exists():
+        absolute = str(path.resolve())
+    else:
+        return spec
+    prefix = HF_PREFIX if src.kind == "hf" else ""
+    return prefix + absolute + spec[len(prefix) + len(src.path):]
+
+
 # ---------------------------------------------------------------- text
 
 

@@ -50,7 +50,7 @@ from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Event, StateHead, StepMetrics
 from cleave.train import checkpoint, preflight
 from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
-from cleave.train.job import ROUND_METHODS, JobConfig
+from cleave.train.job import PATH_SETTINGS, ROUND_METHODS, JobConfig, absolute_spec
 from cleave_ps.settings import PsSettings
 from cleave_ps.state import sweep
 
@@ -73,7 +73,8 @@ def _fields(config: str) -> dict:
     fields = {name: raw.get(name, f.default) for name, f in JobConfig.model_fields.items()}
     with contextlib.suppress(Exception):  # (a description that no longer validates keeps None)
         fields["seq_len"] = fields["seq_len"] or JobConfig.model_validate(raw).seq
-    return fields
+    # (a job stored before its paths were kept absolute: read from where the PS runs, as it was then)
+    return {**fields, **{k: absolute_spec(k, fields[k]) for k in PATH_SETTINGS}}
 
 
 def identity_changes(before: str, after: str) -> list[str]:
