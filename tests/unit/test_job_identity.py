@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StepMetrics
-from cleave.train.job import JobConfig
+from cleave.train.job import JobConfig, located
 from cleave_ps.state.persist import IDENTITY, identity_changes, other_changes
 
 
@@ -44,26 +45,28 @@ def test_seq_len_left_open_is_the_models_block_size() -> None:
 
 def test_the_data_named_from_another_folder_is_the_same_job_and_another_file_is_not(tmp_path: Path,
                                                                                     monkeypatch) -> None:
-    """A job kept its paths as typed: resumed from another working directory, the same corpus named another
-    way was refused as other data, and another corpus of the same name was taken for the job's own."""
+    """The PS recorded a job's paths as typed: resumed from another working directory, the same corpus named
+    another way was refused as other data, and another corpus of the same name was taken for the job's own."""
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "corpus.txt").write_text(f"corpus {d}\n")
     monkeypatch.chdir(tmp_path / "a")
-    first = job(data="corpus.txt", tokenizer="bytes")
-    assert JobConfig.model_validate_json(first).data == str(tmp_path / "a" / "corpus.txt")
-    assert JobConfig(data="*.txt").data == str(tmp_path / "a" / "*.txt")  # a glob's folder too
-    assert JobConfig(data="hf:../b?split=train").data == f"hf:{tmp_path / 'b'}?split=train"
-    assert JobConfig(data="builtin").data == "builtin"
-    assert JobConfig(tokenizer="../b").tokenizer == str(tmp_path / "b")
+    first = JobConfig(job_id="j", data="corpus.txt", tokenizer="../b")
+    stored = located(first)  # (recorded by the PS run from a/)
+    recorded = json.loads(stored)
+    assert (recorded["data"], recorded["tokenizer"]) == (str(tmp_path / "a" / "corpus.txt"), str(tmp_path / "b"))
+    assert first.data == "corpus.txt"  # the job itself as given: each worker reads it from its own folder
+    for spec, want in (("*.txt", str(tmp_path / "a" / "*.txt")), ("hf:../b?split=train", f"hf:{tmp_path / 'b'}?split=train"),
+                       ("builtin", "builtin"), ("gone.txt", "gone.txt")):
+        assert json.loads(located(JobConfig(data=spec)))["data"] == want
     monkeypatch.chdir(tmp_path)
-    assert identity_changes(first, job(data="a/corpus.txt")) == []
+    assert identity_changes(stored, job(data="a/corpus.txt", tokenizer="b")) == []
     monkeypatch.chdir(tmp_path / "b")
-    assert identity_changes(first, job(data="corpus.txt")) == [
+    assert identity_changes(stored, job(data="corpus.txt", tokenizer=".")) == [
         f"data: {str(tmp_path / 'a' / 'corpus.txt')!r} -> {str(tmp_path / 'b' / 'corpus.txt')!r}"]
-    # a job stored before paths were kept absolute is read from where the PS runs
+    # a job recorded before its paths were made absolute is read from where the PS runs
     monkeypatch.chdir(tmp_path / "a")
-    assert identity_changes('{"job_id": "j", "preset": "tiny", "data": "corpus.txt"}', first) == []
+    assert identity_changes(first.model_dump_json(), stored) == []
 
 
 def test_a_new_job_sets_another_jobs_metrics_aside_and_never_deletes_them(tmp_path: Path) -> None:

@@ -9,15 +9,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cleave.errors import ConfigError
 from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset, head_chunks
@@ -29,15 +21,22 @@ from cleave.schemas.jobs import JOB_ID_PATTERN
 from cleave.train.sources import recorded_source
 
 DEFAULT_PRESET = "tiny"
-PATH_SETTINGS = ("init_from", "tokenizer", "data")  # kept with their local paths made absolute
+PATH_SETTINGS = ("init_from", "tokenizer", "data")  # local paths, read where the PS runs
 
 
 def absolute_spec(name: str, spec: str | None) -> str | None:
-    """The setting `name` of `PATH_SETTINGS` as a job keeps it: a local path absolute, so that a job resumed
-    from another working directory names the same files (and the same name there, other files, is another job)."""
+    """The setting `name` of `PATH_SETTINGS` with a local path made absolute, from this process's folder."""
     if spec is None:
         return None
     return recorded_source(spec) if name == "data" else recorded_spec(spec)
+
+
+def located(job: JobConfig) -> str:
+    """`job` (JSON) as the PS records it with its state: its local paths absolute, so that the job resumed from
+    another folder names the same files (and other files of the same name there are another job), and an
+    export reads its tokenizer from anywhere. The job itself keeps them as given: a worker reads the job's data
+    from its own folder."""
+    return job.model_copy(update={k: absolute_spec(k, getattr(job, k)) for k in PATH_SETTINGS}).model_dump_json()
 
 
 @functools.lru_cache(maxsize=8)
@@ -164,11 +163,6 @@ class JobConfig(BaseModel):
             own = own_tokenizer(data["init_from"])
             return {**data, "tokenizer": own} if own else data
         return data
-
-    @field_validator(*PATH_SETTINGS)
-    @classmethod
-    def _absolute(cls, spec: str | None, info: ValidationInfo) -> str | None:
-        return absolute_spec(info.field_name, spec)
 
     @model_validator(mode="after")
     def _check(self) -> JobConfig:

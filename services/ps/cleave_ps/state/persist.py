@@ -50,7 +50,7 @@ from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Event, StateHead, StepMetrics
 from cleave.train import checkpoint, preflight
 from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
-from cleave.train.job import PATH_SETTINGS, ROUND_METHODS, JobConfig, absolute_spec
+from cleave.train.job import PATH_SETTINGS, ROUND_METHODS, JobConfig, absolute_spec, located
 from cleave_ps.settings import PsSettings
 from cleave_ps.state import sweep
 
@@ -73,7 +73,7 @@ def _fields(config: str) -> dict:
     fields = {name: raw.get(name, f.default) for name, f in JobConfig.model_fields.items()}
     with contextlib.suppress(Exception):  # (a description that no longer validates keeps None)
         fields["seq_len"] = fields["seq_len"] or JobConfig.model_validate(raw).seq
-    # (a job stored before its paths were kept absolute: read from where the PS runs, as it was then)
+    # (a job recorded before its paths were made absolute: read from where the PS runs, as it was then)
     return {**fields, **{k: absolute_spec(k, fields[k]) for k in PATH_SETTINGS}}
 
 
@@ -324,7 +324,7 @@ class Progress:
         self.bus, self.faults, self.job_id, self.steps = bus, faults, job.job_id, job.steps
         # 0 = budgeted for pretraining; the other methods resume exactly only from their last step or round
         self.out, self.every = MetricsFile(s.metrics_out), s.persist_every or (0 if job.method == "cleave" else 1)
-        self.persister = Persister(bus, job.job_id, job.model_dump_json(), fence_id, writes_head)
+        self.persister = Persister(bus, job.job_id, located(job), fence_id, writes_head)
         self.persister.store_max_bytes = s.state_max_bytes or None
         self.pending: list[StepMetrics] = []
         self.last_commit_s = 0.0  # seconds the last commit's stream took (persist_every = 0 budgets it)
