@@ -49,28 +49,34 @@ class MetricsFile:
         (`<stem>.before-<job>-<time><suffix>`, never deleted); the new name, or None when nothing was there."""
         if self.path is None or not self.steps():
             return None
-        kept = self.path.with_name(f"{self.path.stem}.before-{job_id}-{time.strftime('%Y%m%d-%H%M%S')}{self.path.suffix}")
-        if kept.exists():  # (twice within a second: a fallback right after a fresh start)
-            kept = kept.with_name(f"{kept.stem}-{time.time_ns()}{kept.suffix}")
-        self.path.rename(kept)
-        return kept
+        return self._rename(job_id)
 
     def aside(self, job_id: str) -> set[Path]:
         """The files `set_aside` made of this file for `job_id`."""
         if self.path is None:
             return set()
-        return set(self.path.parent.glob(f"{self.path.stem}.before-{job_id}-*{self.path.suffix}"))
+        return set(self.path.parent.glob(self._aside_name(job_id, "*")))
 
     def cut_after(self, step: int, job_id: str) -> Path | None:
         """The job goes on after `step`: if the file holds lines of later steps (of checkpoints that did not read
-        back), it is set aside whole (`set_aside`) and begun anew with its lines up to `step`; the set-aside
-        name, or None when there was nothing to cut."""
+        back), it is set aside whole (as `set_aside` does) and begun anew with its lines up to `step`; the
+        set-aside name, or None when there was nothing to cut."""
         lines = self.lines()
         if all(m["step"] <= step for m in lines):
             return None
-        kept = self.set_aside(job_id)
+        kept = self._rename(job_id)
         with open(self.path, "a") as f:
             f.writelines(json.dumps(m) + "\n" for m in lines if m["step"] <= step)
+        return kept
+
+    def _aside_name(self, job_id: str, stamp: str) -> str:
+        return f"{self.path.stem}.before-{job_id}-{stamp}{self.path.suffix}"
+
+    def _rename(self, job_id: str) -> Path:
+        kept = self.path.with_name(self._aside_name(job_id, time.strftime("%Y%m%d-%H%M%S")))
+        if kept.exists():  # (twice within a second: a fallback right after a fresh start)
+            kept = kept.with_name(f"{kept.stem}-{time.time_ns()}{kept.suffix}")
+        self.path.rename(kept)
         return kept
 
     def write(self, m: StepMetrics) -> None:
