@@ -109,11 +109,14 @@ torch.set_num_threads(1)
 from cleave_worker.core import measure_flops
 measured = measure_flops()
 a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-t0, runs = time.perf_counter(), 0
-while time.perf_counter() - t0 < 2.0:  # what a tile's GEMMs get, for two seconds
-    a @ b
-    runs += 1
-print(measured / (2 * 1024**3 * runs / (time.perf_counter() - t0)))
+best = 0.0
+for _ in range(3):  # what a tile's GEMMs get, the best of three seconds (as the probe takes its best: a machine
+    t0, runs = time.perf_counter(), 0  # busy with other tests gave the share less for a while: 1.53)
+    while time.perf_counter() - t0 < 1.0:
+        a @ b
+        runs += 1
+    best = max(best, 2 * 1024**3 * runs / (time.perf_counter() - t0))
+print(measured / best)
 """
 
 
