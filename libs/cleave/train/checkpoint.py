@@ -20,7 +20,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import structlog
 import torch
+from nats.js.errors import NotFoundError
 from torch import nn
 
 from cleave import codec
@@ -28,6 +30,7 @@ from cleave.bus import DEFAULT_TIMEOUT_S
 from cleave.errors import CleaveError, ConfigError, CorruptCheckpoint, WireError
 from cleave.schemas import DTYPE_SIZES, MAX_MANIFEST_BYTES, CheckpointManifest, StateHead, TensorEntry
 
+log = structlog.get_logger("cleave.checkpoint")
 T = TypeVar("T")
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # hashed unit of the stream: a bad chunk is named, not just "bad"
 
@@ -238,23 +241,65 @@ def encode(snap: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[byte
 
 DEFAULT_TRANSFER_TIMEOUT_S = 3600.0  # a whole streamed checkpoint (Llama3-1B with AdamW is ~16 GB)
 TRANSFER_STALL_S = 60.0  # a checkpoint read that receives nothing this long is given up (its bytes stalled)
+STALL_CHECK_S = 5.0  # a read that receives nothing this long asks the server whether it still has the next chunk
 
 
-async def progressing(aw: Awaitable[T], progress: Callable[[], int], stall_s: float) -> T:
+async def progressing(aw: Awaitable[T], progress: Callable[[], int], stall_s: float,
+                      check: Callable[[], Awaitable[None]] | None = None, check_s: float | None = None) -> T:
     """`aw`'s result, or TimeoutError once `progress()` (a count that grows as it works) has not moved for
-    `stall_s`: a long transfer gets as long as it keeps moving, a stalled one fails in `stall_s`."""
+    `stall_s`: a long transfer gets as long as it keeps moving, a stalled one fails in `stall_s`. `check` is
+    awaited every `check_s` (STALL_CHECK_S) that nothing moved; it raises to give up at once (what is awaited
+    will never come)."""
     task = asyncio.ensure_future(aw)
+    tick = min(stall_s, check_s or STALL_CHECK_S) if check else stall_s
     try:
-        seen = -1
+        seen, still = -1, 0.0
         while True:
-            done, _ = await asyncio.wait({task}, timeout=stall_s)
+            done, _ = await asyncio.wait({task}, timeout=tick)
             if done:
                 return task.result()
-            if progress() == seen:
+            if progress() != seen:
+                seen, still = progress(), 0.0
+                continue
+            still += tick
+            if still >= stall_s:
                 raise TimeoutError
-            seen = progress()
+            if check:
+                await check()
     finally:
         task.cancel()
+
+
+async def lost_chunk(store, name: str, since: int) -> int | None:  # noqa: ANN001
+    """The stream sequence of a chunk of object `name` after byte `since` that the server has lost (a damaged
+    block of its disk: its consumer passes over the message and then waits, and asked for it, the server says it
+    has none); None when it holds them all, or cannot tell (the object's chunks are not consecutive)."""
+    info = await asyncio.wait_for(store.get_info(name), DEFAULT_TIMEOUT_S)
+    subject, js = f"$O.{store._name}.C.{info.nuid}", store._js
+    first = await asyncio.wait_for(js.get_msg(store._stream, 1, subject, next=True), DEFAULT_TIMEOUT_S)
+    last = await asyncio.wait_for(js.get_last_msg(store._stream, subject), DEFAULT_TIMEOUT_S)
+    if last.seq - first.seq + 1 != info.chunks:
+        return None  # (else every sequence from the first chunk to the last is one of its chunks)
+    for seq in range(first.seq + since // info.options.max_chunk_size, last.seq):
+        try:
+            await asyncio.wait_for(js.get_msg(store._stream, seq), DEFAULT_TIMEOUT_S)
+        except NotFoundError:
+            return seq
+    return None
+
+
+async def _not_lost(store, m: CheckpointManifest, dec: Decoder) -> None:  # noqa: ANN001
+    """Raise CorruptCheckpoint if the server lost a chunk of `m`'s data not yet checked: one before the last
+    whole hashed chunk received would have shifted the bytes after it and failed that chunk's check."""
+    since = dec.received - dec.received % m.chunk_bytes
+    try:
+        seq = await lost_chunk(store, m.data_object, since)
+    except Exception as e:  # (the question itself unanswered: the stall goes on counting)
+        log.debug("checkpoint_chunk_unknown", object=m.data_object, error=type(e).__name__)
+        return
+    if seq is not None:
+        raise CorruptCheckpoint(f"data {m.data_object} is damaged: the server lost one of its messages (stream "
+                                f"sequence {seq}, after byte {since:,} of {m.size:,}; a damaged block of its store)")
 
 
 async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.optim.Optimizer | None,  # noqa: ANN001
@@ -274,7 +319,8 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
     dests = targets(model, opt, m, skip_optimizer)
     dec = Decoder(m, dests)
     try:
-        await progressing(store.get(m.data_object, writeinto=dec), lambda: dec.received, TRANSFER_STALL_S)
+        await progressing(store.get(m.data_object, writeinto=dec), lambda: dec.received, TRANSFER_STALL_S,
+                          lambda: _not_lost(store, m, dec))
     except CleaveError:
         raise
     except TimeoutError:  # a chunk the server cannot deliver (a damaged block of its store) never comes
