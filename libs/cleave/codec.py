@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -50,7 +51,16 @@ Piece = bytes | bytearray | memoryview  # one piece of a frame: `encode_pieces`,
 
 T = TypeVar("T", bound=Wire)
 
-_compressor = zstandard.ZstdCompressor(level=1)
+_local = threading.local()
+
+
+def _zstd() -> zstandard.ZstdCompressor:
+    """This thread's compressor: python-zstandard's are not thread-safe (the workers of one `cleave swarm` process
+    encode in threads at once, and one shared compressor crashed the process)."""
+    c = getattr(_local, "zstd", None)
+    if c is None:
+        c = _local.zstd = zstandard.ZstdCompressor(level=1)
+    return c
 
 
 # ---- tensors -----------------------------------------------------------------------------------------
@@ -151,7 +161,7 @@ def _pays(body: bytes) -> bool:
         part = DEFAULT_ZSTD_SAMPLE_BYTES // 4
         step = (len(body) - part) // 3
         sample = b"".join(body[i * step : i * step + part] for i in range(4))
-    return len(_compressor.compress(sample)) <= DEFAULT_ZSTD_MAX_RATIO * len(sample)
+    return len(_zstd().compress(sample)) <= DEFAULT_ZSTD_MAX_RATIO * len(sample)
 
 
 def encode(msg: Wire, compress: bool = True) -> bytes:
@@ -167,7 +177,7 @@ def encode(msg: Wire, compress: bool = True) -> bytes:
     if compress:
         body = packer.getbuffer()[_HEAD.size :]
         if _pays(body):
-            return _HEAD.pack(MAGIC, VERSION, FLAG_ZSTD) + _compressor.compress(body)
+            return _HEAD.pack(MAGIC, VERSION, FLAG_ZSTD) + _zstd().compress(body)
     return packer.bytes()
 
 

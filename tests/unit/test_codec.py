@@ -1,6 +1,8 @@
 """The wire codec: round trips, chunking at the size limit, and refusal of malformed input."""
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import msgpack
@@ -224,3 +226,36 @@ def test_a_tensor_view_is_sent_from_the_tensor_itself(dtype):
     assert torch.equal(codec.data_to_tensor(codec.decode(codec.encode(
         task.model_copy(update={"a": BlockRef.model_construct(id="a", tensor=codec.tensor_view(t), fanout=False,
                                                               parts=())})), TileTask).a.tensor), t)
+
+
+RACE = """
+import sys, threading
+import torch
+from cleave import codec
+from cleave.compression import get_compressor
+from cleave.schemas import PackedTensors
+
+none = get_compressor("none")
+msgs = [PackedTensors(tensors={"w": none.compress(torch.full((500_000,), float(i)))}) for i in range(4)]
+bad = []
+
+def go(m):
+    for _ in range(30):
+        try:
+            if codec.decode(codec.encode(m), PackedTensors) != m:
+                bad.append("differs")
+        except Exception as e:
+            bad.append(repr(e))
+
+threads = [threading.Thread(target=go, args=(m,)) for m in msgs]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(len(bad), bad[:3])
+"""
+
+
+def test_threads_encode_at_once() -> None:
+    """The workers of one `cleave swarm` process encode in threads at once: one zstd compressor shared by them
+    crashed the process (a segmentation fault) or gave frames that did not decode."""
+    done = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("0 "), (done.returncode, done.stdout, done.stderr[-500:])
