@@ -51,16 +51,13 @@ Piece = bytes | bytearray | memoryview  # one piece of a frame: `encode_pieces`,
 
 T = TypeVar("T", bound=Wire)
 
-_local = threading.local()
+_local = threading.local()  # each thread's zstd compressor: one shared by a swarm's worker threads crashed it
 
 
 def _zstd() -> zstandard.ZstdCompressor:
-    """This thread's compressor: python-zstandard's are not thread-safe (the workers of one `cleave swarm` process
-    encode in threads at once, and one shared compressor crashed the process)."""
-    c = getattr(_local, "zstd", None)
-    if c is None:
-        c = _local.zstd = zstandard.ZstdCompressor(level=1)
-    return c
+    if not hasattr(_local, "zstd"):
+        _local.zstd = zstandard.ZstdCompressor(level=1)
+    return _local.zstd
 
 
 # ---- tensors -----------------------------------------------------------------------------------------
@@ -155,21 +152,16 @@ def _pays(body: bytes) -> bool:
     message made of parts, such as a plan's random profiles next to its boxes, is judged as a whole)."""
     if len(body) < DEFAULT_ZSTD_MIN_BYTES:
         return False
-    if len(body) <= DEFAULT_ZSTD_SAMPLE_BYTES:
-        sample = body
-    else:
-        part = DEFAULT_ZSTD_SAMPLE_BYTES // 4
-        step = (len(body) - part) // 3
-        sample = b"".join(body[i * step : i * step + part] for i in range(4))
+    part = DEFAULT_ZSTD_SAMPLE_BYTES // 4
+    step = (len(body) - part) // 3
+    sample = body if len(body) <= DEFAULT_ZSTD_SAMPLE_BYTES else b"".join(body[i * step : i * step + part] for i in range(4))
     return len(_zstd().compress(sample)) <= DEFAULT_ZSTD_MAX_RATIO * len(sample)
 
 
 def encode(msg: Wire, compress: bool = True) -> bytes:
-    """A message as one frame body: msgpack, zstd-compressed when a sample shows it pays.
-
-    The header and the body are packed into one buffer, so that a body of tensor bytes is not copied once
-    more to put the header in front of it: each header byte is below 0x80, a msgpack positive fixint, which
-    msgpack writes as that very byte."""
+    """A message as one frame body: msgpack, zstd-compressed when a sample shows it pays. The header and the
+    body are packed into one buffer, so that a body of tensor bytes is not copied once more to put the header in
+    front of it: each header byte is below 0x80, a msgpack positive fixint, which msgpack writes as that byte."""
     packer = msgpack.Packer(use_bin_type=True, autoreset=False)
     for byte in _PLAIN_HEAD:
         packer.pack(byte)
