@@ -52,7 +52,7 @@ from cleave.schemas import (
 from cleave.schemas.jobs import RUNNER_REFRESH_S
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
-from cleave_ps.state.persist import identity_changes
+from cleave_ps.state.identity import identity_changes
 
 log = structlog.get_logger("runner")
 DEFAULT_MAX_RUNNING = 1  # jobs at once: several PSs share one fleet, so one unless the operator says otherwise

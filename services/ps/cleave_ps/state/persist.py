@@ -29,7 +29,6 @@ with the lines up to the checkpoint it resumed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -50,9 +49,10 @@ from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Event, StateHead, StepMetrics
 from cleave.train import checkpoint, preflight
 from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
-from cleave.train.job import PATH_SETTINGS, ROUND_METHODS, JobConfig, absolute_spec, located
+from cleave.train.job import ROUND_METHODS, JobConfig, located
 from cleave_ps.settings import PsSettings
 from cleave_ps.state import sweep
+from cleave_ps.state.identity import identity_changes, other_changes
 
 log = structlog.get_logger("ps")
 KEEP_CHECKPOINTS = 2
@@ -62,31 +62,6 @@ MANIFEST_ALLOWANCE = 1 << 20  # ... and its manifest about 100 bytes a tensor an
 STORE_FULL = 10077  # JetStream's error code for a stream at its max_bytes ('maximum bytes exceeded')
 STAGING_SHARE = 0.5  # checkpoint_staging=auto: a staged copy may take at most this share of the free memory
 __all__ = ["Fenced", "Persister", "Progress", "identity_changes", "snapshot", "write_checkpoint"]
-# what makes a job the job it is: its model and the order of its data. Any other setting may change on resume.
-IDENTITY = ("method", "preset", "init_from", "seq_len", "split_layers", "lora_rank", "lora_alpha", "seed", "data",
-            "tokenizer", "batch_size", "val_fraction")
-
-
-def _fields(config: str) -> dict:
-    """A job description's settings (JSON), an absent one at its default, seq_len left open at the block size."""
-    raw = json.loads(config)
-    fields = {name: raw.get(name, f.default) for name, f in JobConfig.model_fields.items()}
-    with contextlib.suppress(Exception):  # (a description that no longer validates keeps None)
-        fields["seq_len"] = fields["seq_len"] or JobConfig.model_validate(raw).seq
-    # (a job recorded before its paths were made absolute: read from where the PS runs, as it was then)
-    return {**fields, **{k: absolute_spec(k, fields[k]) for k in PATH_SETTINGS}}
-
-
-def identity_changes(before: str, after: str) -> list[str]:
-    """The settings of `IDENTITY` that differ between two job descriptions (JSON), as 'name: old -> new'."""
-    old, new = _fields(before), _fields(after)
-    return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in IDENTITY if old[k] != new[k]]
-
-
-def other_changes(before: str, after: str) -> dict[str, str]:
-    """The other settings that differ (free to change on resume): name -> 'old -> new'."""
-    old, new = _fields(before), _fields(after)
-    return {k: f"{old[k]!r} -> {new[k]!r}" for k in old if k not in IDENTITY and old[k] != new[k]}
 
 
 async def write_checkpoint(bus: Bus, store, snap: Snapshot, name: str, on_read=None) -> tuple[bytes, int]:  # noqa: ANN001
