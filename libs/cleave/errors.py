@@ -91,7 +91,7 @@ class Fenced(CleaveError):
 
 
 class JobChanged(ConfigError):
-    """A job id that already has state was started as another model or on another data order: refused once,
+    """A job id that already has state was started as another model, data order or privacy noise: refused once,
     not restarted (a new job id, or the job's own settings, resume it)."""
 
     exit_code = EXIT_JOB_FAILED

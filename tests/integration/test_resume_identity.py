@@ -45,7 +45,7 @@ def test_more_steps_continue_a_changed_seed_is_refused_once_and_metrics_only_gro
         ps = fleet.stack.procs["ps"]
         assert ps.restarts == 0, "a changed identity is refused once, never restarted"
         said = (tmp_path / "run" / "logs" / "ps.log").read_text()[ps.log_offset:]
-        assert "of another model or data order: seed: 0 -> 7" in said
+        assert "of another model, data order or privacy noise: seed: 0 -> 7" in said
         assert steps_of(metrics) == [0, 1, 2, 3, 4]  # nothing written, nothing deleted
         other = JobConfig.build(job_id=f"{job_id}-b", preset="tiny", steps=1)
         fleet.start_ps(other, metrics)

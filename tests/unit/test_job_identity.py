@@ -8,7 +8,7 @@ from pathlib import Path
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StepMetrics
 from cleave.train.job import JobConfig, located
-from cleave_ps.state.identity import IDENTITY, identity_changes, other_changes
+from cleave_ps.state.identity import IDENTITY, identity_changes, other_changes, refusal
 
 
 def job(**kw) -> str:
@@ -30,6 +30,23 @@ def test_the_model_and_the_data_order_may_not() -> None:
         assert [c.split(":")[0] for c in changed] == [field], changed
     assert identity_changes(base, job(seed=2)) == ["seed: 0 -> 2"]
     assert set(IDENTITY) <= set(JobConfig.model_fields)
+
+
+def test_a_dp_jobs_noise_and_the_lora_layers_may_not() -> None:
+    """The epsilon a DP job reports counts every round at the job's noise: a resume with another --dp-noise
+    reported 20.1 falling to 1.55, and one without it turned DP off unsaid. A resume with other LoRA layers was
+    allowed and then failed on a checkpoint that did not fit the model."""
+    dp = dict(method="fedavg", update_clip=1.0)
+    base = job(**dp, dp_noise=0.5)
+    assert identity_changes(base, job(**dp, dp_noise=5.0)) == ["dp_noise: 0.5 -> 5.0"]
+    assert identity_changes(base, job(method="fedavg")) == ["dp_noise: 0.5 -> 0.0"]
+    assert identity_changes(base, job(method="fedavg", dp_noise=0.5, dp_delta=1e-6, update_clip=2.0)) == []
+    lora = dict(method="fedavg", lora_rank=4)
+    assert identity_changes(job(**lora, lora_targets=["c_attn"]), job(**lora, lora_targets=["c_fc"])) == [
+        "lora_targets: ['c_attn'] -> ['c_fc']"]
+    refused = refusal("j", base, 3, job(**dp, dp_noise=5.0))
+    assert refused is not None and "up to round 3) of another model, data order or privacy noise" in str(refused)
+    assert refusal("j", base, 3, job(**dp, dp_noise=0.5, steps=40)) is None
 
 
 def test_a_description_written_before_a_setting_existed_reads_it_at_its_default() -> None:

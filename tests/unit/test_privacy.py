@@ -37,3 +37,20 @@ def test_the_server_adds_noise_of_z_times_clip_to_the_sum():
     assert got.std().item() == pytest.approx(z * clip / n, rel=0.01)  # on the mean: std z*C/n
     with pytest.raises(ConfigError, match="dp_noise needs clip"):
         fedavg.FedAvgConfig(dp_noise=1.0)
+
+
+def test_a_dp_job_commits_every_round_before_its_weights_go_out():
+    """With persist_every 3, a PS killed after round 4 ran rounds 3 and 4 again with fresh noise after their noised
+    weights had gone out: 10 releases, epsilon reported for 8. With checkpoint staging the next round was dealt
+    while its commit streamed. A DP job takes neither."""
+    from cleave.runtime.faults import Faults
+    from cleave.train.job import JobConfig
+    from cleave_ps.settings import PsSettings
+    from cleave_ps.state.persist import Progress
+
+    dp = JobConfig(job_id="dp", method="fedavg", preset="tiny", update_clip=1.0, dp_noise=1.0)
+    for settings, said in (({"persist_every": 3}, "not 3 and 'off'"), ({"checkpoint_staging": "auto"}, "not 0 and 'auto'")):
+        with pytest.raises(ConfigError, match=f"needs persist_every 1 and checkpoint_staging off, {said}"):
+            Progress(None, dp, PsSettings(**settings), Faults(""))
+    assert Progress(None, dp, PsSettings(persist_every=1), Faults("")).every == 1
+    assert Progress(None, dp.model_copy(update={"dp_noise": 0.0}), PsSettings(persist_every=3), Faults("")).every == 3

@@ -52,7 +52,7 @@ from cleave.schemas import (
 from cleave.schemas.jobs import RUNNER_REFRESH_S
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
-from cleave_ps.state.identity import identity_changes
+from cleave_ps.state.identity import refusal
 
 log = structlog.get_logger("runner")
 DEFAULT_MAX_RUNNING = 1  # jobs at once: several PSs share one fleet, so one unless the operator says otherwise
@@ -188,11 +188,8 @@ class Runner:
         if old is not None and old.state == "running":
             return None, f"job {job_id!r} is running; submit it again once it has ended (`cleave status`)"
         got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
-        changed = identity_changes(got[0].job_config, job.model_dump_json()) if got else []
-        if changed:
-            return None, (f"job {job_id!r} already has state (up to step {got[0].step}) of another model or data "
-                          f"order: {'; '.join(changed)}. Resume it with those settings (steps, the learning rate "
-                          "and the other settings may change), or use a new job id")
+        if got and (refused := refusal(job_id, got[0].job_config, got[0].step, job.model_dump_json())):
+            return None, str(refused)
         return job, ""
 
     # ---- the queue and the PS processes --------------------------------------------------------------

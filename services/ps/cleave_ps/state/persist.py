@@ -18,7 +18,7 @@ the newer one, whose epoch is still the current one, re-reads the head when a wr
 first and writes over it, instead of exiting. So exactly one PS of a job survives.
 
 A job is its job id: a PS started under an id that has state resumes it, whatever its run dir, as long as the
-job is still the same model on the same data order (`IDENTITY`); its other settings (`steps`, the learning
+job is still the same model, data order and privacy noise (`state.identity`); its other settings (`steps`, the learning
 rate and its schedule, timeouts, ...) may change from one run to the next. A changed identity is refused once
 (`JobChanged`, exit 4: not restarted). The metrics file is only ever appended to: a job's lines from every run,
 once per step; a new job finding another job's lines there sets that file aside (renamed, never deleted), and so
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import json
 import time
 
 import structlog
@@ -42,17 +41,17 @@ from torch import nn
 
 from cleave import codec
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
-from cleave.errors import CleaveError, ConfigError, Conflict, CorruptCheckpoint, Fenced, JobChanged, WireError
+from cleave.errors import CleaveError, ConfigError, Conflict, CorruptCheckpoint, Fenced, WireError
 from cleave.runtime.faults import Faults
 from cleave.runtime.memory import peak_rss_bytes
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Event, StateHead, StepMetrics
 from cleave.train import checkpoint, preflight
 from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
-from cleave.train.job import ROUND_METHODS, JobConfig, located
+from cleave.train.job import JobConfig, located
 from cleave_ps.settings import PsSettings
 from cleave_ps.state import sweep
-from cleave_ps.state.identity import identity_changes, other_changes
+from cleave_ps.state.identity import other_changes, refusal
 
 log = structlog.get_logger("ps")
 KEEP_CHECKPOINTS = 2
@@ -61,7 +60,7 @@ STORE_OVERHEAD_PERCENT = 1  # a checkpoint's chunks take this much more in the s
 MANIFEST_ALLOWANCE = 1 << 20  # ... and its manifest about 100 bytes a tensor and a 16 MiB chunk (Llama3-1B: 70 kB)
 STORE_FULL = 10077  # JetStream's error code for a stream at its max_bytes ('maximum bytes exceeded')
 STAGING_SHARE = 0.5  # checkpoint_staging=auto: a staged copy may take at most this share of the free memory
-__all__ = ["Fenced", "Persister", "Progress", "identity_changes", "snapshot", "write_checkpoint"]
+__all__ = ["Fenced", "Persister", "Progress", "snapshot", "write_checkpoint"]
 
 
 async def write_checkpoint(bus: Bus, store, snap: Snapshot, name: str, on_read=None) -> tuple[bytes, int]:  # noqa: ANN001
@@ -184,12 +183,8 @@ class Persister:
         heads = await self._heads()
         if not heads:
             return None
-        changed = identity_changes(heads[0].job_config, self.job_config)
-        if changed:
-            unit = "round" if json.loads(self.job_config).get("method") in ROUND_METHODS else "step"
-            raise JobChanged(f"job {self.job_id!r} already has state (up to {unit} {heads[0].step}) of another model "
-                             f"or data order: {'; '.join(changed)}. Resume it with those settings as they were "
-                             "(steps, the learning rate and the other settings may change), or use a new job id")
+        if refused := refusal(self.job_id, heads[0].job_config, heads[0].step, self.job_config):
+            raise refused
         if heads[0].job_config != self.job_config:
             log.info("job_settings_changed", job=self.job_id, **other_changes(heads[0].job_config, self.job_config))
         reasons = []
@@ -299,6 +294,11 @@ class Progress:
         self.bus, self.faults, self.job_id, self.steps = bus, faults, job.job_id, job.steps
         # 0 = budgeted for pretraining; the other methods resume exactly only from their last step or round
         self.out, self.every = MetricsFile(s.metrics_out), s.persist_every or (0 if job.method == "cleave" else 1)
+        if job.dp_noise and (self.every != 1 or s.checkpoint_staging != "off"):
+            raise ConfigError(f"job {job.job_id!r} adds DP noise: each round is committed before its weights go out "
+                              "(a round run again after a PS restart would go out twice, counted once in epsilon); "
+                              f"it needs persist_every 1 and checkpoint_staging off, not {s.persist_every} and "
+                              f"{s.checkpoint_staging!r}")
         self.persister = Persister(bus, job.job_id, located(job), fence_id, writes_head)
         self.persister.store_max_bytes = s.state_max_bytes or None
         self.pending: list[StepMetrics] = []
