@@ -157,6 +157,8 @@ def test_the_summary_of_one_step_names_that_step(tmp_path, capsys) -> None:
     new = [{"step": s, "loss": 4.0 - s, "step_time_s": 0.1} for s in range(5)]
     summarize(old + new, tmp_path / "m.jsonl")
     assert "loss 4.0000 -> 0.0000 over steps 0-4 (5 steps); median step 0.100s" in capsys.readouterr().out
+    summarize([{"step": 0, "loss": 3.0, "step_time_s": 0.1, "dp_epsilon": 4.3772}], tmp_path / "m.jsonl", "round")
+    assert "loss 3.0000 at round 0; median round 0.100s; epsilon 4.377; metrics in" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("flags", "says"), [

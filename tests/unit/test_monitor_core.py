@@ -167,6 +167,11 @@ def test_prometheus_names_units_and_no_worker_labels():
     assert samples[("cleave_step_duration_seconds_count", ())] == 2
     assert samples[("cleave_val_loss", ())] == 4.5
     assert samples[("cleave_devices", (("state", "lost"),))] == 1
+    assert "cleave_dp_epsilon" not in families  # (a job without DP)
+    s.on_metrics(metrics(2, dp_epsilon=4.377))  # a DP job's epsilon was only in its metrics file
+    assert s.series()[-1]["dp_epsilon"] == 4.377
+    families = {f.name: f for f in text_string_to_metric_families(prom.render(s).decode())}
+    assert families["cleave_dp_epsilon"].samples[0].value == 4.377
 
 
 async def test_hub_fans_out_and_cuts_off_a_slow_watcher():

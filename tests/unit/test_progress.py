@@ -43,3 +43,12 @@ def test_rounds_are_called_rounds():
 
 def test_durations_read_as_people_write_them():
     assert [duration(s) for s in (0, 42.4, 425, 10_920)] == ["0s", "42s", "7m05s", "3h02m"]
+
+
+def test_a_dp_job_shows_the_epsilon_it_has_spent():
+    """A DP job's epsilon was only in its metrics file; past the accountant's bound it is that bound, said so."""
+    bar = ProgressBar(8, io.StringIO(), tty=False, unit="round")
+    assert bar.line({**line(2), "dp_epsilon": 8.38541}).endswith("recoveries 0  epsilon 8.385")
+    assert bar.line({**line(3), "dp_epsilon": 1e4, "applied": False}).endswith(
+        "epsilon >= 10000  not applied (fewer updates than --min-updates)")
+    assert "epsilon" not in bar.line({**line(4), "dp_epsilon": None})

@@ -26,8 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from cleave.methods.common import State
-
-MAX_EPSILON = 1e4  # the bisection's upper end; a run past it reports this bound
+from cleave.schemas import MAX_EPSILON  # the bisection's upper end; a run past it reports this bound
 
 
 def _phi(x: float) -> float:

@@ -72,6 +72,7 @@ from cleave.schemas.plan import (
     PlanWorker,
 )
 from cleave.schemas.state import (
+    MAX_EPSILON,
     CheckpointManifest,
     Event,
     StateHead,
@@ -129,6 +130,7 @@ from cleave.schemas.tiles import (
 )
 
 __all__ = [
+    "MAX_EPSILON",
     "BlockPart",
     "BlockPush",
     "BlockRef",

@@ -30,7 +30,7 @@ from cleave.train.trainer import check_init
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args
 from cleave_cli.monitor_cmd import start_monitor
-from cleave_cli.progress import ProgressBar, unit_of
+from cleave_cli.progress import ProgressBar, spent, unit_of
 from cleave_ps.jobs.pretrain import fit, worker_budgets
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
@@ -194,7 +194,8 @@ def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:
     span = (f"loss {first['loss']:.4f} at {unit} {first['step']}" if len(lines) == 1 else
             f"loss {first['loss']:.4f} -> {last['loss']:.4f} over {unit}s {first['step']}-{last['step']} "
             f"({len(lines)} {unit}s)")
-    print(f"{span}; median {unit} {statistics.median(times):.3f}s; metrics in {metrics_out}")
+    eps = f"; {e}" if (e := spent(last)) else ""
+    print(f"{span}; median {unit} {statistics.median(times):.3f}s{eps}; metrics in {metrics_out}")
 
 
 def up(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ import sys
 from collections import deque
 from typing import TextIO
 
+from cleave.schemas import MAX_EPSILON
+
 BAR_WIDTH = 24
 PACE_STEPS = 10  # the ETA follows the mean of this many recent step times
 ROUND_METHODS = ("diloco", "fedavg")
@@ -32,6 +34,14 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def spent(m: dict) -> str | None:
+    """'epsilon 4.377' for a DP job's metrics line (the epsilon spent up to it); None for another job's."""
+    eps = m.get("dp_epsilon")
+    if eps is None:
+        return None
+    return f"epsilon >= {MAX_EPSILON:.0f}" if eps >= MAX_EPSILON else f"epsilon {eps:.4g}"
+
+
 class ProgressBar:
     def __init__(self, total: int, stream: TextIO = sys.stdout, tty: bool | None = None, unit: str = "step") -> None:
         self.total, self.stream, self.unit = total, stream, unit
@@ -47,10 +57,11 @@ class ProgressBar:
         pace = sum(self.recent) / len(self.recent)
         rate = f"{m['tokens'] / m['step_time_s']:,.0f} tok/s  " if m.get("tokens") and m["step_time_s"] > 0 else ""
         eta = f"ETA {duration(pace * (self.total - done))}  " if done < self.total else ""
+        tail = [e for e in (spent(m), "not applied (fewer updates than --min-updates)" if m.get("applied") is False
+                            else None) if e]
         return (f"{self.unit} {m['step']} ({done}/{self.total})  loss {m['loss']:.4f}  {m['step_time_s']:.2f}s/{self.unit}"
                 f"  {rate}{eta}workers {m.get('workers', 0)}  resent {m.get('tiles_resent', 0)}  "
-                f"recoveries {self.recoveries}" + ("  not applied (fewer updates than --min-updates)"
-                                                   if m.get("applied") is False else ""))
+                f"recoveries {self.recoveries}" + "".join(f"  {e}" for e in tail))
 
     def update(self, m: dict) -> None:
         text, done = self.line(m), m["step"] + 1

@@ -45,6 +45,7 @@ def point(m: StepMetrics) -> dict:
         "bytes_up": m.bytes_up,
         "recoveries": m.recoveries,
         "lr": m.lr,
+        "dp_epsilon": finite(m.dp_epsilon),  # a DP job's epsilon spent up to this round
         "at": m.at,
     }
 

@@ -82,6 +82,9 @@ class StateCollector(Collector):
             yield GaugeMetricFamily(
                 "cleave_learning_rate", "Learning rate of the latest step.", value=last.lr
             )
+            if last.dp_epsilon is not None:
+                yield GaugeMetricFamily("cleave_dp_epsilon", "Epsilon a DP job has spent up to its latest round.",
+                                        value=last.dp_epsilon)
         val = next((p["val_loss"] for p in reversed(s.series()) if p["val_loss"] is not None), None)
         if val is not None:
             yield GaugeMetricFamily("cleave_val_loss", "Latest validation loss.", value=val)
