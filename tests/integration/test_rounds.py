@@ -45,12 +45,15 @@ def test_val_every_is_the_validation_loss_of_the_ps_model(tmp_path, method):
 @pytest.mark.parametrize("min_updates", [pytest.param(0, marks=pytest.mark.slow), 3])  # (~10 s each)
 def test_min_updates_decides_whether_a_round_applies(tmp_path, min_updates):
     """Two workers: with min_updates 0 every round applies both updates; with 3 the round closes when both
-    answered (no one else is in the plan) and applies nothing."""
+    answered (no one else is in the plan) and applies nothing. (A trimmed mean of two drops nothing: the PS says
+    so, once: it was the plain mean unsaid.)"""
     job = JobConfig(job_id=f"min-{min_updates}", preset="tiny", steps=3, method="fedavg", local_steps=1,
-                    min_updates=min_updates, round_timeout_s=60)
+                    min_updates=min_updates, round_timeout_s=60, aggregate="trimmed")
     lines = run_job(tmp_path, job, workers=2)
     assert [m["updates"] for m in lines] == [2, 2, 2]
     assert [m["applied"] for m in lines] == [min_updates == 0] * 3
+    log = (tmp_path / "run" / "logs" / "ps.log").read_text()
+    assert log.count("trimmed_drops_nothing") == 1 and "updates=2" in log
 
 
 @pytest.mark.parametrize("max_staleness", [0, pytest.param(50, marks=pytest.mark.slow)])  # (~12 s each)

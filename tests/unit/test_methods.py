@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -217,6 +219,17 @@ def test_robust_rules_on_known_values() -> None:
         aggregate.aggregate(vals, [1] * 4, "krum")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         diloco.DilocoConfig(outer_momentum=1.0)
+
+
+def test_a_rounds_loss_is_combined_as_its_updates_are() -> None:
+    """The loss a round reported was the mean of the losses its senders claim: one sender claiming NaN made every
+    round's loss NaN (also under the median), one claiming 1e30 made it 1e30."""
+    honest = [3.1, 3.2, 3.3, 3.4, 3.5]
+    assert aggregate.round_loss(honest, "mean") == pytest.approx(3.3)
+    assert aggregate.round_loss([*honest, math.nan, math.inf], "mean") == pytest.approx(3.3)
+    assert aggregate.round_loss([*honest, 1e30], "median") == pytest.approx(3.35)
+    assert aggregate.round_loss([*honest, 1e30, -1e30], "trimmed", trim=0.2) == pytest.approx(3.3)
+    assert math.isnan(aggregate.round_loss([math.nan], "median")) and math.isnan(aggregate.round_loss([], "mean"))
 
 
 def test_fedavg_with_robust_rule_trains_through_a_malicious_client(corpus: Corpus) -> None:

@@ -22,6 +22,7 @@ weights on purpose: a malicious sender could claim any sample count.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -103,6 +104,18 @@ def aggregate(
             agg = _trimmed(x, trim)
         out[name] = agg.reshape(ref.shape).to(ref.dtype)
     return out
+
+
+def round_loss(losses: Sequence[float], rule: Rule, trim: float = DEFAULT_TRIM) -> float:
+    """The loss a round reports: the first local losses its senders claim, combined as the round combines their
+    updates (the mean, unweighted; a median or trimmed round's loss is not whatever one sender claims), those
+    not finite left out (a sender whose loss was not finite failed its round: one that claims one lies); NaN
+    when there are none."""
+    xs = [v for v in losses if math.isfinite(v)]
+    if not xs or rule == "mean":
+        return statistics.fmean(xs) if xs else math.nan
+    x = torch.tensor(xs, dtype=torch.float64)[:, None]
+    return float(_median(x) if rule == "median" else _trimmed(x, trim))
 
 
 class RoundCollector:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import statistics
 import time
 
 import structlog
@@ -41,7 +40,7 @@ import torch
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
 from cleave.errors import RoundsFailed, WireError
-from cleave.methods.aggregate import clip_update
+from cleave.methods.aggregate import clip_update, round_loss
 from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
@@ -95,6 +94,7 @@ class Rounds:
         self.refused: dict[str, str] = {}  # workers that refused the job, and why: not dealt it again
         self.members: dict[int, frozenset[str]] = {}  # round -> the workers it was dealt to
         self.rejected: dict[str, int] = {}  # this round's refused updates, by reason
+        self.told_trim = False  # that a trimmed round had too few updates to drop any: logged once
         self.bundles = {"model": "", "tokenizer": ""}  # the job's published base weights and tokenizer
         self.shelf = bundles.Shelf()  # ... served to the workers from this PS's disk
         self.secure: SecureRound | None = None  # the round in flight's secure aggregation (secagg)
@@ -307,6 +307,11 @@ class Rounds:
         if not report.senders:
             why = "; ".join(x for x in (why, self.why_empty(expected, lost, silent=why is None)) if x)
         losses = [self.losses[w] for w in report.senders if w in self.losses]
+        trim = self.server.cfg.trim
+        if self.job.aggregate == "trimmed" and report.senders and int(trim * len(report.senders)) == 0 \
+                and not self.told_trim:
+            log.warning("trimmed_drops_nothing", round=r, updates=len(report.senders), trim=trim)
+            self.told_trim = True
         self.losses.clear()
         self.failed.clear()
         self.failed_at.clear()
@@ -322,7 +327,7 @@ class Rounds:
         if self.job.val_every and (r + 1) % self.job.val_every == 0:
             val = await asyncio.to_thread(self.trainer.val_loss, r)
         m = StepMetrics(job=self.job.job_id, method=self.job.method, step=r,
-                        loss=statistics.fmean(losses) if losses else float("nan"), val_loss=val,
+                        loss=round_loss(losses, self.job.aggregate, trim), val_loss=val,
                         step_time_s=time.perf_counter() - self.round_started, workers=len(report.senders),
                         bytes_down=bytes_down,
                         bytes_down_per_worker=bytes_down,
