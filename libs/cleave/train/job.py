@@ -178,8 +178,12 @@ class JobConfig(BaseModel):
             raise ValueError(f"split_layers={self.split_layers} must be between 0 and the model's "
                              f"n_layer={arch.n_layer}")
         if self.lora_targets:  # (named by the last part of a linear layer's name, as `methods.lora` matches them)
-            linears = {g.name.split(".")[-2] for g in gemm_shapes(arch, 1, 1)}
+            # (never the head: its loss runs in chunks of its weight, and a tied head is the input embedding)
+            linears = {g.name.split(".")[-2] for g in gemm_shapes(arch, 1, 1)} - {"lm_head"}
             unknown = [t for t in self.lora_targets if t not in linears]
+            if "lm_head" in unknown:
+                raise ValueError("lora_targets cannot name lm_head: LoRA adapts the blocks' linear layers "
+                                 f"({', '.join(sorted(linears))})")
             if unknown:
                 raise ValueError(f"lora_targets {', '.join(map(repr, unknown))} name no linear layer of the model; "
                                  f"it has {', '.join(sorted(linears))}")
