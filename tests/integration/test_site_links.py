@@ -20,6 +20,7 @@ import asyncio
 import gc
 import json
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -397,3 +398,74 @@ def test_a_site_pointed_at_the_hubs_client_port_is_told_at_once(deployment, tmp_
     assert done.returncode == 2, done.stdout + done.stderr
     assert "is a client port, not the hub's leaf-node port" in done.stderr, done.stderr
     assert time.monotonic() - started < 30
+
+
+def site_cmd(deployment: Deployment, run_dir: Path, port: int) -> subprocess.Popen:
+    """`cleave site` s1 with no workers, at `port`."""
+    return subprocess.Popen([sys.executable, "-m", "cleave_cli", "site", "--hub",
+                             f"tls://127.0.0.1:{deployment.hub.leaf_port}", "--name", "s1", "--auth",
+                             str(deployment.auth / "sites" / "s1"), "--workers", "0", "--listen", f"127.0.0.1:{port}",
+                             "--run-dir", str(run_dir), "--connect-timeout", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def linked(site: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while "linked" not in (site.stdout.readline() or ""):
+        assert site.poll() is None and time.monotonic() < deadline, site.stderr.read()
+
+
+def test_a_sites_clients_errors_do_not_end_it(deployment, tmp_path) -> None:
+    """A client of the site that failed to log in (a worker started without --auth, `cleave status` with the
+    laptop's files), or a worker of the site publishing where it may not on a subject with 'certificate' in its
+    name, ended `cleave site` (exit 2, blaming the hub). They are the client's errors: the site stays."""
+    port = free_port()
+    site = site_cmd(deployment, tmp_path / "site", port)
+    try:
+        linked(site)
+        leaf = f"nats://127.0.0.1:{port}"
+
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as anonymous:  # no credential at all
+            assert anonymous.recv(4096).startswith(b"INFO")
+            anonymous.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+            assert b"Authorization Violation" in anonymous.recv(4096)
+
+        async def offend() -> None:
+            worker = await deployment.connect("worker", leaf, worker_id="w1")
+            await worker.nc.publish("cleave.certificate", b"x")
+            await worker.nc.flush()
+            await worker.close()
+
+        asyncio.run(offend())
+        log = tmp_path / "site" / "logs" / "nats-leaf.log"
+        deadline = time.monotonic() + 10
+        while "Publish Violation" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1)  # five of the site's looks at its log
+        assert site.poll() is None, site.stderr.read()
+        assert "authentication error" in log.read_text(errors="replace")
+    finally:
+        site.terminate()
+        site.communicate(timeout=30)
+
+
+@pytest.mark.slow  # ~25 s: the first site must have held its link for DUPLICATE_GRACE_S
+def test_a_second_link_with_a_sites_credential_is_told(deployment, tmp_path) -> None:
+    """The same site started again while it is linked (on another machine, or another site given its folder):
+    the two links dropped each other about once a second for ever, and both were silent. The newcomer says so and
+    ends (exit 2); the site linked first stays."""
+    from cleave_cli.site_cmd import DUPLICATE_GRACE_S  # noqa: PLC0415
+
+    first = site_cmd(deployment, tmp_path / "first", free_port())
+    try:
+        linked(first)
+        time.sleep(DUPLICATE_GRACE_S)
+        second = site_cmd(deployment, tmp_path / "second", free_port())
+        _, said = second.communicate(timeout=60)
+        assert second.returncode == 2, said
+        assert "already holds a link with this site's credential" in said, said
+        assert first.poll() is None, first.stderr.read()
+    finally:
+        first.terminate()
+        first.communicate(timeout=30)

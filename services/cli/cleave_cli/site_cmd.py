@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ DEFAULT_POLL_S = 0.2
 REFUSED = ("authorization violation", "authentication", "permissions violation")  # the hub said no
 UNVERIFIED = ("x509", "certificate", "tls: ")  # the hub's certificate did not verify
 WRONG_PORT = "attempted to connect to wrong port"  # a client port (the hub's 4222) answered the leaf node
+DUPLICATE = "duplicate remote leafnode connection"  # the hub holds another link with this site's credential
+DUPLICATE_GRACE_S = 10.0  # a site told so this soon after its first link is the newcomer, and ends
+LINK = "lid:"  # a line about the leaf node's own link ("cid:": one of its clients, whose errors are theirs)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +66,8 @@ class SiteRun:
     port: int
     stack: Stack
     ca: Path | None = None  # the CA the hub's certificate is verified with (None: the system's)
+    linked_at: float | None = None  # (monotonic) when the first link came up
+    told_duplicate: bool = False
 
     @property
     def url(self) -> str:
@@ -94,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         with stop_signals():
             start_leaf(site, site_cred, worker)
             wait_linked(site, args.connect_timeout)
+            site.linked_at = time.monotonic()
             print(f"site {name}: leaf node {site.url} linked to {', '.join(site.hubs)}; run dir {run_dir}", flush=True)
             env = {"CLEAVE_WORKER_NATS_NKEY_SEED": worker.seed}  # (the leaf node's client port is local and plain)
             for i in range(args.workers):
@@ -165,7 +172,8 @@ def wait_linked(site: SiteRun, timeout_s: float) -> None:
 
 def check_refused(site: SiteRun, offset: int) -> int:
     """Read the leaf node's new log lines from `offset`; ConfigError if the hub refused the site or its TLS failed.
-    Returns the new offset."""
+    Returns the new offset. Only the link's own lines count: a client of the site that fails to log in, or a
+    worker that publishes where it may not, is that client's error (they ended the site, blamed on the hub)."""
     try:
         with open(site.log, "rb") as f:
             f.seek(offset)
@@ -175,7 +183,10 @@ def check_refused(site: SiteRun, offset: int) -> int:
     end = chunk.rfind(b"\n") + 1  # whole lines only
     for raw in chunk[:end].decode(errors="replace").splitlines():
         low = raw.lower()
-        if "[err]" not in low and "error" not in low:
+        if ("[err]" not in low and "error" not in low) or LINK not in low:
+            continue
+        if DUPLICATE in low:
+            duplicate(site, raw)
             continue
         if WRONG_PORT in low:
             raise ConfigError(f"site {site.name}: {', '.join(site.hubs)} is a client port, not the hub's leaf-node "
@@ -191,3 +202,17 @@ def check_refused(site: SiteRun, offset: int) -> int:
                               f"must name the host "
                               f"in --hub")
     return offset + end
+
+
+def duplicate(site: SiteRun, raw: str) -> None:
+    """The hub holds another link with this site's credential (the site started again elsewhere, or two sites
+    given one folder): the two links take turns, each dropped about once a second. The newcomer (told within
+    DUPLICATE_GRACE_S of its first link, which it may get before the other takes it back) ends with that; a site
+    linked for longer says so, once, and stays."""
+    said = (f"site {site.name}: the hub at {', '.join(site.hubs)} already holds a link with this site's credential "
+            f"(this site running on another machine, or another site given the folder sites/{site.name}/)")
+    if site.linked_at is None or time.monotonic() - site.linked_at < DUPLICATE_GRACE_S:
+        raise ConfigError(f"{said}: stop that one, or give each site its own folder (`cleave auth init --sites`)")
+    if not site.told_duplicate:
+        print(f"warning: {said}; the two links drop each other until one is stopped", file=sys.stderr, flush=True)
+        site.told_duplicate = True
