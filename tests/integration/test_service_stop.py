@@ -39,3 +39,33 @@ def test_a_service_that_cannot_reach_nats_stops_at_once_on_sigterm(service: str,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_whose_nats_went_away_stops_cleanly_on_sigterm(nats_server, tmp_path: Path) -> None:
+    """A worker stopped while its connection was reconnecting (its site's leaf node down or revoked) exited 1
+    with two tracebacks: the connection could not drain, and its close raised too. A `cleave swarm` behind it
+    ended with an ExceptionGroup and exit codes [1, 1]."""
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cleave_cli", "worker", "--nats", nats_server.url,
+                                 "--worker-id", "w1", "--profile", "flops=5e8,down=1e9,up=1e9,latency=0,memory=4Gi"],
+                                stdout=out, stderr=subprocess.STDOUT)  # (declared: nothing to measure first)
+    try:
+        deadline = time.monotonic() + TRIES_LOGGED_S
+        while "worker_started" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.05)
+        nats_server.stop()
+        while "nats_disconnected" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.05)
+        time.sleep(2)  # (reconnecting)
+        proc.send_signal(signal.SIGTERM)
+        said = log.read_text(errors="replace")
+        assert proc.wait(timeout=STOPPED_WITHIN_S) == 0, log.read_text(errors="replace")[-3000:]
+        assert "Traceback" not in log.read_text(errors="replace")[len(said):]
+        assert "worker_stopped" in log.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -389,8 +389,8 @@ class Bus:
         self.closing = True
         try:
             await asyncio.wait_for(self.nc.drain(), DEFAULT_TIMEOUT_S)
-        except Exception:
-            await self.nc.close()
+        except Exception:  # (a connection lost meanwhile cannot drain, and its close raises too)
+            await asyncio.gather(self.nc.close(), return_exceptions=True)
 
 
 def replicas_of(nc: Client) -> int:
