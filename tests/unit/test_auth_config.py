@@ -256,3 +256,20 @@ def test_a_leaf_node_holds_the_site_seed_and_verifies_the_hub(tmp_path: Path) ->
     assert result.returncode == 0, result.stdout + result.stderr
     with pytest.raises(ConfigError, match="site and a worker"):
         serverconf.leaf_config(worker, worker, opts)
+
+
+def test_a_hub_on_every_address_says_when_its_certificate_does_not_name_the_sites_address(tmp_path: Path) -> None:
+    """`cleave up --listen 0.0.0.0 --auth` prints `sites dial tls://<this machine's name>:7422`: a certificate
+    made without --host for that name failed every site that followed the line, and the hub said nothing."""
+    import socket  # noqa: PLC0415
+
+    name = socket.gethostname()
+    bare, named = tmp_path / "bare", tmp_path / "named"
+    init(bare, "--tls", "--host", "hub.example.org")
+    init(named, "--tls", "--host", name)
+    said = HubConfig.of("0.0.0.0:0", bare).leaf_unnamed()
+    assert said is not None and f"not {name}: sites dial one of its names" in said and "hub.example.org" in said
+    assert f"cleave auth init --tls --host {name}" in said
+    assert HubConfig.of("0.0.0.0:0", named).leaf_unnamed() is None
+    assert HubConfig.of("hub.example.org:0", bare).leaf_unnamed() is None  # the address it was made for
+    assert HubConfig.of("127.0.0.1:0", bare).leaf_unnamed() is None  # (always named: localhost, 127.0.0.1, nats)

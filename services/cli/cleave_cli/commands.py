@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -224,6 +225,8 @@ def up(args: argparse.Namespace) -> int:
         if fleet.stack.leaf_url:
             print(f"sites dial {fleet.stack.leaf_url}: cleave site --hub {fleet.stack.leaf_url} --name NAME --auth "
                   "<its folder of `cleave auth init --sites NAME`>")
+            if hub is not None and (unnamed := hub.leaf_unnamed()):
+                print(f"warning: {unnamed}", file=sys.stderr)
         for name, site in fleet.stack.sites.items():
             print(f"site {name}: leaf node {site.url} (monitoring {site.monitor}); its workers connect there")
         print(f"dashboard: {dashboard(fleet.stack, *where)}")

@@ -11,6 +11,7 @@ users and TLS, and the credential each of its services logs in with.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,24 @@ class HubConfig:
 
         host = socket.gethostname() if self.host in WILDCARD else self.host
         return f"{'tls' if self.tls else 'nats-leaf'}://{_bracket(host)}:{self.leaf_port}"
+
+    def leaf_unnamed(self) -> str | None:
+        """When the certificate does not name the host in `leaf_url` (this machine's name, for a wildcard address),
+        sites that dial it fail TLS: what to tell the operator; None when it does, or there is no TLS."""
+        if not self.tls:
+            return None
+        from urllib.parse import urlparse
+
+        from cryptography import x509
+
+        cert = x509.load_pem_x509_certificate((self.auth_dir / auth_cmd.TLS_DIR / auth_cmd.CERT_NAME).read_bytes())
+        names = [str(n.value) for n in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value]
+        host = urlparse(self.leaf_url).hostname or ""
+        if any(fnmatch.fnmatch(host.lower(), name.lower()) for name in names):
+            return None
+        return (f"the hub's certificate names {', '.join(names)}, not {host}: sites dial one of its names "
+                f"(cleave site --hub tls://NAME:{self.leaf_port}), or issue one that names this machine "
+                f"(cleave auth init --tls --host {host})")
 
     def server_config(self, store: str, monitor_port: int, max_payload: int) -> str:
         listen, leaf = f"{_bracket(self.host)}:{self.port}", f"{_bracket(self.host)}:{self.leaf_port}"
