@@ -20,6 +20,7 @@ import asyncio
 import gc
 import json
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -469,3 +470,40 @@ def test_a_second_link_with_a_sites_credential_is_told(deployment, tmp_path) -> 
     finally:
         first.terminate()
         first.communicate(timeout=30)
+
+
+def test_a_worker_without_a_credential_where_one_is_asked_says_so(deployment, tmp_path) -> None:
+    """`cleave worker --nats nats://SITE:4222` without --auth at a site that asks every client for a credential
+    retried for ever, logging the server's 'Authorization Violation' and nothing about the missing --auth."""
+    leaf = deployment.leaf("plain")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "cleave_cli", "worker", "--nats", leaf, "--worker-id", "w9"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and time.monotonic() - started < 30, done.stderr[-2000:]
+    assert f"NATS at {leaf}: it asks for a credential (Authorization Violation): pass --auth DIR" in done.stderr, \
+        done.stderr[-2000:]
+
+
+def test_a_swarm_at_a_site_logs_in_with_the_sites_folder(deployment, tmp_path) -> None:
+    """`cleave swarm` had no --auth: at a site it needed CLEAVE_WORKER_NATS_NKEY_SEED exported, and without it
+    retried for ever."""
+    leaf = deployment.leaf("swarmed")
+    argv = [sys.executable, "-m", "cleave_cli", "swarm", "--workers", "2", "--nats", leaf, "--profile",
+            "flops=5e8,down=1e9,up=1e9,latency=0,memory=4Gi"]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "it asks for a credential" in refused.stderr, refused.stderr[-2000:]
+    log = tmp_path / "swarm.log"
+    with open(log, "wb") as out:
+        swarm = subprocess.Popen([*argv, "--auth", str(deployment.auth / "sites" / "s1")], stdout=out,
+                                 stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while log.read_text(errors="replace").count("worker_started") < 2:
+            assert swarm.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.1)
+        swarm.send_signal(signal.SIGTERM)
+        assert swarm.wait(timeout=30) == 0, log.read_text(errors="replace")[-2000:]
+    finally:
+        if swarm.poll() is None:
+            swarm.kill()
+            swarm.wait()

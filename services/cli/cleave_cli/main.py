@@ -159,27 +159,28 @@ def _settings(cls, args: argparse.Namespace, **fields):
     values = {k: v for k, v in fields.items() if v is not None}
     if getattr(args, "nats", None):
         values["nats_url"] = args.nats
-    if getattr(args, "auth", None):  # <role>.env (a worker's own worker-<id>.env where there is one) and the CA
+    role, folder = args.command, getattr(args, "auth", None)
+    name = role
+    if folder:  # <role>.env (a worker's own worker-<id>.env where there is one) and the CA
         from cleave.api import credentials
 
-        role = args.command
         own = f"worker-{args.worker_id}" if role == "worker" and args.worker_id else role
-        name = own if (args.auth / f"{own}.env").is_file() else role
-        cred = credentials.credential(args.auth, name, role)
+        name = own if (folder / f"{own}.env").is_file() else role
+        cred = credentials.credential(folder, name, role)
         values["nats_nkey_seed"] = cred.seed
         if cred.companions:  # the scheduler's probe echo
             values["probe_nkey_seed"] = cred.companions[0].seed
-        values["nats_tls_ca"] = credentials.ca_file(args.auth)
-        settings = cls(**values)
-        _first_contact(settings, role, args.auth, name)
-        return settings
-    return cls(**values)
+        values["nats_tls_ca"] = credentials.ca_file(folder)
+    settings = cls(**values)
+    if folder or not settings.nats_nkey_seed:  # (a seed from the environment: compose's, said by its logs)
+        first_contact(settings, role, folder, name)
+    return settings
 
 
-def _first_contact(settings, role: str, folder: Path, name: str) -> None:  # noqa: ANN001 - a service's settings
-    """A service started by hand with `--auth`: a refusal no retry mends (a certificate the folder's CA did not
-    sign, a credential the hub does not know, its leaf-node port) is said now, not logged for ever; a hub that
-    is not up is waited for, as always."""
+def first_contact(settings, role: str, folder: Path | None, name: str) -> None:  # noqa: ANN001 - a service's settings
+    """A refusal no retry mends (a server that asks for a credential and was given none, a certificate the
+    folder's CA did not sign, a credential the hub does not know, its leaf-node port) is said now, not logged
+    for ever; a hub that is not up is waited for, as always."""
     import asyncio
 
     from cleave import auth

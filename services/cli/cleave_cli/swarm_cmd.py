@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from cleave.errors import ConfigError
 from cleave.schemas.subjects import TOKEN_CHARS
@@ -28,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix", default="swarm", help="worker ids are PREFIX-<process>-<i> (default swarm)")
     p.add_argument("--nats", help="NATS URL (default: the worker's setting, nats://127.0.0.1:4222)")
     p.add_argument("--heartbeat-s", type=float, help="seconds between a worker's heartbeats (default 0.25)")
+    p.add_argument("--auth", type=Path, help="the folder with the worker credential (worker.env) and the CA: the "
+                   "hub's `cleave auth init` output, or a site's sites/NAME (without it: CLEAVE_WORKER_NATS_NKEY_SEED)")
     p.add_argument("--process-index", type=int, default=0, help=argparse.SUPPRESS)  # set for the children
 
 
@@ -53,7 +56,17 @@ def _settings(args: argparse.Namespace):  # noqa: ANN202 - a WorkerSettings (imp
 
     fields = dict(nats_url=args.nats, profile=args.profile, heartbeat_s=args.heartbeat_s,
                   worker_id=f"{args.prefix}-{args.process_index}")
-    return WorkerSettings(**{k: v for k, v in fields.items() if v is not None})
+    if args.auth:
+        from cleave.api import credentials
+
+        fields.update(nats_nkey_seed=credentials.credential(args.auth, "worker", "worker").seed,
+                      nats_tls_ca=credentials.ca_file(args.auth))
+    settings = WorkerSettings(**{k: v for k, v in fields.items() if v is not None})
+    if args.process_index == 0 and (args.auth or not settings.nats_nkey_seed):  # (once, before any process)
+        from cleave_cli.main import first_contact
+
+        first_contact(settings, "worker", args.auth, "worker")
+    return settings
 
 
 def _one_process(args: argparse.Namespace, base) -> int:  # noqa: ANN001 - a WorkerSettings
@@ -69,7 +82,7 @@ def _one_process(args: argparse.Namespace, base) -> int:  # noqa: ANN001 - a Wor
 def _supervise(args: argparse.Namespace) -> int:
     counts = [args.workers // args.processes + (i < args.workers % args.processes) for i in range(args.processes)]
     passed = [f for flag, value in (("--nats", args.nats), ("--profile", args.profile),
-                                    ("--heartbeat-s", args.heartbeat_s)) if value is not None
+                                    ("--heartbeat-s", args.heartbeat_s), ("--auth", args.auth)) if value is not None
               for f in (flag, str(value))]
     children = [
         subprocess.Popen([sys.executable, "-m", "cleave_cli", "swarm", "--workers", str(n), "--processes", "1",
