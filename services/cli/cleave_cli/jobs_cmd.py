@@ -25,7 +25,7 @@ from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import Event, JobRecord, StepMetrics
 from cleave_cli import joboptions
-from cleave_cli.progress import unit_of
+from cleave_cli.progress import duration, unit_of
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -140,7 +140,8 @@ def line(v: dict) -> str:
     where = (f"{unit} {v['step']} ({v['step'] + 1}/{v['steps']} done)" if v["step"] is not None
              else f"no {unit} yet of {v['steps']}")
     loss = f", loss {v['loss']:.4f}" if v["loss"] is not None else ""
-    workers = f", {v['workers']} workers" if v["workers"] is not None else ""
+    # (a PS waiting for workers has none: the count of its last step next to that read as a contradiction)
+    workers = f", {v['workers']} workers" if v["workers"] is not None and not v.get("waiting_for_workers") else ""
     why = f"; {v['reason']}" if v["reason"] else ""
     refused = (f"; its last submission was refused: {v['last_submission']['reason']}"
                if v["last_submission"]["verdict"] == "refused" else "")
@@ -153,7 +154,7 @@ def idle(v: dict) -> str:
     if not w:
         return ""
     faulty = f"; {w['faulty']} expelled for wrong results" if w["faulty"] else ""
-    return (f"; waiting for workers: its PS has had none to deal to for {(time.time() - w['since']) / 60:.0f} min "
+    return (f"; waiting for workers: its PS has had none to deal to for {duration(time.time() - w['since'])} "
             f"(since {time.strftime('%H:%M:%S', time.localtime(w['since']))}{faulty})")
 
 
