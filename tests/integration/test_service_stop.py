@@ -69,3 +69,27 @@ def test_a_worker_whose_nats_went_away_stops_cleanly_on_sigterm(nats_server, tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_worker_measuring_its_links_stops_at_once_on_sigterm(nats_server, tmp_path: Path) -> None:
+    """A worker stopped while it measured its links (no scheduler answering its probes: none up yet, or its
+    server gone) waited for the measurement's probes to time out: 13 s."""
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cleave_cli", "worker", "--nats", nats_server.url,
+                                 "--worker-id", "w1"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + TRIES_LOGGED_S
+        while "links_not_measured" not in log.read_text(errors="replace"):  # probing, no scheduler answers
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.05)
+        nats_server.stop()
+        time.sleep(1)  # (a probe in flight against a server gone)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STOPPED_WITHIN_S + 20) == 0, log.read_text(errors="replace")[-3000:]
+        assert time.monotonic() - stopped < STOPPED_WITHIN_S / 2, log.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import structlog
 
 from cleave import bus as busmod
+from cleave.bus.stopping import done_unless_stopped
 from cleave.plan.profile import Pacer
 from cleave.runtime.faults import Faults
 from cleave.runtime.lifecycle import wait_for_stop
@@ -98,8 +99,9 @@ async def measured_profile(s: WorkerSettings, bus: busmod.Bus, flops: float) -> 
 async def first_profile(s: WorkerSettings, bus: busmod.Bus, flops: float, stop: asyncio.Event) -> DeviceProfile | None:
     """Probe until the links are measured (None if stopped first): an unmeasured worker does not join."""
     while True:
-        try:
-            return await measured_profile(s, bus, flops)
+        measuring = asyncio.ensure_future(measured_profile(s, bus, flops))
+        try:  # (a stop cuts a measurement short: against a server gone, its probes took 13 s to time out)
+            return measuring.result() if await done_unless_stopped(measuring, stop) else None
         except Exception as e:  # ProbeFailed, or the connection failed under the probe
             structlog.get_logger("worker").info("links_not_measured", reason=repr(e), retry_s=DEFAULT_PROBE_RETRY_S)
         if await wait_for_stop(stop, DEFAULT_PROBE_RETRY_S):
