@@ -99,6 +99,28 @@ def test_a_live_runner_stamps_its_queued_and_running_jobs(nats_url: str, tmp_pat
     assert stamped["fresh"] is None and stamped["ended"] is None  # stamped recently / ended: not written
 
 
+def test_a_queued_job_says_how_many_workers_it_waits_for(nats_url: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """A job submitted with --workers 50 to a hub with 13 showed `queued, no step yet` for a minute, with no
+    reason."""
+
+    async def go() -> None:
+        bus = await busmod.connect(nats_url, "test")
+        await bus.setup()
+        runner = Runner(bus, Stack(tmp_path / "run"), tmp_path / "run", max_running=1)
+        await runner.open()
+        await runner.put(_record("big", "queued", time.time()).model_copy(update={"min_workers": 50}))
+        await runner.tick()
+        assert not runner.stack.procs  # not started: it waits
+        await runner.close()
+        await bus.close()
+
+    asyncio.run(go())
+    assert main(["status", "--nats", nats_url, "--job-id", "big"]) == 0
+    assert re.search(r"big: queued, no step yet of 8; waiting for 50 workers \(0 registered\): it starts with "
+                     r"those there by \d\d:\d\d:\d\d", capsys.readouterr().out)
+
+
 def test_status_says_a_running_job_waits_for_workers(nats_url: str, capsys: pytest.CaptureFixture) -> None:
     """A job whose PS has no worker to deal to (none came, every one left, or every one was expelled for wrong
     results) showed as running at its last step, and nothing more. Here the PS's own dispatcher deals a GEMM to an

@@ -219,10 +219,15 @@ class Runner:
             await self.start(rec)
 
     async def workers_ready(self, rec: JobRecord) -> bool:
-        if rec.min_workers <= len(await self.bus.keys(self.registry)):
+        registered = len(await self.bus.keys(self.registry))
+        if rec.min_workers <= registered:
             return True
-        since = self.waiting.setdefault(rec.job_id, time.monotonic())
-        if time.monotonic() - since < JOIN_WAIT_S:
+        if rec.job_id not in self.waiting:  # (said in its record: `cleave status` showed no reason to wait)
+            self.waiting[rec.job_id] = time.monotonic()
+            by = time.strftime("%H:%M:%S", time.localtime(time.time() + JOIN_WAIT_S))
+            await self.put(rec.model_copy(update={"reason": f"waiting for {rec.min_workers} workers ({registered} "
+                                                            f"registered): it starts with those there by {by}"}))
+        if time.monotonic() - self.waiting[rec.job_id] < JOIN_WAIT_S:
             return False
         log.info("job_starts_without_its_workers", job=rec.job_id, min_workers=rec.min_workers, waited_s=JOIN_WAIT_S)
         return True
