@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from cleave.api.fleet import LocalFleet
+from cleave_cli import chaos_cmd
 
 
 def chaos(run_dir, *args: str) -> subprocess.CompletedProcess:
@@ -68,3 +70,23 @@ def test_kill_no_restart_leaves_the_victim_dead_and_imports_no_torch(tmp_path):
         assert chaos(tmp_path, "freeze", "--name", "worker-2", "--no-restart").returncode == 2  # kill only
     finally:
         fleet.stop()
+
+
+def test_a_stale_stack_json_kills_nothing_else(tmp_path):
+    """A stack whose supervisor was killed (SIGKILL) left stack.json saying its processes run: their pids, taken
+    by other programs since, were signalled. A pid counts only while its process started when stack.json says."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        entry = {"name": "worker-1", "role": "worker", "pid": other.pid, "restarts": 0, "running": True}
+        for started_at, code in ((time.time() - 3600, 2), (None, 0)):
+            at = started_at if started_at is not None else chaos_cmd.started(other.pid)
+            (tmp_path / "stack.json").write_text(json.dumps({"processes": [{**entry, "started_at": at}]}))
+            done = chaos(tmp_path, "freeze", "--name", "worker-1")
+            assert done.returncode == code, done.stderr
+            if code:
+                assert "no running process matches 'worker-1'" in done.stderr and other.poll() is None
+                assert "1 it says run are gone or their pids are other programs' now" in done.stderr
+        chaos(tmp_path, "thaw", "--name", "worker-1")
+    finally:
+        other.kill()
+        other.wait()

@@ -44,8 +44,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-restart", action="store_true", help="kill: the local supervisor leaves the victim dead")
 
 
+START_SLACK_S = 2.0  # a process in stack.json is the one running under its pid if they started this close
+
+
+def started(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from /proc; None for no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime"))
+    except (OSError, IndexError, StopIteration, ValueError):
+        return None
+    return boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def runs_as_recorded(p: dict) -> bool:
+    """Whether stack.json's process `p` runs under its pid: a pid whose process started at another time is another
+    program's now (a stack whose supervisor was killed leaves stack.json saying its processes run)."""
+    if not (p.get("running") and p.get("pid")):
+        return False
+    if not Path("/proc").is_dir():  # (no /proc: it cannot be told, and is trusted)
+        return True
+    t = started(p["pid"])
+    return t is not None and abs(t - p.get("started_at", 0.0)) < START_SLACK_S
+
+
 def targets(stack: dict, role: str, name: str | None) -> list[dict]:
-    alive = [p for p in stack["processes"] if p.get("running") and p.get("pid")]
+    alive = [p for p in stack["processes"] if runs_as_recorded(p)]
     if name:
         return [p for p in alive if p["name"] == name]
     return alive if role == "random" else [p for p in alive if p["role"] == role]
@@ -59,9 +83,14 @@ def read_stack(run_dir: Path) -> dict:
 
 
 def act(args: argparse.Namespace, rng: random.Random) -> dict:
-    found = targets(read_stack(args.run_dir), args.role, args.name)
+    stack = read_stack(args.run_dir)
+    found = targets(stack, args.role, args.name)
     if not found:
-        raise CleaveError(f"no running process matches {args.name or args.role!r} in {args.run_dir / 'stack.json'}")
+        gone = sum(bool(p.get("running")) and not runs_as_recorded(p) for p in stack["processes"])
+        stale = (f" ({gone} it says run are gone or their pids are other programs' now: is the stack's "
+                 "supervisor still running?)") if gone else ""
+        raise CleaveError(f"no running process matches {args.name or args.role!r} in "
+                          f"{args.run_dir / 'stack.json'}{stale}")
     proc = rng.choice(found)
     if args.no_restart:  # before the signal, so the supervisor sees it when it finds the process dead
         (args.run_dir / HELD_DOWN_DIR).mkdir(exist_ok=True)
