@@ -11,6 +11,7 @@ from cleave.schemas.dtypes import DTYPES
 
 MAX_EPSILON = 1e4  # the DP accountant's upper end (`cleave.methods.privacy`): a run past it reports this bound
 
+
 class Event(Wire):
     """Something that happened: a worker joined or left, a recovery, a plan change, a PS restart."""
 
