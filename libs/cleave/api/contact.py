@@ -27,6 +27,7 @@ DEFAULT_CONNECT_S = 2.0  # each TCP (and TLS) connection's
 class Refusal:
     reason: str  # one sentence, for after "NATS at URL: ..."
     final: bool  # retrying cannot mend it (a certificate, a credential, the wrong port)
+    credential: bool = False  # the server refused the login (none given, or one it does not know)
 
 
 def refusal(errors: list[BaseException], info: dict, folder: Path | None, role: str,
@@ -58,9 +59,9 @@ def _one(e: BaseException, info: dict, folder: Path | None, role: str, host: str
             return Refusal("that is the hub's leaf-node port, for `cleave site`; commands dial its client port "
                            "(`cleave up` prints it: NATS tls://HOST:PORT)", True)
         if folder is None:
-            return Refusal(f"it asks for a credential (Authorization Violation): {auth_hint}", True)
+            return Refusal(f"it asks for a credential (Authorization Violation): {auth_hint}", True, True)
         return Refusal(f"it refused the credential {folder / f'{role}.env'} (Authorization Violation), which is "
-                       f"none of its users: {auth_hint}", True)
+                       f"none of its users: {auth_hint}", True, True)
     if isinstance(e, socket.gaierror):
         return Refusal(f"its host name is not known here ({e.strerror or e})", True)
     if isinstance(e, ConnectionRefusedError):

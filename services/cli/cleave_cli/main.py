@@ -178,16 +178,16 @@ def _settings(cls, args: argparse.Namespace, **fields):
 
 
 def first_contact(settings, role: str, folder: Path | None, name: str) -> None:  # noqa: ANN001 - a service's settings
-    """A refusal no retry mends (a server that asks for a credential and was given none, a certificate the
-    folder's CA did not sign, a credential the hub does not know, its leaf-node port) is said now, not logged
-    for ever; a hub that is not up is waited for, as always."""
+    """A refusal no retry mends is said now, not logged for ever: with `folder` (--auth), a certificate its CA
+    did not sign, a credential the hub does not know, its leaf-node port; without, a server that asks for a
+    credential. A hub that is not up (or not found yet: a machine still offline) is waited for, as always."""
     import asyncio
 
     from cleave import auth
     from cleave.api import contact
 
     said = asyncio.run(contact.first_try(settings.nats_url, auth.connect_options(settings, role), folder, name))
-    if said is not None and said.final:
+    if said is not None and said.final and (folder is not None or said.credential):
         raise CleaveError(f"NATS at {settings.nats_url}: {said.reason}")
 
 
