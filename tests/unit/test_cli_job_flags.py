@@ -236,3 +236,16 @@ def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) ->
         assert main(["train", *flags, "--dry-run"]) == 2, flags
         out = capsys.readouterr()
         assert said in out.err and "fits" not in out.out, (flags, out)
+
+
+def test_the_demo_refuses_a_used_run_dir_and_no_steps(tmp_path, capsys) -> None:
+    """Run again into its run dir, the demo replayed the earlier run's steps as new, skipped its kill (the earlier
+    run's trigger was left there) and still reported it; --steps 0 ran 30 steps."""
+    from cleave_cli.main import main  # noqa: PLC0415
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')
+    assert main(["demo", "--run-dir", str(tmp_path)]) == 2
+    assert "already holds a run: the demo starts afresh" in capsys.readouterr().err
+    assert main(["demo", "--run-dir", str(tmp_path / "new"), "--steps", "0"]) == 2
+    assert "--steps must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # refused before anything started

@@ -254,6 +254,11 @@ def dashboard(stack, host: str, port: int) -> str:  # noqa: ANN001 - a Stack
 
 
 def demo(args: argparse.Namespace) -> int:
+    if args.steps is not None and args.steps < 1:  # (0 ran the default 30)
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    if args.run_dir is not None and args.run_dir.is_dir() and any(args.run_dir.iterdir()):
+        raise ConfigError(f"{args.run_dir} already holds a run: the demo starts afresh (its report counted the earlier "
+                          "run's steps, and its kill was skipped): name a new folder, or leave out --run-dir")
     steps = args.steps or 30
     job = JobConfig.build(job_id=new_job_id("demo"), preset="small", steps=steps, batch_size=8, lr=2e-3,
                           warmup_steps=max(1, steps // 5))  # a short run: a fifth of it warms up (no spike)
