@@ -249,3 +249,18 @@ def test_the_demo_refuses_a_used_run_dir_and_no_steps(tmp_path, capsys) -> None:
     assert main(["demo", "--run-dir", str(tmp_path / "new"), "--steps", "0"]) == 2
     assert "--steps must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # refused before anything started
+
+
+def test_a_dry_run_reads_a_token_files_sidecar(tmp_path, capsys) -> None:
+    """A token file made with another tokenizer passed `--dry-run` as `fits`; the PS refused it 8 s into the run."""
+    import json  # noqa: PLC0415
+
+    from cleave.models.tokenizer import ByteTokenizer  # noqa: PLC0415
+    from cleave.train.sources import prepare_data  # noqa: PLC0415
+
+    prepare_data("builtin", ByteTokenizer(), tmp_path / "t.u16")
+    sidecar = tmp_path / "t.u16.json"
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "tokenizer": str(tmp_path / "other-tok")}))
+    assert main(["train", "--preset", "tiny", "--data", str(tmp_path / "t.u16"), "--dry-run",
+                 "--run-dir", str(tmp_path / "run")]) == 2
+    assert f"was tokenised with '{tmp_path / 'other-tok'}'; set tokenizer=" in capsys.readouterr().err

@@ -366,3 +366,20 @@ def test_val_loss_with_other_sources(tmp_path: Path, kind: str) -> None:
     first = trainer.step(0)
     val = trainer.val_loss(0)
     assert np.isfinite(val) and abs(val - first) < 1.0
+
+
+def test_a_token_files_sidecar_is_checked_before_anything_starts(tmp_path: Path, bpe_dir: Path) -> None:
+    """A file made with another tokenizer (or one whose vocabulary the model has no room for) was found only by
+    the PS, 8 s into a started stack, after a dry run had said `fits`; and a tokenizer named by its folder and
+    by its tokenizer.json counted as two."""
+    from cleave.train.data import check_token_file  # noqa: PLC0415
+
+    sources.prepare_data("builtin", load_tokenizer(str(bpe_dir / "tokenizer.json")), tmp_path / "t.u16")
+    src = sources.parse_source(str(tmp_path / "t.u16"))
+    vocab = load_tokenizer(str(bpe_dir)).vocab_size
+    check_token_file(src, str(bpe_dir), 512, "small")  # the folder of the file it was made with: the same
+    assert Corpus(str(tmp_path / "t.u16"), tokenizer=str(bpe_dir)).vocab_size == vocab
+    with pytest.raises(ConfigError, match=r"was tokenised with .*tokenizer\.json'; set tokenizer="):
+        check_token_file(src, "bytes", 512, "small")
+    with pytest.raises(ConfigError, match=f"has {vocab} tokens but preset 'tiny' has vocab_size=256"):
+        check_token_file(src, str(bpe_dir), 256, "tiny")

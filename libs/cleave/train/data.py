@@ -32,21 +32,39 @@ SEED_STRIDE = 1_000_003  # the generator of step s is seeded with seed * SEED_ST
 EPOCH_SALT = 7_919  # the order of epoch e is seeded with seed * SEED_STRIDE + EPOCH_SALT - e (apart from steps')
 
 
+def _home(spec: str) -> Path | None:
+    """Where a local tokenizer lives: its folder (a `tokenizer.json` named by itself is its folder's), resolved."""
+    p = Path(spec).expanduser()
+    if p.name == "tokenizer.json" and p.is_file():
+        p = p.parent
+    return p.resolve() if p.exists() else None
+
+
 def _same_tokenizer(a: str, b: str) -> bool:
-    if a == b:
-        return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+    return a == b or (_home(a) is not None and _home(a) == _home(b))
 
 
-def _token_file(src: sources.Source, tokenizer: str | Tokenizer) -> tuple[np.ndarray, str, int]:
-    tf = sources.open_tokens(src)
-    name = tokenizer if isinstance(tokenizer, str) else tokenizer.name
+def _check_tokenizer(src: sources.Source, tf: sources.TokenFile, name: str) -> None:
     if tf.tokenizer is not None and not _same_tokenizer(tf.tokenizer, name):
         raise ConfigError(
             f"data={src.spec!r} was tokenised with {tf.tokenizer!r}; set tokenizer={tf.tokenizer!r} "
             f"(it is {name!r})"
         )
+
+
+def check_token_file(src: sources.Source, tokenizer: str, model_vocab: int, preset: str) -> None:
+    """What a token file's sidecar says, against the job, without reading its ids (the PS reads them): the
+    tokenizer it was made with, and a vocabulary the model has an embedding for every id of."""
+    tf = sources.open_tokens(src)
+    _check_tokenizer(src, tf, tokenizer)
+    if tf.vocab_size is not None:
+        check_vocab(tf.tokenizer or tokenizer, tf.vocab_size, model_vocab, preset)
+
+
+def _token_file(src: sources.Source, tokenizer: str | Tokenizer) -> tuple[np.ndarray, str, int]:
+    tf = sources.open_tokens(src)
+    name = tokenizer if isinstance(tokenizer, str) else tokenizer.name
+    _check_tokenizer(src, tf, name)
     vocab = tf.vocab_size
     if vocab is None:
         vocab = (load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer).vocab_size

@@ -24,9 +24,9 @@ from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
-from cleave.train.data import check_vocab
+from cleave.train.data import check_token_file, check_vocab
 from cleave.train.job import ROUND_METHODS, JobConfig, new_job_id
-from cleave.train.sources import check_source
+from cleave.train.sources import check_source, parse_source
 from cleave.train.trainer import check_init
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args
@@ -95,7 +95,10 @@ def check_inputs(job: JobConfig) -> None:
     if job.init_from is not None:
         check_init(read_hf_config(job.init_from), arch, job)
         check_weights(job.init_from)
-    check_source(job.data)
+    src = parse_source(job.data)
+    check_source(src)
+    if src.kind == "tokens":  # (its sidecar: the tokenizer it was made with, its vocabulary)
+        check_token_file(src, tok.name, arch.vocab_size, job.model_name)
 
 
 def train(args: argparse.Namespace) -> int:
