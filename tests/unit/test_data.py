@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import shutil
@@ -383,3 +384,27 @@ def test_a_token_files_sidecar_is_checked_before_anything_starts(tmp_path: Path,
         check_token_file(src, "bytes", 512, "small")
     with pytest.raises(ConfigError, match=f"has {vocab} tokens but preset 'tiny' has vocab_size=256"):
         check_token_file(src, str(bpe_dir), 256, "tiny")
+
+
+def test_prepare_data_that_cannot_put_its_file_in_place_leaves_the_earlier_sidecar(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """`--out` an existing folder: the run failed at its last rename, after writing a sidecar that described a
+    token file never written (over the earlier one), and the error named the .tmp as the folder."""
+    (tmp_path / "dir.u16").mkdir()
+    with pytest.raises(ConfigError, match=r"--out .*dir\.u16 is a folder: name the token file to write"):
+        sources.prepare_data("builtin", BYTES, tmp_path / "dir.u16")
+    assert not (tmp_path / "dir.u16.json").exists()
+    sources.prepare_data("builtin", BYTES, tmp_path / "t.u16")
+    earlier = (tmp_path / "t.u16.json").read_text()
+
+    replace = Path.replace
+
+    def refuse(self, target):  # noqa: ANN001, ANN202 - the token file's rename fails (a disk gone read-only)
+        if Path(target).name != "t.u16":
+            return replace(self, target)
+        raise OSError(errno.EROFS, "Read-only file system", str(self), None, str(target))
+
+    monkeypatch.setattr(Path, "replace", refuse)
+    with pytest.raises(ConfigError, match=r"t\.u16 not written: .*t\.u16: Read-only file system"):
+        sources.prepare_data("builtin", BYTES, tmp_path / "t.u16", chunk_chars=1 << 16)
+    assert (tmp_path / "t.u16.json").read_text() == earlier

@@ -387,8 +387,11 @@ def prepare_data(
         raise ConfigError(
             f"tokenizer {tok.name!r} has {tok.vocab_size} tokens, too many for {dtype}; use .u32"
         )
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder: name the token file to write (e.g. {out / 'corpus.u16'})")
     stats = PrepareStats()
     tmp, side = out.with_name(out.name + ".tmp"), sidecar_path(out)
+    before = side.read_bytes() if side.is_file() else None  # an earlier run's sidecar, put back if this one fails
     if _reads(parse_source(source), (out, tmp, side)):
         raise ConfigError(f"--out {out} is among what --source {source!r} reads: a later run would tokenise it (and "
                           "its sidecar) as text; write it outside the source")
@@ -414,9 +417,17 @@ def prepare_data(
         # the sidecar first: a crash between the two renames leaves an earlier token file whose count the new
         # sidecar contradicts (`open_tokens` refuses it), never new tokens described by an older sidecar
         write_atomic(side, json.dumps(meta, indent=2) + "\n")
-        tmp.replace(out)
+        try:
+            tmp.replace(out)
+        except OSError:  # (the new sidecar would describe tokens that are not there)
+            if before is None:
+                side.unlink(missing_ok=True)
+            else:
+                write_atomic(side, before)
+            raise
     except OSError as e:  # a full disk, a folder that is not there or not writable
-        raise ConfigError(f"prepare-data stopped, {out} not written: {e.filename or out}: {e.strerror or e}") from None
+        where = e.filename2 or e.filename or out  # (a rename's failure is its destination's)
+        raise ConfigError(f"prepare-data stopped, {out} not written: {where}: {e.strerror or e}") from None
     finally:
         tmp.unlink(missing_ok=True)  # (nothing half-written is left behind: a failure, Ctrl-C)
     return stats
