@@ -408,3 +408,12 @@ def test_prepare_data_that_cannot_put_its_file_in_place_leaves_the_earlier_sidec
     with pytest.raises(ConfigError, match=r"t\.u16 not written: .*t\.u16: Read-only file system"):
         sources.prepare_data("builtin", BYTES, tmp_path / "t.u16", chunk_chars=1 << 16)
     assert (tmp_path / "t.u16.json").read_text() == earlier
+
+
+def test_an_empty_data_spec_is_refused() -> None:
+    """`--source ''` tokenised the whole working directory (an empty path is '.')."""
+    with pytest.raises(ConfigError, match="the data spec is empty"):
+        sources.parse_source("")
+    with pytest.raises(ConfigError, match="the data spec is empty"):
+        sources.prepare_data(" ", BYTES, Path("never.u16"))
+    assert not Path("never.u16").exists()

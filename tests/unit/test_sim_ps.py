@@ -143,6 +143,8 @@ def test_cleave_sim_refuses_a_ps_without_memory():
     sim_cmd.register(parser.add_subparsers(dest="command"))
     with pytest.raises(ConfigError, match="--ps-memory"):
         sim_cmd.config(parser.parse_args(["sim", "--ps-memory", "0"]))
+    with pytest.raises(ConfigError, match="--ps-bandwidth must be bytes/s, or 0 for unlimited"):  # (was taken)
+        sim_cmd.config(parser.parse_args(["sim", "--ps-bandwidth", "-5"]))
 
 
 def test_the_default_ps_link_is_what_one_ps_process_was_measured_to_send():

@@ -63,6 +63,8 @@ class Source:
 
 def parse_source(spec: str) -> Source:
     """Classify a data spec; files are not opened yet (a missing one is reported when read)."""
+    if not spec.strip():  # (an empty path is the working directory: it was read whole, as a folder)
+        raise ConfigError("the data spec is empty: name a file, folder, glob, JSONL, hf:... or 'builtin'")
     if spec == BUILTIN:
         return Source(spec, "builtin")
     if spec.startswith(HF_PREFIX):

@@ -123,6 +123,8 @@ def config(args: argparse.Namespace) -> Any:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
     if not 0 <= args.stragglers <= 1 or args.churn < 0:
         raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
+    if args.ps_bandwidth is not None and not args.ps_bandwidth >= 0:  # (a negative one was taken as given)
+        raise ConfigError(f"--ps-bandwidth must be bytes/s, or 0 for unlimited; got {args.ps_bandwidth}")
     ps = {}
     for flag, key in (("--ps-flops", "ps_flops"), ("--ps-memory", "ps_memory"), ("--ps-link", "ps_link")):
         value = getattr(args, key)
