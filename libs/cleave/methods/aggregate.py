@@ -72,11 +72,15 @@ def _median(x: torch.Tensor) -> torch.Tensor:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2  # mean of the two middles when even
 
 
+def trim_cut(n: int, trim: float) -> int:
+    """How many of `n` values the trimmed mean drops at each end (0 below 1 / trim: it is the plain mean)."""
+    cut = math.floor(trim * n)
+    return (n - 1) // 2 if n - 2 * cut < 1 else cut
+
+
 def _trimmed(x: torch.Tensor, trim: float) -> torch.Tensor:
     n = x.shape[0]
-    cut = math.floor(trim * n)
-    if n - 2 * cut < 1:
-        cut = (n - 1) // 2
+    cut = trim_cut(n, trim)
     return x.sort(dim=0).values[cut : n - cut].mean(dim=0)
 
 

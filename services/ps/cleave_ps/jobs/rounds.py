@@ -40,7 +40,7 @@ import torch
 from cleave.bus import Bus
 from cleave.compression import get_compressor, unpack
 from cleave.errors import RoundsFailed, WireError
-from cleave.methods.aggregate import clip_update, round_loss
+from cleave.methods.aggregate import clip_update, round_loss, trim_cut
 from cleave.methods.common import trainable
 from cleave.methods.diloco import DilocoConfig, DilocoServer
 from cleave.methods.fedavg import FedAvgConfig, FedAvgServer
@@ -308,7 +308,7 @@ class Rounds:
             why = "; ".join(x for x in (why, self.why_empty(expected, lost, silent=why is None)) if x)
         losses = [self.losses[w] for w in report.senders if w in self.losses]
         trim = self.server.cfg.trim
-        if self.job.aggregate == "trimmed" and report.senders and int(trim * len(report.senders)) == 0 \
+        if self.job.aggregate == "trimmed" and report.senders and not trim_cut(len(report.senders), trim) \
                 and not self.told_trim:
             log.warning("trimmed_drops_nothing", round=r, updates=len(report.senders), trim=trim)
             self.told_trim = True
