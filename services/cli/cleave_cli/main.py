@@ -172,15 +172,17 @@ def _settings(cls, args: argparse.Namespace, **fields):
             values["probe_nkey_seed"] = cred.companions[0].seed
         values["nats_tls_ca"] = credentials.ca_file(folder)
     settings = cls(**values)
-    if folder or not settings.nats_nkey_seed:  # (a seed from the environment: compose's, said by its logs)
-        first_contact(settings, role, folder, name)
+    first_contact(settings, role, folder, name)
     return settings
 
 
 def first_contact(settings, role: str, folder: Path | None, name: str) -> None:  # noqa: ANN001 - a service's settings
     """A refusal no retry mends is said now, not logged for ever: with `folder` (--auth), a certificate its CA
     did not sign, a credential the hub does not know, its leaf-node port; without, a server that asks for a
-    credential. A hub that is not up (or not found yet: a machine still offline) is waited for, as always."""
+    credential. A hub that is not up (or not found yet: a machine still offline) is waited for, as always. A
+    seed from the environment without `folder` (compose's) is left to the service's own logs."""
+    if folder is None and settings.nats_nkey_seed:
+        return
     import asyncio
 
     from cleave import auth

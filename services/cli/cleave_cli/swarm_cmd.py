@@ -62,7 +62,7 @@ def _settings(args: argparse.Namespace):  # noqa: ANN202 - a WorkerSettings (imp
         fields.update(nats_nkey_seed=credentials.credential(args.auth, "worker", "worker").seed,
                       nats_tls_ca=credentials.ca_file(args.auth))
     settings = WorkerSettings(**{k: v for k, v in fields.items() if v is not None})
-    if args.process_index == 0 and (args.auth or not settings.nats_nkey_seed):  # (once, before any process)
+    if args.process_index == 0:  # (once, before any process)
         from cleave_cli.main import first_contact
 
         first_contact(settings, "worker", args.auth, "worker")
