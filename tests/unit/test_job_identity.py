@@ -7,8 +7,8 @@ from pathlib import Path
 
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StepMetrics
+from cleave.train.identity import IDENTITY, identity_changes, other_changes, refusal
 from cleave.train.job import JobConfig, located
-from cleave_ps.state.identity import IDENTITY, identity_changes, other_changes, refusal
 
 
 def job(**kw) -> str:

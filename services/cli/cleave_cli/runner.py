@@ -50,9 +50,9 @@ from cleave.schemas import (
     StateHead,
 )
 from cleave.schemas.jobs import RUNNER_REFRESH_S
+from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
-from cleave_ps.state.identity import refusal
 
 log = structlog.get_logger("runner")
 DEFAULT_MAX_RUNNING = 1  # jobs at once: several PSs share one fleet, so one unless the operator says otherwise

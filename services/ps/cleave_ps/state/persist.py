@@ -18,7 +18,7 @@ the newer one, whose epoch is still the current one, re-reads the head when a wr
 first and writes over it, instead of exiting. So exactly one PS of a job survives.
 
 A job is its job id: a PS started under an id that has state resumes it, whatever its run dir, as long as the
-job is still the same model, data order and privacy noise (`state.identity`); its other settings (`steps`, the learning
+job is still the same model, data order and privacy noise (`cleave.train.identity`); its other settings (`steps`, the learning
 rate and its schedule, timeouts, ...) may change from one run to the next. A changed identity is refused once
 (`JobChanged`, exit 4: not restarted). The metrics file is only ever appended to: a job's lines from every run,
 once per step; a new job finding another job's lines there sets that file aside (renamed, never deleted), and so
@@ -48,10 +48,10 @@ from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import MAX_CONTROL_BYTES, STATE_BUCKET, STATE_OBJECTS, Event, StateHead, StepMetrics
 from cleave.train import checkpoint, preflight
 from cleave.train.checkpoint import DEFAULT_TRANSFER_TIMEOUT_S, Snapshot, read_checkpoint, snapshot
+from cleave.train.identity import other_changes, refusal
 from cleave.train.job import JobConfig, located
 from cleave_ps.settings import PsSettings
 from cleave_ps.state import sweep
-from cleave_ps.state.identity import other_changes, refusal
 
 log = structlog.get_logger("ps")
 KEEP_CHECKPOINTS = 2
