@@ -38,6 +38,7 @@ from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE
 from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
+from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
 
 Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small", steps=200, method="diloco", ...)
@@ -114,11 +115,20 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
         fleet.start(with_fleet=nats is None)
         if on_stack:
             on_stack(fleet)
+        _refuse_changed(job, fleet.stack.nats_url, auth)
         fleet.start_ps(job, metrics_out, ps_env=ps_env, replicas=ps_replicas)
         yield from fleet.follow_ps(metrics_out)
     finally:
         atexit.unregister(stop)
         stop()
+
+
+def _refuse_changed(job: JobConfig, url: str, auth: str | Path | None) -> None:
+    """A job id whose state is of another model, data order or privacy noise is refused here, before the run dir's
+    job.json is rewritten with settings that never ran (its PS, reading the same head, would refuse it too)."""
+    head = asyncio.run(state.head_of(url, job.job_id, Path(auth) if auth is not None else None, "ps"))
+    if head is not None and (refused := refusal(job.job_id, head.job_config, head.step, job.model_dump_json())):
+        raise refused
 
 
 @checked

@@ -93,6 +93,28 @@ def state_server(run_dir: Path) -> Iterator[str]:
             stack.stop_all()
 
 
+async def _state_bucket(bus: busmod.Bus, url: str):  # noqa: ANN202 - nats-py's KeyValue
+    """The PSs' state bucket at `url`; None where no PS ever persisted there."""
+    try:
+        return await asyncio.wait_for(bus.js.key_value(STATE_BUCKET), busmod.DEFAULT_TIMEOUT_S)
+    except BucketNotFoundError:
+        return None
+    except Exception as e:
+        raise CleaveError(f"the PS state at {url} could not be read ({type(e).__name__})." + unanswered(e)) from None
+
+
+async def head_of(url: str, job_id: str, auth_dir: Path | None = None, role: str = "submitter") -> StateHead | None:
+    """The job's last committed head record at `url` (logging in as `role` with the credential in `auth_dir`);
+    None for a job with no state there yet."""
+    bus = await connect(url, auth_dir, role)
+    try:
+        kv = await _state_bucket(bus, url)
+        got = await bus.kv_get(kv, f"{job_id}.head", StateHead) if kv is not None else None
+        return got[0] if got else None
+    finally:
+        await bus.close()
+
+
 async def read_state(url: str, job_id: str, auth_dir: Path | None = None
                      ) -> tuple[StateHead, JobConfig, ModelConfig, torch.nn.Module]:
     """The job's last committed head record, its job and model config, and the model with the checkpoint's
@@ -100,12 +122,9 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
     with the submitter's credential found there."""
     bus = await connect(url, auth_dir)  # (a clear error when NATS does not answer)
     try:
-        try:
-            kv = await asyncio.wait_for(bus.js.key_value(STATE_BUCKET), busmod.DEFAULT_TIMEOUT_S)
-        except BucketNotFoundError:
-            raise CleaveError(f"{url} holds no persisted PS state (no {STATE_BUCKET} bucket)") from None
-        except Exception as e:
-            raise CleaveError(f"the PS state at {url} could not be read ({type(e).__name__})." + unanswered(e)) from None
+        kv = await _state_bucket(bus, url)
+        if kv is None:
+            raise CleaveError(f"{url} holds no persisted PS state (no {STATE_BUCKET} bucket)")
         got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
         if got is None:
             jobs = [k.removesuffix(".head") for k in await bus.keys(kv) if k.endswith(".head")]
