@@ -34,6 +34,22 @@ def test_defaults_agree_and_named_settings_expand() -> None:
     assert (mixed.local_steps, mixed.outer_lr, mixed.outer_momentum) == (20, 0.7, 0.9)
 
 
+def test_a_settings_file_and_its_flags_combine_the_flags_winning(tmp_path: Path) -> None:
+    """--preset with --config was refused by argparse although the file's help says flags win; --logits-bytes
+    is a flag (it was settable only in a file)."""
+    from cleave.models.gemms import DEFAULT_LOGITS_BYTES  # noqa: PLC0415
+
+    f = tmp_path / "job.toml"
+    f.write_text('job_id = "combined"\npreset = "tiny"\nsteps = 7\nlogits_bytes = 4096\n')
+    j = job_from_args(build_parser().parse_args(["train", "--config", str(f), "--preset", "small",
+                                                 "--logits-bytes", "65536"]))
+    assert (j.job_id, j.preset, j.steps, j.logits_bytes) == ("combined", "small", 7, 65536)
+    assert job("--logits-bytes", "1000").logits_bytes == 1000 and job().logits_bytes == DEFAULT_LOGITS_BYTES
+    said = next(a.help for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions
+                if a.dest == "logits_bytes")
+    assert f"default {DEFAULT_LOGITS_BYTES >> 20} MiB" in said
+
+
 def test_cleave_version_names_the_installed_distribution(capsys):
     from importlib import metadata  # noqa: PLC0415
 

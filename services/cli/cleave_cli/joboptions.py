@@ -9,10 +9,9 @@ from pathlib import Path
 
 def register(p: argparse.ArgumentParser) -> None:
     """Add the options that describe a job (not where or how it runs) to `p`."""
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", help="a model preset: tiny, tiny-llama, small, gpt2-medium, llama3-1b")
-    src.add_argument("--config", type=Path, help="a settings file: the job (TOML top-level keys, or JSON) and the "
-                     "services' tables ([ps], [worker], ...); flags win (docs/user-guide.md, 'Settings file')")
+    p.add_argument("--preset", help="a model preset: tiny, tiny-llama, small, gpt2-medium, llama3-1b")
+    p.add_argument("--config", type=Path, help="a settings file: the job (TOML top-level keys, or JSON) and the "
+                   "services' tables ([ps], [worker], ...); flags win (docs/user-guide.md, 'Settings file')")
     p.add_argument("--steps", type=int)
     p.add_argument("--job-id", help="names the job and its persisted state; the same id resumes it "
                                     "(default: a new id)")
@@ -65,6 +64,8 @@ def register(p: argparse.ArgumentParser) -> None:
                    help="activation checkpointing: each block keeps only its input and runs its forward again "
                         "(its GEMMs dealt again) in the backward (default: only when the batch does not fit)")
     p.add_argument("--micro-batches", type=int, help="split each batch in N equal parts, gradients accumulated")
+    p.add_argument("--logits-bytes", type=int, help="the head and loss run in chunks of tokens whose float32 logits "
+                   "take at most this many bytes (default 256 MiB): less memory, the head's dW sent more often")
 
 
 def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN201 - a JobConfig (torch: imported late)
@@ -81,7 +82,7 @@ def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN20
                   lora_alpha=args.lora_alpha, sampling=args.sampling, own_data=args.own_data,
                   update_clip=args.update_clip, max_empty_rounds=args.max_empty_rounds, secagg=args.secagg,
                   dp_noise=args.dp_noise, dp_delta=args.dp_delta, seq_len=args.seq_len, recompute=args.recompute,
-                  micro_batches=args.micro_batches,
+                  micro_batches=args.micro_batches, logits_bytes=args.logits_bytes,
                   lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
                   if args.lora_targets else None)
     fields = {k: v for k, v in fields.items() if v is not None}
