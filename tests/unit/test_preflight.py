@@ -49,6 +49,7 @@ def test_train_dry_run_prints_the_estimate_and_refuses_what_cannot_fit(tmp_path)
     assert re.search(r"and [0-7] deferred dW's", ok.stdout), ok.stdout
     assert re.search(r"free outputs +0\.\d\d GB", ok.stdout), ok.stdout  # what the job leaves of 0.27 GB
     assert "workers      4, memory_bytes 512.00 MiB (a local stack's workers)" in ok.stdout  # (its 4, not 1)
+    assert "0.50 GB  (the PS's memory_bytes setting, CLEAVE_PS_MEMORY_BYTES)" in ok.stdout  # (not "host memory")
     refused = dry(4 * 10**8)
     assert refused.returncode == 2 and "lower batch_size (now 64)" in refused.stderr, refused.stderr
 

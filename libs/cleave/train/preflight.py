@@ -282,9 +282,10 @@ class Memory:
     host: int
     gpu: int | None = None  # None: the PS trains on the CPU
     gpu_name: str = ""
+    host_from: str = "host memory"  # where `host` comes from: the machine, or the setting that overrides it
 
     def lines(self) -> list[str]:
-        out = [f"available    {self.host / GB:10.2f} GB  (host memory)"]
+        out = [f"available    {self.host / GB:10.2f} GB  ({self.host_from})"]
         if self.gpu is not None:
             out.append(f"available    {self.gpu / GB:10.2f} GB  (free on {self.gpu_name})")
         return out
@@ -294,11 +295,12 @@ def ps_memory(job: JobConfig, memory_bytes: int = 0) -> Memory:
     """The memory the PS of `job` may use on this machine: `memory_bytes` (CLEAVE_PS_MEMORY_BYTES) or the
     host's available memory, and where it trains on CUDA the GPU's free memory."""
     host = memory_bytes or available_memory()
+    said = "the PS's memory_bytes setting, CLEAVE_PS_MEMORY_BYTES" if memory_bytes else "host memory"
     device = resolve_device(job.device)
     if device.type != "cuda":
-        return Memory(host)
+        return Memory(host, host_from=said)
     free, _total = torch.cuda.mem_get_info(device)
-    return Memory(host, int(free), torch.cuda.get_device_name(device))
+    return Memory(host, int(free), torch.cuda.get_device_name(device), said)
 
 
 def fits(est: Estimate, memory: Memory) -> bool:
