@@ -117,7 +117,7 @@ async def run_steps(nats_url: str, tmp_path, job_id: str, **settings: object) ->
         await progress.finish(0)
         heads = await progress.persister._heads()
         back = Trainer(job)
-        await read_checkpoint(progress.persister.store, next(h for h in heads if h.step == 1), back.model, back.opt)
+        await read_checkpoint(bus.js, progress.persister.store, next(h for h in heads if h.step == 1), back.model, back.opt)
         assert all(torch.equal(v, first[k]) for k, v in back.model.state_dict().items())
     finally:
         await bus.close()

@@ -140,7 +140,7 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
         except Exception as e:  # the head record is there, its objects are not: a damaged or partial store
             raise CleaveError(f"{url} holds the head of job {job_id!r} (step {head.step}) but no checkpoint store "
                               f"{STATE_OBJECTS} ({type(e).__name__}): the store is damaged or incomplete") from None
-        await read_checkpoint(store, head, model, None, skip_optimizer=True)
+        await read_checkpoint(bus.js, store, head, model, None, skip_optimizer=True)
         return head, job, cfg, model
     finally:
         await bus.close()

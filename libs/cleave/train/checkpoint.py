@@ -23,6 +23,7 @@ from typing import TypeVar
 import structlog
 import torch
 from nats.js.errors import NotFoundError
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 from torch import nn
 
 from cleave import codec
@@ -270,30 +271,32 @@ async def progressing(aw: Awaitable[T], progress: Callable[[], int], stall_s: fl
         task.cancel()
 
 
-async def lost_chunk(store, name: str, since: int) -> int | None:  # noqa: ANN001
-    """The stream sequence of a chunk of object `name` after byte `since` that the server has lost (a damaged
-    block of its disk: its consumer passes over the message and then waits, and asked for it, the server says it
-    has none); None when it holds them all, or cannot tell (the object's chunks are not consecutive)."""
+async def lost_chunk(js, store, name: str, since: int) -> int | None:  # noqa: ANN001
+    """The stream sequence of a chunk of object `name` (of `store`, on JetStream context `js`) after byte `since`
+    that the server has lost (a damaged block of its disk: its consumer passes over the message and then waits,
+    and asked for it, the server says it has none); None when it holds them all, or cannot tell (the object's
+    chunks are not consecutive)."""
     info = await asyncio.wait_for(store.get_info(name), DEFAULT_TIMEOUT_S)
-    subject, js = f"$O.{store._name}.C.{info.nuid}", store._js
-    first = await asyncio.wait_for(js.get_msg(store._stream, 1, subject, next=True), DEFAULT_TIMEOUT_S)
-    last = await asyncio.wait_for(js.get_last_msg(store._stream, subject), DEFAULT_TIMEOUT_S)
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=info.bucket)
+    subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=info.bucket, obj=info.nuid)
+    first = await asyncio.wait_for(js.get_msg(stream, 1, subject, next=True), DEFAULT_TIMEOUT_S)
+    last = await asyncio.wait_for(js.get_last_msg(stream, subject), DEFAULT_TIMEOUT_S)
     if last.seq - first.seq + 1 != info.chunks:
         return None  # (else every sequence from the first chunk to the last is one of its chunks)
     for seq in range(first.seq + since // info.options.max_chunk_size, last.seq):
         try:
-            await asyncio.wait_for(js.get_msg(store._stream, seq), DEFAULT_TIMEOUT_S)
+            await asyncio.wait_for(js.get_msg(stream, seq), DEFAULT_TIMEOUT_S)
         except NotFoundError:
             return seq
     return None
 
 
-async def _not_lost(store, m: CheckpointManifest, dec: Decoder) -> None:  # noqa: ANN001
+async def _not_lost(js, store, m: CheckpointManifest, dec: Decoder) -> None:  # noqa: ANN001
     """Raise CorruptCheckpoint if the server lost a chunk of `m`'s data not yet checked: one before the last
     whole hashed chunk received would have shifted the bytes after it and failed that chunk's check."""
     since = dec.received - dec.received % m.chunk_bytes
     try:
-        seq = await lost_chunk(store, m.data_object, since)
+        seq = await lost_chunk(js, store, m.data_object, since)
     except Exception as e:  # (the question itself unanswered: the stall goes on counting)
         log.debug("checkpoint_chunk_unknown", object=m.data_object, error=type(e).__name__)
         return
@@ -302,10 +305,11 @@ async def _not_lost(store, m: CheckpointManifest, dec: Decoder) -> None:  # noqa
                                 f"sequence {seq}, after byte {since:,} of {m.size:,}; a damaged block of its store)")
 
 
-async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.optim.Optimizer | None,  # noqa: ANN001
-                          skip_optimizer: bool = False) -> CheckpointManifest:
-    """Stream the checkpoint `head` names into `model` (in place) and `opt`; raises CleaveError when it
-    is missing, truncated or corrupted (the model may then hold part of it: load another checkpoint)."""
+async def read_checkpoint(js, store, head: StateHead, model: nn.Module,  # noqa: ANN001
+                          opt: torch.optim.Optimizer | None, skip_optimizer: bool = False) -> CheckpointManifest:
+    """Stream the checkpoint `head` names from `store` (an object store of JetStream context `js`) into `model`
+    (in place) and `opt`; raises CleaveError when it is missing, truncated or corrupted (the model may then hold
+    part of it: load another checkpoint)."""
     try:
         got = await asyncio.wait_for(store.get(head.object), DEFAULT_TIMEOUT_S)
     except Exception as e:
@@ -320,7 +324,7 @@ async def read_checkpoint(store, head: StateHead, model: nn.Module, opt: torch.o
     dec = Decoder(m, dests)
     try:
         await progressing(store.get(m.data_object, writeinto=dec), lambda: dec.received, TRANSFER_STALL_S,
-                          lambda: _not_lost(store, m, dec))
+                          lambda: _not_lost(js, store, m, dec))
     except CleaveError:
         raise
     except TimeoutError:  # a chunk the server cannot deliver (a damaged block of its store) never comes

@@ -190,7 +190,7 @@ class Persister:
         reasons = []
         for head in heads:
             try:
-                await read_checkpoint(self.store, head, model, opt)
+                await read_checkpoint(self.bus.js, self.store, head, model, opt)
             except CorruptCheckpoint as e:
                 log.warning("checkpoint_rejected", job=self.job_id, step=head.step, object=head.object, reason=str(e))
                 self.rejected.append((head.step, str(e)))
