@@ -1,6 +1,6 @@
 """`cleave sim`: simulate training steps of a model on a large edge fleet, and compare with the baselines.
 
-    cleave sim --model opt-13b --devices 256 --fleet synthetic --batch 128 --seq 1024 [--dtype fp16]
+    cleave sim --model opt-13b [--fleet synthetic:N|FILE] [--devices N] --batch 128 --seq 1024 [--dtype fp16]
                [--churn RATE] [--stragglers FRACTION] [--hidden-stragglers] [--steps N] [--seed S]
                [--memory BYTES] [--ps-bandwidth BYTES_PER_S] [--tile ROWSxCOLS] [--chunks N] [--window N]
                [--replan-every S] [--no-fanout] [--ps-flops F] [--ps-memory BYTES] [--ps-link BYTES_PER_S]
@@ -40,8 +40,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="opt-13b", choices=sorted(PRESETS), help="a model preset")
-    p.add_argument("--devices", type=int, default=256, help="devices in the fleet")
-    p.add_argument("--fleet", default="synthetic", help="'synthetic' (the edge profile) or a fleet JSON file")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices in the fleet (default: all of --fleet; 256 of --fleet synthetic)")
+    p.add_argument("--fleet", default="synthetic",
+                   help="synthetic:N (N devices of the edge profile) or a fleet JSON file, as cleave plan takes "
+                        "them; synthetic: --devices of the edge profile")
     p.add_argument("--batch-size", "--batch", dest="batch", type=int, default=128, help="sequences per step")
     p.add_argument("--seq-len", "--seq", dest="seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--precision", "--dtype", dest="dtype", choices=sorted(DTYPE_BYTES), default="fp16",
@@ -108,10 +111,10 @@ def _tile(text: str | None) -> tuple[int, int] | None:
 
 def config(args: argparse.Namespace) -> Any:
     """The `SimConfig` of these flags, checked."""
-    from cleave.sim.systems import SimConfig, parse_systems
+    from cleave.sim.systems import SimConfig, fleet_spec, parse_systems
 
     for flag, value, low in (
-        ("--devices", args.devices, 1),
+        ("--devices", 1 if args.devices is None else args.devices, 1),
         ("--batch-size", args.batch, 1),
         ("--seq-len", args.seq, 1),
         ("--steps", args.steps, 1),
@@ -132,10 +135,11 @@ def config(args: argparse.Namespace) -> Any:
             if not value > 0:
                 raise ConfigError(f"{flag} must be positive, got {value}")
             ps[key] = value
+    fleet, devices = fleet_spec(args.fleet, args.devices, args.seed)
     return SimConfig(
         model=args.model,
-        devices=args.devices,
-        fleet=args.fleet,
+        devices=devices,
+        fleet=fleet,
         batch=args.batch,
         seq=args.seq,
         dtype=args.dtype,
