@@ -49,3 +49,35 @@ def test_a_fleet_file_without_devices_is_taken_whole(two_devices):
     assert len(build_fleet(config("--fleet", two_devices, "--devices", "1"))) == 1
     with pytest.raises(ConfigError, match="has only 2 devices"):
         build_fleet(config("--fleet", two_devices, "--devices", "3"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--memory", "0"], "--memory must be positive"),
+        (["--memory", "-1"], "--memory must be positive"),
+        (["--systems", ""], "--systems names no system"),
+        (["--systems", " , "], "--systems names no system"),
+        (["--systems", "cleave,nope"], "unknown system nope"),
+        (["--model", "tiny", "--seq-len", "1000"], "--seq-len must be between 1 and tiny's block_size 64"),
+        (["--seq-len", "0"], "--seq-len must be between 1"),
+        (["--batch-size", "0"], "--batch-size must be a positive integer"),
+        (["--ps-bandwidth", "-1"], "--ps-bandwidth must be bytes/s"),
+        (["--replan-every", "-1"], "--replan-every must be seconds"),
+        (["--devices", "0"], "--devices must be at least 1"),
+    ],
+)
+def test_a_bad_flag_is_refused_up_front_by_name(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        config(*argv)
+
+
+def test_plan_and_sim_check_a_job_with_one_rule(capsys):
+    from cleave_cli.plan_cmd import plan_command
+
+    with pytest.raises(ConfigError, match="tiny's block_size 64, got 65") as plan:
+        plan_command("tiny", "synthetic:4", 2, 65)
+    with pytest.raises(ConfigError) as sim:
+        config("--model", "tiny", "--batch-size", "2", "--seq-len", "65")
+    assert str(sim.value) == str(plan.value)
+    assert config("--model", "tiny", "--seq-len", "64").seq == 64

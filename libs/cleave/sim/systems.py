@@ -275,6 +275,8 @@ def compare(cfg: SimConfig, liveness_s: float = 1.0) -> dict[str, Any]:
 def parse_systems(text: str | Sequence[str]) -> tuple[str, ...]:
     names = tuple(s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip())
     bad = [n for n in names if n not in SYSTEMS]
+    if not names:
+        raise ConfigError(f"--systems names no system; choose from {', '.join(SYSTEMS)}")
     if bad:
         raise ConfigError(f"unknown system {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
     return names

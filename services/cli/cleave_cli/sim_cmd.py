@@ -29,6 +29,7 @@ from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
 from cleave.sim.systems import DEFAULT_PS_BANDWIDTH
+from cleave_cli.plan_cmd import check_job
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -115,8 +116,6 @@ def config(args: argparse.Namespace) -> Any:
 
     for flag, value, low in (
         ("--devices", 1 if args.devices is None else args.devices, 1),
-        ("--batch-size", args.batch, 1),
-        ("--seq-len", args.seq, 1),
         ("--steps", args.steps, 1),
         ("--window", args.window, 1),
         ("--chunks", args.chunks, 1),
@@ -124,6 +123,11 @@ def config(args: argparse.Namespace) -> Any:
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    check_job(args.model, args.batch, args.seq, args.dtype)  # as cleave plan checks them
+    if args.memory is not None and args.memory < 1:  # (else refused later as a bad fleet column)
+        raise ConfigError(f"--memory must be positive bytes, got {args.memory}")
+    if not args.replan_every >= 0:
+        raise ConfigError(f"--replan-every must be seconds, or 0 for every change; got {args.replan_every}")
     if not 0 <= args.stragglers <= 1 or args.churn < 0:
         raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
     if args.ps_bandwidth is not None and not args.ps_bandwidth >= 0:  # (a negative one was taken as given)
