@@ -28,6 +28,7 @@ from typing import Any, TextIO
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
+from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
 from cleave.sim.systems import DEFAULT_PS_BANDWIDTH
 from cleave_cli.plan_cmd import check_job
 
@@ -90,8 +91,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--report", type=Path, default=None, help="sweep models and fleet sizes; write JSON and PNGs"
     )
-    p.add_argument("--report-models", default=None, help="models of the sweep (comma-separated)")
-    p.add_argument("--report-devices", default=None, help="fleet sizes of the sweep (comma-separated)")
+    p.add_argument("--report-models", default=None,
+                   help=f"models of the sweep, comma-separated (default {','.join(DEFAULT_MODELS)}); the churn "
+                        "curve runs --model if it is one of them, else the first")
+    p.add_argument("--report-devices", default=None,
+                   help=f"fleet sizes of the sweep, comma-separated (default {','.join(map(str, DEFAULT_DEVICES))}, "
+                        f"and {','.join(map(str, BASE_EXTRA_DEVICES))} for the churn curve's model); the churn curve "
+                        "runs on --devices if it is one of them, else the largest")
     return p
 
 
@@ -173,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         from cleave.sim.report import ReportSpec, write_report
 
         spec = ReportSpec.of(cfg, args.report_models, args.report_devices)
+        for model in spec.models:
+            check_job(model, cfg.batch, cfg.seq, cfg.dtype, "--report-models")
         doc = write_report(spec, args.report, progress=sys.stderr)
         print(json.dumps({"report": str(args.report), "files": doc["files"]}))
         return 0
