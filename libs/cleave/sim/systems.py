@@ -39,7 +39,7 @@ SYSTEMS = ("cleave", *BASELINES)
 # 1 / (0.69e-9 x 1.19) = 1.2e9 bytes/s (9.7 Gbit/s). tests/unit/test_sim_ps.py holds it to those committed
 # measurements.
 DEFAULT_PS_BANDWIDTH = 1.2e9
-DEFAULT_DEVICES = 256  # the size of `--fleet synthetic` without --devices
+DEFAULT_FLEET_SIZE = 256  # devices of `--fleet synthetic` without --devices
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class SimConfig:
     """One simulated job on one fleet (the `cleave sim` flags)."""
 
     model: str = "opt-13b"
-    devices: int = DEFAULT_DEVICES
+    devices: int = DEFAULT_FLEET_SIZE
     fleet: str = "synthetic"  # or the path of a fleet file (its first `devices` devices); `fleet_spec` reads --fleet
     batch: int = 128
     seq: int = 1024
@@ -74,9 +74,9 @@ class SimConfig:
 def fleet_spec(spec: str, devices: int | None, seed: int = 0) -> tuple[str, int]:
     """`SimConfig.fleet` and `.devices` of `--fleet SPEC --devices N`. SPEC is what `cleave plan --fleet` takes
     (`synthetic:N` or a fleet file, read by the same code), or `synthetic`: N of the edge profile, N from
-    --devices (DEFAULT_DEVICES without). Without --devices a fleet file is taken whole; with it, its first N."""
+    --devices (DEFAULT_FLEET_SIZE without). Without --devices a fleet file is taken whole; with it, its first N."""
     if spec == "synthetic":
-        return spec, DEFAULT_DEVICES if devices is None else devices
+        return spec, DEFAULT_FLEET_SIZE if devices is None else devices
     size = len(fleet_from_spec(spec, seed))
     if not spec.startswith("synthetic:"):
         return spec, size if devices is None else devices  # build_fleet refuses more than the file holds

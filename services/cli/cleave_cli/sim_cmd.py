@@ -29,7 +29,7 @@ from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
 from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
-from cleave.sim.systems import DEFAULT_PS_BANDWIDTH
+from cleave.sim.systems import DEFAULT_FLEET_SIZE, DEFAULT_PS_BANDWIDTH
 from cleave_cli.plan_cmd import check_job
 
 
@@ -43,7 +43,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="opt-13b", choices=sorted(PRESETS), help="a model preset")
     p.add_argument("--devices", type=int, default=None,
-                   help="devices in the fleet (default: all of --fleet; 256 of --fleet synthetic)")
+                   help=f"devices in the fleet (default: all of --fleet; {DEFAULT_FLEET_SIZE} of --fleet synthetic)")
     p.add_argument("--fleet", default="synthetic",
                    help="synthetic:N (N devices of the edge profile) or a fleet JSON file, as cleave plan takes "
                         "them; synthetic: --devices of the edge profile")
