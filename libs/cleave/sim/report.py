@@ -22,8 +22,9 @@ CHURN_EXTRA_DEVICES = (1024,)  # churn on larger fleets than the base one (4,096
 
 @dataclass(frozen=True)
 class ReportSpec:
-    """What to sweep: `base` (the default point), the models, the fleet sizes, the churn rates and the
-    fleets (the base one and `churn_extra_devices`) they are simulated on."""
+    """What to sweep: the models, the fleet sizes, the churn rates and the fleets they are simulated on.
+    `base` is the base point: the report compares recovery there, runs the churn curve on its model (on its
+    fleet size and `churn_extra_devices`), and runs its model on `base_extra_devices` too."""
 
     base: SimConfig
     models: tuple[str, ...] = DEFAULT_MODELS
@@ -34,52 +35,84 @@ class ReportSpec:
 
     @classmethod
     def of(cls, base: SimConfig, models: str | None = None, devices: str | None = None) -> ReportSpec:
+        """The sweep of `--report-models` and `--report-devices` (comma-separated; None: the full sweep) from
+        the point `base`. A chosen list of sizes drops the extra fleets. The base point is `base`'s model and
+        fleet size where the sweep has them, else the sweep's first model and its largest fleet size."""
         spec = cls(base)
-        if models:
-            spec = replace(spec, models=tuple(m.strip() for m in models.split(",") if m.strip()))
-        if devices:
+        if models is not None:
+            names = tuple(dict.fromkeys(m.strip() for m in models.split(",") if m.strip()))
+            if not names:
+                raise ConfigError(f"--report-models {models!r}: expected comma-separated models")
+            spec = replace(spec, models=names)
+        if devices is not None:
             try:
-                sizes = tuple(int(d) for d in devices.split(",") if d.strip())
+                sizes = tuple(sorted({int(d) for d in devices.split(",") if d.strip()}))
             except ValueError:
+                sizes = ()
+            if not sizes or sizes[0] < 1:
                 raise ConfigError(
-                    f"--report-devices {devices!r}: expected comma-separated integers"
-                ) from None
-            spec = replace(spec, devices=sizes, base_extra_devices=(), churn_extra_devices=())
-        return spec
-
-
-def sweep(spec: ReportSpec, progress: TextIO | None = None) -> list[dict[str, Any]]:
-    """Every system at every (model, fleet size): one `compare` document each, without churn."""
-    points = []
-    for model in spec.models:
-        sizes = spec.devices + (spec.base_extra_devices if model == spec.base.model else ())
-        for n in sizes:
-            t0 = time.perf_counter()
-            cfg = replace(spec.base, model=model, devices=n, churn=0.0, steps=1)
-            doc = compare(cfg)
-            points.append(
-                {"model": model, "devices": n, "systems": doc["systems"], "params": doc["config"]["params"]}
-            )
-            if progress:
-                progress.write(f"sim {model} on {n} devices: {time.perf_counter() - t0:.1f} s\n")
-                progress.flush()
-    return points
-
-
-def churn_curve(spec: ReportSpec, progress: TextIO | None = None) -> list[dict[str, Any]]:
-    """Every system at every churn rate, on the base fleet and on each of `churn_extra_devices`."""
-    out = []
-    for n in dict.fromkeys((spec.base.devices, *spec.churn_extra_devices)):
-        for rate in spec.churn_rates:
-            t0 = time.perf_counter()
-            doc = compare(replace(spec.base, devices=n, churn=rate, steps=1))
-            out.append({"churn": rate, "devices": n, "systems": doc["systems"]})
-            if progress:
-                progress.write(
-                    f"sim churn {rate}/device-hour on {n} devices: {time.perf_counter() - t0:.1f} s\n"
+                    f"--report-devices {devices!r}: expected comma-separated fleet sizes of at least 1"
                 )
-                progress.flush()
-    return out
+            spec = replace(spec, devices=sizes, base_extra_devices=(), churn_extra_devices=())
+        model = base.model if base.model in spec.models else spec.models[0]
+        n = base.devices if base.devices in spec.devices + spec.base_extra_devices else max(spec.devices)
+        return replace(spec, base=replace(base, model=model, devices=n))
+
+    def sweep_configs(self) -> list[SimConfig]:
+        """Every (model, fleet size) of the sweep, without churn."""
+        return [
+            replace(self.base, model=m, devices=n, churn=0.0, steps=1)
+            for m in self.models
+            for n in self.devices + (self.base_extra_devices if m == self.base.model else ())
+        ]
+
+    def churn_configs(self) -> list[SimConfig]:
+        """The base model at every churn rate, on the base fleet size and each of `churn_extra_devices`."""
+        return [
+            replace(self.base, devices=n, churn=rate, steps=1)
+            for n in dict.fromkeys((self.base.devices, *self.churn_extra_devices))
+            for rate in self.churn_rates
+        ]
+
+
+def _compare_all(
+    cfgs: list[SimConfig], progress: TextIO | None, done: int = 0, total: int | None = None
+) -> list[dict[str, Any]]:
+    """`compare` at each point, a line of progress as each starts and ends (point `done + 1` of `total`)."""
+    docs = []
+    for i, cfg in enumerate(cfgs, done + 1):
+        if progress:
+            progress.write(
+                f"[{i}/{total or len(cfgs)}] sim {cfg.model} on {cfg.devices} devices, churn {cfg.churn}"
+                "/device-hour ... "
+            )
+            progress.flush()
+        t0 = time.perf_counter()
+        docs.append(compare(cfg))
+        if progress:
+            progress.write(f"{time.perf_counter() - t0:.1f} s\n")
+            progress.flush()
+    return docs
+
+
+def sweep(spec: ReportSpec, progress: TextIO | None = None, total: int | None = None) -> list[dict[str, Any]]:
+    """Every system at every (model, fleet size): one `compare` document each, without churn."""
+    cfgs = spec.sweep_configs()
+    return [
+        {"model": c.model, "devices": c.devices, "systems": doc["systems"], "params": doc["config"]["params"]}
+        for c, doc in zip(cfgs, _compare_all(cfgs, progress, 0, total), strict=True)
+    ]
+
+
+def churn_curve(
+    spec: ReportSpec, progress: TextIO | None = None, done: int = 0, total: int | None = None
+) -> list[dict[str, Any]]:
+    """Every system at every churn rate, on the base fleet and on each of `churn_extra_devices`."""
+    cfgs = spec.churn_configs()
+    return [
+        {"churn": c.churn, "devices": c.devices, "systems": doc["systems"]}
+        for c, doc in zip(cfgs, _compare_all(cfgs, progress, done, total), strict=True)
+    ]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -192,8 +225,9 @@ def write_report(spec: ReportSpec, out_dir: Path, progress: TextIO | None = None
 
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    points = sweep(spec, progress)
-    churn = churn_curve(spec, progress) if spec.churn_rates else []
+    total = len(spec.sweep_configs()) + len(spec.churn_configs())
+    points = sweep(spec, progress, total)
+    churn = churn_curve(spec, progress, len(points), total)
     doc: dict[str, Any] = {
         "spec": {**asdict(spec), "base": asdict(spec.base)},
         "points": points,

@@ -14,7 +14,7 @@ import numpy as np
 from cleave.errors import ConfigError, PlanError
 from cleave.gemm.dealer import Policy
 from cleave.gemm.tiles import DEFAULT_CHUNKS
-from cleave.plan.fleet import Fleet, load_fleet, synthetic_fleet
+from cleave.plan.fleet import Fleet, fleet_from_spec, load_fleet, synthetic_fleet
 from cleave.sim.baselines import SystemResult, alpa, dp_tp
 from cleave.sim.pipelines import asteroid, dtfm, pipeline
 from cleave.sim.ps import DEFAULT_PS_FLOPS, DEFAULT_PS_LINK, DEFAULT_PS_MEMORY, PsSpec, charge
@@ -39,6 +39,7 @@ SYSTEMS = ("cleave", *BASELINES)
 # 1 / (0.69e-9 x 1.19) = 1.2e9 bytes/s (9.7 Gbit/s). tests/unit/test_sim_ps.py holds it to those committed
 # measurements.
 DEFAULT_PS_BANDWIDTH = 1.2e9
+DEFAULT_FLEET_SIZE = 256  # devices of `--fleet synthetic` without --devices
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class SimConfig:
     """One simulated job on one fleet (the `cleave sim` flags)."""
 
     model: str = "opt-13b"
-    devices: int = 256
-    fleet: str = "synthetic"  # or the path of a fleet file (its first `devices` devices)
+    devices: int = DEFAULT_FLEET_SIZE
+    fleet: str = "synthetic"  # or the path of a fleet file (its first `devices` devices); `fleet_spec` reads --fleet
     batch: int = 128
     seq: int = 1024
     dtype: str = "fp16"
@@ -68,6 +69,20 @@ class SimConfig:
     ps_memory: float = DEFAULT_PS_MEMORY  # one PS machine's memory, bytes
     ps_link: float = DEFAULT_PS_LINK  # bytes/s between PS replicas (their gradient all-reduce)
     systems: tuple[str, ...] = SYSTEMS
+
+
+def fleet_spec(spec: str, devices: int | None, seed: int = 0) -> tuple[str, int]:
+    """`SimConfig.fleet` and `.devices` of `--fleet SPEC --devices N`. SPEC is what `cleave plan --fleet` takes
+    (`synthetic:N` or a fleet file, read by the same code), or `synthetic`: N of the edge profile, N from
+    --devices (DEFAULT_FLEET_SIZE without). Without --devices a fleet file is taken whole; with it, its first N."""
+    if spec == "synthetic":
+        return spec, DEFAULT_FLEET_SIZE if devices is None else devices
+    size = len(fleet_from_spec(spec, seed))
+    if not spec.startswith("synthetic:"):
+        return spec, size if devices is None else devices  # build_fleet refuses more than the file holds
+    if devices not in (None, size):
+        raise ConfigError(f"--devices {devices} disagrees with --fleet {spec}: give the fleet's size once")
+    return "synthetic", size
 
 
 def build_fleet(cfg: SimConfig) -> Fleet:
@@ -260,6 +275,8 @@ def compare(cfg: SimConfig, liveness_s: float = 1.0) -> dict[str, Any]:
 def parse_systems(text: str | Sequence[str]) -> tuple[str, ...]:
     names = tuple(s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip())
     bad = [n for n in names if n not in SYSTEMS]
+    if not names:
+        raise ConfigError(f"--systems names no system; choose from {', '.join(SYSTEMS)}")
     if bad:
         raise ConfigError(f"unknown system {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
     return names

@@ -16,7 +16,7 @@ import sys
 from typing import Any, TextIO
 
 from cleave.errors import ConfigError
-from cleave.models import PRESETS, StepLayout, gemm_shapes, get_preset
+from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset
 from cleave.plan.fleet import fleet_from_spec
 from cleave.plan.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
 
@@ -83,7 +83,9 @@ def plan_command(
 ) -> int:
     """Plan `model` on `fleet` and print the result to `out` (stdout); raises CleaveError on bad input."""
     out = out or sys.stdout
-    cfg = _check_job(model, batch, seq, dtype, ps_bandwidth)
+    cfg = check_job(model, batch, seq, dtype)
+    if ps_bandwidth is not None and not ps_bandwidth > 0:
+        raise ConfigError(f"--ps-bandwidth must be positive bytes/s, got {ps_bandwidth}")
     layout = layout or StepLayout()
     if layout.micro_batches < 1 or batch % layout.micro_batches:
         raise ConfigError(f"--micro-batches must divide --batch {batch}, got {layout.micro_batches}")
@@ -116,19 +118,19 @@ def plan_command(
     return 0
 
 
-def _check_job(model: str, batch: int, seq: int, dtype: str, ps_bandwidth: float | None) -> Any:
+def check_job(model: str, batch: int, seq: int, dtype: str, model_flag: str = "--model") -> ModelConfig:
+    """The preset of a job's model, its batch, sequence length and precision checked (`cleave plan` and
+    `cleave sim`); errors name the flag to change, `model_flag` for the model."""
     try:
         cfg = get_preset(model)
     except ValueError as e:
-        raise ConfigError(f"--model: {e}") from None
+        raise ConfigError(f"{model_flag}: {e}") from None
     if batch <= 0:
         raise ConfigError(f"--batch-size must be a positive integer, got {batch}")
     if not 0 < seq <= cfg.block_size:
-        raise ConfigError(f"--seq-len must be between 1 and the model's block_size {cfg.block_size}, got {seq}")
+        raise ConfigError(f"--seq-len must be between 1 and {model}'s block_size {cfg.block_size}, got {seq}")
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"--precision must be one of {', '.join(sorted(DTYPE_BYTES))}, got {dtype!r}")
-    if ps_bandwidth is not None and not ps_bandwidth > 0:
-        raise ConfigError(f"--ps-bandwidth must be positive bytes/s, got {ps_bandwidth}")
     return cfg
 
 

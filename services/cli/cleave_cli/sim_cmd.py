@@ -1,6 +1,6 @@
 """`cleave sim`: simulate training steps of a model on a large edge fleet, and compare with the baselines.
 
-    cleave sim --model opt-13b --devices 256 --fleet synthetic --batch 128 --seq 1024 [--dtype fp16]
+    cleave sim --model opt-13b [--fleet synthetic:N|FILE] [--devices N] --batch 128 --seq 1024 [--dtype fp16]
                [--churn RATE] [--stragglers FRACTION] [--hidden-stragglers] [--steps N] [--seed S]
                [--memory BYTES] [--ps-bandwidth BYTES_PER_S] [--tile ROWSxCOLS] [--chunks N] [--window N]
                [--replan-every S] [--no-fanout] [--ps-flops F] [--ps-memory BYTES] [--ps-link BYTES_PER_S]
@@ -28,7 +28,9 @@ from typing import Any, TextIO
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
-from cleave.sim.systems import DEFAULT_PS_BANDWIDTH
+from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
+from cleave.sim.systems import DEFAULT_FLEET_SIZE, DEFAULT_PS_BANDWIDTH
+from cleave_cli.plan_cmd import check_job
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -40,8 +42,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="opt-13b", choices=sorted(PRESETS), help="a model preset")
-    p.add_argument("--devices", type=int, default=256, help="devices in the fleet")
-    p.add_argument("--fleet", default="synthetic", help="'synthetic' (the edge profile) or a fleet JSON file")
+    p.add_argument("--devices", type=int, default=None,
+                   help=f"devices in the fleet (default: all of --fleet; {DEFAULT_FLEET_SIZE} of --fleet synthetic)")
+    p.add_argument("--fleet", default="synthetic",
+                   help="synthetic:N (N devices of the edge profile) or a fleet JSON file, as cleave plan takes "
+                        "them; synthetic: --devices of the edge profile")
     p.add_argument("--batch-size", "--batch", dest="batch", type=int, default=128, help="sequences per step")
     p.add_argument("--seq-len", "--seq", dest="seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--precision", "--dtype", dest="dtype", choices=sorted(DTYPE_BYTES), default="fp16",
@@ -86,8 +91,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--report", type=Path, default=None, help="sweep models and fleet sizes; write JSON and PNGs"
     )
-    p.add_argument("--report-models", default=None, help="models of the sweep (comma-separated)")
-    p.add_argument("--report-devices", default=None, help="fleet sizes of the sweep (comma-separated)")
+    p.add_argument("--report-models", default=None,
+                   help=f"models of the sweep, comma-separated (default {','.join(DEFAULT_MODELS)}); the churn "
+                        "curve runs --model if it is one of them, else the first")
+    p.add_argument("--report-devices", default=None,
+                   help=f"fleet sizes of the sweep, comma-separated (default {','.join(map(str, DEFAULT_DEVICES))}, "
+                        f"and {','.join(map(str, BASE_EXTRA_DEVICES))} for the churn curve's model); the churn curve "
+                        "runs on --devices if it is one of them, else the largest")
     return p
 
 
@@ -108,12 +118,10 @@ def _tile(text: str | None) -> tuple[int, int] | None:
 
 def config(args: argparse.Namespace) -> Any:
     """The `SimConfig` of these flags, checked."""
-    from cleave.sim.systems import SimConfig, parse_systems
+    from cleave.sim.systems import SimConfig, fleet_spec, parse_systems
 
     for flag, value, low in (
-        ("--devices", args.devices, 1),
-        ("--batch-size", args.batch, 1),
-        ("--seq-len", args.seq, 1),
+        ("--devices", 1 if args.devices is None else args.devices, 1),
         ("--steps", args.steps, 1),
         ("--window", args.window, 1),
         ("--chunks", args.chunks, 1),
@@ -121,6 +129,11 @@ def config(args: argparse.Namespace) -> Any:
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    check_job(args.model, args.batch, args.seq, args.dtype)  # as cleave plan checks them
+    if args.memory is not None and args.memory < 1:  # (else refused later as a bad fleet column)
+        raise ConfigError(f"--memory must be positive bytes, got {args.memory}")
+    if not args.replan_every >= 0:
+        raise ConfigError(f"--replan-every must be seconds, or 0 for every change; got {args.replan_every}")
     if not 0 <= args.stragglers <= 1 or args.churn < 0:
         raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
     if args.ps_bandwidth is not None and not args.ps_bandwidth >= 0:  # (a negative one was taken as given)
@@ -132,10 +145,11 @@ def config(args: argparse.Namespace) -> Any:
             if not value > 0:
                 raise ConfigError(f"{flag} must be positive, got {value}")
             ps[key] = value
+    fleet, devices = fleet_spec(args.fleet, args.devices, args.seed)
     return SimConfig(
         model=args.model,
-        devices=args.devices,
-        fleet=args.fleet,
+        devices=devices,
+        fleet=fleet,
         batch=args.batch,
         seq=args.seq,
         dtype=args.dtype,
@@ -165,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         from cleave.sim.report import ReportSpec, write_report
 
         spec = ReportSpec.of(cfg, args.report_models, args.report_devices)
+        for model in spec.models:
+            check_job(model, cfg.batch, cfg.seq, cfg.dtype, "--report-models")
         doc = write_report(spec, args.report, progress=sys.stderr)
         print(json.dumps({"report": str(args.report), "files": doc["files"]}))
         return 0
