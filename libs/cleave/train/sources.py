@@ -21,7 +21,6 @@ memory and `cleave prepare-data` gives exactly the tokens that reading the text 
 from __future__ import annotations
 
 import fnmatch
-import glob
 import importlib.util
 import json
 import os
@@ -35,6 +34,7 @@ import numpy as np
 from cleave.errors import ConfigError
 from cleave.models.tokenizer import ByteTokenizer, Tokenizer, recorded_spec
 from cleave.runtime.files import write_atomic
+from cleave.train import reading
 
 BUILTIN = "builtin"
 HF_PREFIX = "hf:"
@@ -129,33 +129,8 @@ def _builtin_documents() -> Iterator[Document]:
         yield iter((topics[k],))
 
 
-def _file_pieces(path: Path, spec: str, chunk_chars: int) -> Document:
-    """A text file in pieces cut after a newline; universal newlines and U+FFFD for bad bytes."""
-    try:
-        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
-    except OSError as e:
-        raise ConfigError(f"data={spec!r}: cannot read {path} ({e.strerror})") from None
-    with f:
-        while piece := f.read(chunk_chars):
-            if not piece.endswith("\n"):
-                piece += f.readline()
-            yield piece
-
-
 def _files(src: Source) -> list[Path]:
-    if src.kind == "glob":
-        found = [Path(p) for p in glob.glob(os.path.expanduser(src.path), recursive=True)]
-        files = sorted(p for p in found if p.is_file())
-    else:
-        root = Path(src.path).expanduser()
-        files = sorted(
-            (
-                p
-                for p in root.rglob("*")
-                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
-            ),
-            key=lambda p: p.relative_to(root).as_posix(),
-        )
+    files = reading.glob_files(src.path) if src.kind == "glob" else reading.folder_files(Path(src.path).expanduser())
     if not files:
         raise ConfigError(f"data={src.spec!r}: no files match")
     return files
@@ -233,10 +208,10 @@ def iter_documents(source: str | Source, chunk_chars: int = DEFAULT_CHUNK_CHARS)
     if src.kind == "builtin":
         yield from _builtin_documents()
     elif src.kind == "text":
-        yield _file_pieces(Path(src.path).expanduser(), src.spec, chunk_chars)
+        yield reading.file_pieces(Path(src.path).expanduser(), src.spec, chunk_chars)
     elif src.kind in ("folder", "glob"):
         for path in _files(src):
-            yield _file_pieces(path, src.spec, chunk_chars)
+            yield reading.file_pieces(path, src.spec, chunk_chars)
     elif src.kind == "jsonl":
         yield from _jsonl_documents(src)
     elif src.kind == "hf":
