@@ -414,8 +414,9 @@ def _reads(src: Source, paths: tuple[Path, ...]) -> bool:
     """Whether text source `src` would read any of `paths` (written by prepare-data: out, its .tmp, sidecar)."""
     if src.kind == "text":
         return any(p.resolve() == Path(src.path).expanduser().resolve() for p in paths)
-    if src.kind == "folder":
-        return any(p.resolve().is_relative_to(Path(src.path).expanduser().resolve()) for p in paths)
+    if src.kind == "folder":  # (a hidden file in it is not read)
+        root = Path(src.path).expanduser().resolve()
+        return any(p.resolve().is_relative_to(root) and not reading.hidden(p.resolve(), root) for p in paths)
     if src.kind == "glob":
         pattern = os.path.expanduser(src.path)
         return any(fnmatch.fnmatch(str(p), pattern) or fnmatch.fnmatch(os.path.abspath(p), os.path.abspath(pattern))
