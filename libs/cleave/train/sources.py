@@ -157,12 +157,27 @@ def _jsonl_documents(src: Source) -> Iterator[Document]:
                                   f"{type(text).__name__}, not text")
             if not isinstance(text, str):
                 fields = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-                hint = (" (instruction rows: pass the file to --data as it is; they cannot be prepared, and "
-                        "'prompt' and 'response' must both be strings)" if isinstance(row, dict) and
-                        {"prompt", "response", "messages"} & set(row) else f"; name the field as {src.path}:FIELD")
+                hint = (isinstance(row, dict) and _instruction_hint(row)) or f"name the field as {src.path}:FIELD"
                 raise ConfigError(f"data={src.spec!r}: line {lineno} has no text field {src.text_field!r} "
-                                  f"(it has: {fields}){hint}")
+                                  f"(it has: {fields}); {hint}")
             yield iter((text,))
+
+
+def _instruction_hint(row: dict) -> str | None:
+    """What to do with a JSONL row of instruction data (`cleave.train.examples`) where text was expected: its
+    kind is told by its fields, as the kind of a source is (chat rows first); None for any other row."""
+    where = "which trains from the JSONL file itself (--data FILE, with no :FIELD) and cannot be prepared"
+    if "messages" in row:
+        if isinstance(row["messages"], list):
+            return f"chat rows ('messages') are instruction data, {where}"
+        return f"chat rows need 'messages' to be a list of turns, not {type(row['messages']).__name__}"
+    if "prompt" in row or "response" in row:
+        bad = [f"{k!r} is {type(row[k]).__name__}" if k in row else f"{k!r} is missing"
+               for k in ("prompt", "response") if not isinstance(row.get(k), str)]
+        if not bad:
+            return f"prompt/response rows are instruction data, {where}"
+        return f"prompt/response rows need 'prompt' and 'response' to be strings ({', '.join(bad)})"
+    return None
 
 
 def _hf_dataset(src: Source):  # noqa: ANN202 - datasets is optional
