@@ -3,15 +3,62 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTok
 
 from cleave.errors import ConfigError
-from cleave.models.tokenizer import ByteTokenizer
+from cleave.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from cleave.train import sources
 
 BYTES = ByteTokenizer()
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {  # the three ways BPE tokenizers in use split text into words before merging
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
+    "llama3": lambda: pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+    "sentencepiece": lambda: pre_tokenizers.Metaspace(),
+}
+
+
+def long_lines_text(seed: int = 0) -> str:
+    """Lines from a few characters to many pieces long: runs of spaces, tabs, digits, punctuation, non-ASCII,
+    CRLF, and one long line with no space at all."""
+    rng = np.random.default_rng(seed)
+    vocab = ["the", "edge", "1234567", "  ", "\t", "naïve", "—", "x.y", "(a,b)", "'s", "don't", "\u3000", "日本語"]
+    lines = []
+    for n in rng.integers(0, 400, 60):
+        lines.append(" ".join(rng.choice(vocab, n)) + ("\r\n" if n % 3 else "\n"))
+    return "".join(lines) + "z" * 700 + "\nlast line without a newline"
+
+
+def readline_pieces(path: Path, chunk_chars: int) -> Iterator[str]:
+    """How a file was read before a piece was bounded: `chunk_chars` characters, then the rest of the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while piece := f.read(chunk_chars):
+            yield piece if piece.endswith("\n") else piece + f.readline()
+
+
+def ids(tok: Tokenizer, pieces: Iterator[str]) -> list[int]:
+    return [i for p in pieces for i in tok.encode(p)]
+
+
+@pytest.fixture(scope="module", params=sorted(PRE_TOKENIZERS))
+def bpe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = PRE_TOKENIZERS[request.param]()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([long_lines_text(s) for s in range(1, 4)], trainer)
+    d = tmp_path_factory.mktemp(request.param)
+    tok.save(str(d / "tokenizer.json"))
+    return load_tokenizer(d)
 
 
 def test_a_hidden_out_inside_a_folder_source_is_not_refused(tmp_path: Path) -> None:
@@ -42,3 +89,26 @@ def test_instruction_rows_are_refused_with_what_fits_their_kind(tmp_path: Path, 
         sources.prepare_data(str(p), BYTES, tmp_path / "t.u16")
     assert ("prompt" in str(e.value).partition("(it has")[2]) == ("prompt" in row)
     assert not list(tmp_path.glob("t.u16*"))
+
+
+@pytest.mark.parametrize("chunk_chars", [16, 64, 1000])
+def test_long_lines_are_read_in_bounded_pieces_with_the_same_tokens(tmp_path: Path, bpe: Tokenizer,
+                                                                    chunk_chars: int) -> None:
+    """A piece was `chunk_chars` characters and then the rest of its line: a file of one long line (minified
+    JSON) was read whole. A line that runs on more than `chunk_chars` further is now cut before a space, which
+    gives the ids the whole line gave; only a run of `chunk_chars` characters with no space is cut where the ids
+    may change (for byte tokens they never do)."""
+    p = tmp_path / "long.txt"
+    p.write_text(long_lines_text(), encoding="utf-8", newline="")
+    pieces = list(next(sources.iter_documents(str(p), chunk_chars)))
+    assert max(map(len, pieces)) <= 2 * chunk_chars and "".join(pieces) == "".join(readline_pieces(p, 1 << 30))
+    assert np.array_equal(sources.tokenize(str(p), BYTES, chunk_chars), ids(BYTES, readline_pieces(p, chunk_chars)))
+    if chunk_chars < 700 // 2:  # the line of 700 'z's, cut at 2 x chunk_chars: the one place ids may differ
+        p.write_text(long_lines_text().replace("z" * 700, "z " * 350), encoding="utf-8", newline="")
+    assert list(sources.tokenize(str(p), bpe, chunk_chars)) == ids(bpe, readline_pieces(p, chunk_chars))
+
+
+def test_a_file_with_no_long_line_is_cut_where_it_was(tmp_path: Path) -> None:
+    p = tmp_path / "short.txt"
+    p.write_text("".join(f"line {i}: " + "w " * (i % 50) + "\n" for i in range(2000)))
+    assert list(next(sources.iter_documents(str(p), 100))) == list(readline_pieces(p, 100))

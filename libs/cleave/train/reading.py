@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from cleave.errors import ConfigError
+
+SPACE_AFTER_WORD = re.compile(r"(?<=\S) ")  # where a long line may be cut (Python's \s: every Unicode space)
 
 
 def hidden(path: Path, root: Path) -> bool:
@@ -34,13 +37,37 @@ def glob_files(pattern: str) -> list[Path]:
 
 
 def file_pieces(path: Path, spec: str, chunk_chars: int) -> Iterator[str]:
-    """A text file in pieces cut after a newline; universal newlines and U+FFFD for bad bytes."""
+    """A text file in pieces of `chunk_chars` characters and the rest of the line they end in, as long as that
+    rest is at most `chunk_chars` more; a longer line is cut where `cut` says and read on to its end by the
+    next pieces. So no piece holds more than 2 x `chunk_chars` characters, a file of one long line included.
+    Universal newlines; a byte that is not UTF-8 is read as U+FFFD."""
     try:
         f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
     except OSError as e:
         raise ConfigError(f"data={spec!r}: cannot read {path} ({e.strerror})") from None
     with f:
-        while piece := f.read(chunk_chars):
-            if not piece.endswith("\n"):
-                piece += f.readline()
+        ahead, in_line = "", False  # what was read past the last cut; whether that cut was inside a line
+        while piece := ahead + f.read(chunk_chars - len(ahead)):
+            end = piece.find("\n", 0 if in_line else len(piece) - 1) + 1  # (0: none)
+            if not end:
+                start = len(piece)
+                piece += f.read(chunk_chars)
+                end = cut(piece, start)
+            piece, ahead, in_line = piece[:end], piece[end:], piece[end - 1] != "\n"
             yield piece
+
+
+def cut(text: str, start: int) -> int:
+    """Where a piece that holds `text[:start]` (and no newline it needs to end at) ends: after the first newline
+    from `start` on; else before the first space from there that follows a non-space character; else at the
+    end of `text`.
+
+    A tokenizer that splits its words before a space (GPT-2's and Llama 3's pre-tokenizers, SentencePiece's
+    "▁") gives the ids for the two sides of such a space that it gives for them together; only a cut at the end
+    of `text`, in a run with no such space, may split a word that reading the line whole would not.
+    """
+    newline = text.find("\n", start)
+    if newline >= 0:
+        return newline + 1
+    space = SPACE_AFTER_WORD.search(text, start)
+    return space.start() if space else len(text)

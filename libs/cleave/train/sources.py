@@ -13,8 +13,8 @@ A data spec (the job's `data`) is one of:
     path/to/tokens.u16       pre-tokenised ids, raw little-endian uint16 (`.u32`: uint32; `.bin`: dtype from
                              the sidecar `tokens.bin.json`), read through a memory map
 
-Text is yielded in documents (a file, a JSONL line, a dataset row) of pieces of at most about
-DEFAULT_CHUNK_CHARS characters, each cut after a newline, so that a corpus of any size is tokenised in bounded
+Text is yielded in documents (a file, a JSONL line, a dataset row) of pieces of at most 2 x DEFAULT_CHUNK_CHARS
+characters (`reading.file_pieces` says where a file is cut), so that a corpus of any size is tokenised in bounded
 memory and `cleave prepare-data` gives exactly the tokens that reading the text directly gives.
 """
 
@@ -38,7 +38,7 @@ from cleave.train import reading
 
 BUILTIN = "builtin"
 HF_PREFIX = "hf:"
-DEFAULT_CHUNK_CHARS = 1 << 20  # text is tokenised in pieces of about this many characters
+DEFAULT_CHUNK_CHARS = 1 << 20  # text is tokenised in pieces of this many characters to twice as many
 DEFAULT_JSONL_FIELD = "text"
 DEFAULT_HF_SPLIT = "train"
 DOC_SEPARATOR = "\n\n"  # between documents, for tokenizers without an end-of-text token
