@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer as HFTok
 from cleave.errors import ConfigError
 from cleave.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from cleave.train import sources
+from cleave_cli import data_cmd
 
 BYTES = ByteTokenizer()
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
@@ -42,6 +44,12 @@ def readline_pieces(path: Path, chunk_chars: int) -> Iterator[str]:
     with open(path, encoding="utf-8", errors="replace") as f:
         while piece := f.read(chunk_chars):
             yield piece if piece.endswith("\n") else piece + f.readline()
+
+
+def prepare(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    data_cmd.register(parser.add_subparsers(dest="command"))
+    return data_cmd.run(parser.parse_args(["prepare-data", *argv]))
 
 
 def ids(tok: Tokenizer, pieces: Iterator[str]) -> list[int]:
@@ -112,3 +120,24 @@ def test_a_file_with_no_long_line_is_cut_where_it_was(tmp_path: Path) -> None:
     p = tmp_path / "short.txt"
     p.write_text("".join(f"line {i}: " + "w " * (i % 50) + "\n" for i in range(2000)))
     assert list(next(sources.iter_documents(str(p), 100))) == list(readline_pieces(p, 100))
+
+
+def test_bytes_that_are_not_utf8_are_counted_and_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder with binary files in it (images, .pyc) was tokenised as U+FFFD without a word."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("plain text\n")
+    bad = b"\xff\xfe" + b"x\xe2\x82y" + "ü".encode() + b"\xc3"  # 2 bytes, a cut euro sign (2), a cut ü (1)
+    (src / "b.pyc").write_bytes(bad)
+    assert bad.decode("utf-8", errors="replace").count("\ufffd") == 4
+    assert prepare("--source", str(src), "--out", str(tmp_path / "t.u16")) == 0
+    assert "5 bytes not UTF-8 (read as U+FFFD: binary files?)" in capsys.readouterr().err
+    assert json.loads((tmp_path / "t.u16.json").read_text())["undecodable_bytes"] == 5
+    assert np.array_equal(np.fromfile(tmp_path / "t.u16", np.uint16),  # read as errors="replace" reads them
+                          np.frombuffer(("plain text\n\n\n" + bad.decode(errors="replace")).encode(), np.uint8))
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_bytes(b'{"text": "a\xff"}\n')
+    assert sources.prepare_data(str(jsonl), BYTES, tmp_path / "j.u16").undecodable == 1
+    assert sources.prepare_data(str(src / "a.txt"), BYTES, tmp_path / "a.u16").undecodable == 0
+    assert prepare("--source", str(src / "a.txt"), "--out", str(tmp_path / "a.u16")) == 0
+    assert "UTF-8" not in capsys.readouterr().err

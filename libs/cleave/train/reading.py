@@ -1,20 +1,44 @@
 """Text files as training text: which files a folder or glob names, and a file's text in bounded pieces.
 
 A folder is read whole except its hidden files and folders (a name that starts with "."); `hidden` is that
-rule, for whoever must know what a folder source reads.
+rule, for whoever must know what a folder source reads. A byte that is not UTF-8 is read as U+FFFD and counted
+(`undecodable_bytes`), so that binary files among the text are noticed.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import os
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from cleave.errors import ConfigError
 
 SPACE_AFTER_WORD = re.compile(r"(?<=\S) ")  # where a long line may be cut (Python's \s: every Unicode space)
+REPLACE_COUNTING = "cleave-replace-counting"  # errors= for reading text: "replace", counting the bytes replaced
+
+_replaced = threading.local()  # .n: bytes this thread has read as U+FFFD
+
+
+def _replace_counting(e: UnicodeError) -> tuple[str, int]:
+    """As errors="replace" decodes (one U+FFFD for each invalid sequence); called only for invalid bytes, so
+    valid text costs nothing more."""
+    if not isinstance(e, UnicodeDecodeError):
+        raise e
+    _replaced.n = getattr(_replaced, "n", 0) + e.end - e.start
+    return "\ufffd", e.end
+
+
+codecs.register_error(REPLACE_COUNTING, _replace_counting)
+
+
+def undecodable_bytes() -> int:
+    """How many bytes that are not UTF-8 this thread has read as U+FFFD so far, through REPLACE_COUNTING: the
+    difference around a reading is that reading's count."""
+    return getattr(_replaced, "n", 0)
 
 
 def hidden(path: Path, root: Path) -> bool:
@@ -40,9 +64,9 @@ def file_pieces(path: Path, spec: str, chunk_chars: int) -> Iterator[str]:
     """A text file in pieces of `chunk_chars` characters and the rest of the line they end in, as long as that
     rest is at most `chunk_chars` more; a longer line is cut where `cut` says and read on to its end by the
     next pieces. So no piece holds more than 2 x `chunk_chars` characters, a file of one long line included.
-    Universal newlines; a byte that is not UTF-8 is read as U+FFFD."""
+    Universal newlines; a byte that is not UTF-8 is read as U+FFFD and counted."""
     try:
-        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
+        f = open(path, encoding="utf-8", errors=REPLACE_COUNTING)  # noqa: SIM115 - closed by the generator
     except OSError as e:
         raise ConfigError(f"data={spec!r}: cannot read {path} ({e.strerror})") from None
     with f:

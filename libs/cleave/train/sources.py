@@ -139,7 +139,7 @@ def _files(src: Source) -> list[Path]:
 def _jsonl_documents(src: Source) -> Iterator[Document]:
     path = Path(src.path).expanduser()
     try:
-        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
+        f = open(path, encoding="utf-8", errors=reading.REPLACE_COUNTING)  # noqa: SIM115 - closed by the generator
     except OSError as e:
         raise ConfigError(f"data={src.spec!r}: cannot read {path} ({e.strerror})") from None
     with f:
@@ -356,6 +356,7 @@ class PrepareStats:
     documents: int = 0
     chars: int = 0
     tokens: int = 0
+    undecodable: int = 0  # bytes that were not UTF-8, read as U+FFFD: binary files, or another encoding
 
 
 def prepare_data(
@@ -387,11 +388,13 @@ def prepare_data(
     if _reads(parse_source(source), (out, tmp, side)):
         raise ConfigError(f"--out {out} is among what --source {source!r} reads: a later run would tokenise it (and "
                           "its sidecar) as text; write it outside the source")
+    undecodable = reading.undecodable_bytes()
     try:
         with open(tmp, "wb") as f:
             for ids, chars, doc in iter_token_chunks(source, tok, chunk_chars):
                 f.write(ids.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
                 stats.documents, stats.chars, stats.tokens = doc + 1, stats.chars + chars, stats.tokens + len(ids)
+                stats.undecodable = reading.undecodable_bytes() - undecodable
                 if on_progress and chars:
                     on_progress(stats)
         if not stats.tokens:
@@ -405,6 +408,7 @@ def prepare_data(
             "eos_id": tok.eos_id,
             "source": source,
             "documents": stats.documents,
+            "undecodable_bytes": stats.undecodable,
         }
         # the sidecar first: a crash between the two renames leaves an earlier token file whose count the new
         # sidecar contradicts (`open_tokens` refuses it), never new tokens described by an older sidecar

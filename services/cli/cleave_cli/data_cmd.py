@@ -47,9 +47,10 @@ class ProgressLine:
 
     def text(self, s: PrepareStats) -> str:
         dt = max(time.monotonic() - self.t0, 1e-9)
+        bad = f"  {s.undecodable:,} bytes not UTF-8 (read as U+FFFD: binary files?)" if s.undecodable else ""
         return (
             f"{s.documents:,} documents  {s.chars / 1e6:,.1f} M chars  {s.tokens / 1e6:,.2f} M tokens  "
-            f"{s.tokens / dt / 1e6:,.2f} M tokens/s"
+            f"{s.tokens / dt / 1e6:,.2f} M tokens/s{bad}"
         )
 
     def update(self, s: PrepareStats) -> None:
