@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,3 +142,45 @@ def test_bytes_that_are_not_utf8_are_counted_and_shown(tmp_path: Path, capsys: p
     assert sources.prepare_data(str(src / "a.txt"), BYTES, tmp_path / "a.u16").undecodable == 0
     assert prepare("--source", str(src / "a.txt"), "--out", str(tmp_path / "a.u16")) == 0
     assert "UTF-8" not in capsys.readouterr().err
+
+
+def test_ctrl_c_says_that_nothing_was_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C exited 130 and removed the .tmp, without a word."""
+    (tmp_path / "a.txt").write_text("other text\n")
+    out = tmp_path / "out" / "t.u16"
+    out.parent.mkdir()
+
+    def ctrl_c(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(data_cmd.ProgressLine, "update", ctrl_c)  # (called while the .tmp is half written)
+        assert prepare("--source", "builtin", "--out", str(out)) == 130
+    assert capsys.readouterr().err.endswith(f"cleave: prepare-data interrupted: nothing written, no {out} made\n")
+    assert not list(out.parent.iterdir())
+    assert prepare("--source", "builtin", "--out", str(out)) == 0
+    earlier = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+    capsys.readouterr()
+    write_atomic = sources.write_atomic
+
+    def sidecar_then_ctrl_c(path: Path, data: str) -> None:  # Ctrl-C between the sidecar and the token file
+        write_atomic(path, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sources, "write_atomic", sidecar_then_ctrl_c)
+    assert prepare("--source", str(tmp_path / "a.txt"), "--out", str(out)) == 130
+    assert capsys.readouterr().err.endswith(f"interrupted: nothing written, {out} is as it was\n")
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == earlier
+
+
+def test_a_message_after_a_status_line_on_a_terminal_starts_a_line_of_its_own() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    line = data_cmd.ProgressLine(Terminal(), every_s=0)
+    line.said("first")
+    line.update(sources.PrepareStats(1, 10, 10))
+    line.said("second")
+    assert line.stream.getvalue().startswith("first\n\r1 documents") and line.stream.getvalue().endswith("\nsecond\n")

@@ -412,13 +412,13 @@ def prepare_data(
         }
         # the sidecar first: a crash between the two renames leaves an earlier token file whose count the new
         # sidecar contradicts (`open_tokens` refuses it), never new tokens described by an older sidecar
-        write_atomic(side, json.dumps(meta, indent=2) + "\n")
         try:
+            write_atomic(side, json.dumps(meta, indent=2) + "\n")
             tmp.replace(out)
-        except OSError:  # (the new sidecar would describe tokens that are not there)
-            if before is None:
+        except BaseException:  # a failed rename, Ctrl-C: the new sidecar would describe tokens that are not there
+            if tmp.exists() and before is None:  # (no .tmp: the token file is in place, the sidecar its own)
                 side.unlink(missing_ok=True)
-            else:
+            elif tmp.exists():
                 write_atomic(side, before)
             raise
     except OSError as e:  # a full disk, a folder that is not there or not writable
