@@ -184,7 +184,7 @@ def test_jsonl_errors_name_the_line_and_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="line 1's 'text' is int, not text"):
         sources.tokenize(str(p), BYTES)
     p.write_text('{"prompt": "Q", "response": 5}\n')  # not instruction data (a response that is no string)
-    with pytest.raises(ConfigError, match="instruction rows: pass the file to --data as it is.*both be strings"):
+    with pytest.raises(ConfigError, match=r"need 'prompt' and 'response' to be strings \('response' is int\)"):
         sources.tokenize(str(p), BYTES)
     with pytest.raises(ConfigError, match="line 1 has no text field 'body'"):
         sources.tokenize(f"{p}:body", BYTES)

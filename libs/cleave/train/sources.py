@@ -13,15 +13,14 @@ A data spec (the job's `data`) is one of:
     path/to/tokens.u16       pre-tokenised ids, raw little-endian uint16 (`.u32`: uint32; `.bin`: dtype from
                              the sidecar `tokens.bin.json`), read through a memory map
 
-Text is yielded in documents (a file, a JSONL line, a dataset row) of pieces of at most about
-DEFAULT_CHUNK_CHARS characters, each cut after a newline, so that a corpus of any size is tokenised in bounded
+Text is yielded in documents (a file, a JSONL line, a dataset row) of pieces of at most 2 x DEFAULT_CHUNK_CHARS
+characters (`reading.file_pieces` says where a file is cut), so that a corpus of any size is tokenised in bounded
 memory and `cleave prepare-data` gives exactly the tokens that reading the text directly gives.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import glob
 import importlib.util
 import json
 import os
@@ -35,10 +34,11 @@ import numpy as np
 from cleave.errors import ConfigError
 from cleave.models.tokenizer import ByteTokenizer, Tokenizer, recorded_spec
 from cleave.runtime.files import write_atomic
+from cleave.train import reading
 
 BUILTIN = "builtin"
 HF_PREFIX = "hf:"
-DEFAULT_CHUNK_CHARS = 1 << 20  # text is tokenised in pieces of about this many characters
+DEFAULT_CHUNK_CHARS = 1 << 20  # text is tokenised in pieces of this many characters to twice as many
 DEFAULT_JSONL_FIELD = "text"
 DEFAULT_HF_SPLIT = "train"
 DOC_SEPARATOR = "\n\n"  # between documents, for tokenizers without an end-of-text token
@@ -129,33 +129,8 @@ def _builtin_documents() -> Iterator[Document]:
         yield iter((topics[k],))
 
 
-def _file_pieces(path: Path, spec: str, chunk_chars: int) -> Document:
-    """A text file in pieces cut after a newline; universal newlines and U+FFFD for bad bytes."""
-    try:
-        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
-    except OSError as e:
-        raise ConfigError(f"data={spec!r}: cannot read {path} ({e.strerror})") from None
-    with f:
-        while piece := f.read(chunk_chars):
-            if not piece.endswith("\n"):
-                piece += f.readline()
-            yield piece
-
-
 def _files(src: Source) -> list[Path]:
-    if src.kind == "glob":
-        found = [Path(p) for p in glob.glob(os.path.expanduser(src.path), recursive=True)]
-        files = sorted(p for p in found if p.is_file())
-    else:
-        root = Path(src.path).expanduser()
-        files = sorted(
-            (
-                p
-                for p in root.rglob("*")
-                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
-            ),
-            key=lambda p: p.relative_to(root).as_posix(),
-        )
+    files = reading.glob_files(src.path) if src.kind == "glob" else reading.folder_files(Path(src.path).expanduser())
     if not files:
         raise ConfigError(f"data={src.spec!r}: no files match")
     return files
@@ -164,7 +139,7 @@ def _files(src: Source) -> list[Path]:
 def _jsonl_documents(src: Source) -> Iterator[Document]:
     path = Path(src.path).expanduser()
     try:
-        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
+        f = open(path, encoding="utf-8", errors=reading.REPLACE_COUNTING)  # noqa: SIM115 - closed by the generator
     except OSError as e:
         raise ConfigError(f"data={src.spec!r}: cannot read {path} ({e.strerror})") from None
     with f:
@@ -182,12 +157,27 @@ def _jsonl_documents(src: Source) -> Iterator[Document]:
                                   f"{type(text).__name__}, not text")
             if not isinstance(text, str):
                 fields = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-                hint = (" (instruction rows: pass the file to --data as it is; they cannot be prepared, and "
-                        "'prompt' and 'response' must both be strings)" if isinstance(row, dict) and
-                        {"prompt", "response", "messages"} & set(row) else f"; name the field as {src.path}:FIELD")
+                hint = (isinstance(row, dict) and _instruction_hint(row)) or f"name the field as {src.path}:FIELD"
                 raise ConfigError(f"data={src.spec!r}: line {lineno} has no text field {src.text_field!r} "
-                                  f"(it has: {fields}){hint}")
+                                  f"(it has: {fields}); {hint}")
             yield iter((text,))
+
+
+def _instruction_hint(row: dict) -> str | None:
+    """What to do with a JSONL row of instruction data (`cleave.train.examples`) where text was expected: its
+    kind is told by its fields, as the kind of a source is (chat rows first); None for any other row."""
+    where = "which trains from the JSONL file itself (--data FILE, with no :FIELD) and cannot be prepared"
+    if "messages" in row:
+        if isinstance(row["messages"], list):
+            return f"chat rows ('messages') are instruction data, {where}"
+        return f"chat rows need 'messages' to be a list of turns, not {type(row['messages']).__name__}"
+    if "prompt" in row or "response" in row:
+        bad = [f"{k!r} is {type(row[k]).__name__}" if k in row else f"{k!r} is missing"
+               for k in ("prompt", "response") if not isinstance(row.get(k), str)]
+        if not bad:
+            return f"prompt/response rows are instruction data, {where}"
+        return f"prompt/response rows need 'prompt' and 'response' to be strings ({', '.join(bad)})"
+    return None
 
 
 def _hf_dataset(src: Source):  # noqa: ANN202 - datasets is optional
@@ -233,10 +223,10 @@ def iter_documents(source: str | Source, chunk_chars: int = DEFAULT_CHUNK_CHARS)
     if src.kind == "builtin":
         yield from _builtin_documents()
     elif src.kind == "text":
-        yield _file_pieces(Path(src.path).expanduser(), src.spec, chunk_chars)
+        yield reading.file_pieces(Path(src.path).expanduser(), src.spec, chunk_chars)
     elif src.kind in ("folder", "glob"):
         for path in _files(src):
-            yield _file_pieces(path, src.spec, chunk_chars)
+            yield reading.file_pieces(path, src.spec, chunk_chars)
     elif src.kind == "jsonl":
         yield from _jsonl_documents(src)
     elif src.kind == "hf":
@@ -366,6 +356,7 @@ class PrepareStats:
     documents: int = 0
     chars: int = 0
     tokens: int = 0
+    undecodable: int = 0  # bytes that were not UTF-8, read as U+FFFD: binary files, or another encoding
 
 
 def prepare_data(
@@ -397,11 +388,13 @@ def prepare_data(
     if _reads(parse_source(source), (out, tmp, side)):
         raise ConfigError(f"--out {out} is among what --source {source!r} reads: a later run would tokenise it (and "
                           "its sidecar) as text; write it outside the source")
+    undecodable = reading.undecodable_bytes()
     try:
         with open(tmp, "wb") as f:
             for ids, chars, doc in iter_token_chunks(source, tok, chunk_chars):
                 f.write(ids.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes())
                 stats.documents, stats.chars, stats.tokens = doc + 1, stats.chars + chars, stats.tokens + len(ids)
+                stats.undecodable = reading.undecodable_bytes() - undecodable
                 if on_progress and chars:
                     on_progress(stats)
         if not stats.tokens:
@@ -415,16 +408,17 @@ def prepare_data(
             "eos_id": tok.eos_id,
             "source": source,
             "documents": stats.documents,
+            "undecodable_bytes": stats.undecodable,
         }
         # the sidecar first: a crash between the two renames leaves an earlier token file whose count the new
         # sidecar contradicts (`open_tokens` refuses it), never new tokens described by an older sidecar
-        write_atomic(side, json.dumps(meta, indent=2) + "\n")
         try:
+            write_atomic(side, json.dumps(meta, indent=2) + "\n")
             tmp.replace(out)
-        except OSError:  # (the new sidecar would describe tokens that are not there)
-            if before is None:
+        except BaseException:  # a failed rename, Ctrl-C: the new sidecar would describe tokens that are not there
+            if tmp.exists() and before is None:  # (no .tmp: the token file is in place, the sidecar its own)
                 side.unlink(missing_ok=True)
-            else:
+            elif tmp.exists():
                 write_atomic(side, before)
             raise
     except OSError as e:  # a full disk, a folder that is not there or not writable
@@ -439,8 +433,9 @@ def _reads(src: Source, paths: tuple[Path, ...]) -> bool:
     """Whether text source `src` would read any of `paths` (written by prepare-data: out, its .tmp, sidecar)."""
     if src.kind == "text":
         return any(p.resolve() == Path(src.path).expanduser().resolve() for p in paths)
-    if src.kind == "folder":
-        return any(p.resolve().is_relative_to(Path(src.path).expanduser().resolve()) for p in paths)
+    if src.kind == "folder":  # (a hidden file in it is not read)
+        root = Path(src.path).expanduser().resolve()
+        return any(p.resolve().is_relative_to(root) and not reading.hidden(p.resolve(), root) for p in paths)
     if src.kind == "glob":
         pattern = os.path.expanduser(src.path)
         return any(fnmatch.fnmatch(str(p), pattern) or fnmatch.fnmatch(os.path.abspath(p), os.path.abspath(pattern))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cleave.errors import EXIT_INTERRUPTED
 from cleave.models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from cleave.train.sources import PrepareStats, prepare_data, sidecar_path
 
@@ -44,30 +45,42 @@ class ProgressLine:
         self.stream, self.every_s = stream or sys.stderr, every_s
         self.tty = self.stream.isatty()
         self.t0 = self.last = time.monotonic()
+        self.shown = False  # whether a line stands unfinished on the terminal
 
     def text(self, s: PrepareStats) -> str:
         dt = max(time.monotonic() - self.t0, 1e-9)
+        bad = f"  {s.undecodable:,} bytes not UTF-8 (read as U+FFFD: binary files?)" if s.undecodable else ""
         return (
             f"{s.documents:,} documents  {s.chars / 1e6:,.1f} M chars  {s.tokens / 1e6:,.2f} M tokens  "
-            f"{s.tokens / dt / 1e6:,.2f} M tokens/s"
+            f"{s.tokens / dt / 1e6:,.2f} M tokens/s{bad}"
         )
 
     def update(self, s: PrepareStats) -> None:
         now = time.monotonic()
         if now - self.last < (self.every_s if self.tty else 10 * self.every_s):
             return
-        self.last = now
+        self.last, self.shown = now, self.tty
         self.stream.write(f"\r{self.text(s)}\x1b[K" if self.tty else self.text(s) + "\n")
         self.stream.flush()
 
     def done(self, s: PrepareStats) -> None:
         self.stream.write(("\r" if self.tty else "") + self.text(s) + ("\x1b[K\n" if self.tty else "\n"))
 
+    def said(self, message: str) -> None:
+        """`message` on a line of its own, below a status line left standing."""
+        self.stream.write(("\n" if self.shown else "") + message + "\n")
+        self.stream.flush()
+
 
 def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.tokenizer)
     progress = ProgressLine()
-    stats = prepare_data(args.source, tok, args.out, progress.update)
+    try:
+        stats = prepare_data(args.source, tok, args.out, progress.update)
+    except KeyboardInterrupt:  # (prepare_data removed its .tmp and put back a sidecar it had replaced)
+        kept = f"{args.out} is as it was" if args.out.exists() else f"no {args.out} made"
+        progress.said(f"cleave: prepare-data interrupted: nothing written, {kept}")
+        return EXIT_INTERRUPTED
     progress.done(stats)
     print(
         f"wrote {stats.tokens:,} tokens ({tok.name}, vocab {tok.vocab_size}) to {args.out} "
