@@ -320,18 +320,27 @@ async def test_the_runner_judges_each_submission_and_only_it_writes_the_records(
             "old": JobConfig.build(job_id="old", preset="tiny", steps=8, seed=1).model_dump_json(),
             "more": JobConfig.build(job_id="other", preset="tiny").model_dump_json(),
             "bad": json.dumps({"job_id": "bad", "preset": "no-such-model"}),
+            "deep": "[" * 5000 + "]" * 5000,  # (json.loads raises RecursionError: it once ended the runner, and
+            # each start of the runner again, with the jobs it ran)
         }
-        for i, (job_id, text) in enumerate(submissions.items()):
-            sub = JobSubmission(job=text, nonce=f"{i:016x}", submitted_at=time.time())
+        before = time.time()
+        for i, (job_id, text) in enumerate(submissions.items()):  # claiming the earliest time: not first in line
+            sub = JobSubmission(job=text, nonce=f"{i:016x}", submitted_at=0.0)
             await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job=job_id), codec.encode(sub))
+        nan = JobSubmission.model_construct(job=submissions["fresh"], nonce="e" * 16, submitted_at=float("nan"))
+        await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job="nan"), codec.encode(nan))  # (refused on reading)
         while len(runner.records) < len(submissions):
             await runner.take()
+        await runner.take()
         kv = await submitter.js.key_value(JOBS_BUCKET)
         recs = {k: (await submitter.kv_get(kv, k, JobRecord))[0] for k in submissions}
         assert (recs["fresh"].state, recs["fresh"].verdict) == ("queued", "accepted")
         assert recs["old"].verdict == "refused" and "seed: 0 -> 1" in recs["old"].verdict_reason
         assert recs["more"].verdict == "refused" and "names itself 'other'" in recs["more"].verdict_reason
         assert recs["bad"].verdict == "refused" and "no-such-model" in recs["bad"].verdict_reason
+        assert recs["deep"].verdict == "refused" and "not a valid job: maximum recursion" in recs["deep"].verdict_reason
+        assert before - 1 <= recs["fresh"].submitted_at <= time.time()  # when the hub stored it, not the claim
+        assert "nan" not in runner.records
         steps8 = JobConfig.build(job_id="old", preset="tiny", steps=8).model_dump_json()  # more steps: resumes
         await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job="old"),
                                    codec.encode(JobSubmission(job=steps8, nonce="f" * 16, submitted_at=time.time())))

@@ -8,7 +8,7 @@ and `cleave status` read. Only the runner writes that bucket.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -24,6 +24,9 @@ MAX_MIN_WORKERS = 100_000
 RUNNER_REFRESH_S = 30.0  # the runner stamps its queued and running jobs' records this often (`heard_at`)
 RUNNER_SILENT_S = 180.0  # a record of a queued or running job unstamped this long: its runner is gone
 WAIT_EVENT_S = 60.0  # a PS with no worker to deal to says so (a `waiting_for_workers` event) this often
+# a moment in seconds since the epoch (finite: `cleave status` and the dashboard show it as a date, and the
+# queue is ordered by it); 1e10 is the year 2286
+Time = Annotated[float, Field(ge=0, le=1e10, allow_inf_nan=False)]
 
 
 class JobSubmission(Wire):
@@ -31,7 +34,7 @@ class JobSubmission(Wire):
 
     job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig as JSON
     nonce: str = Field(pattern=NONCE_PATTERN)  # names this submission: the runner's verdict carries it back
-    submitted_at: float
+    submitted_at: Time  # the submitter's clock, as it says: the runner orders its queue by when it took the job
     min_workers: int = Field(0, ge=0, le=MAX_MIN_WORKERS)  # start once this many workers are registered (or later)
 
 
@@ -41,17 +44,17 @@ class JobRecord(Wire):
     job_id: str = Field(pattern=JOB_ID_PATTERN)
     job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig (JSON) it runs, or last ran
     state: Literal[JOB_STATES]  # type: ignore[valid-type]
-    submitted_at: float
+    submitted_at: Time  # when the runner took its latest submission (by the runner's clock)
     min_workers: int = Field(0, ge=0, le=MAX_MIN_WORKERS)
-    started_at: float | None = None  # when its PS was last started
-    ended_at: float | None = None
+    started_at: Time | None = None  # when its PS was last started
+    ended_at: Time | None = None
     exit_code: int | None = None  # of its PS, once done or failed
     reason: str = Field("", max_length=4096)  # why it failed, in the words of the PS's error
     runs: int = Field(0, ge=0)  # PS processes started for it (restarts and resumes included)
     nonce: str = ""  # the latest submission's nonce, accepted or refused
     verdict: Literal["accepted", "refused"] = "accepted"
     verdict_reason: str = Field("", max_length=4096)  # why that submission was refused
-    heard_at: float | None = None  # when the runner last wrote it (every RUNNER_REFRESH_S while queued or running)
+    heard_at: Time | None = None  # when the runner last wrote it (every RUNNER_REFRESH_S while queued or running)
 
 
 def runner_silent_s(state: str, heard_at: float | None, now: float) -> int | None:

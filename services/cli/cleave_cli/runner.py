@@ -60,6 +60,7 @@ DEFAULT_TICK_S = 0.5  # how often submissions are taken and the PS processes loo
 JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then starts with those there
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
 ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died) is handed over again
+MAX_DELIVER = 5  # at most this often: one that ended the runner every time is dropped, not taken for ever
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -134,7 +135,7 @@ class Runner:
                 self.records[job_id] = rec
         self.sub = await asyncio.wait_for(self.bus.js.pull_subscribe(
             SUBJECT_JOB_SUBMIT_ALL, durable=CONSUMER, stream=JOBS_STREAM,
-            config=ConsumerConfig(ack_wait=ACK_WAIT_S)), busmod.DEFAULT_TIMEOUT_S)
+            config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)), busmod.DEFAULT_TIMEOUT_S)
 
     async def put(self, rec: JobRecord) -> JobRecord:
         """Write `rec`, stamped: a reader sees from `heard_at` that this runner is alive (`vouch`)."""
@@ -156,11 +157,13 @@ class Runner:
                 sub = codec.decode(m.data, JobSubmission, MAX_CONTROL_BYTES)
             except WireError as e:  # nothing to answer: the submitter's nonce is in what could not be read
                 log.warning("submission_rejected", job=job_id, reason=e.reason, detail=str(e)[:200])
-            else:
-                await self.accept(job_id, sub)
+            else:  # (queued in the order the hub stored them, whatever clock the submitter claims)
+                await self.accept(job_id, sub, m.metadata.timestamp.timestamp())
             await m.ack()
 
-    async def accept(self, job_id: str, sub: JobSubmission) -> JobRecord:
+    async def accept(self, job_id: str, sub: JobSubmission, stored_at: float | None = None) -> JobRecord:
+        """Judge `sub` (stored by the hub at `stored_at`, now by default) and record the verdict."""
+        stored_at = time.time() if stored_at is None else stored_at
         old = self.records.get(job_id)
         if old is not None and old.nonce == sub.nonce:  # handed over again (its acknowledgement was lost): judged
             return old
@@ -171,18 +174,19 @@ class Runner:
             if old is not None:
                 return await self.put(old.model_copy(update=verdict))
             return await self.put(JobRecord(job_id=job_id, job=sub.job[:MAX_JOB_BYTES], state="failed",
-                                            submitted_at=sub.submitted_at, reason=why[:4096], **verdict))
+                                            submitted_at=stored_at, reason=why[:4096], **verdict))
         log.info("job_accepted", job=job_id, min_workers=sub.min_workers, again=old is not None)
         return await self.put(JobRecord(job_id=job_id, job=job.model_dump_json(), state="queued",
-                                        submitted_at=sub.submitted_at, min_workers=sub.min_workers,
+                                        submitted_at=stored_at, min_workers=sub.min_workers,
                                         runs=old.runs if old else 0, nonce=sub.nonce, verdict="accepted"))
 
     async def judge(self, job_id: str, sub: JobSubmission, old: JobRecord | None) -> tuple[JobConfig | None, str]:
         """The job, or why this submission is refused."""
         try:
             job = JobConfig.build(**json.loads(sub.job))
-        except (CleaveError, ValueError, TypeError) as e:
-            return None, f"not a valid job: {e}"
+        except Exception as e:  # (whatever a hostile description makes the checks raise: JSON nested too deep
+            # raises RecursionError, a path may raise OSError; the runner and the jobs it runs go on)
+            return None, f"not a valid job: {str(e)[:1000] or type(e).__name__}"
         if job.job_id != job_id:
             return None, f"the job names itself {job.job_id!r} but was submitted as {job_id!r}"
         if old is not None and old.state == "running":
