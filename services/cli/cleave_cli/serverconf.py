@@ -4,8 +4,9 @@
   JetStream, TLS, one nkey user per credential with its permissions (`cleave.auth`), a leaf-node listener for
   the sites (each site logs in with its own credential, which makes leaf links only) and a cluster's routes
   (TLS verified at both ends against the CA).
-- `leaf_config`: a site's leaf node (`cleave site`): its workers log in with the worker credential; it dials
-  the hub with the site's credential over TLS, verifying the hub against the CA.
+- `leaf_config`: a site's leaf node (`cleave site`): its workers log in with the site's own worker credential
+  (its folder's worker.env, which no hub config lists); it dials the hub with the site's credential over TLS,
+  verifying the hub against the CA.
 - `generate_tls`: a throwaway CA and a server certificate.
 """
 
@@ -173,7 +174,8 @@ class LeafOptions:
 
 
 def leaf_config(site: Credential, worker: Credential, opts: LeafOptions) -> str:
-    """A site's leaf nats-server. It holds the site's seed (the leaf link logs in with it): write it 0600."""
+    """A site's leaf nats-server: its one local user is `worker`, the site's own worker credential (the hub
+    never lists it). It holds the site's seed (the leaf link logs in with it): write it 0600."""
     if site.role != SITE or worker.role != "worker":
         raise ConfigError(f"a site's leaf node needs a site and a worker credential, got {site.name}, {worker.name}")
     tls = ""
