@@ -54,6 +54,28 @@ def test_a_worker_gets_no_jetstream_and_only_its_own_replies() -> None:
     assert "cleave.models.*" in ps.subscribe and "_INBOX.worker.>" in ps.publish
 
 
+def test_below_each_star_a_role_may_subscribe_is_denied_and_nothing_it_may_have() -> None:
+    """A literal `>` subscription matches an allowed `*` (nats-server): each `*` pattern's deeper subjects are
+    denied, and no deny covers a subject the role's allow list admits."""
+    worker = auth.permissions("worker")
+    assert "cleave.roundcast.*.>" in worker.subscribe_deny and "cleave.fan.*.*.*.>" in worker.subscribe_deny
+    assert "cleave.tile.*.>" in worker.subscribe_deny and "cleave.tile.w1.>" not in auth.permissions(
+        "worker", "w1").subscribe_deny  # (a pinned id is one token already)
+
+    def matches(pattern: str, subject: str) -> bool:
+        p, s = pattern.split("."), subject.split(".")
+        if p[-1] == ">":
+            return len(s) >= len(p) and all(a in ("*", b) for a, b in zip(p[:-1], s, strict=False))
+        return len(s) == len(p) and all(a in ("*", b) for a, b in zip(p, s, strict=True))
+
+    for role in auth.ROLES:
+        perms = auth.permissions(role)
+        samples = [a.replace("*", "x").replace(">", "x.y") for a in perms.subscribe]
+        assert not [(d, s) for d in perms.subscribe_deny for s in samples if matches(d, s)], role
+        text = serverconf._user_block(auth.new_credential(role) if role != auth.SITE else auth.site_credential("s"))
+        assert all(d in text for d in perms.subscribe_deny)
+
+
 def test_each_service_reads_replies_under_its_own_prefix_only() -> None:
     for role in auth.SERVICE_ROLES:
         inboxes = [s for s in auth.permissions(role).subscribe if s.startswith("_INBOX")]

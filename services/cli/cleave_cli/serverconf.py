@@ -59,11 +59,12 @@ def _user_block(c: Credential) -> str:
         return (f"    # {c.name}: unrestricted subjects, for operators\n"
                 f"    {{ nkey: {_q(c.public)}, allowed_connection_types: [\"STANDARD\"] }}")
     resp = "\n        allow_responses: true" if p.allow_responses else ""
+    deny = f", deny: {_subjects(p.subscribe_deny)}" if p.subscribe_deny else ""  # (`*`: one token, never `>`)
     kind = "LEAFNODE" if c.role == SITE else "STANDARD"  # a site's key makes leaf links only; no other key does
     return (f"    # {c.name}\n    {{\n      nkey: {_q(c.public)}\n      allowed_connection_types: [{_q(kind)}]\n"
             f"      permissions: {{\n"
             f"        publish: {{ allow: {_subjects(p.publish)} }}\n"
-            f"        subscribe: {{ allow: {_subjects(p.subscribe)} }}{resp}\n      }}\n    }}")
+            f"        subscribe: {{ allow: {_subjects(p.subscribe)}{deny} }}{resp}\n      }}\n    }}")
 
 
 def server_config(creds: list[Credential], opts: ServerOptions) -> str:
