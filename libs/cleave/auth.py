@@ -32,6 +32,7 @@ Roles and what they may do (anything not listed is refused by nats-server):
   JetStream at all. With `worker_id`, tiles, results, round updates, heartbeats, probes, model requests and
   their replies are pinned to that id (each on a per-worker subject); the shared worker credential gets a `*`
   (or `>`) in place of the id.
+A `*` a role may subscribe to is one token: what lies below it is denied (`Permissions.subscribe_deny`).
 Each role gets a private reply prefix `_INBOX.<role>` (`_INBOX.worker.<id>` for a worker), passed by
 `connect_options`, so no role can read another's replies (JetStream API answers included).
 """
@@ -112,6 +113,13 @@ class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     allow_responses: bool = False  # may answer a request it received, once (probes)
+
+    @property
+    def subscribe_deny(self) -> tuple[str, ...]:
+        """What lies below each subscribe pattern that ends in `*`. nats-server admits a subscription to a
+        literal `>` there (`cleave.roundcast.>` where `cleave.roundcast.*` is allowed) and would deliver it
+        deeper subjects too; denying them keeps each `*` to one token."""
+        return tuple(f"{s}.>" for s in self.subscribe if s.endswith(".*"))
 
 
 def inbox_prefix(role: str, worker_id: str | None = None) -> str:

@@ -191,6 +191,36 @@ async def test_pinned_worker_publishes_results_only_as_itself(pinned_server: Aut
     assert len(w1.errors) == 2  # the two refused publishes; its own subjects raised none
 
 
+async def test_a_star_a_worker_may_subscribe_is_one_token_even_under_a_literal_gt(server: AuthServer, connect) -> None:
+    """nats-server admits a subscription to `cleave.roundcast.>` where `cleave.roundcast.*` is allowed (the
+    literal `>` matches the `*`) and delivered it deeper subjects too, so a future subject below one of a
+    worker's `*` patterns would have reached every worker. Their deeper subjects are denied: such a
+    subscription gets what the `*` allows and nothing below it."""
+    worker = await connect(server.settings("worker"), "worker")
+    allowed = ["cleave.roundcast.j", "cleave.fan.j.1.g", SUBJECT_TILES.format(worker_id="w1")]
+    got: list[str] = []
+    all_in = asyncio.Event()
+
+    async def on_msg(m) -> None:
+        got.append(m.subject)
+        if len(got) >= len(allowed):
+            all_in.set()
+
+    for pattern in ("cleave.roundcast.>", "cleave.fan.*.*.>", "cleave.tile.>"):
+        await worker.nc.subscribe(pattern, cb=on_msg)
+    await worker.nc.flush(timeout=OP_TIMEOUT_S)
+    root = await nats.connect(server.url, nkeys_seed_str=server.admin_seed(), allow_reconnect=False,
+                              connect_timeout=OP_TIMEOUT_S)
+    try:  # the deeper ones first: had they passed, they would be in before the last allowed one
+        for subject in [f"{s}.deeper" for s in allowed] + ["cleave.roundcast.j.x.y", *allowed]:
+            await root.publish(subject, b"x")
+        await root.flush(timeout=OP_TIMEOUT_S)
+        await asyncio.wait_for(all_in.wait(), OP_TIMEOUT_S)
+    finally:
+        await root.close()
+    assert sorted(got) == sorted(allowed) and worker.errors == []
+
+
 # ---- what the services may do through the real Bus ---------------------------------------------------
 async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthServer, connect) -> None:
     ps_c = await connect(server.settings("ps"), "ps")

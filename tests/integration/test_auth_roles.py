@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import nats
 import pytest
@@ -307,11 +308,12 @@ class Leaf:
 def leaves(tmp_path: Path) -> Iterator:
     started: list[Leaf] = []
 
-    def make(leaf_port: int, name: str, seed: str, local_login: bool = True) -> Leaf:
-        """A leaf node named `name` that logs in to the hub with `seed` (its workers log in with the sites' worker
-        credential; `local_login=False`: anyone may connect to it, a hostile site)."""
+    def make(leaf_port: int, name: str, seed: str, local_login: bool = True, worker_seed: str | None = None) -> Leaf:
+        """A leaf node named `name` that logs in to the hub with `seed` (its workers log in with `worker_seed`, the
+        site's worker credential, a new one by default; `local_login=False`: anyone may connect to it, a hostile
+        site)."""
         port, monitor = free_port(), free_port()
-        worker = auth.credential_from_seed("worker", "worker", auth.new_credential("worker").seed)
+        worker = auth.credential_from_seed("worker", "worker", worker_seed or auth.new_credential("worker").seed)
         opts = serverconf.LeafOptions(name=name, listen=f"127.0.0.1:{port}", http=f"127.0.0.1:{monitor}",
                                       hubs=(f"nats-leaf://127.0.0.1:{leaf_port}",))
         text = serverconf.leaf_config(auth.credential_from_seed(f"site-{name}", auth.SITE, seed), worker, opts)
@@ -536,26 +538,42 @@ async def test_the_hub_drops_a_workers_user_whose_env_file_is_gone(hub_of, conne
     assert w2.errors == []
 
 
-def test_a_site_is_revoked_by_deleting_its_folder_and_restarting_the_hub(hub_of, leaves) -> None:
-    """security.md:383-384: delete DIR/sites/<name>/ and restart the hub: that site's leaf node is refused at its
-    next login, another site links again."""
+async def test_a_site_is_revoked_by_deleting_its_folder_and_restarting_the_hub(hub_of, leaves, connect) -> None:
+    """security.md ("A site: ... delete DIR/sites/<name>/ and restart the hub"): that site's leaf node is
+    refused at its next login, another site links again, and nothing of the deleted folder logs in on the hub:
+    its workers' key (its worker.env, which its leaf node takes) is refused at the hub's client port, while the
+    site is valid and after. (The folder held the hub's shared worker seed: the revoked site logged in there
+    as any worker.)"""
     hub = hub_of(sites="s1,s2")
     hub.start()
-    seeds = {s: credentials.credential(hub.auth_dir / "sites" / s, "site", auth.SITE).seed for s in ("s1", "s2")}
-    s1, s2 = leaves(hub.leaf_port, "s1", seeds["s1"]), leaves(hub.leaf_port, "s2", seeds["s2"])
+    folders = {s: hub.auth_dir / "sites" / s for s in ("s1", "s2")}
+    seeds = {s: credentials.credential(f, "site", auth.SITE).seed for s, f in folders.items()}
+    workers = {s: credentials.credential(f, "worker", "worker").seed for s, f in folders.items()}
+    s1, s2 = (leaves(hub.leaf_port, s, seeds[s], worker_seed=workers[s]) for s in ("s1", "s2"))
     assert s1.outcome() == "accepted" and s2.outcome() == "accepted"
+    view = AuthServer(hub.auth_dir, hub.port, tls=False)
+    at_hub, at_leaf = (SimpleNamespace(nats_url=url, nats_nkey_seed=workers["s1"]) for url in (view.url, s1.url))
+    worker = await connect(at_leaf, "worker")  # its workers log in to its leaf node with it ...
+    await worker.nc.publish(SUBJECT_HEARTBEAT.format(worker_id="s1-w1"), heartbeat("s1-w1"))
+    await worker.nc.flush(timeout=OP_TIMEOUT_S)
+    assert worker.errors == []
+    assert "Authorization Violation" in await refused(view.url, **auth.connect_options(at_hub, "worker"))  # ... not here
     stop_server(hub.proc)
     for leaf in (s1, s2):  # both have seen their link go (so a link they report later is a new one)
         leaf.unlinked()
-    shutil.rmtree(hub.auth_dir / "sites" / "s1")
+    kept = shutil.copytree(folders["s1"], hub.tmp / "s1-kept")  # what the revoked site still holds
+    shutil.rmtree(folders["s1"])
     offset = s1.log.stat().st_size
     hub.start()
     assert s1.outcome(since=offset) == "refused"
     deadline = time.monotonic() + 10
     while "leaf-s2" not in hub.leafs():  # s2 dials again (its leaf node retries every second)
         assert time.monotonic() < deadline, hub.leafs()
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
     assert "leaf-s1" not in hub.leafs()
+    for name, role in (("worker", "worker"), ("site", auth.SITE)):  # no key it kept is a client login either
+        kept_settings = SimpleNamespace(nats_url=view.url, nats_nkey_seed=credentials.credential(kept, name, role).seed)
+        assert "Authorization Violation" in await refused(view.url, **auth.connect_options(kept_settings, role))
 
 
 # ---- 8. passwords ------------------------------------------------------------------------------------

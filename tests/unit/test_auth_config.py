@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import ssl
 import subprocess
 from pathlib import Path
@@ -51,6 +52,28 @@ def test_a_worker_gets_no_jetstream_and_only_its_own_replies() -> None:
     assert "cleave.models.*" in auth.permissions("worker").publish  # the shared credential: any id
     ps = auth.permissions("ps")  # the PS answers them, under the workers' inboxes
     assert "cleave.models.*" in ps.subscribe and "_INBOX.worker.>" in ps.publish
+
+
+def test_below_each_star_a_role_may_subscribe_is_denied_and_nothing_it_may_have() -> None:
+    """A literal `>` subscription matches an allowed `*` (nats-server): each `*` pattern's deeper subjects are
+    denied, and no deny covers a subject the role's allow list admits."""
+    worker = auth.permissions("worker")
+    assert "cleave.roundcast.*.>" in worker.subscribe_deny and "cleave.fan.*.*.*.>" in worker.subscribe_deny
+    assert "cleave.tile.*.>" in worker.subscribe_deny and "cleave.tile.w1.>" not in auth.permissions(
+        "worker", "w1").subscribe_deny  # (a pinned id is one token already)
+
+    def matches(pattern: str, subject: str) -> bool:
+        p, s = pattern.split("."), subject.split(".")
+        if p[-1] == ">":
+            return len(s) >= len(p) and all(a in ("*", b) for a, b in zip(p[:-1], s, strict=False))
+        return len(s) == len(p) and all(a in ("*", b) for a, b in zip(p, s, strict=True))
+
+    for role in auth.ROLES:
+        perms = auth.permissions(role)
+        samples = [a.replace("*", "x").replace(">", "x.y") for a in perms.subscribe]
+        assert not [(d, s) for d in perms.subscribe_deny for s in samples if matches(d, s)], role
+        text = serverconf._user_block(auth.new_credential(role) if role != auth.SITE else auth.site_credential("s"))
+        assert all(d in text for d in perms.subscribe_deny)
 
 
 def test_each_service_reads_replies_under_its_own_prefix_only() -> None:
@@ -236,10 +259,41 @@ def test_sites_and_a_cluster_in_the_written_config(tmp_path: Path) -> None:
         init(tmp_path / "plain", "--cluster", "n1,n2,n3")
     with pytest.raises(ConfigError, match="site name"):
         init(tmp_path / "bad", "--sites", "a.b")
-    # a site's workers log in with the shared worker credential, which pinned credentials replace
+    # a site's link receives every worker id's tiles, which would undo the pinning
     with pytest.raises(ConfigError, match="--sites and --worker-ids do not go together"):
         init(tmp_path / "pinned", "--sites", "lab-a", "--worker-ids", "w1,w2")
     assert not (tmp_path / "pinned").exists()  # refused before anything is written
+
+
+def test_each_site_gets_a_worker_key_of_its_own_that_the_hub_does_not_list(tmp_path: Path) -> None:
+    """A site's folder held the hub's shared worker seed: deleting the folder did not revoke the site (it logged
+    in on the hub's client port as any worker), and every site learned the key of the hub's own workers."""
+    out = tmp_path / "auth"
+    written = init(out, "--sites", "lab-a,lab-b")
+    shared = credentials.credential(out, "worker", "worker")
+    own = {s: credentials.credential(out / "sites" / s, "worker", "worker") for s in ("lab-a", "lab-b")}
+    assert len({shared.seed, *(c.seed for c in own.values())}) == 3
+    for site in own:
+        path = out / "sites" / site / auth_cmd.WORKER_ENV
+        assert path in written and path.stat().st_mode & 0o777 == 0o600
+    assert own["lab-a"].permissions == shared.permissions  # a worker's rights, at its own leaf node
+    text = (out / "nats.conf").read_text()
+    assert shared.public in text and not [c for c in own.values() if c.public in text]
+    hub = HubConfig.of("127.0.0.1:0", out)  # `cleave up --auth`: the users it derives from the folder
+    assert shared.public in {c.public for c in hub.creds}
+    assert not {c.public for c in hub.creds} & {c.public for c in own.values()}
+    assert hub.sites_with_hub_keys() is None
+
+
+def test_a_hub_warns_of_a_site_folder_that_holds_its_shared_worker_key(tmp_path: Path) -> None:
+    """A site folder written before sites had keys of their own holds the hub's worker.env: `cleave site` still
+    runs with it, and the hub says at each start that deleting it does not revoke the site, and what to do."""
+    out = tmp_path / "auth"
+    init(out, "--sites", "lab-a,lab-b")
+    shutil.copy(out / "worker.env", out / "sites" / "lab-b" / auth_cmd.WORKER_ENV)
+    said = HubConfig.of("127.0.0.1:0", out).sites_with_hub_keys()
+    assert said is not None and said.startswith("site lab-b holds this hub's shared worker key"), said
+    assert "lab-a" not in said and f"cleave auth init --force --out {out}" in said
 
 
 def test_a_leaf_node_holds_the_site_seed_and_verifies_the_hub(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ Layout of `--out DIR` (the server reads DIR as `--server-dir`, e.g. /etc/nats/au
   tls/server-key.pem        with --tls: its key, mode 0600
   sites/<name>/             with --sites: what site <name> needs and nothing more (copy this folder there):
     site.env                  its leaf-node credential (CLEAVE_SITE_NATS_NKEY_SEED), mode 0600
-    worker.env                the worker credential its workers log in to its leaf node with, mode 0600
+    worker.env                its workers' own credential (a key of this site's alone, which its leaf node
+                              accepts and the hub does not), mode 0600
     ca.pem                    the CA its leaf node verifies the hub with (with TLS)
 """
 
@@ -35,6 +36,7 @@ CERT_NAME, KEY_NAME = "server-cert.pem", "server-key.pem"
 ADMIN_NAME = "admin.nk"
 SITES_DIR = "sites"
 SITE_ENV = "site.env"
+WORKER_ENV = "worker.env"  # a site's workers' credential, in its folder
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "nats")  # "nats" is the compose service name
 
 
@@ -121,9 +123,9 @@ def init(args: argparse.Namespace) -> list[Path]:
     worker_ids = tuple(w.strip() for w in args.worker_ids.split(",") if w.strip())
     creds = auth.credentials(worker_ids)  # validates ids and names before anything is written
     sites = [auth.site_credential(n) for n in _names(getattr(args, "sites", ""), "--sites")]
-    if sites and worker_ids:  # (a site's workers log in with sites/<name>/worker.env)
-        raise ConfigError("--sites and --worker-ids do not go together: a site's workers log in with the shared "
-                          "worker credential, which --worker-ids does not issue; issue the sites' credentials "
+    if sites and worker_ids:  # a site's link carries every worker id's subjects (`*`): it would read theirs
+        raise ConfigError("--sites and --worker-ids do not go together: a site's link may receive every worker "
+                          "id's tiles, which undoes what --worker-ids pins; issue the sites' credentials "
                           "without --worker-ids")
     nodes = _names(getattr(args, "cluster", ""), "--cluster")
     if nodes and not (args.tls or args.tls_ca):
@@ -147,13 +149,13 @@ def init(args: argparse.Namespace) -> list[Path]:
     for c in creds:
         written.append(write_atomic(out / f"{c.name}.env", auth.env_text(c).encode(), 0o600))
     written.append(write_atomic(out / ADMIN_NAME, (admin.seed + "\n").encode(), 0o600))
-    worker = next((c for c in creds if c.name == "worker"), None)
     for site in sites:
         folder = out / SITES_DIR / site.name.removeprefix(f"{auth.SITE}-")
         folder.mkdir(parents=True, exist_ok=True)
         written.append(write_atomic(folder / SITE_ENV, auth.env_text(site).encode(), 0o600))
-        if worker is not None:
-            written.append(write_atomic(folder / "worker.env", auth.env_text(worker).encode(), 0o600))
+        # its workers' own key, never the hub's: only its leaf node lists it (nats.conf does not), so the
+        # folder gives no login on the hub, and deleting it cuts the site off entirely
+        written.append(write_atomic(folder / WORKER_ENV, auth.env_text(auth.new_credential("worker")).encode(), 0o600))
         if has_ca:
             written.append(_copy(out / TLS_DIR / CA_NAME, folder / CA_NAME, 0o644))
     return written

@@ -220,6 +220,8 @@ def up(args: argparse.Namespace) -> int:
         fleet.start()
         if hub is not None:
             hub.check_login()
+            if said := hub.sites_with_hub_keys():
+                print(f"warning: {said}", file=sys.stderr)
         for _ in range(args.workers):
             fleet.add_worker()
         fleet.stack.service("runner", "runner", ["--run-dir", str(run_dir / "runner"),

@@ -27,6 +27,7 @@ DEFAULT_LEAF_PORT = 7422
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WILDCARD = ("0.0.0.0", "::", "")
 DEFAULT_LOGIN_TIMEOUT_S = 10.0
+SITE_WORKERS = f"{auth_cmd.SITES_DIR}/*/{auth_cmd.WORKER_ENV}"  # each site's workers' key, in its folder
 LOGIN_ROLES = {"runner": "ps"}  # a process role -> the credential it logs in with, where they differ
 PLAIN_CONFIG = """\
 listen: "{listen}"
@@ -116,6 +117,23 @@ class HubConfig:
                 f"(cleave site --hub tls://NAME:{self.leaf_port}), or issue one that names this machine "
                 f"(cleave auth init --tls --host {host})")
 
+    def sites_with_hub_keys(self) -> str | None:
+        """Sites whose folder holds one of this hub's worker keys (an older `cleave auth init` copied the shared
+        worker.env there): the client port takes it, so deleting such a folder does not cut its site off. What to
+        tell the operator; None when no folder does."""
+        if self.auth_dir is None:
+            return None
+        own = {c.seed for c in self.creds if c.role == "worker"}
+        names = [path.parent.name for path in sorted(self.auth_dir.glob(SITE_WORKERS)) if _seed(path) in own]
+        if not names:
+            return None
+        return (f"site{'s' if len(names) > 1 else ''} {', '.join(names)} hold{'' if len(names) > 1 else 's'} this "
+                f"hub's shared worker key in {self.auth_dir}/{auth_cmd.SITES_DIR}/<name>/{auth_cmd.WORKER_ENV} (an "
+                "older `cleave auth init` copied it there): with it a site logs in here as any worker, and deleting "
+                f"its folder does not revoke it. Re-issue every credential: `cleave auth init --force --out "
+                f"{self.auth_dir}` (your other options as before), then give each site its folder again and the "
+                "hub's workers the new worker.env")
+
     def server_config(self, store: str, monitor_port: int, max_payload: int) -> str:
         listen, leaf = f"{_bracket(self.host)}:{self.port}", f"{_bracket(self.host)}:{self.leaf_port}"
         if self.auth_dir is None:
@@ -154,7 +172,8 @@ def users(folder: Path) -> list[auth.Credential]:
         if role not in auth.ROLES:
             continue
         creds.append(credentials.credential(folder, name, role))
-    for path in sorted((folder / auth_cmd.SITES_DIR).glob(f"*/{auth_cmd.SITE_ENV}")):
+    for path in sorted((folder / auth_cmd.SITES_DIR).glob(f"*/{auth_cmd.SITE_ENV}")):  # (not a site's workers':
+        # sites/<name>/worker.env is its leaf node's user, never the hub's)
         creds.append(_site(path))
     admin = folder / auth_cmd.ADMIN_NAME
     if admin.is_file():
@@ -162,6 +181,10 @@ def users(folder: Path) -> list[auth.Credential]:
     if not any(c.role == "ps" for c in creds):
         raise ConfigError(f"{folder} holds no credentials of `cleave auth init` (ps.env is missing)")
     return creds
+
+
+def _seed(path: Path) -> str:
+    return next((v.strip() for k, v in credentials.read_env(path).items() if k.endswith("_NATS_NKEY_SEED")), "")
 
 
 def _site(path: Path) -> auth.Credential:

@@ -4,8 +4,9 @@
   JetStream, TLS, one nkey user per credential with its permissions (`cleave.auth`), a leaf-node listener for
   the sites (each site logs in with its own credential, which makes leaf links only) and a cluster's routes
   (TLS verified at both ends against the CA).
-- `leaf_config`: a site's leaf node (`cleave site`): its workers log in with the worker credential; it dials
-  the hub with the site's credential over TLS, verifying the hub against the CA.
+- `leaf_config`: a site's leaf node (`cleave site`): its workers log in with the site's own worker credential
+  (its folder's worker.env, which no hub config lists); it dials the hub with the site's credential over TLS,
+  verifying the hub against the CA.
 - `generate_tls`: a throwaway CA and a server certificate.
 """
 
@@ -58,11 +59,12 @@ def _user_block(c: Credential) -> str:
         return (f"    # {c.name}: unrestricted subjects, for operators\n"
                 f"    {{ nkey: {_q(c.public)}, allowed_connection_types: [\"STANDARD\"] }}")
     resp = "\n        allow_responses: true" if p.allow_responses else ""
+    deny = f", deny: {_subjects(p.subscribe_deny)}" if p.subscribe_deny else ""  # (`*`: one token, never `>`)
     kind = "LEAFNODE" if c.role == SITE else "STANDARD"  # a site's key makes leaf links only; no other key does
     return (f"    # {c.name}\n    {{\n      nkey: {_q(c.public)}\n      allowed_connection_types: [{_q(kind)}]\n"
             f"      permissions: {{\n"
             f"        publish: {{ allow: {_subjects(p.publish)} }}\n"
-            f"        subscribe: {{ allow: {_subjects(p.subscribe)} }}{resp}\n      }}\n    }}")
+            f"        subscribe: {{ allow: {_subjects(p.subscribe)}{deny} }}{resp}\n      }}\n    }}")
 
 
 def server_config(creds: list[Credential], opts: ServerOptions) -> str:
@@ -173,7 +175,8 @@ class LeafOptions:
 
 
 def leaf_config(site: Credential, worker: Credential, opts: LeafOptions) -> str:
-    """A site's leaf nats-server. It holds the site's seed (the leaf link logs in with it): write it 0600."""
+    """A site's leaf nats-server: its one local user is `worker`, the site's own worker credential (the hub
+    never lists it). It holds the site's seed (the leaf link logs in with it): write it 0600."""
     if site.role != SITE or worker.role != "worker":
         raise ConfigError(f"a site's leaf node needs a site and a worker credential, got {site.name}, {worker.name}")
     tls = ""

@@ -3,10 +3,11 @@ the site's credential, and N workers on it, in the foreground until Ctrl-C (supe
 
 Outbound only: the leaf node dials the hub's leaf-node port (TLS, the hub verified against the CA in the site's
 folder); its workers, and those of the site's other machines (`cleave worker --nats nats://SITE:4222 --auth
-DIR`), log in to it with the worker credential. A strip several of the site's workers need crosses the site's
-link once and is fanned out here. A missing credential, one the hub refuses, or a hub whose certificate does
-not verify ends the command with a message that says so (exit 2); a hub that is merely unreachable is waited
-for, up to `--connect-timeout`, and after the first link any cut is waited out (the leaf node redials).
+DIR`), log in to it with the site's own worker credential (its folder's worker.env; the hub's client port
+does not take it). A strip several of the site's workers need crosses the site's link once and is fanned out
+here. A missing credential, one the hub refuses, or a hub whose certificate does not verify ends the command
+with a message that says so (exit 2); a hub that is merely unreachable is waited for, up to
+`--connect-timeout`, and after the first link any cut is waited out (the leaf node redials).
 """
 
 from __future__ import annotations
