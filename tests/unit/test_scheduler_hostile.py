@@ -47,6 +47,31 @@ def test_each_worker_draws_echoes_within_its_budget() -> None:
     assert len(desk.answer(Probe(reply_bytes=64), "w1", 3.0).payload) == 64
 
 
+def test_all_echoes_together_stay_within_one_budget_whatever_ids_are_claimed() -> None:
+    """Every probe from a fresh id (the shared credential lets a worker claim any): over any t seconds the
+    echoes sent hold at most the burst + rate x t + one echo. A refusable probe is told when to ask again;
+    a large echo waits its turn, not for small ones to stop; an echo of nothing never waits."""
+    burst, rate, big = 16 << 20, 4 << 20, Probe(reply_bytes=4 << 20, refusable=True)
+    desk = ProbeDesk(max_payload=8 << 20, total_burst=burst, total_rate=rate)
+    sent, t = 0, 0.0
+    for i in range(4000):  # 4 MiB asked by a fresh id every millisecond for 4 s
+        t = i / 1000
+        echo = desk.answer(big, f"fresh{i}", t)
+        sent += len(echo.payload)
+        assert sent <= burst + rate * t + (4 << 20)
+        assert echo.payload or 0 < echo.retry_after_s <= 1.0  # refused: ask again once 4 MiB/s refilled it
+    assert sent >= burst + rate * 3.9 and desk.refused_total > 3900 and desk.refused == 0
+    assert desk.answer(Probe(refusable=True), "fresh-latency", t).retry_after_s == 0  # 64 B echoes: answered
+    assert desk.answer(Probe(payload=bytes(1 << 20), refusable=True), "up", t).retry_after_s == 0  # uploads too
+    assert desk.answer(Probe(reply_bytes=4 << 20), "older-worker", t) is None  # not refusable: no answer
+    # in debt, the first to ask once it is paid off gets its echo, 4 MiB as well as 64 KiB
+    wait = desk.answer(big, "late", t).retry_after_s
+    assert len(desk.answer(big, "late", t + wait).payload) == 4 << 20
+    # and a worker over its own budget is told so, with the wait its own refill needs
+    own = ProbeDesk(max_payload=8 << 20, burst=6 << 20, rate=1 << 20)
+    assert own.answer(big, "w1", 0.0).payload and own.answer(big, "w1", 0.0).retry_after_s == pytest.approx(2.0)
+
+
 def test_a_profile_claiming_far_more_than_its_worker_delivers_is_corrected() -> None:
     reg = Registry(liveness_s=1.0)
     reg.heartbeat(beat("liar"), 0.0)

@@ -9,6 +9,7 @@ from cleave.schemas.limits import MAX_PROBE_BYTES, MAX_ROUND_WORKERS
 from cleave.schemas.subjects import WORKER_ID_PATTERN
 
 MAX_OBSERVED_WORKERS = MAX_ROUND_WORKERS  # workers in one `Observed` report
+MAX_PROBE_RETRY_S = 60.0  # the longest a refused probe is told to wait
 
 
 # The range a profile's fields must lie in (a profile outside is refused where it is decoded): finite, and
@@ -43,10 +44,15 @@ class DeviceProfile(Wire):
 
 
 class Probe(Wire):
-    """A link probe: `payload` carries the upload; the echo carries `reply_bytes` back down."""
+    """A link probe: `payload` carries the upload; the echo carries `reply_bytes` back down. An answer with
+    `retry_after_s` is no echo but a refusal (the echo budget is spent): ask again after that long. Only a
+    probe that is `refusable` gets one; an older worker would take any answer for its echo, so past the budget
+    its probes go unanswered (it then measures a slow link, never a fast one)."""
 
     payload: bytes = Field(b"", max_length=MAX_PROBE_BYTES)
     reply_bytes: int = Field(0, ge=0, le=MAX_PROBE_BYTES)
+    refusable: bool = False  # in a probe: its sender waits and asks again when refused
+    retry_after_s: float = Field(0.0, ge=0, le=MAX_PROBE_RETRY_S, allow_inf_nan=False)  # in an answer: refused
 
 
 class Heartbeat(Wire):

@@ -280,7 +280,7 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
         sched.close()
         await bus.close()
         return 0
-    desk = ProbeDesk(probe_bus.max_payload)
+    desk = ProbeDesk(probe_bus.max_payload, total_burst=s.echo_burst_bytes, total_rate=s.echo_bytes_per_s)
 
     async def on_probe(probe: Probe, subject: str) -> Probe | None:
         return desk.answer(probe, prober(subject), time.monotonic())

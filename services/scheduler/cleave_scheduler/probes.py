@@ -8,7 +8,13 @@ per-worker credential may publish probes on) and is answered only on that worker
 answers to model requests obey too), from a connection whose credential may publish nowhere else
 (`scheduler-probe` of `cleave auth init`). Each worker id may draw at most
 `DEFAULT_BURST_BYTES` of echoes at once, refilled at `DEFAULT_RATE_BYTES_PER_S` (a measurement takes ~11 MB:
-growing probes up to 4 MiB each way): past it, its probes go unanswered and it measures a slow link.
+growing probes up to 4 MiB each way). A worker id is no bound where every worker may claim any id (the shared
+credential): all echoes together draw from one more budget, `total_burst` at once and `total_rate` after
+(settings `echo_burst_bytes`, `echo_bytes_per_s`), so over any t seconds the echoes sent hold at most
+total_burst + total_rate * t + one echo, whatever ids are claimed. That budget may go into debt by one echo, so
+that a large echo is answered in its turn rather than starved by small ones; an echo of nothing (latency, an
+upload's answer) never waits for it. Past either budget a `refusable` probe is told when to ask again (an
+answer of tens of bytes, as an empty echo is); any other goes unanswered.
 """
 
 from __future__ import annotations
@@ -17,10 +23,14 @@ from collections import OrderedDict
 
 from cleave.auth import reply_refusal, requester
 from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE_FROM, Probe
+from cleave.schemas.fleet import MAX_PROBE_RETRY_S
 
 DEFAULT_BURST_BYTES = 32 * 1024 * 1024  # echo bytes one worker may draw at once (three measurements)
 DEFAULT_RATE_BYTES_PER_S = 1024 * 1024  # ... and per second after
+DEFAULT_TOTAL_BURST_BYTES = 256 * 1024 * 1024  # echo bytes all workers together may draw at once (~48 measurements)
+DEFAULT_TOTAL_RATE_BYTES_PER_S = 32 * 1024 * 1024  # ... and per second after (~6 measurements of a fast link)
 MAX_TRACKED = 100_000  # worker ids whose budget is remembered (the least recently seen are forgotten)
+MIN_RETRY_S = 0.05  # the shortest wait a refusal names
 
 
 def prober(subject: str) -> str:
@@ -34,26 +44,46 @@ def refusal(subject: str, reply: str) -> str:
 
 
 class ProbeDesk:
-    """Echoes within each worker's byte budget."""
+    """Echoes within each worker's byte budget and within the budget of all workers together."""
 
-    def __init__(self, max_payload: int, burst: int = DEFAULT_BURST_BYTES,
-                 rate: float = DEFAULT_RATE_BYTES_PER_S) -> None:
+    def __init__(self, max_payload: int, burst: int = DEFAULT_BURST_BYTES, rate: float = DEFAULT_RATE_BYTES_PER_S,
+                 total_burst: int = DEFAULT_TOTAL_BURST_BYTES,
+                 total_rate: float = DEFAULT_TOTAL_RATE_BYTES_PER_S) -> None:
         self.max_payload, self.burst, self.rate = max_payload, burst, rate
+        self.total_burst, self.total_rate = total_burst, total_rate
         self._left: OrderedDict[str, tuple[float, float]] = OrderedDict()  # worker -> (bytes left, at)
+        self._total: tuple[float, float] | None = None  # (bytes left of all workers' budget, at); None: full
         self.refused = 0  # probes over their worker's budget
+        self.refused_total = 0  # probes within it, but over the budget of all workers together
 
     def answer(self, probe: Probe, worker: str, now: float) -> Probe | None:
-        """The echo for `worker`'s probe, or None when it is over its budget."""
+        """The echo for `worker`'s probe; over a budget, a refusal saying when to ask again (None when the
+        probe is not `refusable`)."""
         size = min(probe.reply_bytes, MAX_PROBE_BYTES, self.max_payload - 1024)
         cost = size + len(probe.payload)
         left, at = self._left.pop(worker, (float(self.burst), now))
         left = min(float(self.burst), left + (now - at) * self.rate)
-        if cost > left:
-            self.refused += 1
+        wait = (cost - left) / self.rate if cost > left else self._take_total(size, now)
+        if wait > 0:
+            if cost > left:
+                self.refused += 1
+            else:
+                self.refused_total += 1
             self._keep(worker, left, now)
-            return None
+            return Probe(retry_after_s=min(max(wait, MIN_RETRY_S), MAX_PROBE_RETRY_S)) if probe.refusable else None
         self._keep(worker, left - cost, now)
         return Probe(payload=bytes(size))
+
+    def _take_total(self, size: int, now: float) -> float:
+        """Take `size` echo bytes of all workers' budget (0.0), or the seconds until it has any again. It may
+        go into debt by one echo: whoever asks once it is above zero is answered, a large echo as a small one."""
+        left, at = self._total or (float(self.total_burst), now)
+        left = min(float(self.total_burst), left + (now - at) * self.total_rate)
+        if size and left <= 0:
+            self._total = (left, now)
+            return max(-left / self.total_rate, MIN_RETRY_S)
+        self._total = (left - size, now)
+        return 0.0
 
     def _keep(self, worker: str, left: float, now: float) -> None:
         self._left[worker] = (left, now)

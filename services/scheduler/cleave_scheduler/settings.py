@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from cleave.bus.urls import NatsUrl
 from cleave.gemm.tiles import DEFAULT_CHUNKS, DEFAULT_TILE
 from cleave.runtime.config_file import FileSettings
+from cleave_scheduler.probes import DEFAULT_TOTAL_BURST_BYTES, DEFAULT_TOTAL_RATE_BYTES_PER_S
 
 
 class SchedulerSettings(FileSettings):
@@ -27,6 +28,8 @@ class SchedulerSettings(FileSettings):
     planner: Literal["cost", "even", "uniform"] = "cost"  # cost-aware blocks, even blocks, or a tile queue
     ps_bandwidth: float | None = Field(None, gt=0)  # the PS's egress, bytes/s, for the planner (None: unlimited)
     registry_refresh_s: float = Field(2.0, gt=0)  # rewrite a live worker's registry entry this often
+    echo_burst_bytes: int = Field(DEFAULT_TOTAL_BURST_BYTES, gt=0)  # probe echo bytes all workers may draw at once
+    echo_bytes_per_s: float = Field(DEFAULT_TOTAL_RATE_BYTES_PER_S, gt=0)  # ... and per second after (probes.py)
     nats_user: str = ""  # user/password login, for a NATS you run yourself; `cleave auth init` issues nkeys
     nats_password: SecretStr = SecretStr("")
     nats_nkey_seed: SecretStr = SecretStr("")  # this role's seed from `cleave auth init` (<role>.env)

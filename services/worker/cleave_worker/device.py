@@ -78,7 +78,10 @@ class DeviceState:
                     self.log.info("flops_kept", reason="computed tiles meanwhile", flops=self.profile.flops,
                                   measured=flops)
                     flops = self.profile.flops
-                self.profile = await measured_profile(self.s, self.probe_bus, flops)
+                measuring = asyncio.ensure_future(measured_profile(self.s, self.probe_bus, flops))
+                if not await done_unless_stopped(measuring, stop):  # (refused echoes may wait minutes)
+                    return
+                self.profile = measuring.result()
             except Exception as e:  # e.g. the scheduler restarting: measure again next time
                 self.log.warning("reprobe_failed", error=repr(e))
 
