@@ -72,6 +72,18 @@ def test_all_echoes_together_stay_within_one_budget_whatever_ids_are_claimed() -
     assert own.answer(big, "w1", 0.0).payload and own.answer(big, "w1", 0.0).retry_after_s == pytest.approx(2.0)
 
 
+def test_refused_echoes_are_told_once_a_minute_while_there_are_new_ones() -> None:
+    """The operator's log says that workers wait to measure their links (a flood, or budgets too tight), at most
+    once a minute and only when something new was refused."""
+    desk, big = ProbeDesk(max_payload=8 << 20, total_burst=4 << 20, total_rate=1 << 20), Probe(reply_bytes=4 << 20)
+    assert desk.answer(big, "a", 0.0).payload and desk.news(0.0) is None  # nothing refused yet
+    assert desk.answer(big, "b", 0.0) is None
+    assert desk.news(0.0) == {"over_worker_budget": 0, "over_total_budget": 1}
+    assert desk.answer(big, "c", 0.0) is None  # (the budget still in debt)
+    assert desk.news(1.0) is None and desk.news(60.0) == {"over_worker_budget": 0, "over_total_budget": 2}
+    assert desk.news(500.0) is None  # nothing new since
+
+
 def test_a_profile_claiming_far_more_than_its_worker_delivers_is_corrected() -> None:
     reg = Registry(liveness_s=1.0)
     reg.heartbeat(beat("liar"), 0.0)

@@ -283,7 +283,12 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
     desk = ProbeDesk(probe_bus.max_payload, total_burst=s.echo_burst_bytes, total_rate=s.echo_bytes_per_s)
 
     async def on_probe(probe: Probe, subject: str) -> Probe | None:
-        return desk.answer(probe, prober(subject), time.monotonic())
+        now = time.monotonic()
+        echo = desk.answer(probe, prober(subject), now)
+        if news := desk.news(now):  # (workers wait to measure their links: a flood, or settings too tight)
+            log.warning("probe_echoes_held", **news, echo_burst_bytes=s.echo_burst_bytes,
+                        echo_bytes_per_s=s.echo_bytes_per_s)
+        return echo
 
     probes = await probe_bus.serve(SUBJECT_PROBE_ALL, Probe, on_probe, max_bytes=MAX_PROBE_BYTES + 1024,
                                    reply_ok=refusal, with_subject=True)

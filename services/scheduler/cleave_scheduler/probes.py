@@ -31,6 +31,7 @@ DEFAULT_TOTAL_BURST_BYTES = 256 * 1024 * 1024  # echo bytes all workers together
 DEFAULT_TOTAL_RATE_BYTES_PER_S = 32 * 1024 * 1024  # ... and per second after (~6 measurements of a fast link)
 MAX_TRACKED = 100_000  # worker ids whose budget is remembered (the least recently seen are forgotten)
 MIN_RETRY_S = 0.05  # the shortest wait a refusal names
+HELD_NEWS_S = 60.0  # refusals are told (`news`) at most this often
 
 
 def prober(subject: str) -> str:
@@ -55,6 +56,7 @@ class ProbeDesk:
         self._total: tuple[float, float] | None = None  # (bytes left of all workers' budget, at); None: full
         self.refused = 0  # probes over their worker's budget
         self.refused_total = 0  # probes within it, but over the budget of all workers together
+        self._told: tuple[int, float] = (0, float("-inf"))  # (refusals, when) `news` last told
 
     def answer(self, probe: Probe, worker: str, now: float) -> Probe | None:
         """The echo for `worker`'s probe; over a budget, a refusal saying when to ask again (None when the
@@ -73,6 +75,15 @@ class ProbeDesk:
             return Probe(retry_after_s=min(max(wait, MIN_RETRY_S), MAX_PROBE_RETRY_S)) if probe.refusable else None
         self._keep(worker, left - cost, now)
         return Probe(payload=bytes(size))
+
+    def news(self, now: float) -> dict | None:
+        """The refusals so far, when there are new ones since last told and that was HELD_NEWS_S ago (for the
+        operator's log: workers waiting to measure their links); None otherwise."""
+        count, at = self._told
+        if self.refused + self.refused_total == count or now - at < HELD_NEWS_S:
+            return None
+        self._told = (self.refused + self.refused_total, now)
+        return {"over_worker_budget": self.refused, "over_total_budget": self.refused_total}
 
     def _take_total(self, size: int, now: float) -> float:
         """Take `size` echo bytes of all workers' budget (0.0), or the seconds until it has any again. It may
