@@ -408,6 +408,13 @@ def test_a_site_pointed_at_the_hubs_client_port_is_told_at_once(deployment, tmp_
     assert done.returncode == 2, done.stdout + done.stderr
     assert "is a client port, not the hub's leaf-node port" in done.stderr, done.stderr
     assert time.monotonic() - started < 30
+    site = site_cmd(deployment, tmp_path / "site", free_port())  # mended, in the same run dir: that earlier
+    try:  # run's lines in the leaf node's log once ended it with the same words
+        linked(site)
+    finally:
+        site.terminate()
+        site.communicate(timeout=30)
+    assert site.returncode == 0
 
 
 def site_cmd(deployment: Deployment, run_dir: Path, port: int) -> subprocess.Popen:

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with stop_signals():
             start_leaf(site, site_cred, worker)
-            wait_linked(site, args.connect_timeout)
+            offset = wait_linked(site, args.connect_timeout)
             site.linked_at = time.monotonic()
             print(f"site {name}: leaf node {site.url} linked to {', '.join(site.hubs)}; run dir {run_dir}", flush=True)
             env = {"CLEAVE_WORKER_NATS_NKEY_SEED": worker.seed}  # (the leaf node's client port is local and plain)
@@ -109,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.workers} workers on it; other machines of the site: cleave worker --nats "
                   f"nats://<this machine>:{port} --auth <the site's folder>", flush=True)
             print("Ctrl-C (or SIGTERM, SIGHUP) stops everything", flush=True)
-            offset = 0
             while True:
                 for line in site.stack.tell_ended(site.stack.supervise()):
                     print(line, flush=True)
@@ -155,14 +154,16 @@ def start_leaf(site: SiteRun, site_cred: auth.Credential, worker: auth.Credentia
     site.stack.write_stack_json()
 
 
-def wait_linked(site: SiteRun, timeout_s: float) -> None:
-    """Until the leaf node holds its link to the hub; ConfigError at once when the hub refuses it."""
-    deadline, offset = time.monotonic() + timeout_s, 0
+def wait_linked(site: SiteRun, timeout_s: float) -> int:
+    """Until the leaf node holds its link to the hub; ConfigError at once when the hub refuses it. Returns how
+    far the leaf node's log is read: its lines from this run on (an earlier run's, in the same run dir, are that
+    run's: they once ended a site linked well, or blamed a cause long gone)."""
+    deadline, offset = time.monotonic() + timeout_s, site.stack.procs["nats-leaf"].log_offset
     while True:
         offset = check_refused(site, offset)
         try:
             if get_json(f"{site.stack.nats_monitor}/leafz").get("leafs"):
-                return
+                return offset
         except OSError:
             pass
         if time.monotonic() > deadline:
