@@ -67,6 +67,8 @@ def test_status_says_a_runner_is_gone_and_a_submission_waits(nats_url: str, caps
     assert "not heard" not in capsys.readouterr().out  # a job that ended needs no runner
     assert main(["status", "--nats", nats_url, "--job-id", "later"]) == 0
     assert "later: submitted, waiting on the hub for its runner to take it" in capsys.readouterr().out
+    assert main(["status", "--nats", nats_url, "--job-id", "later", "--json"]) == 0  # (it printed the text)
+    assert json.loads(capsys.readouterr().out) == {"job": "later", "state": "submitted", "runner_silent_s": None}
     assert main(["status", "--nats", nats_url]) == 0
     listed = {x.split()[0]: x for x in capsys.readouterr().out.splitlines()}
     assert sorted(listed) == ["finished", "later", "orphan"] and "not heard" in listed["orphan"], listed

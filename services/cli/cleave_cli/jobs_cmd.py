@@ -103,7 +103,10 @@ async def status(args: argparse.Namespace) -> int:
             show_list(records, lines, waits, waiting, args.json)
             return 0
         if not records and await hub.untaken(bus, args.job_id):
-            print(f"{args.job_id}: submitted, waiting on the hub for its runner to take it (is `cleave up` running "
+            if args.metrics_out:
+                print(f"{args.job_id} has no step yet: {args.metrics_out} not written", file=sys.stderr)
+            print(json.dumps(untaken_view(args.job_id)) if args.json else
+                  f"{args.job_id}: submitted, waiting on the hub for its runner to take it (is `cleave up` running "
                   "there?)")
             return 0
         if not records:
@@ -120,6 +123,11 @@ async def status(args: argparse.Namespace) -> int:
     view = hub.summary(rec, lines, wait=wait)
     print(json.dumps(view) if args.json else line(view))
     return 0
+
+
+def untaken_view(job_id: str) -> dict:
+    """`status --json` of a job submitted to the hub that no runner has taken yet."""
+    return {"job": job_id, "state": "submitted", "runner_silent_s": None}
 
 
 def mirror(path: Path, job_id: str, lines: list[StepMetrics]) -> Path | None:
@@ -172,7 +180,7 @@ def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], wai
     that no runner has taken yet (no record)."""
     views = [hub.summary(r, lines.get(r.job_id, []), wait=waits.get(r.job_id)) for r in records]
     if as_json:
-        print(json.dumps(views + [{"job": j, "state": "submitted", "runner_silent_s": None} for j in waiting]))
+        print(json.dumps(views + [untaken_view(j) for j in waiting]))
         return
     if not records and not waiting:
         print("no jobs on this hub")
