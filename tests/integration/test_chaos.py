@@ -90,3 +90,14 @@ def test_a_stale_stack_json_kills_nothing_else(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_ps_of_a_hubs_job_is_found_where_the_runner_keeps_it(tmp_path):
+    """`cleave up`'s stack has no PS of its own: its runner starts each job's PS in <run dir>/runner. Asked for
+    the PS of the hub's stack, the command says where they are; `runner` is a role."""
+    (tmp_path / "runner").mkdir()
+    for path in (tmp_path / "stack.json", tmp_path / "runner" / "stack.json"):
+        path.write_text(json.dumps({"processes": []}))
+    out = chaos(tmp_path, "kill", "--role", "ps")
+    assert out.returncode == 2 and f"a hub's jobs run their PSs in --run-dir {tmp_path / 'runner'}" in out.stderr
+    assert "runner" in chaos_cmd.ROLES

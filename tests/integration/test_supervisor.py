@@ -253,6 +253,11 @@ def test_a_worker_that_refuses_its_settings_stays_down_and_is_told_once(tmp_path
         crash.popen.wait(60)
         assert stack.tell_ended(stack.supervise()) == ["worker-2 stopped with status 1, not restarted: held down "
                                                        "(`cleave chaos ... --no-restart`)"]
+        said = {p["name"]: p["running"] for p in json.loads((tmp_path / "stack.json").read_text())["processes"]}
+        assert said == {"worker-1": False, "worker-2": False}  # (it said both ran: chaos blamed the supervisor)
+        again = Stack(tmp_path).spawn("worker-2", "worker", [sys.executable, "-c", "import sys; sys.exit(1)"])
+        assert not (tmp_path / "held-down" / "worker-2").exists()  # a new process of that name: the hold is gone
+        again.popen.wait(60)
     finally:
         stack.stop_all()
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
-from cleave.api.supervisor import held_down, parent_death_signal, signals_held
+from cleave.api.supervisor import HELD_DOWN_DIR, held_down, parent_death_signal, signals_held
 from cleave.errors import EXIT_ERROR, EXIT_GROUP_LOST, NOT_RESTARTED, CleaveError
 from cleave.runtime.files import write_atomic
 
@@ -74,6 +74,7 @@ class Stack:
         self.leaf_url = ""  # where sites' leaf nodes dial this stack (a hub's), if anywhere
         # role -> exit codes not restarted (a worker that refused its settings would only refuse them again)
         self.stays_down: dict[str, tuple[int, ...]] = {"ps": NOT_RESTARTED, "worker": (EXIT_ERROR,)}
+        self._down: set[str] = set()  # processes that ended and stay down, as stack.json last said
 
     # ---- nats ----------------------------------------------------------------------------------------
     def start_nats(self) -> str:
@@ -165,6 +166,9 @@ class Stack:
               restart: bool = True) -> Proc:
         proc = Proc(name, role, list(argv), dict(env or {}), restart)
         self.procs[name] = proc
+        # a drill's hold (`cleave chaos ... --no-restart`) is on the process it stopped, not on a new one of that
+        # name: a later stack in the run dir (a resumed job's, `runs/<job id>`) never restarted it otherwise
+        (self.run_dir / HELD_DOWN_DIR / name).unlink(missing_ok=True)
         self._start(proc)
         return proc
 
@@ -187,6 +191,7 @@ class Stack:
     def _start(self, proc: Proc) -> None:
         log = self.log_path(proc.name)
         proc.log_offset = log.stat().st_size if log.exists() else 0
+        self._down.discard(proc.name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
         # nats-server closes its store on SIGTERM; a service is killed outright (as in a crash)
         on_orphaned = signal.SIGTERM if proc.role == "nats" else signal.SIGKILL
@@ -212,6 +217,9 @@ class Stack:
                     self.restart(proc.name)
                     continue
             ended.append(proc)
+        if any(p.name not in self._down for p in ended):  # stack.json says so (`cleave chaos`, `status` read it)
+            self._down.update(p.name for p in ended)
+            self.write_stack_json()
         return ended
 
     def tell_ended(self, ended: list[Proc]) -> list[str]:

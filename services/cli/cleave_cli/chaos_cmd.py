@@ -21,7 +21,8 @@ from cleave.api.supervisor import HELD_DOWN_DIR
 from cleave.errors import CleaveError
 
 ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "thaw": signal.SIGCONT, "restart": signal.SIGTERM}
-ROLES = ("worker", "ps", "scheduler", "monitor", "nats")
+ROLES = ("worker", "ps", "scheduler", "monitor", "nats", "runner")
+RUNNER_DIR = "runner"  # `cleave up`'s runner keeps its jobs' PSs in a stack of their own, <run dir>/runner
 
 
 def stamp() -> str:
@@ -89,6 +90,8 @@ def act(args: argparse.Namespace, rng: random.Random) -> dict:
         gone = sum(bool(p.get("running")) and not runs_as_recorded(p) for p in stack["processes"])
         stale = (f" ({gone} it says run are gone or their pids are other programs' now: is the stack's "
                  "supervisor still running?)") if gone else ""
+        if args.role == "ps" and not args.name and (args.run_dir / RUNNER_DIR / "stack.json").is_file():
+            stale += f"; a hub's jobs run their PSs in --run-dir {args.run_dir / RUNNER_DIR}"
         raise CleaveError(f"no running process matches {args.name or args.role!r} in "
                           f"{args.run_dir / 'stack.json'}{stale}")
     proc = rng.choice(found)
