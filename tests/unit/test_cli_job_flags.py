@@ -114,6 +114,8 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("plan", "--model", "tiny", "--fleet", "synthetic:99999999", "--batch-size", "8", "--seq-len", "64"):
             "N from 1 to 1,000,000",
         ("export", "--run-dir", str(tmp_path / "run"), "--out", str(a_file)): f"{a_file} is a file",
+        ("export", "--nats", "nats://127.0.0.1:1", "--out", str(tmp_path / "x")):  # (it said nats= and job_id=)
+            "needs the job's id (--job-id, job_id=)",
         ("export", "--run-dir", str(tmp_path / "run"), "--out", str(a_file / "sub")):  # (said 'File exists')
             f"{a_file} is a file: no folder can be made under it",
         ("runner", "--run-dir", str(a_file), "--nats", "nats://127.0.0.1:1"): f"{a_file}/logs: Not a directory",

@@ -172,7 +172,8 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     replaceable(out)
     if nats is not None:
         if not job_id:
-            raise ConfigError("export from nats= needs job_id= (`cleave status --nats URL` lists the hub's jobs)")
+            raise ConfigError("export from a hub's NATS (--nats, nats=) needs the job's id (--job-id, job_id=): "
+                              "`cleave status --nats URL` lists the hub's jobs")
         head, job, cfg, model = asyncio.run(state.read_state(nats, job_id, Path(auth) if auth else None))
     else:
         with state.state_server(Path(run_dir)) as url:
