@@ -206,8 +206,9 @@ async def check_api(http: aiohttp.ClientSession, url: str) -> None:
     assert len((await get_json(http, url + "/api/events"))["events"]) == 3
     assert len((await get_json(http, url + "/api/series?job=j"))["points"]) == 6
     for path in ("/api/series?job=nope", "/api/state?job=nope"):  # (state gave another job's steps)
-        async with http.get(url + path) as resp:
-            assert resp.status == 404, path
+        async with http.get(url + path) as resp:  # JSON, as every answer of the API (it was text/plain)
+            assert resp.status == 404 and resp.content_type == "application/json", (path, resp.content_type)
+            assert await resp.json() == {"error": "no job 'nope'; known: j"}, path
     assert (await get_json(http, url + "/healthz"))["nats"] is True
     samples = await prom_samples(http, url)
     assert samples[("cleave_steps_total", ())] == 6 and samples[("cleave_tiles_total", ())] == 40

@@ -75,6 +75,36 @@ def test_the_hubs_jobs_are_listed_oldest_first_and_leave_when_deleted():
     assert s.status(720.0)["queue"][0]["waiting_for_workers"] is None
 
 
+def test_a_step_line_or_event_told_again_is_dropped_and_a_step_run_again_counts():
+    """A resumed PS without a metrics file tells its last commit's lines (each with its recovery events) again:
+    the copies are neither drawn nor counted. A step run again after a resume from an older checkpoint is a new
+    line (a new `at`) and is."""
+    s = MonitorState()
+    lost = Event(kind="recovered", at=1001.5, step=1, worker_id="a", cause="heartbeat_timeout", detect_s=0.2)
+    told = [metrics(0), lost, metrics(1, recoveries=1, recovery=(lost,)), metrics(2)]
+    feed = lambda m: s.on_event(m) if isinstance(m, Event) else s.on_metrics(m)  # noqa: E731
+    assert all(feed(m) is not None for m in told)
+    assert [feed(m) for m in (lost, told[2], told[3])] == [None] * 3  # told again by the PS resumed after step 2
+    s.on_metrics(metrics(2, at=2000.0, loss=9.0))  # step 2 run again, after a resume from step 1's checkpoint
+    assert [(p["step"], p["at"]) for p in s.series()] == [(0, 1000.0), (1, 1001.0), (2, 1002.0), (2, 2000.0)]
+    t = s.totals
+    assert (t.steps, t.tiles, t.recoveries, t.tokens, t.events["recovered"]) == (4, 40, 1, 1024, 1)
+    assert len(s.events) == 1 and s.job_list()[0]["steps"] == 4
+    s.on_metrics(metrics(0, job="k"))  # another job's step 0 at the same moment is its own
+    assert s.totals.steps == 5 and len(s.series("k")) == 1
+
+
+def test_what_is_remembered_to_drop_a_copy_is_bounded_and_the_same_for_the_same_stream():
+    a, b = MonitorState(max_points=10, max_events=10), MonitorState(max_points=10, max_events=10)
+    for s in (a, b):
+        for i in range(25):
+            s.on_metrics(metrics(i))
+            s.on_event(Event(kind="tile_resent", at=float(i)))
+        assert len(s.seen_lines.keys) == 10 and len(s.seen_events.keys) == 10
+        assert s.on_metrics(metrics(24)) is None and s.on_event(Event(kind="tile_resent", at=24.0)) is None
+    assert a.seen_lines.keys == b.seen_lines.keys and a.totals == b.totals
+
+
 def test_host_names_the_dashboard_answers():
     assert guard.host_name("[::1]:8787") == "::1" and guard.host_name("hub.example.org:8787") == "hub.example.org"
     none = frozenset()

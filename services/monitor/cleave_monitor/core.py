@@ -3,7 +3,12 @@
 Everything it knows comes in through `on_metrics`, `on_event`, `on_device`, `on_device_gone`, `on_plan` and
 `on_job_record` (the hub runner's record of a submitted job), in the order the bus delivers it; replaying the same stream rebuilds the same state, which
 is how the monitor's history survives its own restart. Each `on_*` returns the live update (`kind`,
-JSON-ready data) for pages that are watching.
+JSON-ready data) for pages that are watching, or None for a message it drops.
+
+A step line or event seen before (a PS without a metrics file tells its last commit's lines, and their
+recovery events, again when it resumes) is dropped, neither shown nor counted: a line is known by its job, step
+and `at` (its own timestamp, the same in a copy), an event by its kind, job, step, device, cause and `at`. A job
+that runs steps again (resumed from an older checkpoint) reports new lines, with a new `at`, and they count.
 """
 
 from __future__ import annotations
@@ -48,6 +53,23 @@ def point(m: StepMetrics) -> dict:
         "dp_epsilon": finite(m.dp_epsilon),  # a DP job's epsilon spent up to this round
         "at": m.at,
     }
+
+
+class Seen:
+    """The last `size` keys seen, oldest forgotten first: a bounded set that the same stream fills the same way."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.keys: dict[tuple, None] = {}  # (insertion-ordered: the oldest first)
+
+    def first(self, key: tuple) -> bool:
+        """Whether `key` is new (and now remembered)."""
+        if key in self.keys:
+            return False
+        self.keys[key] = None
+        if len(self.keys) > self.size:
+            del self.keys[next(iter(self.keys))]
+        return True
 
 
 @dataclass
@@ -143,9 +165,14 @@ class MonitorState:
         self.rejected = 0  # malformed messages the shell could not decode
         self.queue: dict[str, dict] = {}  # job id -> the hub runner's record of it (`cleave submit`'s jobs)
         self.waits: dict[str, Event] = {}  # job id -> its PS's latest word that it has no worker to deal to
+        # the latest lines and events, to drop a copy: one comes soon after its first (a resume re-tells the
+        # last commit's lines), so as many as the history keeps are remembered
+        self.seen_lines, self.seen_events = Seen(max_points), Seen(max_events)
 
     # ---- inputs ---------------------------------------------------------------------------------------
-    def on_metrics(self, m: StepMetrics) -> Update:
+    def on_metrics(self, m: StepMetrics) -> Update | None:
+        if not self.seen_lines.first((m.job, m.step, m.at)):
+            return None
         series = self.jobs.get(m.job)
         if series is None:
             series = self.jobs[m.job] = deque(maxlen=self.max_points)
@@ -155,7 +182,9 @@ class MonitorState:
         self.totals.add(m)
         return "metrics", {"job": m.job, "point": p}
 
-    def on_event(self, e: Event) -> Update:
+    def on_event(self, e: Event) -> Update | None:
+        if not self.seen_events.first((e.kind, e.job, e.step, e.worker_id, e.cause, e.at)):
+            return None
         self.totals.events[e.kind] += 1
         if e.kind == "waiting_for_workers":
             self.waits[e.job] = e

@@ -52,7 +52,9 @@ class Feed:
         self.state, self.hub = state, hub
         self.status_dirty = asyncio.Event()
 
-    def apply(self, update: Update) -> None:
+    def apply(self, update: Update | None) -> None:
+        if update is None:  # a copy of a message seen before: nothing changed
+            return
         kind, data = update
         if kind in ("metrics", "event"):
             self.hub.publish(kind, data)

@@ -71,10 +71,13 @@ async def api_series(request: web.Request) -> web.Response:
 
 
 def known_job(request: web.Request) -> str | None:
-    """The job `?job=` names (None: none named); one the monitor has not seen is a 404, not another job's steps."""
+    """The job `?job=` names (None: none named); one the monitor has not seen is a 404, not another job's steps
+    (JSON, as every answer of the API: `{"error": ...}`)."""
     state, job = request.app[CONTEXT].state, request.query.get("job") or None
     if job is not None and job not in state.jobs:
-        raise web.HTTPNotFound(text=f"no job {job!r}; known: {', '.join(state.jobs) or 'none'}")
+        error = f"no job {job!r}; known: {', '.join(state.jobs) or 'none'}"
+        raise web.HTTPNotFound(text=json.dumps({"error": error}), content_type="application/json",
+                               headers={"Cache-Control": "no-store"})
     return job
 
 

@@ -286,8 +286,8 @@ class Persister:
 
 class Progress:
     """Steps (or rounds) run but not yet committed: committed with the state that follows them every
-    `persist_every` steps and after the last, then written to the metrics file and published, each exactly
-    once (lines committed but not written before a crash are written on resume)."""
+    `persist_every` steps and after the last, then published and written to the metrics file, each exactly
+    once (lines committed but not written before a crash are published and written on resume)."""
 
     def __init__(self, bus: Bus, job: JobConfig, s: PsSettings, faults: Faults, fence_id: str | None = None,
                  writes_head: bool = True) -> None:
@@ -415,11 +415,15 @@ class Progress:
         await self.report(head.metrics)
 
     async def report(self, lines: tuple[StepMetrics, ...] | list[StepMetrics]) -> None:
+        """Tell the events stream of each line (its recoveries first) and write it, where the metrics file does
+        not hold it yet: a resume re-reports its head's lines, and re-tells none already told. Without a metrics
+        file the PS cannot know, and tells them all (the monitor drops a line it has seen)."""
         written = await asyncio.to_thread(self.out.steps)
         for m in lines:
-            if m.step not in written:
-                await asyncio.to_thread(self.out.write, m)
+            if m.step in written:
+                continue
             for ev in m.recovery:
                 await self.bus.emit(ev)
             await self.bus.emit(m)
+            await asyncio.to_thread(self.out.write, m)
 
