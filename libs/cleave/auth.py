@@ -16,7 +16,7 @@ Roles and what they may do (anything not listed is refused by nats-server):
   scheduler.env beside the scheduler's), which may subscribe to probe requests and publish to the workers'
   inboxes (`_INBOX.worker.>`) and nowhere else: an answer aimed at a bucket or the JetStream API is refused
   by the server whatever a request names as its reply.
-- monitor: reads the events stream, the registry, plan and job buckets, live heartbeats and events; writes
+- monitor: reads the events stream, the registry, plan and job buckets, and live events; writes
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
 - submitter: submit jobs to the hub (publish on `cleave.jobs.submit.*`, stored in JetStream), and read what
   `cleave status` and `cleave export` need: the job records, the events stream (step metrics), the PS's state
@@ -194,7 +194,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         for s in (EVENTS_STREAM, _kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET)):
             pub += _js_read(s)
         pub += [*_js_create(_kv(JOBS_BUCKET)), *_js_read(_kv(JOBS_BUCKET))]  # the hub's jobs, on the dashboard
-        return _service(role, pub, [SUBJECT_EVENTS_ALL, _wild(SUBJECT_HEARTBEAT)])
+        return _service(role, pub, [SUBJECT_EVENTS_ALL])  # (no heartbeats: the registry tells it the fleet)
     if role == "worker":
         wid = "*" if worker_id is None else check_worker_id(worker_id)
         inbox = f"{inbox_prefix(role)}.>" if worker_id is None else f"{inbox_prefix(role, worker_id)}.>"

@@ -236,6 +236,11 @@ def test_the_submitter_submits_and_reads_and_writes_nothing_else() -> None:
                 if "$KV.cleave-jobs.>" in auth.permissions(r).publish]
 
 
+def test_the_monitor_reads_events_and_its_replies_and_nothing_live_else() -> None:
+    """It never read the heartbeats it was allowed (workers' ids and profiles, live): least privilege."""
+    assert set(auth.permissions("monitor").subscribe) == {"cleave.events.>", "_INBOX.monitor.>"}
+
+
 def test_sites_and_a_cluster_in_the_written_config(tmp_path: Path) -> None:
     out = tmp_path / "auth"
     written = init(out, "--tls", "--sites", "lab-a,lab-b", "--cluster", "n1,n2:16222,n3")
