@@ -184,3 +184,22 @@ def test_a_message_after_a_status_line_on_a_terminal_starts_a_line_of_its_own() 
     line.update(sources.PrepareStats(1, 10, 10))
     line.said("second")
     assert line.stream.getvalue().startswith("first\n\r1 documents") and line.stream.getvalue().endswith("\nsecond\n")
+
+
+@pytest.mark.timeout(30)
+def test_a_device_or_a_pipe_is_refused_as_data_before_it_is_read(tmp_path: Path) -> None:
+    """data=/dev/zero was read for ever (a hub's PS grew 65 MB/s), and opening a pipe waits for a writer: both
+    are refused by name, as text, JSONL or a worker's declared data, before anything is read."""
+    import os  # noqa: PLC0415
+
+    from cleave.train.sources import check_source, iter_documents, source_bytes  # noqa: PLC0415
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    for spec in ("/dev/zero", str(fifo), f"{fifo}:text"):
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            [list(doc) for doc in iter_documents(spec)]
+        with pytest.raises(ConfigError, match="is not a regular file"):
+            source_bytes(spec)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        check_source("/dev/zero")

@@ -24,6 +24,7 @@ import numpy as np
 
 from cleave.errors import ConfigError
 from cleave.models.tokenizer import Tokenizer, render_chat
+from cleave.train.reading import open_text
 from cleave.train.sources import DEFAULT_JSONL_FIELD, Source
 
 KINDS = ("prompt", "messages")
@@ -38,12 +39,7 @@ class Example:
 
 
 def _rows(src: Source) -> Iterator[tuple[int, object]]:
-    path = Path(src.path).expanduser()
-    try:
-        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed by the generator
-    except OSError as e:
-        raise ConfigError(f"data={src.spec!r}: cannot read {path} ({e.strerror})") from None
-    with f:
+    with open_text(Path(src.path).expanduser(), src.spec, errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:

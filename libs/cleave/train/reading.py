@@ -14,6 +14,7 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from cleave.errors import ConfigError
 
@@ -60,16 +61,23 @@ def glob_files(pattern: str) -> list[Path]:
     return sorted(p for p in map(Path, glob.glob(os.path.expanduser(pattern), recursive=True)) if p.is_file())
 
 
+def open_text(path: Path, spec: str, errors: str = REPLACE_COUNTING) -> TextIO:
+    """`path` open to read as UTF-8 text; ConfigError naming data `spec` where it cannot be, or where it is no
+    regular file: a device (/dev/zero) never ends, and opening a pipe waits for a writer, perhaps for ever."""
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"data={spec!r}: {path} is not a regular file (a device, pipe or socket): name a file")
+    try:
+        return open(path, encoding="utf-8", errors=errors)  # noqa: SIM115 - the caller closes it
+    except OSError as e:
+        raise ConfigError(f"data={spec!r}: cannot read {path} ({e.strerror})") from None
+
+
 def file_pieces(path: Path, spec: str, chunk_chars: int) -> Iterator[str]:
     """A text file in pieces of `chunk_chars` characters and the rest of the line they end in, as long as that
     rest is at most `chunk_chars` more; a longer line is cut where `cut` says and read on to its end by the
     next pieces. So no piece holds more than 2 x `chunk_chars` characters, a file of one long line included.
     Universal newlines; a byte that is not UTF-8 is read as U+FFFD and counted."""
-    try:
-        f = open(path, encoding="utf-8", errors=REPLACE_COUNTING)  # noqa: SIM115 - closed by the generator
-    except OSError as e:
-        raise ConfigError(f"data={spec!r}: cannot read {path} ({e.strerror})") from None
-    with f:
+    with open_text(path, spec) as f:
         ahead, in_line = "", False  # what was read past the last cut; whether that cut was inside a line
         while piece := ahead + f.read(chunk_chars - len(ahead)):
             end = piece.find("\n", 0 if in_line else len(piece) - 1) + 1  # (0: none)

@@ -137,12 +137,7 @@ def _files(src: Source) -> list[Path]:
 
 
 def _jsonl_documents(src: Source) -> Iterator[Document]:
-    path = Path(src.path).expanduser()
-    try:
-        f = open(path, encoding="utf-8", errors=reading.REPLACE_COUNTING)  # noqa: SIM115 - closed by the generator
-    except OSError as e:
-        raise ConfigError(f"data={src.spec!r}: cannot read {path} ({e.strerror})") from None
-    with f:
+    with reading.open_text(Path(src.path).expanduser(), src.spec) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -260,7 +255,7 @@ def source_bytes(spec: str) -> int:
     total = 0
     for f in files:
         try:
-            with open(f, "rb") as fh:
+            with reading.open_text(f, spec) as fh:  # (there, readable and a regular file)
                 fh.read(1)
             total += f.stat().st_size
         except OSError as e:
