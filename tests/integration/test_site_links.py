@@ -329,6 +329,9 @@ async def test_the_runner_judges_each_submission_and_only_it_writes_the_records(
             await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job=job_id), codec.encode(sub))
         nan = JobSubmission.model_construct(job=submissions["fresh"], nonce="e" * 16, submitted_at=float("nan"))
         await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job="nan"), codec.encode(nan))  # (refused on reading)
+        long_id = "x" * 65  # a subject token, but no job id: its refusal's record could not be written (it ended
+        sub = JobSubmission(job=json.dumps({"job_id": long_id}), nonce="d" * 16, submitted_at=0.0)  # the runner)
+        await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job=long_id), codec.encode(sub))
         while len(runner.records) < len(submissions):
             await runner.take()
         await runner.take()
@@ -340,7 +343,7 @@ async def test_the_runner_judges_each_submission_and_only_it_writes_the_records(
         assert recs["bad"].verdict == "refused" and "no-such-model" in recs["bad"].verdict_reason
         assert recs["deep"].verdict == "refused" and "not a valid job: maximum recursion" in recs["deep"].verdict_reason
         assert before - 1 <= recs["fresh"].submitted_at <= time.time()  # when the hub stored it, not the claim
-        assert "nan" not in runner.records
+        assert "nan" not in runner.records and long_id not in runner.records
         steps8 = JobConfig.build(job_id="old", preset="tiny", steps=8).model_dump_json()  # more steps: resumes
         await submitter.js.publish(SUBJECT_JOB_SUBMIT.format(job="old"),
                                    codec.encode(JobSubmission(job=steps8, nonce="f" * 16, submitted_at=time.time())))

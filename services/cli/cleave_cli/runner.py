@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -49,7 +50,8 @@ from cleave.schemas import (
     JobSubmission,
     StateHead,
 )
-from cleave.schemas.jobs import RUNNER_REFRESH_S
+from cleave.schemas.jobs import JOB_ID_PATTERN, RUNNER_REFRESH_S
+from cleave.schemas.subjects import TOKEN_CHARS
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
@@ -156,10 +158,25 @@ class Runner:
             try:
                 sub = codec.decode(m.data, JobSubmission, MAX_CONTROL_BYTES)
             except WireError as e:  # nothing to answer: the submitter's nonce is in what could not be read
-                log.warning("submission_rejected", job=job_id, reason=e.reason, detail=str(e)[:200])
-            else:  # (queued in the order the hub stored them, whatever clock the submitter claims)
-                await self.accept(job_id, sub, m.metadata.timestamp.timestamp())
+                log.warning("submission_rejected", job=job_id[:64], reason=e.reason, detail=str(e)[:200])
+            else:
+                await self.judged(job_id, sub, m.metadata.timestamp.timestamp())
             await m.ack()
+
+    async def judged(self, job_id: str, sub: JobSubmission, stored_at: float) -> None:
+        """`accept`, for a submission on the subject of `job_id`: one whose id can name no record is logged,
+        and one whose judging fails for any reason but the bus is logged too: the runner, and the jobs it runs,
+        go on (a submission that ended it was handed to each runner that came back)."""
+        if not re.fullmatch(JOB_ID_PATTERN, job_id):
+            log.warning("submission_rejected", job=job_id[:64], reason="bad_job_id",
+                        detail=f"a job id is 1 to 64 of [{TOKEN_CHARS}]")
+            return
+        try:  # (queued in the order the hub stored them, whatever clock the submitter claims)
+            await self.accept(job_id, sub, stored_at)
+        except (nats.errors.Error, TimeoutError, ConnectionError, CreateRefused):
+            raise  # the bus is away: not acknowledged, handed over again
+        except Exception as e:
+            log.error("submission_unjudged", job=job_id, error=repr(e)[:300])
 
     async def accept(self, job_id: str, sub: JobSubmission, stored_at: float | None = None) -> JobRecord:
         """Judge `sub` (stored by the hub at `stored_at`, now by default) and record the verdict."""
