@@ -297,8 +297,12 @@ def test_a_hub_warns_of_a_site_folder_that_holds_its_shared_worker_key(tmp_path:
     init(out, "--sites", "lab-a,lab-b")
     shutil.copy(out / "worker.env", out / "sites" / "lab-b" / auth_cmd.WORKER_ENV)
     said = HubConfig.of("127.0.0.1:0", out).sites_with_hub_keys()
-    assert said is not None and said.startswith("site lab-b holds this hub's shared worker key"), said
+    assert said is not None and said.startswith("site lab-b was given this hub's shared worker key"), said
     assert "lab-a" not in said and f"cleave auth init --force --out {out}" in said
+    shutil.rmtree(out / "sites" / "lab-b")  # revoked as documented: it still holds the key, and is still told of
+    assert HubConfig.of("127.0.0.1:0", out).sites_with_hub_keys() == said
+    init(out, "--sites", "lab-a", "--force")  # every credential re-issued: the key it holds is no login now
+    assert HubConfig.of("127.0.0.1:0", out).sites_with_hub_keys() is None
 
 
 def test_a_leaf_node_holds_the_site_seed_and_verifies_the_hub(tmp_path: Path) -> None:

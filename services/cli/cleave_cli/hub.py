@@ -11,7 +11,9 @@ users and TLS, and the credential each of its services logs in with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from cleave.api import contact, credentials
 from cleave.api.natsconf import free_port
 from cleave.bus.limits import SERVER_LIMITS
 from cleave.errors import ConfigError
+from cleave.runtime.files import write_atomic
 from cleave_cli import auth_cmd, serverconf
 
 DEFAULT_CLIENT_PORT = 4222
@@ -28,6 +31,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WILDCARD = ("0.0.0.0", "::", "")
 DEFAULT_LOGIN_TIMEOUT_S = 10.0
 SITE_WORKERS = f"{auth_cmd.SITES_DIR}/*/{auth_cmd.WORKER_ENV}"  # each site's workers' key, in its folder
+SHARED_KEY_GIVEN = ".shared-worker-key-given.json"  # sites seen holding the shared worker key: name -> its public
 LOGIN_ROLES = {"runner": "ps"}  # a process role -> the credential it logs in with, where they differ
 PLAIN_CONFIG = """\
 listen: "{listen}"
@@ -118,21 +122,29 @@ class HubConfig:
                 f"(cleave auth init --tls --host {host})")
 
     def sites_with_hub_keys(self) -> str | None:
-        """Sites whose folder holds one of this hub's worker keys (an older `cleave auth init` copied the shared
-        worker.env there): the client port takes it, so deleting such a folder does not cut its site off. What to
-        tell the operator; None when no folder does."""
+        """Sites given one of this hub's worker keys (an older `cleave auth init` copied the shared worker.env
+        into their folders): the client port takes it, so deleting such a folder does not cut its site off. Those
+        seen are recorded (sites/SHARED_KEY_GIVEN) and told of until the key changes, their folders gone or not.
+        What to tell the operator; None when no site was."""
         if self.auth_dir is None:
             return None
+        shared = next((c.public for c in self.creds if c.name == "worker"), None)
         own = {c.seed for c in self.creds if c.role == "worker"}
-        names = [path.parent.name for path in sorted(self.auth_dir.glob(SITE_WORKERS)) if _seed(path) in own]
+        names = {path.parent.name for path in self.auth_dir.glob(SITE_WORKERS) if _seed(path) in own}
+        given = self.auth_dir / auth_cmd.SITES_DIR / SHARED_KEY_GIVEN
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # (unreadable or unwritable: folders tell)
+            held = json.loads(given.read_text()) if given.is_file() else {}
+            names |= {name for name, public in held.items() if public == shared}
+            if names:
+                write_atomic(given, json.dumps({name: shared for name in sorted(names)}, indent=1))
         if not names:
             return None
-        return (f"site{'s' if len(names) > 1 else ''} {', '.join(names)} hold{'' if len(names) > 1 else 's'} this "
-                f"hub's shared worker key in {self.auth_dir}/{auth_cmd.SITES_DIR}/<name>/{auth_cmd.WORKER_ENV} (an "
-                "older `cleave auth init` copied it there): with it a site logs in here as any worker, and deleting "
-                f"its folder does not revoke it. Re-issue every credential: `cleave auth init --force --out "
-                f"{self.auth_dir}` (your other options as before), then give each site its folder again and the "
-                "hub's workers the new worker.env")
+        return (f"site{'s' if len(names) > 1 else ''} {', '.join(sorted(names))} {'were' if len(names) > 1 else 'was'} "
+                f"given this hub's shared worker key ({self.auth_dir}/{auth_cmd.SITES_DIR}/<name>/{auth_cmd.WORKER_ENV}"
+                " of an older `cleave auth init`): with it a site logs in here as any worker, and deleting its folder "
+                f"does not revoke it. Re-issue every credential: `cleave auth init --force --out {self.auth_dir}` "
+                "(your other options as before), then give each site its folder again and the hub's workers the new "
+                "worker.env")
 
     def server_config(self, store: str, monitor_port: int, max_payload: int) -> str:
         listen, leaf = f"{_bracket(self.host)}:{self.port}", f"{_bracket(self.host)}:{self.leaf_port}"
