@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.api.natsconf import free_port
-from cleave.api.stack import Stack
+from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Stack
 from cleave.errors import CleaveError, PsEnded
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
@@ -115,6 +116,7 @@ class LocalFleet:
     stack: Stack = field(init=False)
     next_worker: int = 0
     ps_names: list[str] = field(default_factory=lambda: ["ps"])  # the PS, or its replicas
+    job: JobConfig | None = None  # the job of the PS (`start_ps`)
 
     def __post_init__(self) -> None:
         self.stack = Stack(self.run_dir)
@@ -153,6 +155,7 @@ class LocalFleet:
         """The PS, or `replicas` PS replicas named ps-0, ps-1, ... (replica 0 writes the metrics; each may get
         extra `replica_env`), rendezvousing on a free local port."""
         self.wait_joined()
+        self.job = job
         job_file = self.run_dir / "job.json"
         job_file.write_text(job.model_dump_json(indent=2))
         args = ["--job", str(job_file)]  # the PS appends to metrics_out (a resumed job's lines follow its own)
@@ -178,6 +181,7 @@ class LocalFleet:
         while time.monotonic() < deadline:  # (distinct ids: a worker that joins again counts once)
             if log.exists() and len(set(JOINED.findall(log.read_text(errors="replace")))) >= want:
                 return
+            self.stack.supervise()  # (one that died meanwhile is started again now, not 60 s later)
             for p in self.stack.procs.values():  # one that refused its settings would only refuse them again
                 if p.role == "worker" and p.poll() in self.stack.stays_down["worker"]:
                     raise CleaveError(f"{p.name} could not start: {self.stack.last_words(p) or 'no output'} "
@@ -187,23 +191,39 @@ class LocalFleet:
     def follow_ps(self, metrics_out: Path, timeout_s: float | None = None) -> Iterator[dict]:
         """Supervise until the PS finishes the job, yielding each metrics line as the PS commits its step; a PS
         that ends with an error raises CleaveError naming its log."""
-        tail, ended = MetricsTail(metrics_out), {}  # ended: the PS processes down for good, their status
+        tail, last = MetricsTail(metrics_out), None  # last: the latest step committed
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
-            yield from tail.read()
-            for p in self.stack.supervise():
-                ended[p.name] = p.popen.returncode
-            if all(name in ended for name in self.ps_names):
-                yield from tail.read()
-                for name in self.ps_names:
-                    if ended[name] != 0:
-                        said = self.stack.last_words(self.stack.procs[name])
-                        raise PsEnded(f"the parameter server {name} exited with {ended[name]}"
-                                      f"{f': {said}' if said else ''} (see {self.stack.log_path(name)})", ended[name])
-                return
+            for m in tail.read():
+                last = m["step"] if last is None else max(last, m["step"])
+                yield m
+            down = {p.name: p for p in self.tell(self.stack.supervise()) if p.name in self.ps_names}
+            for name, p in down.items():  # a PS that ended for good with an error ends the run (its replicas
+                if p.popen.returncode != 0:  # would wait for it for ever)
+                    said = self.stack.last_words(p)
+                    loop = (f"it failed {p.crashes} times in a row, each within {CRASH_WINDOW_S:.0f} s of starting; "
+                            if p.crashes >= CRASH_LOOP_STARTS else "")
+                    raise PsEnded(f"the parameter server {name} exited with {p.popen.returncode}: {loop}"
+                                  f"{said or 'no output'} (see {self.stack.log_path(name)})", p.popen.returncode)
+            if down:
+                for m in tail.read():  # (the lines it wrote before it ended)
+                    last = m["step"] if last is None else max(last, m["step"])
+                    yield m
+                if self.job is not None and not self.job.finished_at(last):  # stopped from outside (SIGTERM)
+                    for name in down:
+                        self.stack.restart(name)  # short of the last step: it resumes, as the hub's runner does
+                elif len(down) == len(self.ps_names):
+                    return
             if deadline and time.monotonic() > deadline:
                 raise CleaveError(f"the job did not finish within {timeout_s}s; see {self.run_dir}/logs")
             time.sleep(DEFAULT_POLL_S)
+
+    def tell(self, ended: list) -> list:
+        """Say on stderr, once each, which of `ended` (as `Stack.supervise` returns them) stay down and why (a
+        PS's own words end the run instead); `ended`."""
+        for line in self.stack.tell_ended([p for p in ended if p.name not in self.ps_names]):
+            print(line, file=sys.stderr, flush=True)
+        return ended
 
     def wait_ps(self, metrics_out: Path, on_line=None, timeout_s: float | None = None) -> list[dict]:
         """`follow_ps` to the end: the metrics lines; each also given to `on_line`."""

@@ -244,6 +244,11 @@ class JobConfig(BaseModel):
     def seq(self) -> int:
         return self.seq_len or self.arch().block_size
 
+    def finished_at(self, step: int | None) -> bool:
+        """Whether the job is done once step (or round) `step` is committed (None: none yet). A PS that exits 0
+        short of that was stopped from outside: its supervisor starts it again, and it resumes."""
+        return step is not None and step + 1 >= self.steps
+
     def layout(self, replicas: int = 1) -> StepLayout:
         """How one PS (of `replicas`, each with its share of the batch) runs a step's GEMMs; `recompute`
         still undecided (None) counts as off."""

@@ -272,8 +272,8 @@ class Runner:
             return
         if code == 0:
             got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
-            steps = JobConfig.build(**json.loads(rec.job)).steps
-            if got is None or got[0].step + 1 < steps:  # stopped from outside, not finished: it goes on
+            if not JobConfig.build(**json.loads(rec.job)).finished_at(got[0].step if got else None):  # (stopped
+                # from outside, not finished: it goes on)
                 log.warning("job_restarted", job=job_id, reason="its PS stopped before the last step")
                 self.stack.restart(proc.name)
                 return
