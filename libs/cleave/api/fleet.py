@@ -86,6 +86,7 @@ class MetricsTail:
 
     def __init__(self, path: Path) -> None:
         self.path, self.pos, self.buf, self.inode = path, 0, b"", None
+        self.last: int | None = None  # the latest step read (of the file read now)
 
     def read(self) -> list[dict]:
         if not self.path.exists():
@@ -93,12 +94,15 @@ class MetricsTail:
         with open(self.path, "rb") as f:
             st = os.fstat(f.fileno())
             if st.st_ino != self.inode or st.st_size < self.pos:  # another file now: from its start
-                self.inode, self.pos, self.buf = st.st_ino, 0, b""
+                self.inode, self.pos, self.buf, self.last = st.st_ino, 0, b"", None
             f.seek(self.pos)
             got = f.read()
         self.pos += len(got)
         *lines, self.buf = (self.buf + got).split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        read = [json.loads(line) for line in lines if line.strip()]
+        steps = [m["step"] for m in read if self.last is None or m["step"] > self.last]
+        self.last = max(steps, default=self.last)
+        return read
 
 
 @dataclass
@@ -191,12 +195,10 @@ class LocalFleet:
     def follow_ps(self, metrics_out: Path, timeout_s: float | None = None) -> Iterator[dict]:
         """Supervise until the PS finishes the job, yielding each metrics line as the PS commits its step; a PS
         that ends with an error raises CleaveError naming its log."""
-        tail, last = MetricsTail(metrics_out), None  # last: the latest step committed
+        tail = MetricsTail(metrics_out)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
-            for m in tail.read():
-                last = m["step"] if last is None else max(last, m["step"])
-                yield m
+            yield from tail.read()
             down = {p.name: p for p in self.tell(self.stack.supervise()) if p.name in self.ps_names}
             for name, p in down.items():  # a PS that ended for good with an error ends the run (its replicas
                 if p.popen.returncode != 0:  # would wait for it for ever)
@@ -206,10 +208,8 @@ class LocalFleet:
                     raise PsEnded(f"the parameter server {name} exited with {p.popen.returncode}: {loop}"
                                   f"{said or 'no output'} (see {self.stack.log_path(name)})", p.popen.returncode)
             if down:
-                for m in tail.read():  # (the lines it wrote before it ended)
-                    last = m["step"] if last is None else max(last, m["step"])
-                    yield m
-                if self.job is not None and not self.job.finished_at(last):  # stopped from outside (SIGTERM)
+                yield from tail.read()  # (the lines it wrote before it ended)
+                if self.job is not None and not self.job.finished_at(tail.last):  # stopped from outside (SIGTERM)
                     for name in down:
                         self.stack.restart(name)  # short of the last step: it resumes, as the hub's runner does
                 elif len(down) == len(self.ps_names):
