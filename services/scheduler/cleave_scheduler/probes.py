@@ -44,6 +44,15 @@ def refusal(subject: str, reply: str) -> str:
     return reply_refusal(SUBJECT_PROBE_FROM, subject, reply)
 
 
+def refilled(bucket: tuple[float, float] | None, burst: int, rate: float, now: float) -> float:
+    """The bytes a budget of `burst` refilled at `rate` holds at `now`, last left at (bytes, at) `bucket`
+    (None: full)."""
+    if bucket is None:
+        return float(burst)
+    left, at = bucket
+    return min(float(burst), left + (now - at) * rate)
+
+
 class ProbeDesk:
     """Echoes within each worker's byte budget and within the budget of all workers together."""
 
@@ -63,8 +72,7 @@ class ProbeDesk:
         probe is not `refusable`)."""
         size = min(probe.reply_bytes, MAX_PROBE_BYTES, self.max_payload - 1024)
         cost = size + len(probe.payload)
-        left, at = self._left.pop(worker, (float(self.burst), now))
-        left = min(float(self.burst), left + (now - at) * self.rate)
+        left = refilled(self._left.pop(worker, None), self.burst, self.rate, now)
         wait = (cost - left) / self.rate if cost > left else self._take_total(size, now)
         if wait > 0:
             if cost > left:
@@ -88,8 +96,7 @@ class ProbeDesk:
     def _take_total(self, size: int, now: float) -> float:
         """Take `size` echo bytes of all workers' budget (0.0), or the seconds until it has any again. It may
         go into debt by one echo: whoever asks once it is above zero is answered, a large echo as a small one."""
-        left, at = self._total or (float(self.total_burst), now)
-        left = min(float(self.total_burst), left + (now - at) * self.total_rate)
+        left = refilled(self._total, self.total_burst, self.total_rate, now)
         if size and left <= 0:
             self._total = (left, now)
             return max(-left / self.total_rate, MIN_RETRY_S)
