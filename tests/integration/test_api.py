@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from cleave import Job, follow, run, status, submit
+from cleave import Job, follow, metrics, run, status, submit
 from cleave.api.fleet import LocalFleet
 from cleave.errors import EXIT_ERROR, CleaveError, JobChanged, PsEnded
 
@@ -124,13 +124,14 @@ def test_a_changed_job_is_refused_before_its_settings_are_recorded(tmp_path: Pat
     run_dir = tmp_path / "run"
     assert [m["step"] for m in run(Job(job_id="api-same", preset="tiny", steps=1, batch_size=2), workers=1,
                                    run_dir=run_dir)] == [0]
-    recorded, metrics = (run_dir / "job.json").read_text(), (run_dir / "metrics.jsonl").read_text()
+    recorded, written = (run_dir / "job.json").read_text(), (run_dir / "metrics.jsonl").read_text()
     with pytest.raises(JobChanged, match=r"up to step 0\) of another model.*seed: 0 -> 7"):
         list(run(Job(job_id="api-same", preset="tiny", steps=2, batch_size=2, seed=7), workers=1, run_dir=run_dir))
-    assert (run_dir / "job.json").read_text() == recorded and (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "job.json").read_text() == recorded and (run_dir / "metrics.jsonl").read_text() == written
     assert "ps" not in {p["name"] for p in json.loads((run_dir / "stack.json").read_text())["processes"]}
     more = run(Job(job_id="api-same", preset="tiny", steps=2, batch_size=2), workers=1, run_dir=run_dir)
-    assert [m["step"] for m in more] == [0, 1]  # (the job's metrics file: its earlier run's step, then the new one)
+    assert [m["step"] for m in more] == [1]  # the step it trains now (the earlier run's was yielded again as new)
+    assert [m["step"] for m in metrics(run_dir)] == [0, 1]  # the run dir's file holds both
 
 
 def test_a_ps_that_refuses_its_job_stops_the_run_with_its_own_words(tmp_path: Path) -> None:

@@ -215,7 +215,27 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
             head, *_ = await read_state(url, "sig")  # raises unless every chunk matches its SHA-256
             return head.step
 
-    assert 1 <= asyncio.run(last_checkpoint()) < 500
+    committed = asyncio.run(last_checkpoint())
+    assert 1 <= committed < 500
+    # the steps committed while the stack was shut down are shown too, and the run says where it goes on (the
+    # progress lines lagged the metrics file by up to 6 steps, and nothing said where the job stopped)
+    assert max(int(m["step"]) for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())) \
+        == committed
+    assert f"step {committed} ({committed + 1}/500)" in out, out
+    assert (f"job sig: steps 0-{committed} of 500 are committed ({run_dir / 'metrics.jsonl'}); the same command "
+            f"resumes it from step {committed + 1}") in out, out
+
+    # resumed: the earlier run's steps are not shown again as if new, and the summary is of this run's steps
+    steps = committed + 3
+    again = supervisor("train", "--preset", "tiny", "--steps", str(steps), "--workers", "2", "--job-id", "sig",
+                       "--run-dir", str(run_dir))
+    code, out = again.end(timeout_s=180)
+    assert code == 0, out
+    assert (f"job sig resumes from step {committed + 1}: steps 0-{committed} were committed by an earlier run "
+            f"({run_dir / 'metrics.jsonl'})") in out, out
+    shown = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in shown] == [str(s) for s in range(committed + 1, steps)], out
+    assert f"over steps {committed + 1}-{steps - 1} (2 steps)" in out, out
 
 
 def test_a_process_last_words_are_its_last_error_line_of_its_latest_start(tmp_path: Path) -> None:

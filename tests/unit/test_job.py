@@ -109,3 +109,22 @@ def test_the_metrics_tail_reads_whole_lines_and_a_file_begun_anew_from_its_start
     path.rename(tmp_path / "m.before.jsonl")  # set aside, and a new file begun with longer lines
     path.write_text('{"step": 0, "loss": 5.25, "pad": "................"}\n')
     assert tail.read() == [{"step": 0, "loss": 5.25, "pad": "................"}]
+
+
+def test_a_tail_of_new_lines_skips_the_earlier_runs_also_when_they_are_copied_into_a_file_begun_anew(tmp_path):
+    """A resumed `cleave train` showed every earlier step again as if new (`jobs.run` yielded the whole file)."""
+    from cleave.api.fleet import MetricsTail
+    from cleave.runtime.metrics_file import MetricsFile
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "loss": {5 - s / 10}}}\n' for s in range(4)))
+    tail = MetricsTail(path, new_only=True)
+    assert tail.read() == [] and tail.last == 3
+    with open(path, "a") as f:
+        f.write('{"step": 4, "loss": 4.5}\n')
+    assert tail.read() == [{"step": 4, "loss": 4.5}] and tail.last == 4
+    MetricsFile(path).cut_after(1, "j")  # a resume from the checkpoint of step 1: steps 2-4 are trained again
+    with open(path, "a") as f:
+        f.write('{"step": 2, "loss": 4.75}\n')
+    assert tail.read() == [{"step": 2, "loss": 4.75}] and tail.last == 2
+    assert MetricsTail(tmp_path / "none.jsonl", new_only=True).read() == []

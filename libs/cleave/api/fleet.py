@@ -82,11 +82,16 @@ def run_reference(job: JobConfig, metrics_out: Path, on_line: Callable[[dict], N
 
 class MetricsTail:
     """Reads the JSON lines the PS appends, one complete line at a time; a file set aside and begun anew
-    (`MetricsFile.set_aside`, by a PS that found no state of its job) is read again from its start."""
+    (`MetricsFile.set_aside`, by a PS that found no state of its job) is read again from its start.
+    `new_only`: the lines the file holds now (a resumed job's earlier steps) are not returned, nor the same lines
+    copied into a file begun anew (`MetricsFile.cut_after`); `last` counts them all the same."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, new_only: bool = False) -> None:
         self.path, self.pos, self.buf, self.inode = path, 0, b"", None
         self.last: int | None = None  # the latest step read (of the file read now)
+        self.held: set[str] = set()
+        if new_only:
+            self.held = {_key(m) for m in self.read()}
 
     def read(self) -> list[dict]:
         if not self.path.exists():
@@ -102,7 +107,11 @@ class MetricsTail:
         read = [json.loads(line) for line in lines if line.strip()]
         steps = [m["step"] for m in read if self.last is None or m["step"] > self.last]
         self.last = max(steps, default=self.last)
-        return read
+        return [m for m in read if _key(m) not in self.held] if self.held else read
+
+
+def _key(m: dict) -> str:
+    return json.dumps(m, sort_keys=True)
 
 
 @dataclass
@@ -192,10 +201,11 @@ class LocalFleet:
                                       f"(see {self.stack.log_path(p.name)})")
             time.sleep(0.1)
 
-    def follow_ps(self, metrics_out: Path, timeout_s: float | None = None) -> Iterator[dict]:
-        """Supervise until the PS finishes the job, yielding each metrics line as the PS commits its step; a PS
-        that ends with an error raises CleaveError naming its log."""
-        tail = MetricsTail(metrics_out)
+    def follow_ps(self, metrics_out: Path, timeout_s: float | None = None, new_only: bool = False) -> Iterator[dict]:
+        """Supervise until the PS finishes the job, yielding each metrics line as the PS commits its step (with
+        `new_only`, not those `metrics_out` held before: `MetricsTail`); a PS that ends with an error raises
+        CleaveError naming its log."""
+        tail = MetricsTail(metrics_out, new_only)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
             yield from tail.read()

@@ -66,7 +66,8 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
         ps_replicas: Annotated[int, Field(ge=1, le=64)] = 1,
         reference: bool = False, on_stack: Callable[[LocalFleet], None] | None = None) -> Iterator[dict]:
     """Train `job`, yielding each step's metrics (a dict: step, loss, step_time_s, workers, tokens, lr, ...; for
-    diloco and fedavg one per round) as the PS commits it.
+    diloco and fedavg one per round) as the PS commits it. A job resumed from its state yields the steps it trains
+    now, from the first not committed before (`metrics(run_dir)` has them all).
 
     - `nats=None`: a local stack in `run_dir` (nats-server from the wheel, a scheduler and `workers` workers);
       `nats=URL`: a running stack's NATS, its scheduler and workers (`cleave up` prints the URL); the PS runs
@@ -117,7 +118,7 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
             on_stack(fleet)
         _refuse_changed(job, fleet.stack.nats_url, auth)
         fleet.start_ps(job, metrics_out, ps_env=ps_env, replicas=ps_replicas)
-        yield from fleet.follow_ps(metrics_out)
+        yield from fleet.follow_ps(metrics_out, new_only=True)
     finally:
         atexit.unregister(stop)
         stop()

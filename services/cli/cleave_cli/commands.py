@@ -145,8 +145,13 @@ def train(args: argparse.Namespace) -> int:
     progress = ProgressBar(job.steps, unit=unit)
     trackers = Trackers(args.log_to, run_name=job.job_id, config=job.model_dump())
     aside = MetricsFile(metrics_out).aside(job.job_id)
+    lines: list[dict] = []
     try:
-        lines = run_job(args, job, run_dir, metrics_out, progress, trackers)
+        run_job(args, job, run_dir, metrics_out, progress, trackers, lines)
+    except Stopped:
+        if not args.reference:
+            tell_stopped(job, lines, metrics_out, progress, trackers, unit)
+        raise
     finally:
         trackers.close()
     summarize(lines, metrics_out, unit)
@@ -162,29 +167,51 @@ def tell_after(job: JobConfig, lines: list[dict], unit: str, metrics_out: Path, 
            f"not read back: {ps_log} says which" if ps_log else "another run's")
     for kept in sorted(MetricsFile(metrics_out).aside(job.job_id) - aside):
         print(f"{metrics_out} held lines not of the model trained now ({why}): they are kept in {kept}")
-    ran = max((m["step"] for m in lines), default=-1) + 1
+    ran = max(MetricsFile(metrics_out).steps(), default=-1) + 1
     if ran > job.steps:
         print(f"job {job.job_id} had already run {ran} {unit}s, more than --steps {job.steps}: nothing was trained "
               f"(a larger --steps trains it further)")
+    elif not lines and ran == job.steps:
+        print(f"job {job.job_id} had already run its {ran} {unit}s: nothing was trained (a larger --steps trains it "
+              f"further)")
+
+
+def tell_stopped(job: JobConfig, lines: list[dict], metrics_out: Path, progress: ProgressBar, trackers: Trackers,
+                 unit: str) -> None:
+    """A run stopped by a signal: the steps its PS committed after the last one shown (while the stack was shut
+    down), and where the same command goes on."""
+    shown = max((m["step"] for m in lines), default=-1)
+    for m in MetricsFile(metrics_out).lines():
+        if m["step"] > shown:
+            lines.append(m)
+            progress.update(m)
+            trackers.log(m)
+    done = max(MetricsFile(metrics_out).steps(), default=-1) + 1
+    if progress.tty and lines and done < job.steps:
+        print()  # (the bar's line stays as it was)
+    print(f"job {job.job_id}: {unit}s 0-{done - 1} of {job.steps} are committed ({metrics_out}); the same command "
+          f"resumes it from {unit} {done}" if done else f"job {job.job_id}: no {unit} was committed yet", flush=True)
 
 
 def run_job(args: argparse.Namespace, job: JobConfig, run_dir: Path, metrics_out: Path, progress: ProgressBar,
-            trackers: Trackers) -> list[dict]:
+            trackers: Trackers, lines: list[dict]) -> None:
     """The job here (`--reference`) or on the fleet, through the Python API (cleave.api.jobs.run); each metrics
-    line shown and given to the trackers."""
+    line shown, given to the trackers and added to `lines` (a resumed job's: from the first step it trains now,
+    said first)."""
 
     def on_stack(fleet: LocalFleet) -> None:
         print(f"stack: {fleet.stack.nats_url}  run dir: {run_dir}")
         if args.nats is None:  # the local stack's own dashboard, live while the job runs
             print(f"dashboard: {start_monitor(fleet.stack, wait=False)}", flush=True)
 
-    lines = []
     for m in jobs.run(job, workers=args.workers, run_dir=run_dir, nats=args.nats, auth=args.auth, metrics_out=metrics_out,
                         ps_replicas=args.ps_replicas, reference=args.reference, on_stack=on_stack):
+        if not lines and m["step"] > 0:
+            print(f"job {job.job_id} resumes from {unit_of(job.method)} {m['step']}: {unit_of(job.method)}s "
+                  f"0-{m['step'] - 1} were committed by an earlier run ({metrics_out})", flush=True)
         lines.append(m)
         progress.update(m)
         trackers.log(m)
-    return lines
 
 
 def summarize(lines: list[dict], metrics_out: Path, unit: str = "step") -> None:
