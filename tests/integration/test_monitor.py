@@ -209,6 +209,14 @@ async def check_api(http: aiohttp.ClientSession, url: str) -> None:
         async with http.get(url + path) as resp:  # JSON, as every answer of the API (it was text/plain)
             assert resp.status == 404 and resp.content_type == "application/json", (path, resp.content_type)
             assert await resp.json() == {"error": "no job 'nope'; known: j"}, path
+    for path, status in (("/api/nope", 404), ("/api/state/x", 404)):  # (an unknown route answered text/plain)
+        async with http.get(url + path) as resp:
+            assert (resp.status, resp.content_type) == (status, "application/json"), path
+            assert await resp.json() == {"error": "Not Found"}, path
+    async with http.post(url + "/api/state") as resp:
+        assert (resp.status, resp.content_type, resp.headers["Allow"]) == (405, "application/json", "GET,HEAD")
+    async with http.get(url + "/nope") as resp:  # (the page's own routes keep plain text)
+        assert (resp.status, resp.content_type) == (404, "text/plain")
     assert (await get_json(http, url + "/healthz"))["nats"] is True
     samples = await prom_samples(http, url)
     assert samples[("cleave_steps_total", ())] == 6 and samples[("cleave_tiles_total", ())] == 40
@@ -268,6 +276,8 @@ async def test_the_host_header_and_the_token_guard_it_and_it_lists_the_hubs_jobs
             for path in ("/", "/api/state", "/metrics", "/api/stream"):
                 async with http.get(url + path) as resp:
                     assert resp.status == 401, path
+                    if path.startswith("/api/"):  # (the API's refusals were plain text)
+                        assert "asks for its token" in (await resp.json())["error"], path
             async with http.get(url + "/healthz") as resp:
                 assert resp.status == 200
             async with http.get(url + "/api/state?token=wrong") as resp:
@@ -277,6 +287,7 @@ async def test_the_host_header_and_the_token_guard_it_and_it_lists_the_hubs_jobs
                     assert resp.status == 200, scheme
             async with http.get(f"{url}/api/jobs?token={TOKEN}", headers={"Host": "evil.example.org"}) as resp:
                 assert resp.status == 403  # the names it serves are listed: another one is refused
+                assert "is not this dashboard's name" in (await resp.json())["error"]
             async with http.get(f"{url}/?token={TOKEN}", headers={"Host": "hub.example.org:8787"}) as resp:
                 assert resp.status == 200 and "cleave_token" in resp.cookies
             async with http.get(url + "/api/jobs") as resp:  # the page's own requests: the cookie

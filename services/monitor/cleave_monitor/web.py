@@ -135,8 +135,23 @@ async def stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001 - aiohttp's
+    """An error of the JSON API (an unknown route or method, the guard's 401 and 403) answers JSON too:
+    `{"error": <its text>}`; the page and its files keep aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if not request.path.startswith("/api/") or e.status < 400 or e.content_type == "application/json":
+            raise
+        text = e.text if e.text is not None and e.text != f"{e.status}: {e.reason}" else e.reason
+        kept = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "www-authenticate")}
+        return web.Response(status=e.status, reason=e.reason, text=json.dumps({"error": text}),
+                            content_type="application/json", headers={"Cache-Control": "no-store", **kept})
+
+
 def build_app(ctx: Context) -> web.Application:
-    app = web.Application(middlewares=[guard.middleware(ctx.bind, ctx.token, ctx.allowed_hosts)])
+    app = web.Application(middlewares=[json_errors, guard.middleware(ctx.bind, ctx.token, ctx.allowed_hosts)])
     app[CONTEXT] = ctx
     app.router.add_get("/", index)
     app.router.add_get("/api/state", api_state)
