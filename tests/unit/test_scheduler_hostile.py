@@ -78,9 +78,14 @@ def test_refused_echoes_are_told_once_a_minute_while_there_are_new_ones() -> Non
     desk, big = ProbeDesk(max_payload=8 << 20, total_burst=4 << 20, total_rate=1 << 20), Probe(reply_bytes=4 << 20)
     assert desk.answer(big, "a", 0.0).payload and desk.news(0.0) is None  # nothing refused yet
     assert desk.answer(big, "b", 0.0) is None
-    assert desk.news(0.0) == {"over_worker_budget": 0, "over_total_budget": 1}
+    # ... naming who drew the echoes since it last told (a flood's ids), with how many ids drew any
+    assert desk.news(0.0) == {"over_worker_budget": 0, "over_total_budget": 1, "drawn_by": 1,
+                              "top_drawers": {"a": 4 << 20}}
     assert desk.answer(big, "c", 0.0) is None  # (the budget still in debt)
-    assert desk.news(1.0) is None and desk.news(60.0) == {"over_worker_budget": 0, "over_total_budget": 2}
+    for t, worker in ((30.0, "d"), (40.0, "e"), (50.0, "d")):
+        assert desk.answer(Probe(reply_bytes=1 << 20), worker, t).payload
+    assert desk.news(1.0) is None and desk.news(60.0) == {"over_worker_budget": 0, "over_total_budget": 2,
+                                                          "drawn_by": 2, "top_drawers": {"d": 2 << 20, "e": 1 << 20}}
     assert desk.news(500.0) is None  # nothing new since
 
 

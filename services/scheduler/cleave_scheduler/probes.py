@@ -19,7 +19,7 @@ answer of tens of bytes, as an empty echo is); any other goes unanswered.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from cleave.auth import reply_refusal, requester
 from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE_FROM, Probe
@@ -32,6 +32,7 @@ DEFAULT_TOTAL_RATE_BYTES_PER_S = 32 * 1024 * 1024  # ... and per second after (~
 MAX_TRACKED = 100_000  # worker ids whose budget is remembered (the least recently seen are forgotten)
 MIN_RETRY_S = 0.05  # the shortest wait a refusal names
 HELD_NEWS_S = 60.0  # refusals are told (`news`) at most this often
+NEWS_TOP = 5  # the worker ids that drew the most echo bytes since `news` last told, named in it
 
 
 def prober(subject: str) -> str:
@@ -66,6 +67,7 @@ class ProbeDesk:
         self.refused = 0  # probes over their worker's budget
         self.refused_total = 0  # probes within it, but over the budget of all workers together
         self._told: tuple[int, float] = (0, float("-inf"))  # (refusals, when) `news` last told
+        self._drawn: Counter[str] = Counter()  # echo bytes each worker id drew since then (at most MAX_TRACKED ids)
 
     def answer(self, probe: Probe, worker: str, now: float) -> Probe | None:
         """The echo for `worker`'s probe; over a budget, a refusal saying when to ask again (None when the
@@ -82,16 +84,21 @@ class ProbeDesk:
             self._keep(worker, left, now)
             return Probe(retry_after_s=min(max(wait, MIN_RETRY_S), MAX_PROBE_RETRY_S)) if probe.refusable else None
         self._keep(worker, left - cost, now)
+        if size and (worker in self._drawn or len(self._drawn) < MAX_TRACKED):
+            self._drawn[worker] += size
         return Probe(payload=bytes(size))
 
     def news(self, now: float) -> dict | None:
         """The refusals so far, when there are new ones since last told and that was HELD_NEWS_S ago (for the
-        operator's log: workers waiting to measure their links); None otherwise."""
+        operator's log: workers waiting to measure their links), with who drew the echoes since then: how many
+        worker ids and the NEWS_TOP that drew the most bytes (a flood's ids); None otherwise."""
         count, at = self._told
         if self.refused + self.refused_total == count or now - at < HELD_NEWS_S:
             return None
         self._told = (self.refused + self.refused_total, now)
-        return {"over_worker_budget": self.refused, "over_total_budget": self.refused_total}
+        drawn, self._drawn = self._drawn, Counter()
+        return {"over_worker_budget": self.refused, "over_total_budget": self.refused_total,
+                "drawn_by": len(drawn), "top_drawers": dict(drawn.most_common(NEWS_TOP))}
 
     def _take_total(self, size: int, now: float) -> float:
         """Take `size` echo bytes of all workers' budget (0.0), or the seconds until it has any again. It may
