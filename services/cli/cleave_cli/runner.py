@@ -32,7 +32,7 @@ from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageT
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.api.stack import Proc, Stack
+from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES
 from cleave.errors import CleaveError, CreateRefused, WireError
 from cleave.runtime.lifecycle import run as run_until_stopped
@@ -293,9 +293,14 @@ async def jobs_stream(bus: busmod.Bus) -> None:
 
 
 def failure_reason(stack: Stack, proc: Proc) -> str:
-    """Why a PS failed, in its own words (`Stack.last_words`), else where to look."""
+    """Why a PS failed, in its own words (`Stack.last_words`), else where to look; a crash loop (one left down
+    after CRASH_LOOP_STARTS quick failures in a row) says so first."""
     last = stack.last_words(proc)
-    return f"its PS exited with {proc.popen.returncode}" + (f": {last}" if last else f"; see {stack.log_path(proc.name)}")
+    why = f"its PS exited with {proc.popen.returncode}" + (f": {last}" if last else f"; see {stack.log_path(proc.name)}")
+    if proc.crashes >= CRASH_LOOP_STARTS:
+        why = (f"its PS failed {proc.crashes} times in a row, each within {CRASH_WINDOW_S:.0f} s of its start, and "
+               f"is not started again; {why.removeprefix('its PS ')}")
+    return why
 
 
 def _ps_name(job_id: str) -> str:
