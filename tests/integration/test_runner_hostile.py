@@ -1,6 +1,11 @@
 """The hub's runner under a hostile submitter (one holding the submit credential): a real nats-server, the
 runner's own code, and real PS processes where a job starts.
 
+- A device or a pipe named as a job's tokenizer or data was queued: its PS, once started, refused it (after the
+  jobs before it), or would have read /dev/zero for ever; the runner refuses it when it judges the submission.
+- Thousands of submissions were all queued, and a refused one's text was kept in its record: the runner held
+  every one in memory, and a text that is no JSON object ended `cleave status` for everyone. At most
+  `max_queued` jobs wait; a refused new job's record keeps no text.
 - A PS that fails at start every time: its job fails after 5 tries, with a reason that says it was a crash loop,
   and the next job starts.
 """
@@ -19,6 +24,7 @@ from cleave import codec
 from cleave.api.stack import Stack
 from cleave.schemas import SUBJECT_JOB_SUBMIT, JobRecord, JobSubmission
 from cleave.train.job import JobConfig
+from cleave_cli.main import main
 from cleave_cli.runner import Runner
 
 OP_TIMEOUT_S = 120.0
@@ -54,6 +60,78 @@ async def _judged(runner: Runner, job_id: str, nonce: int) -> JobRecord:
         while (rec := runner.records.get(job_id)) is None or rec.nonce != f"{nonce:016x}":
             await runner.take()
     return rec
+
+
+def test_a_device_or_a_pipe_as_tokenizer_or_data_is_refused_when_judged(nats_url: str, tmp_path: Path) -> None:
+    fifo, tokdir, text = tmp_path / "fifo", tmp_path / "tok", tmp_path / "text.txt"
+    os.mkfifo(fifo)
+    os.mkfifo(tmp_path / "fifo.json")
+    tokdir.mkdir()
+    os.mkfifo(tokdir / "tokenizer.json")
+    text.write_text("some text to train on\n" * 100)
+    hostile = {"t-fifo": {"tokenizer": str(fifo)}, "t-fifojson": {"tokenizer": str(tmp_path / "fifo.json")},
+               "t-dir": {"tokenizer": str(tokdir)}, "t-zero": {"tokenizer": "/dev/zero"},
+               "t-stdin": {"tokenizer": "/dev/stdin"}, "d-fifo": {"data": str(fifo)}, "d-zero": {"data": "/dev/zero"},
+               "d-stdin": {"data": "/dev/stdin"}, "t-none": {"tokenizer": str(tmp_path / "nothing")},
+               "d-none": {"data": str(tmp_path / "nothing.txt")}}
+    honest = {"builtin": {}, "a-file": {"data": str(text)}}
+
+    async def go() -> dict[str, JobRecord]:
+        bus, runner = await _runner(nats_url, tmp_path / "run")
+        try:
+            for i, (job_id, settings) in enumerate({**hostile, **honest}.items()):
+                await _submit(bus, job_id, _job(job_id, **settings), i)
+            start = time.monotonic()
+            recs = {job_id: await _judged(runner, job_id, i) for i, job_id in enumerate({**hostile, **honest})}
+            assert time.monotonic() - start < 30  # nothing blocked its judging (a pipe waits for a writer)
+            assert not runner.stack.procs  # no PS was started for any
+            return recs
+        finally:
+            await runner.close()
+            await bus.close()
+
+    recs = asyncio.run(go())
+    for job_id in hostile:
+        assert (recs[job_id].state, recs[job_id].verdict) == ("failed", "refused"), (job_id, recs[job_id])
+    for job_id in ("t-fifo", "t-fifojson", "t-zero", "d-fifo", "d-zero"):
+        assert "is not a regular file (a device, pipe or socket)" in recs[job_id].reason, recs[job_id].reason
+    assert recs["t-zero"].reason.startswith("tokenizer='/dev/zero'") and recs["d-zero"].reason.startswith("data=")
+    for job_id in honest:
+        assert (recs[job_id].state, recs[job_id].verdict) == ("queued", "accepted"), recs[job_id]
+
+
+def test_a_flood_of_submissions_stops_at_the_queues_limit_and_status_reads_every_record(
+        nats_url: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    junk = {"junk-text": "x" * 60_000, "junk-list": "[1, 2]", "junk-deep": "[" * 5000}  # none a JSON object
+
+    async def go() -> dict[str, JobRecord]:
+        bus, runner = await _runner(nats_url, tmp_path / "run", max_queued=3)
+        try:
+            for i, (job_id, text) in enumerate(junk.items(), 10):  # (first: later, the queue is full)
+                await _submit(bus, job_id, text, i)
+            for i in range(5):
+                await _submit(bus, f"q{i}", _job(f"q{i}"), i)
+            await _submit(bus, "q0", _job("q0", seed=1), 20)  # one waiting, submitted again: it still waits
+            recs = {f"q{i}": await _judged(runner, f"q{i}", i) for i in range(1, 5)}
+            recs |= {job_id: await _judged(runner, job_id, i) for i, job_id in enumerate(junk, 10)}
+            recs["q0"] = await _judged(runner, "q0", 20)
+            return recs
+        finally:
+            await runner.close()
+            await bus.close()
+
+    recs = asyncio.run(go())
+    assert [recs[f"q{i}"].state for i in range(5)] == ["queued"] * 3 + ["failed"] * 2
+    assert recs["q0"].verdict == "accepted" and '"seed":1' in recs["q0"].job
+    for job_id in ("q3", "q4"):
+        assert recs[job_id].verdict == "refused" and "the hub's queue is full: 3 jobs wait" in recs[job_id].reason
+    for job_id in junk:
+        assert recs[job_id].verdict == "refused" and len(recs[job_id].job) < 100  # (its text is not kept)
+    capsys.readouterr()  # (the runner's log)
+    assert main(["status", "--nats", nats_url]) == 0  # (a record holding the junk ended it: JSONDecodeError)
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert sorted(listed) == sorted([*junk, "q0", "q1", "q2", "q3", "q4"]), listed
+    assert "queue is full" in listed["q4"] and "not a valid job" in listed["junk-text"]
 
 
 def test_a_ps_in_a_crash_loop_fails_its_job_saying_so_and_the_next_job_starts(
