@@ -5,7 +5,8 @@ runner's own code, and real PS processes where a job starts.
   jobs before it), or would have read /dev/zero for ever; the runner refuses it when it judges the submission.
 - Thousands of submissions were all queued, and a refused one's text was kept in its record: the runner held
   every one in memory, and a text that is no JSON object ended `cleave status` for everyone. At most
-  `max_queued` jobs wait; a refused new job's record keeps no text.
+  `max_queued` jobs wait; a refused new job's record keeps no text, and at most `max_refused` such records are
+  kept (a flood of invalid jobs filled the records' bucket, and a full bucket stopped the runner).
 - A PS that fails at start every time: its job fails after 5 tries, with a reason that says it was a crash loop,
   and the next job starts.
 """
@@ -22,7 +23,7 @@ import pytest
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api.stack import Stack
-from cleave.schemas import SUBJECT_JOB_SUBMIT, JobRecord, JobSubmission
+from cleave.schemas import JOBS_BUCKET, SUBJECT_JOB_SUBMIT, JobRecord, JobSubmission
 from cleave.train.job import JobConfig
 from cleave_cli.main import main
 from cleave_cli.runner import Runner
@@ -132,6 +133,42 @@ def test_a_flood_of_submissions_stops_at_the_queues_limit_and_status_reads_every
     listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert sorted(listed) == sorted([*junk, "q0", "q1", "q2", "q3", "q4"]), listed
     assert "queue is full" in listed["q4"] and "not a valid job" in listed["junk-text"]
+
+
+def test_the_records_of_refused_new_jobs_are_bounded_the_oldest_removed(nats_url: str, tmp_path: Path) -> None:
+    """Each invalid submission on a new id left a record for ever: a flood filled the records' bucket, and once it
+    was full the runner wrote no record at all (it retried, ServiceUnavailableError, and no job started or
+    ended). Past `max_refused` such records, the oldest is removed, every revision of it."""
+
+    async def go() -> None:
+        bus, runner = await _runner(nats_url, tmp_path / "run", max_refused=3)
+        try:
+            await _submit(bus, "kept", _job("kept"), 0)
+            for i in range(1, 7):
+                await _submit(bus, f"bad{i}", '{"preset": "no-such-model"}', i)
+            await _submit(bus, "bad6", _job("bad6"), 7)  # refused when new, then accepted: no longer counted
+            await _judged(runner, "bad6", 7)
+            stream = await bus.js.stream_info(f"KV_{JOBS_BUCKET}", subjects_filter=f"$KV.{JOBS_BUCKET}.>")
+            assert sorted(k.rsplit(".", 1)[-1] for k in stream.state.subjects) == ["bad4", "bad5", "bad6", "kept"]
+            assert sorted(runner.records) == ["bad4", "bad5", "bad6", "kept"]
+            assert list(runner.refused) == ["bad4", "bad5"]
+            kept = (await bus.kv_get(runner.kv, "bad5", JobRecord))[0]
+            assert kept.verdict == "refused" and "no-such-model" in kept.reason
+            assert runner.records["bad6"].state == runner.records["kept"].state == "queued"
+        finally:
+            await runner.close()
+            await bus.close()
+        again = (await _runner(nats_url, tmp_path / "run", max_refused=2))  # a runner started again: the same
+        try:
+            assert list(again[1].refused) == ["bad4", "bad5"]
+            await _submit(again[0], "bad7", "[]", 8)
+            await _judged(again[1], "bad7", 8)
+            assert list(again[1].refused) == ["bad5", "bad7"]
+        finally:
+            await again[1].close()
+            await again[0].close()
+
+    asyncio.run(go())
 
 
 def test_a_ps_in_a_crash_loop_fails_its_job_saying_so_and_the_next_job_starts(

@@ -67,6 +67,9 @@ DEFAULT_MAX_RUNNING = 1  # jobs at once: several PSs share one fleet, so one unl
 # bound); a job is a few KiB, and a sweep of hundreds fits
 DEFAULT_MAX_QUEUED = 1000
 MAX_QUEUED_ENV = "CLEAVE_RUNNER_MAX_QUEUED"  # --max-queued's default, for compose (its .env reaches the runner)
+# records of refused new jobs kept (their verdicts, for `cleave submit` and `status`); past it the oldest goes: a
+# flood of invalid jobs, each on a new id, filled the records' bucket, and with it full the runner stopped
+DEFAULT_MAX_REFUSED = 10_000
 INPUTS_TIMEOUT_S = 30.0  # checking a job's tokenizer and data (`check_inputs`) longer than this refuses it
 DEFAULT_TICK_S = 0.5  # how often submissions are taken and the PS processes looked after
 JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then starts with those there
@@ -131,9 +134,10 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
 
 class Runner:
     def __init__(self, bus: busmod.Bus, stack: Stack, run_dir: Path, max_running: int,
-                 max_queued: int = DEFAULT_MAX_QUEUED) -> None:
+                 max_queued: int = DEFAULT_MAX_QUEUED, max_refused: int = DEFAULT_MAX_REFUSED) -> None:
         self.bus, self.stack, self.run_dir, self.max_running = bus, stack, run_dir, max_running
-        self.max_queued = max_queued
+        self.max_queued, self.max_refused = max_queued, max_refused
+        self.refused: dict[str, None] = {}  # the refused new jobs whose records are kept, oldest first
         self.records: dict[str, JobRecord] = {}  # this runner writes them: its copy is the bucket's
         self.waiting: dict[str, float] = {}  # job -> since when it waits for its workers
         self.restarts: dict[str, int] = {}  # job -> restarts of its PS already counted in its record's runs
@@ -158,6 +162,9 @@ class Runner:
                 if rec.state == "running":  # the runner that ran it is gone: it runs again, and resumes
                     rec = await self.put(rec.model_copy(update={"state": "queued"}))
                 self.records[job_id] = rec
+        for rec in sorted(self.records.values(), key=lambda r: r.submitted_at):
+            if (rec.state, rec.runs, rec.verdict) == ("failed", 0, "refused"):  # (never ran: refused when new)
+                self.refused[rec.job_id] = None
         self.sub = await asyncio.wait_for(self.bus.js.pull_subscribe(
             SUBJECT_JOB_SUBMIT_ALL, durable=CONSUMER, stream=JOBS_STREAM,
             config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)), busmod.DEFAULT_TIMEOUT_S)
@@ -215,12 +222,25 @@ class Runner:
                 return await self.put(old.model_copy(update=verdict))
             # (a new job's record keeps no description: what was refused is the submitter's text, which every
             # reader of the bucket parses, and each such record stays in the runner's memory and its bucket)
-            return await self.put(JobRecord(job_id=job_id, job="{}", state="failed", submitted_at=stored_at,
-                                            reason=why[:4096], **verdict))
+            rec = await self.put(JobRecord(job_id=job_id, job="{}", state="failed", submitted_at=stored_at,
+                                           reason=why[:4096], **verdict))
+            self.refused[job_id] = None
+            await self.forget_refused()
+            return rec
+        self.refused.pop(job_id, None)
         log.info("job_accepted", job=job_id, min_workers=sub.min_workers, again=old is not None)
         return await self.put(JobRecord(job_id=job_id, job=job.model_dump_json(), state="queued",
                                         submitted_at=stored_at, min_workers=sub.min_workers,
                                         runs=old.runs if old else 0, nonce=sub.nonce, verdict="accepted"))
+
+    async def forget_refused(self) -> None:
+        """Remove the oldest records of refused new jobs past `max_refused`, every revision (no marker left)."""
+        while len(self.refused) > self.max_refused:
+            job_id = next(iter(self.refused))
+            await asyncio.wait_for(self.bus.js.purge_stream(f"KV_{JOBS_BUCKET}", subject=f"$KV.{JOBS_BUCKET}.{job_id}"),
+                                   busmod.DEFAULT_TIMEOUT_S)
+            del self.refused[job_id]
+            self.records.pop(job_id, None)
 
     async def judge(self, job_id: str, sub: JobSubmission, old: JobRecord | None) -> tuple[JobConfig | None, str]:
         """The job, or why this submission is refused."""
