@@ -13,7 +13,16 @@ import zstandard
 
 from cleave import codec
 from cleave.errors import TooLarge, WireError
-from cleave.schemas import BlockPart, BlockRef, Event, Heartbeat, TensorData, TileResult, TileTask
+from cleave.schemas import (
+    BlockPart,
+    BlockRef,
+    Event,
+    Heartbeat,
+    JobSubmission,
+    TensorData,
+    TileResult,
+    TileTask,
+)
 
 
 def result(t: torch.Tensor) -> TileResult:
@@ -259,3 +268,15 @@ def test_threads_encode_at_once() -> None:
     crashed the process (a segmentation fault) or gave frames that did not decode."""
     done = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("0 "), (done.returncode, done.stdout, done.stderr[-500:])
+
+
+@pytest.mark.parametrize("claimed", [True, "1700000000", b"1700000000", None])
+def test_a_submissions_time_is_a_number_not_true_or_text(claimed):
+    """`submitted_at: true` and `"1700000000"` were read as times (pydantic's lax mode); a number is one."""
+    sub = {"job": "{}", "nonce": "a" * 16, "submitted_at": claimed}
+    with pytest.raises(WireError) as e:
+        codec.decode(b"CV\x01\x00" + msgpack.packb(sub), JobSubmission)
+    assert e.value.reason == "bad_schema"
+    for number in (1700000000, 1700000000.5):  # (an int is a number of seconds too)
+        assert codec.decode(b"CV\x01\x00" + msgpack.packb({**sub, "submitted_at": number}),
+                            JobSubmission).submitted_at == number

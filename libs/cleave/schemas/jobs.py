@@ -34,7 +34,9 @@ class JobSubmission(Wire):
 
     job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig as JSON
     nonce: str = Field(pattern=NONCE_PATTERN)  # names this submission: the runner's verdict carries it back
-    submitted_at: Time  # the submitter's clock, as it says: the runner orders its queue by when it took the job
+    # the submitter's clock, as it says: the runner orders its queue by when it took the job; a number, strictly
+    # (true or "1700000000" was read as a time)
+    submitted_at: Annotated[Time, Field(strict=True)]
     min_workers: int = Field(0, ge=0, le=MAX_MIN_WORKERS)  # start once this many workers are registered (or later)
 
 

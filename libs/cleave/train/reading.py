@@ -61,11 +61,17 @@ def glob_files(pattern: str) -> list[Path]:
     return sorted(p for p in map(Path, glob.glob(os.path.expanduser(pattern), recursive=True)) if p.is_file())
 
 
+def check_regular(path: Path, setting: str) -> None:
+    """ConfigError naming `setting` (`data='...'`) where `path` is there but no regular file: a device
+    (/dev/zero) never ends, and opening a pipe waits for a writer, perhaps for ever. Nothing is opened."""
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{setting}: {path} is not a regular file (a device, pipe or socket): name a file")
+
+
 def open_text(path: Path, spec: str, errors: str = REPLACE_COUNTING) -> TextIO:
     """`path` open to read as UTF-8 text; ConfigError naming data `spec` where it cannot be, or where it is no
-    regular file: a device (/dev/zero) never ends, and opening a pipe waits for a writer, perhaps for ever."""
-    if path.exists() and not path.is_file():
-        raise ConfigError(f"data={spec!r}: {path} is not a regular file (a device, pipe or socket): name a file")
+    regular file (`check_regular`)."""
+    check_regular(path, f"data={spec!r}")
     try:
         return open(path, encoding="utf-8", errors=errors)  # noqa: SIM115 - the caller closes it
     except OSError as e:

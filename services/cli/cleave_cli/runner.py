@@ -2,12 +2,14 @@
 from anywhere run here, one at a time unless the operator allows more (`--max-running`).
 
 - Taking a job: a durable consumer of the stream CLEAVE_JOBS hands over each submission once. The runner checks
-  it (a valid job description; a job that is running is not replaced; a job that has state keeps its model and
-  data order, `cleave_ps.state.persist.identity_changes`), writes its verdict into the job's record (KV bucket
-  `cleave-jobs`, key: the job id) and only then acknowledges it, so no submission is lost between the two.
+  it (a valid job description; a tokenizer and data its PS can read here, `check_inputs`; a job that is running
+  is not replaced; a job that has state keeps its model and data order, `cleave_ps.state.persist.identity_changes`;
+  room in the queue), writes its verdict into the job's record (KV bucket `cleave-jobs`, key: the job id) and
+  only then acknowledges it, so no submission is lost between the two.
 - The queue is that bucket: `queued` jobs start in the order they were submitted, each once `min_workers`
-  workers are registered (or after JOIN_WAIT_S). A runner that starts again finds `queued` and `running` jobs
-  there and runs them; each PS resumes from its last commit, as the job id names its state.
+  workers are registered (or after JOIN_WAIT_S); at most `--max-queued` wait at once (CLEAVE_RUNNER_MAX_QUEUED).
+  A runner that starts again finds `queued` and `running` jobs there and runs them; each PS resumes from its
+  last commit, as the job id names its state.
 - Supervision, as `cleave up` supervises its processes: a PS that dies is started again (and resumes); one that
   exits with a status of NOT_RESTARTED stays down: 0 with every step committed is `done`, anything else
   `failed`, with the PS's error as the reason, as is one in a crash loop (cleave.api.stack). One that exits 0
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -32,9 +35,10 @@ from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageT
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.api.stack import Proc, Stack
+from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES
 from cleave.errors import CleaveError, CreateRefused, WireError
+from cleave.models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
 from cleave.runtime.logs import configure
@@ -42,7 +46,6 @@ from cleave.schemas import (
     JOBS_BUCKET,
     JOBS_STREAM,
     MAX_CONTROL_BYTES,
-    MAX_JOB_BYTES,
     REGISTRY_BUCKET,
     STATE_BUCKET,
     SUBJECT_JOB_SUBMIT_ALL,
@@ -52,12 +55,22 @@ from cleave.schemas import (
 )
 from cleave.schemas.jobs import JOB_ID_PATTERN, RUNNER_REFRESH_S
 from cleave.schemas.subjects import TOKEN_CHARS
+from cleave.train import reading
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
+from cleave.train.sources import check_source
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("runner")
 DEFAULT_MAX_RUNNING = 1  # jobs at once: several PSs share one fleet, so one unless the operator says otherwise
+# jobs waiting at once: a submission beyond it is refused (a flood of jobs grew the runner and its bucket without
+# bound); a job is a few KiB, and a sweep of hundreds fits
+DEFAULT_MAX_QUEUED = 1000
+MAX_QUEUED_ENV = "CLEAVE_RUNNER_MAX_QUEUED"  # --max-queued's default, for compose (its .env reaches the runner)
+# records of refused new jobs kept (their verdicts, for `cleave submit` and `status`); past it the oldest goes: a
+# flood of invalid jobs, each on a new id, filled the records' bucket, and with it full the runner stopped
+DEFAULT_MAX_REFUSED = 10_000
+INPUTS_TIMEOUT_S = 30.0  # checking a job's tokenizer and data (`check_inputs`) longer than this refuses it
 DEFAULT_TICK_S = 0.5  # how often submissions are taken and the PS processes looked after
 JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then starts with those there
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
@@ -70,6 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nats", help="NATS URL (default: the PS's setting, CLEAVE_PS_NATS_URL)")
     p.add_argument("--run-dir", type=Path, default=Path("runs") / "runner", help="jobs' files and PS logs")
     p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="jobs run at once (default 1)")
+    p.add_argument("--max-queued", type=int, default=None,
+                   help=f"jobs waiting at once; more are refused (default ${MAX_QUEUED_ENV}, else {DEFAULT_MAX_QUEUED})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,16 +92,25 @@ def run(args: argparse.Namespace) -> int:
     settings = PsSettings(**({"nats_url": args.nats} if args.nats else {}))  # it logs in as the PS
     if args.max_running < 1:
         raise CleaveError(f"--max-running must be at least 1, got {args.max_running}")
-    return run_until_stopped(lambda stop: serve(settings, args.run_dir, args.max_running, stop))
+    max_queued = args.max_queued
+    if max_queued is None:
+        given = os.environ.get(MAX_QUEUED_ENV, str(DEFAULT_MAX_QUEUED))
+        if not given.strip().isdigit():
+            raise CleaveError(f"{MAX_QUEUED_ENV} must be a whole number of jobs, got {given!r}")
+        max_queued = int(given)
+    if max_queued < 1:
+        raise CleaveError(f"--max-queued ({MAX_QUEUED_ENV}) must be at least 1, got {max_queued}")
+    return run_until_stopped(lambda stop: serve(settings, args.run_dir, args.max_running, stop, max_queued))
 
 
-async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Event) -> int:
+async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Event,
+                max_queued: int = DEFAULT_MAX_QUEUED) -> int:
     stack = Stack(run_dir)  # (a run dir it cannot make is named now, not once NATS answers)
     bus = await busmod.connect(s.nats_url, "cleave-runner", stop=stop, **auth.connect_options(s, "ps"))
     if bus is None:  # stopped before NATS answered
         return 0
     stack.nats_url = s.nats_url
-    runner = Runner(bus, stack, run_dir, max_running)
+    runner = Runner(bus, stack, run_dir, max_running, max_queued)
     try:
         while not stop.is_set():
             try:
@@ -94,7 +118,7 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
                     await bus.setup()
                     await runner.open()
                     log.info("runner_started", nats=s.nats_url, run_dir=str(run_dir), max_running=max_running,
-                             queued=sum(r.state == "queued" for r in runner.records.values()))
+                             max_queued=max_queued, queued=sum(r.state == "queued" for r in runner.records.values()))
                 await runner.take()
                 await runner.tick()
             except (nats.errors.Error, TimeoutError, ConnectionError, CreateRefused) as e:  # the bus is away (or
@@ -109,8 +133,11 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
 
 
 class Runner:
-    def __init__(self, bus: busmod.Bus, stack: Stack, run_dir: Path, max_running: int) -> None:
+    def __init__(self, bus: busmod.Bus, stack: Stack, run_dir: Path, max_running: int,
+                 max_queued: int = DEFAULT_MAX_QUEUED, max_refused: int = DEFAULT_MAX_REFUSED) -> None:
         self.bus, self.stack, self.run_dir, self.max_running = bus, stack, run_dir, max_running
+        self.max_queued, self.max_refused = max_queued, max_refused
+        self.refused: dict[str, None] = {}  # the refused new jobs whose records are kept, oldest first
         self.records: dict[str, JobRecord] = {}  # this runner writes them: its copy is the bucket's
         self.waiting: dict[str, float] = {}  # job -> since when it waits for its workers
         self.restarts: dict[str, int] = {}  # job -> restarts of its PS already counted in its record's runs
@@ -135,6 +162,9 @@ class Runner:
                 if rec.state == "running":  # the runner that ran it is gone: it runs again, and resumes
                     rec = await self.put(rec.model_copy(update={"state": "queued"}))
                 self.records[job_id] = rec
+        for rec in sorted(self.records.values(), key=lambda r: r.submitted_at):
+            if (rec.state, rec.runs, rec.verdict) == ("failed", 0, "refused"):  # (never ran: refused when new)
+                self.refused[rec.job_id] = None
         self.sub = await asyncio.wait_for(self.bus.js.pull_subscribe(
             SUBJECT_JOB_SUBMIT_ALL, durable=CONSUMER, stream=JOBS_STREAM,
             config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)), busmod.DEFAULT_TIMEOUT_S)
@@ -190,15 +220,34 @@ class Runner:
             verdict = {"nonce": sub.nonce, "verdict": "refused", "verdict_reason": why[:4096]}
             if old is not None:
                 return await self.put(old.model_copy(update=verdict))
-            return await self.put(JobRecord(job_id=job_id, job=sub.job[:MAX_JOB_BYTES], state="failed",
-                                            submitted_at=stored_at, reason=why[:4096], **verdict))
+            # (a new job's record keeps no description: what was refused is the submitter's text, which every
+            # reader of the bucket parses, and each such record stays in the runner's memory and its bucket)
+            rec = await self.put(JobRecord(job_id=job_id, job="{}", state="failed", submitted_at=stored_at,
+                                           reason=why[:4096], **verdict))
+            self.refused[job_id] = None
+            await self.forget_refused()
+            return rec
+        self.refused.pop(job_id, None)
         log.info("job_accepted", job=job_id, min_workers=sub.min_workers, again=old is not None)
         return await self.put(JobRecord(job_id=job_id, job=job.model_dump_json(), state="queued",
                                         submitted_at=stored_at, min_workers=sub.min_workers,
                                         runs=old.runs if old else 0, nonce=sub.nonce, verdict="accepted"))
 
+    async def forget_refused(self) -> None:
+        """Remove the oldest records of refused new jobs past `max_refused`, every revision (no marker left)."""
+        while len(self.refused) > self.max_refused:
+            job_id = next(iter(self.refused))
+            await asyncio.wait_for(self.bus.js.purge_stream(f"KV_{JOBS_BUCKET}", subject=f"$KV.{JOBS_BUCKET}.{job_id}"),
+                                   busmod.DEFAULT_TIMEOUT_S)
+            del self.refused[job_id]
+            self.records.pop(job_id, None)
+
     async def judge(self, job_id: str, sub: JobSubmission, old: JobRecord | None) -> tuple[JobConfig | None, str]:
         """The job, or why this submission is refused."""
+        queued = sum(r.state == "queued" for r in self.records.values())
+        if queued >= self.max_queued and (old is None or old.state != "queued"):  # (one queued is replaced)
+            return None, (f"the hub's queue is full: {queued} jobs wait, its limit (cleave runner --max-queued, "
+                          f"{MAX_QUEUED_ENV}); submit it again once some have started")
         try:
             job = JobConfig.build(**json.loads(sub.job))
         except Exception as e:  # (whatever a hostile description makes the checks raise: JSON nested too deep
@@ -211,6 +260,12 @@ class Runner:
         got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
         if got and (refused := refusal(job_id, got[0].job_config, got[0].step, job.model_dump_json())):
             return None, str(refused)
+        try:  # (off the loop: a tokenizer is read whole)
+            await asyncio.wait_for(asyncio.to_thread(check_inputs, job), INPUTS_TIMEOUT_S)
+        except TimeoutError:
+            return None, f"its tokenizer and data could not be checked within {INPUTS_TIMEOUT_S:.0f} s"
+        except Exception as e:  # (ConfigError names the setting; anything else a hostile path raises, too)
+            return None, str(e)[:1000] or type(e).__name__
         return job, ""
 
     # ---- the queue and the PS processes --------------------------------------------------------------
@@ -292,10 +347,25 @@ async def jobs_stream(bus: busmod.Bus) -> None:
                                   max_msg_size=MAX_CONTROL_BYTES, num_replicas=bus.replicas))
 
 
+def check_inputs(job: JobConfig) -> None:
+    """What a job's PS reads first, checked where it runs, before it is queued: its tokenizer loads, and its data
+    is there and readable. A device or a pipe is refused by the rule that reading data follows
+    (`reading.check_regular`): one read for ever, the other blocked its reader. ConfigError says why."""
+    if job.tokenizer != DEFAULT_TOKENIZER and not Path(job.tokenizer).expanduser().is_dir():
+        reading.check_regular(Path(job.tokenizer).expanduser(), f"tokenizer={job.tokenizer!r}")
+    load_tokenizer(job.tokenizer)
+    check_source(job.data)
+
+
 def failure_reason(stack: Stack, proc: Proc) -> str:
-    """Why a PS failed, in its own words (`Stack.last_words`), else where to look."""
+    """Why a PS failed, in its own words (`Stack.last_words`), else where to look; a crash loop (one left down
+    after CRASH_LOOP_STARTS quick failures in a row) says so first."""
     last = stack.last_words(proc)
-    return f"its PS exited with {proc.popen.returncode}" + (f": {last}" if last else f"; see {stack.log_path(proc.name)}")
+    why = f"its PS exited with {proc.popen.returncode}" + (f": {last}" if last else f"; see {stack.log_path(proc.name)}")
+    if proc.crashes >= CRASH_LOOP_STARTS:
+        why = (f"its PS failed {proc.crashes} times in a row, each within {CRASH_WINDOW_S:.0f} s of its start, and "
+               f"is not started again; {why.removeprefix('its PS ')}")
+    return why
 
 
 def _ps_name(job_id: str) -> str:
