@@ -35,6 +35,7 @@ from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageT
 
 from cleave import auth, codec
 from cleave import bus as busmod
+from cleave.api.hub import read_records
 from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES
 from cleave.errors import CleaveError, CreateRefused, WireError
@@ -155,14 +156,10 @@ class Runner:
         self.kv = await self.bus.kv(JOBS_BUCKET)
         self.state = await self.bus.kv(STATE_BUCKET, history=5)
         self.registry = await self.bus.kv(REGISTRY_BUCKET, ttl_s=busmod.DEFAULT_REGISTRY_TTL_S)
-        for job_id in await self.bus.keys(self.kv):
-            got = await self.bus.kv_get(self.kv, job_id, JobRecord)
-            if got is not None:
-                rec = got[0]
-                if rec.state == "running":  # the runner that ran it is gone: it runs again, and resumes
-                    rec = await self.put(rec.model_copy(update={"state": "queued"}))
-                self.records[job_id] = rec
-        for rec in sorted(self.records.values(), key=lambda r: r.submitted_at):
+        for rec in await read_records(self.bus, None):  # (in submission order)
+            if rec.state == "running":  # the runner that ran it is gone: it runs again, and resumes
+                rec = await self.put(rec.model_copy(update={"state": "queued"}))
+            self.records[rec.job_id] = rec
             if (rec.state, rec.runs, rec.verdict) == ("failed", 0, "refused"):  # (never ran: refused when new)
                 self.refused[rec.job_id] = None
         self.sub = await asyncio.wait_for(self.bus.js.pull_subscribe(
