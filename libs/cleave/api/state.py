@@ -82,7 +82,8 @@ def state_server(run_dir: Path) -> Iterator[str]:
         return
     store = run_dir / "jetstream"
     if not store.is_dir():
-        raise ConfigError(f"{run_dir} has no running NATS (stack.json) and no JetStream store ({store})")
+        raise ConfigError(elsewhere(run_dir) or f"{run_dir} has no running NATS (stack.json) and no JetStream store "
+                          f"({store})")
     with tempfile.TemporaryDirectory(prefix="cleave-export-") as tmp:
         # Stack keeps its store at <dir>/jetstream: point that at the run's store
         (Path(tmp) / "jetstream").symlink_to(store.resolve(), target_is_directory=True)
@@ -91,6 +92,35 @@ def state_server(run_dir: Path) -> Iterator[str]:
             yield stack.start_nats()
         finally:
             stack.stop_all()
+
+
+def elsewhere(run_dir: Path) -> str | None:
+    """Why a run dir of a job trained on a running stack's NATS (`cleave train --nats`) holds no state, and where
+    its state is; None for any other run dir."""
+    try:
+        stack = json.loads((run_dir / "stack.json").read_text())
+        url = stack.get("nats_url") or ""
+        own = [p for p in stack.get("processes", []) if p.get("role") == "nats"]
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    if not url or own:
+        return None
+    try:
+        job_id = job_id_of(run_dir)
+    except ConfigError:
+        job_id = "ID"
+    return (f"{run_dir} is the run dir of a job trained on the NATS at {url}, which keeps the job's state: export it "
+            f"from there (cleave export --nats {url} --job-id {job_id} --out OUT, with --auth DIR on a hub that "
+            "asks for credentials)")
+
+
+def split_not_exported(job: JobConfig) -> str:
+    """Why a split-learning job has no model to export."""
+    k = job.split_layers
+    client = "the embeddings" + ("" if k == 0 else " and block 0" if k == 1 else f" and blocks 0-{k - 1}")
+    return (f"job {job.job_id!r} is split learning (method split): its PS checkpoints only its half of the model "
+            f"(blocks {k} on, the final norm and the head); {client} are the client worker's, which "
+            "keeps them to itself, so there is no whole model to export")
 
 
 async def _state_bucket(bus: busmod.Bus, url: str):  # noqa: ANN202 - nats-py's KeyValue
@@ -133,6 +163,8 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
             )
         head, _ = got
         job = JobConfig.build(**json.loads(head.job_config))
+        if job.method == "split":
+            raise ConfigError(split_not_exported(job))
         cfg = job.arch()
         model = job_model(job)  # every weight is overwritten by the checkpoint
         try:
