@@ -1,5 +1,6 @@
 """`cleave export` of jobs beyond a plain run on a local stack: split learning (no whole model to export), a job
-trained on a running stack's NATS exported by its own run dir, against a real `cleave up` stack."""
+trained on a running stack's NATS exported by its own run dir, and a LoRA job's adapter written elsewhere
+(`--adapter-out`), against a real `cleave up` stack."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from cleave import Job, run
 from cleave.api import jobs
@@ -54,3 +56,39 @@ def test_the_run_dir_of_a_job_trained_on_a_running_stack_names_where_its_state_i
                                                     f"{LORA} --out OUT")):
         jobs.export(tmp_path / "hf", run_dir=root / LORA)
     assert jobs.export(tmp_path / "hf", nats=url, job_id=LORA).head.step == 0  # (where the message points)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21, transformers 5
+def test_an_adapter_folder_elsewhere_is_replaced_whole_and_only_an_earlier_one(hub: tuple[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """`--adapter-out` wrote into any folder: the user's own files stayed beside the adapter, and an earlier
+    adapter's files that the new one does not write (another job's base/ tokenizer) were read with it."""
+    url, _ = hub
+    out, mine = tmp_path / "hf", tmp_path / "mine"
+    mine.mkdir()
+    (mine / "NOTES.md").write_text("mine")
+    with pytest.raises(ConfigError, match="holds other files and is not an earlier adapter export"):
+        jobs.export(out, nats=url, job_id=LORA, adapter_out=mine)
+    assert [p.name for p in mine.iterdir()] == ["NOTES.md"] and not out.exists()
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match="a-file is a file: the adapter is written as a folder"):
+        jobs.export(out, nats=url, job_id=LORA, adapter_out=tmp_path / "a-file")
+    with pytest.raises(ConfigError, match="holds the model's folder"):
+        jobs.export(tmp_path / "both" / "hf", nats=url, job_id=LORA, adapter_out=tmp_path / "both")
+    earlier = tmp_path / "adapter"
+    (earlier / "base").mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "base/config.json", "base/tokenizer.json"):
+        (earlier / name).write_text("{}")  # an earlier adapter export of another job (a BPE tokenizer's base)
+    got = jobs.export(out, nats=url, job_id=LORA, adapter_out=earlier)
+    assert got.adapter == earlier
+    assert sorted(p.name for p in earlier.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "base"]
+    assert sorted(p.name for p in (earlier / "base").iterdir()) == ["cleave_tokenizer.json", "config.json",
+                                                                     "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "adapter", "hf", "mine"]  # (no staging left)
+    transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
+    tokens = torch.arange(32).reshape(2, 16) * 7 % 256  # (B, T) byte ids
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out)(tokens).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(got.job.init_from or earlier / "base")
+        adapted = peft.PeftModel.from_pretrained(base, earlier)(tokens).logits
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=1e-4)
