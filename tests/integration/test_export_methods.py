@@ -1,10 +1,12 @@
 """`cleave export` of jobs beyond a plain run on a local stack: split learning (no whole model to export), a job
-trained on a running stack's NATS exported by its own run dir, and a LoRA job's adapter written elsewhere
-(`--adapter-out`), against a real `cleave up` stack."""
+trained on a running stack's NATS exported by its own run dir, a `--reference` run (no checkpoint), and a LoRA
+job's adapter written elsewhere (`--adapter-out`), against a real `cleave up` stack."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +58,17 @@ def test_the_run_dir_of_a_job_trained_on_a_running_stack_names_where_its_state_i
                                                     f"{LORA} --out OUT")):
         jobs.export(tmp_path / "hf", run_dir=root / LORA)
     assert jobs.export(tmp_path / "hf", nats=url, job_id=LORA).head.step == 0  # (where the message points)
+
+
+def test_a_reference_run_says_it_keeps_no_checkpoint(tmp_path: Path) -> None:
+    """`cleave train --reference` trains in its own process and writes only metrics: the export said the run dir
+    had no running NATS and no JetStream store, and not why."""
+    ref = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "1",
+                          "--batch-size", "2", "--reference", "--run-dir", str(tmp_path / "ref")],
+                         capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr
+    with pytest.raises(ConfigError, match="no stack ran there .a --reference run, .* keeps no checkpoint to export"):
+        jobs.export(tmp_path / "hf", run_dir=tmp_path / "ref")
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft 0.21, transformers 5

@@ -82,8 +82,10 @@ def state_server(run_dir: Path) -> Iterator[str]:
         return
     store = run_dir / "jetstream"
     if not store.is_dir():
+        stackless = "" if (run_dir / "stack.json").exists() else (
+            ": no stack ran there (a --reference run, trained in its own process, keeps no checkpoint to export)")
         raise ConfigError(elsewhere(run_dir) or f"{run_dir} has no running NATS (stack.json) and no JetStream store "
-                          f"({store})")
+                          f"({store}){stackless}")
     with tempfile.TemporaryDirectory(prefix="cleave-export-") as tmp:
         # Stack keeps its store at <dir>/jetstream: point that at the run's store
         (Path(tmp) / "jetstream").symlink_to(store.resolve(), target_is_directory=True)
