@@ -16,21 +16,26 @@ import torch
 from cleave import Job, run
 from cleave.api import jobs
 from cleave.errors import ConfigError
+from cleave.models import build_model, get_preset
+from cleave.models.hf import export_hf
 from tests.integration.test_api import start_up
 
-SPLIT, LORA = "x-split", "x-lora"
+SPLIT, LORA, TUNED = "x-split", "x-lora", "x-tuned"
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A `cleave up` stack with one worker, a split-learning job and a LoRA job trained on it (`run(nats=...)`,
-    as `cleave train --nats`), each in a run dir of its own; the NATS URL and the folder of those run dirs."""
+    """A `cleave up` stack with one worker, a split-learning job, a LoRA job and a job started from a model folder
+    (`base`) trained on it (`run(nats=...)`, as `cleave train --nats`), each in a run dir of its own; the NATS URL
+    and the folder of those run dirs."""
     root = tmp_path_factory.mktemp("hub")
+    export_hf(build_model(get_preset("tiny"), seed=3), get_preset("tiny"), root / "base")  # a model to start from
     up, url = start_up(root / "up", "--workers", "1")
     try:
         for job in (Job(job_id=SPLIT, preset="tiny", method="split", steps=1, batch_size=2),
                     Job(job_id=LORA, preset="tiny", method="fedavg", lora_rank=4, local_steps=1, steps=1,
-                        batch_size=2)):
+                        batch_size=2),
+                    Job(job_id=TUNED, init_from=str(root / "base"), steps=1, batch_size=2)):
             assert [m["step"] for m in run(job, nats=url, run_dir=root / job.job_id)] == [0]
         yield url, root
     finally:
@@ -58,6 +63,23 @@ def test_the_run_dir_of_a_job_trained_on_a_running_stack_names_where_its_state_i
                                                     f"{LORA} --out OUT")):
         jobs.export(tmp_path / "hf", run_dir=root / LORA)
     assert jobs.export(tmp_path / "hf", nats=url, job_id=LORA).head.step == 0  # (where the message points)
+
+
+def test_a_job_whose_model_folder_is_not_here_names_it(hub: tuple[str, Path], tmp_path: Path) -> None:
+    """The model's shape comes from init_from's config.json: exported where that folder is not (moved, or the
+    hub's PS ran on another machine), the export said only 'invalid job: ... is not a directory nor a repo in the
+    local Hugging Face cache'."""
+    url, root = hub
+    (root / "base").rename(root / "moved")
+    try:  # (in a process of its own: this one has read the folder's config.json, and keeps it)
+        said = subprocess.run([sys.executable, "-m", "cleave_cli", "export", "--nats", url, "--job-id", TUNED, "--out",
+                               str(tmp_path / "hf")], capture_output=True, text=True, timeout=120)
+    finally:
+        (root / "moved").rename(root / "base")
+    assert said.returncode == 2, said.stderr
+    assert (f"job '{TUNED}' started from init_from={root / 'base'}, whose config.json gives the model's shape, and "
+            "it cannot be read here") in said.stderr, said.stderr
+    assert jobs.export(tmp_path / "hf", nats=url, job_id=TUNED).head.step == 0
 
 
 def test_a_reference_run_says_it_keeps_no_checkpoint(tmp_path: Path) -> None:

@@ -116,6 +116,20 @@ def elsewhere(run_dir: Path) -> str | None:
             "asks for credentials)")
 
 
+def job_of(head: StateHead) -> JobConfig:
+    """The job a head record was committed for; a job started from a model folder that is not here (moved, or the
+    PS ran on another machine) names that folder: its config.json gives the model's shape."""
+    fields = json.loads(head.job_config)
+    try:
+        return JobConfig.build(**fields)
+    except ConfigError as e:
+        if not fields.get("init_from"):
+            raise
+        raise ConfigError(f"job {head.job!r} started from init_from={fields['init_from']}, whose config.json gives "
+                          f"the model's shape, and it cannot be read here ({e}): export where that folder is, or "
+                          "put a copy of it at that path") from None
+
+
 def split_not_exported(job: JobConfig) -> str:
     """Why a split-learning job has no model to export."""
     k = job.split_layers
@@ -164,7 +178,7 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
                 f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}"
             )
         head, _ = got
-        job = JobConfig.build(**json.loads(head.job_config))
+        job = job_of(head)
         if job.method == "split":
             raise ConfigError(split_not_exported(job))
         cfg = job.arch()
