@@ -178,10 +178,12 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     if adapter_out is not None and out.resolve().is_relative_to(Path(adapter_out).resolve()):
         raise ConfigError(f"adapter_out={adapter_out} holds the model's folder {out}: the adapter's folder is replaced "
                           "whole; leave it unset (it goes to OUT/adapter) or name another")
-    replaceable(out)
     adapters = Path(adapter_out) if adapter_out is not None else None
     inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())
-    if adapters is not None and not inside:
+    # (an adapter folder inside `out` is part of the earlier export: the same command run again replaces both)
+    replaceable(out, written=EXPORT_NAMES | ({adapters.resolve().relative_to(out.resolve()).parts[0]} if inside
+                                            else set()))
+    if adapters is not None:
         replaceable(adapters, ADAPTER_CONFIG, ADAPTER_NAMES, "an adapter export")
     if nats is not None:
         if not job_id:
