@@ -65,6 +65,17 @@ def test_the_run_dir_of_a_job_trained_on_a_running_stack_names_where_its_state_i
     assert jobs.export(tmp_path / "hf", nats=url, job_id=LORA).head.step == 0  # (where the message points)
 
 
+def test_a_hubs_run_dir_lists_its_jobs_when_none_is_named(hub: tuple[str, Path], tmp_path: Path) -> None:
+    """A hub's run dir (`cleave up --run-dir`) holds many jobs and no job.json: the export said only that it could
+    not read the job id from job.json ([Errno 2] ...)."""
+    _, root = hub
+    with pytest.raises(ConfigError, match="has no job.json naming its job .a hub's run dir holds many.: name one "
+                                          ".*jobs with a committed checkpoint there: ") as refused:
+        jobs.export(tmp_path / "hf", run_dir=root / "up")
+    assert sorted(str(refused.value).rpartition("there: ")[2].split(", ")) == [LORA, SPLIT, TUNED]
+    assert jobs.export(tmp_path / "hf", run_dir=root / "up", job_id=LORA).head.step == 0
+
+
 def test_a_job_whose_model_folder_is_not_here_names_it(hub: tuple[str, Path], tmp_path: Path) -> None:
     """The model's shape comes from init_from's config.json: exported where that folder is not (moved, or the
     hub's PS ran on another machine), the export said only 'invalid job: ... is not a directory nor a repo in the

@@ -192,7 +192,7 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         head, job, cfg, model = asyncio.run(state.read_state(nats, job_id, Path(auth) if auth else None))
     else:
         with state.state_server(Path(run_dir)) as url:
-            head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.job_id_of(Path(run_dir))))
+            head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.named_job(Path(run_dir), url)))
     for what, spec in (("init_from", job.init_from), ("tokenizer", job.tokenizer)):
         home = Path(spec).expanduser() if spec else None
         if home is not None and home.exists() and home.resolve().is_relative_to(out.resolve()):

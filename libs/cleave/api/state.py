@@ -149,6 +149,29 @@ async def _state_bucket(bus: busmod.Bus, url: str):  # noqa: ANN202 - nats-py's 
         raise CleaveError(f"the PS state at {url} could not be read ({type(e).__name__})." + unanswered(e)) from None
 
 
+async def _jobs_in(bus: busmod.Bus, kv) -> str:  # noqa: ANN001 - nats-py's KeyValue
+    """The ids of the jobs with a committed checkpoint in the state bucket `kv`, for a message."""
+    return ", ".join(k.removesuffix(".head") for k in await bus.keys(kv) if k.endswith(".head")) or "none"
+
+
+async def _jobs_at(url: str) -> str:
+    bus = await connect(url, None)  # (a run dir's own NATS, or one started on its store: no credential)
+    try:
+        kv = await _state_bucket(bus, url)
+        return "none" if kv is None else await _jobs_in(bus, kv)
+    finally:
+        await bus.close()
+
+
+def named_job(run_dir: Path, url: str) -> str:
+    """The job a run dir's job.json names; a run dir without one (a hub's, which holds many jobs) is refused with
+    the jobs that have a checkpoint at `url`, its NATS."""
+    if (run_dir / "job.json").exists():
+        return job_id_of(run_dir)
+    raise ConfigError(f"{run_dir} has no job.json naming its job (a hub's run dir holds many): name one (--job-id, "
+                      f"job_id=); jobs with a committed checkpoint there: {asyncio.run(_jobs_at(url))}")
+
+
 async def head_of(url: str, job_id: str, auth_dir: Path | None = None, role: str = "submitter") -> StateHead | None:
     """The job's last committed head record at `url` (logging in as `role` with the credential in `auth_dir`);
     None for a job with no state there yet."""
@@ -173,10 +196,7 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
             raise CleaveError(f"{url} holds no persisted PS state (no {STATE_BUCKET} bucket)")
         got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
         if got is None:
-            jobs = [k.removesuffix(".head") for k in await bus.keys(kv) if k.endswith(".head")]
-            raise CleaveError(
-                f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}"
-            )
+            raise CleaveError(f"job {job_id!r} has no committed checkpoint; jobs with one: {await _jobs_in(bus, kv)}")
         head, _ = got
         job = job_of(head)
         if job.method == "split":
