@@ -180,9 +180,9 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
                           "whole; leave it unset (it goes to OUT/adapter) or name another")
     adapters = Path(adapter_out) if adapter_out is not None else None
     inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())
-    # (an adapter folder inside `out` is part of the earlier export: the same command run again replaces both)
-    replaceable(out, written=EXPORT_NAMES | ({adapters.resolve().relative_to(out.resolve()).parts[0]} if inside
-                                            else set()))
+    # (an adapter folder right inside `out` is part of the earlier export: the same command run again replaces both)
+    own = {adapters.resolve().name} if inside and adapters.resolve().parent == out.resolve() else set()
+    replaceable(out, written=EXPORT_NAMES | own)
     if adapters is not None:
         replaceable(adapters, ADAPTER_CONFIG, ADAPTER_NAMES, "an adapter export")
     if nats is not None:
