@@ -29,6 +29,13 @@ def test_the_documented_example_runs(tmp_path: Path) -> None:
     assert "exported api-example after step 3" in out.stdout
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "api-example" / "model")
     assert model.config.n_layer == Job(preset="tiny").arch().n_layer
+    # run again, as a reader does: the job is done, so it trains nothing, and checks and exports the same steps
+    # (it ended in a traceback: 'zip() argument 2 is longer than argument 1')
+    again = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api.py")], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "workers 2" not in again.stdout and "largest loss difference against plain PyTorch" in again.stdout
+    assert "exported api-example after step 3" in again.stdout
 
 
 def alive(pid: int) -> bool:

@@ -20,7 +20,7 @@ import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -35,6 +35,7 @@ from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
 from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE
+from cleave.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
@@ -45,6 +46,8 @@ Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small
 DEFAULT_WORKERS = 4  # as `cleave train`
 # what an export writes in its folder (`cleave.models.hf.export_hf`, the default adapter folder)
 EXPORT_NAMES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_RECORD, *TOKENIZER_FILES, methods_export.ADAPTER_DIR})
+# what an adapter export writes in its folder (`cleave.models.peft.write_adapter`, a seed-started job's base)
+ADAPTER_NAMES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS, methods_export.BASE_DIR})
 
 
 @checked
@@ -163,14 +166,25 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     if precision not in EXPORT_PRECISIONS:
         raise ConfigError(f"precision={precision!r}: choose fp32, bf16 or fp16")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out} is a file: the model is written as a folder")
-    if above := next((p for p in out.parents if p.exists() and not p.is_dir()), None):
-        raise ConfigError(f"{above} is a file: no folder can be made under it for {out}")
+    for folder in (out, *([Path(adapter_out)] if adapter_out is not None else [])):
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError(f"{folder} is a file: the {'model' if folder is out else 'adapter'} is written as a "
+                              "folder")
+        if above := next((p for p in folder.parents if p.exists() and not p.is_dir()), None):
+            raise ConfigError(f"{above} is a file: no folder can be made under it for {folder}")
     if adapter_out is not None and Path(adapter_out).resolve() == out.resolve():
         raise ConfigError(f"adapter_out={adapter_out} is the model's own folder: transformers would apply the adapter "
                           "again over the merged weights; leave it unset (it goes to OUT/adapter) or name another")
-    replaceable(out)
+    if adapter_out is not None and out.resolve().is_relative_to(Path(adapter_out).resolve()):
+        raise ConfigError(f"adapter_out={adapter_out} holds the model's folder {out}: the adapter's folder is replaced "
+                          "whole; leave it unset (it goes to OUT/adapter) or name another")
+    adapters = Path(adapter_out) if adapter_out is not None else None
+    inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())
+    # (an adapter folder right inside `out` is part of the earlier export: the same command run again replaces both)
+    own = {adapters.resolve().name} if inside and adapters.resolve().parent == out.resolve() else set()
+    replaceable(out, written=EXPORT_NAMES | own)
+    if adapters is not None:
+        replaceable(adapters, ADAPTER_CONFIG, ADAPTER_NAMES, "an adapter export")
     if nats is not None:
         if not job_id:
             raise ConfigError("export from a hub's NATS (--nats, nats=) needs the job's id (--job-id, job_id=): "
@@ -178,7 +192,7 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         head, job, cfg, model = asyncio.run(state.read_state(nats, job_id, Path(auth) if auth else None))
     else:
         with state.state_server(Path(run_dir)) as url:
-            head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.job_id_of(Path(run_dir))))
+            head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.named_job(Path(run_dir), url)))
     for what, spec in (("init_from", job.init_from), ("tokenizer", job.tokenizer)):
         home = Path(spec).expanduser() if spec else None
         if home is not None and home.exists() and home.resolve().is_relative_to(out.resolve()):
@@ -188,29 +202,30 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         raise ConfigError(f"adapter_out={adapter_out}: job {job.job_id!r} has no LoRA adapters (lora_rank=0); "
                           "its export is the model alone")
     dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
-    adapters = Path(adapter_out) if adapter_out else None
-    inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())
-    try:
-        with replacing(out) as staging:  # (an adapter folder inside `out` is written inside the staging too)
+    try:  # (an adapter folder inside `out` is written inside its staging; one elsewhere is staged and swapped too)
+        with replacing(out) as staging, replacing(adapters) if adapters and not inside else nullcontext() as beside:
             written, *adapter = methods_export.export(
                 model, job, cfg, staging, dtype, staging / adapters.resolve().relative_to(out.resolve()) if inside
-                else adapters, home=out, adapter_home=adapters)
+                else beside, home=out, adapter_home=adapters)
     except OSError as e:  # a full disk, a folder it may not write: nothing of the export is left
         raise CleaveError(f"cannot write the export to {out}: {e.filename or ''} {e.strerror or e}; nothing was "
                           "written") from None
     return Exported(written, adapter[0] if adapter else None, job, head)
 
 
-def replaceable(out: Path) -> None:
+def replaceable(out: Path, mark: str = TOKENIZER_RECORD, written: frozenset[str] = EXPORT_NAMES,
+                what: str = "an export") -> None:
     """Refuse an `out` that holds anything but an earlier export: an export replaces its folder whole, and nothing
-    else there may be lost (an earlier export is known by its tokenizer record)."""
+    else there may be lost (an earlier export is known by its `mark`: the tokenizer record; an adapter export's,
+    its adapter_config.json; it holds only what an export writes, `written`)."""
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
-    if names and TOKENIZER_RECORD not in names:
-        raise ConfigError(f"{out} holds other files and is not an earlier export (a run dir, a model of your own?): "
-                          "export into a new or empty folder, or over an earlier export (replaced whole)")
-    if extra := sorted(names - EXPORT_NAMES):
-        raise ConfigError(f"{out} is an earlier export but also holds {', '.join(extra[:5])}: an export replaces its "
-                          "folder whole; move them, or export into another folder")
+    if names and mark not in names:
+        raise ConfigError(f"{out} holds other files and is not an earlier {what.removeprefix('an ')} (a run dir, a "
+                          f"model of your own?): export into a new or empty folder, or over an earlier {what} "
+                          "(replaced whole)")
+    if extra := sorted(names - written):
+        raise ConfigError(f"{out} is an earlier {what.removeprefix('an ')} but also holds {', '.join(extra[:5])}: an "
+                          "export replaces its folder whole; move them, or export into another folder")
 
 
 @contextmanager

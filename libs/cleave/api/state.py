@@ -82,7 +82,10 @@ def state_server(run_dir: Path) -> Iterator[str]:
         return
     store = run_dir / "jetstream"
     if not store.is_dir():
-        raise ConfigError(f"{run_dir} has no running NATS (stack.json) and no JetStream store ({store})")
+        stackless = "" if (run_dir / "stack.json").exists() else (
+            ": no stack ran there (a --reference run, trained in its own process, keeps no checkpoint to export)")
+        raise ConfigError(elsewhere(run_dir) or f"{run_dir} has no running NATS (stack.json) and no JetStream store "
+                          f"({store}){stackless}")
     with tempfile.TemporaryDirectory(prefix="cleave-export-") as tmp:
         # Stack keeps its store at <dir>/jetstream: point that at the run's store
         (Path(tmp) / "jetstream").symlink_to(store.resolve(), target_is_directory=True)
@@ -93,6 +96,49 @@ def state_server(run_dir: Path) -> Iterator[str]:
             stack.stop_all()
 
 
+def elsewhere(run_dir: Path) -> str | None:
+    """Why a run dir of a job trained on a running stack's NATS (`cleave train --nats`) holds no state, and where
+    its state is; None for any other run dir."""
+    try:
+        stack = json.loads((run_dir / "stack.json").read_text())
+        url = stack.get("nats_url") or ""
+        own = [p for p in stack.get("processes", []) if p.get("role") == "nats"]
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    if not url or own:
+        return None
+    try:
+        job_id = job_id_of(run_dir)
+    except ConfigError:
+        job_id = "ID"
+    return (f"{run_dir} is the run dir of a job trained on the NATS at {url}, which keeps the job's state: export it "
+            f"from there (cleave export --nats {url} --job-id {job_id} --out OUT, with --auth DIR on a hub that "
+            "asks for credentials)")
+
+
+def job_of(head: StateHead) -> JobConfig:
+    """The job a head record was committed for; a job started from a model folder that is not here (moved, or the
+    PS ran on another machine) names that folder: its config.json gives the model's shape."""
+    fields = json.loads(head.job_config)
+    try:
+        return JobConfig.build(**fields)
+    except ConfigError as e:
+        if not fields.get("init_from"):
+            raise
+        raise ConfigError(f"job {head.job!r} started from init_from={fields['init_from']}, whose config.json gives "
+                          f"the model's shape, and it cannot be read here ({e}): export where that folder is, or "
+                          "put a copy of it at that path") from None
+
+
+def split_not_exported(job: JobConfig) -> str:
+    """Why a split-learning job has no model to export."""
+    k = job.split_layers
+    client = "the embeddings" + ("" if k == 0 else " and block 0" if k == 1 else f" and blocks 0-{k - 1}")
+    return (f"job {job.job_id!r} is split learning (method split): its PS checkpoints only its half of the model "
+            f"(blocks {k} on, the final norm and the head); {client} are the client worker's, which "
+            "keeps them to itself, so there is no whole model to export")
+
+
 async def _state_bucket(bus: busmod.Bus, url: str):  # noqa: ANN202 - nats-py's KeyValue
     """The PSs' state bucket at `url`; None where no PS ever persisted there."""
     try:
@@ -101,6 +147,29 @@ async def _state_bucket(bus: busmod.Bus, url: str):  # noqa: ANN202 - nats-py's 
         return None
     except Exception as e:
         raise CleaveError(f"the PS state at {url} could not be read ({type(e).__name__})." + unanswered(e)) from None
+
+
+async def _jobs_in(bus: busmod.Bus, kv) -> str:  # noqa: ANN001 - nats-py's KeyValue
+    """The ids of the jobs with a committed checkpoint in the state bucket `kv`, for a message."""
+    return ", ".join(k.removesuffix(".head") for k in await bus.keys(kv) if k.endswith(".head")) or "none"
+
+
+async def _jobs_at(url: str) -> str:
+    bus = await connect(url, None)  # (a run dir's own NATS, or one started on its store: no credential)
+    try:
+        kv = await _state_bucket(bus, url)
+        return "none" if kv is None else await _jobs_in(bus, kv)
+    finally:
+        await bus.close()
+
+
+def named_job(run_dir: Path, url: str) -> str:
+    """The job a run dir's job.json names; a run dir without one (a hub's, which holds many jobs) is refused with
+    the jobs that have a checkpoint at `url`, its NATS."""
+    if (run_dir / "job.json").exists():
+        return job_id_of(run_dir)
+    raise ConfigError(f"{run_dir} has no job.json naming its job (a hub's run dir holds many): name one (--job-id, "
+                      f"job_id=); jobs with a committed checkpoint there: {asyncio.run(_jobs_at(url))}")
 
 
 async def head_of(url: str, job_id: str, auth_dir: Path | None = None, role: str = "submitter") -> StateHead | None:
@@ -127,12 +196,11 @@ async def read_state(url: str, job_id: str, auth_dir: Path | None = None
             raise CleaveError(f"{url} holds no persisted PS state (no {STATE_BUCKET} bucket)")
         got = await bus.kv_get(kv, f"{job_id}.head", StateHead)
         if got is None:
-            jobs = [k.removesuffix(".head") for k in await bus.keys(kv) if k.endswith(".head")]
-            raise CleaveError(
-                f"job {job_id!r} has no committed checkpoint; jobs with one: {', '.join(jobs) or 'none'}"
-            )
+            raise CleaveError(f"job {job_id!r} has no committed checkpoint; jobs with one: {await _jobs_in(bus, kv)}")
         head, _ = got
-        job = JobConfig.build(**json.loads(head.job_config))
+        job = job_of(head)
+        if job.method == "split":
+            raise ConfigError(split_not_exported(job))
         cfg = job.arch()
         model = job_model(job)  # every weight is overwritten by the checkpoint
         try:
