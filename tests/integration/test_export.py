@@ -133,7 +133,8 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
     for name in ("config.json", "tokenizer.json", "cleave_tokenizer.json", "adapter/adapter_config.json"):
         (out / name).write_text("{}")  # an earlier export of another job (BPE tokenizer, LoRA adapter)
     export(run_dir, out)
-    assert sorted(p.name for p in out.iterdir()) == ["cleave_tokenizer.json", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["cleave_tokenizer.json", "config.json", "model.safetensors",
+                                                    "tokenizer.json", "tokenizer_config.json"]
     assert oct(out.stat().st_mode & 0o777) == "0o755"
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
     assert set(modes.values()) == {oct(0o666 & ~current_umask())}, modes  # (safetensors wrote the weights 0600)

@@ -129,12 +129,14 @@ def test_an_adapter_folder_elsewhere_is_replaced_whole_and_only_an_earlier_one(h
     assert got.adapter == earlier
     assert sorted(p.name for p in earlier.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "base"]
     assert sorted(p.name for p in (earlier / "base").iterdir()) == ["cleave_tokenizer.json", "config.json",
-                                                                     "model.safetensors"]
+                                                                     "model.safetensors", "tokenizer.json",
+                                                                     "tokenizer_config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "adapter", "hf", "mine"]  # (no staging left)
     for _ in range(2):  # an adapter folder of its own inside OUT: the same export again was refused ('also holds ad')
         jobs.export(tmp_path / "hf2", nats=url, job_id=LORA, adapter_out=tmp_path / "hf2" / "ad")
     assert sorted(p.name for p in (tmp_path / "hf2").iterdir()) == ["ad", "cleave_tokenizer.json", "config.json",
-                                                                    "model.safetensors"]
+                                                                    "model.safetensors", "tokenizer.json",
+                                                                    "tokenizer_config.json"]
     transformers, peft = pytest.importorskip("transformers"), pytest.importorskip("peft")
     tokens = torch.arange(32).reshape(2, 16) * 7 % 256  # (B, T) byte ids
     with torch.no_grad():

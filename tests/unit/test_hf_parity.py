@@ -27,7 +27,7 @@ from cleave.models.hf import (
     to_hf_state_dict,
 )
 from cleave.models.llama import rope_frequencies
-from cleave.models.tokenizer import TOKENIZER_RECORD, load_tokenizer
+from cleave.models.tokenizer import TOKENIZER_RECORD, ByteTokenizer, load_tokenizer
 from cleave.train.job import JobConfig
 
 TOL = 1e-5  # float32
@@ -103,7 +103,8 @@ def test_transformers_weights_in_ours_give_its_logits(cfg: ModelConfig) -> None:
 def test_export_loads_in_transformers_and_back(cfg: ModelConfig, tmp_path: Path) -> None:
     ours = _ours(cfg)
     out = export_hf(ours, cfg, tmp_path / "export")
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", TOKENIZER_RECORD}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", TOKENIZER_RECORD, "tokenizer.json",
+                                               "tokenizer_config.json"}  # (the byte tokenizer's, for transformers)
     assert ("lm_head.weight" in load_file(out / "model.safetensors")) == (not cfg.tie_embeddings)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     _assert_same_logits(ours, hf, cfg)
@@ -301,7 +302,8 @@ def test_export_records_and_copies_the_tokenizer(tmp_path: Path) -> None:
     assert JobConfig(init_from=str(out), tokenizer="bytes").tokenizer == "bytes"  # named: kept
     # a model whose tokenizer cannot be read is not trained on byte ids either: loading it says why
     spm = _exported(tmp_path / "spm")
-    (spm / TOKENIZER_RECORD).unlink()
+    for name in (TOKENIZER_RECORD, "tokenizer.json", "tokenizer_config.json"):
+        (spm / name).unlink()
     (spm / "tokenizer.model").write_bytes(b"sentencepiece")
     assert JobConfig(init_from=str(spm)).tokenizer == str(spm)
     with pytest.raises(ConfigError, match="only a sentencepiece tokenizer.model; convert it"):
@@ -319,3 +321,19 @@ def test_export_records_and_copies_the_tokenizer(tmp_path: Path) -> None:
     small = cfg.model_copy(update={"vocab_size": 96})
     with pytest.raises(ConfigError, match="has 256 tokens, over vocab_size=96"):
         export_hf(build_model(small), small, tmp_path / "x", tokenizer_name="bytes")
+
+
+@pytest.mark.parametrize("name", ["gpt2-tied", "llama-untied"])
+def test_a_byte_tokenizer_export_loads_in_transformers_as_the_byte_tokenizer(tmp_path: Path, name: str) -> None:
+    """Its export held only the record: AutoTokenizer gave an empty GPT-2 tokenizer that encoded every text to
+    [] (or failed, for a Llama model), with nothing said. It writes a tokenizer.json of the same ids; Cleave
+    still reads the folder as "bytes" (its record), so a job started from it is the same job as before."""
+    from transformers import AutoTokenizer
+
+    out = _exported(tmp_path, name)
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "héllo wörld <|endoftext|>\n\t  def  f(x):\r\n 日本語 \x00\x7f"
+    assert tok(text).input_ids == list(text.encode()) and tok.decode(list(text.encode())) == text
+    assert len(tok) == 256 and tok.decode([0xE6, 0x97]) == "\ufffd"  # (a cut character, as ByteTokenizer's)
+    assert isinstance(load_tokenizer(out), ByteTokenizer) and JobConfig(init_from=str(out)).tokenizer == "bytes"
+    assert export_hf(_ours(CONFIGS[name]), CONFIGS[name], out) == out  # (over itself: the record still rules)

@@ -25,6 +25,7 @@ from cleave.models.presets import build_model
 from cleave.models.tokenizer import (
     DEFAULT_TOKENIZER,
     TOKENIZER_RECORD,
+    ByteTokenizer,
     load_tokenizer,
     recorded_spec,
     tokenizer_files,
@@ -440,6 +441,8 @@ def export_hf(
     for f in getattr(tok, "files", ()):
         if f.resolve() != (out / f.name).resolve():
             shutil.copy2(f, out / f.name)
+    if isinstance(tok, ByteTokenizer):  # (no files of its own: written, for transformers' AutoTokenizer)
+        tok.write_hf(out)
     record = {"tokenizer": recorded_spec(tok.name), "vocab_size": tok.vocab_size}
     (out / TOKENIZER_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out

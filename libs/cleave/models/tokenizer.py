@@ -87,6 +87,30 @@ class ByteTokenizer:
             raise ValueError(f"byte tokenizer got ids outside 0..255: {bad[:5]}")
         return bytes(ids).decode("utf-8", errors="replace")  # a cut multi-byte character decodes as U+FFFD
 
+    def write_hf(self, out: Path) -> None:
+        """Files `transformers.AutoTokenizer` loads as this tokenizer (an export's): byte b is token b, a
+        byte-level BPE of GPT-2's byte alphabet without merges; `tokenizer_files` still reads the folder as
+        "bytes" by its record."""
+        tk = _tokenizers_module()
+        tok = tk.Tokenizer(tk.models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        tok.save(str(out / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _byte_chars() -> list[str]:
+    """The character a byte-level pre-tokenizer turns each byte into, in byte order (GPT-2's `bytes_to_unicode`:
+    printable bytes stay themselves, the others go to U+0100 on, in order)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    chars, moved = [], 0
+    for b in range(256):
+        chars.append(chr(b) if b in printable else chr(256 + moved))
+        moved += b not in printable
+    return chars
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` (GPT-2 BPE, Llama 3, ...); special tokens are not added."""
@@ -210,7 +234,10 @@ def _from_vocab_merges(directory: Path, name: str) -> HFTokenizer:
 def tokenizer_files(directory: Path) -> str | None:
     """Which tokenizer `directory` holds, by its files: "tokenizer.json", "vocab.json" (with merges.txt),
     "record" (an export's record of a tokenizer without files), "sentencepiece" (tokenizer.model alone, which
-    needs converting), or None (no tokenizer at all)."""
+    needs converting), or None (no tokenizer at all). An export of the byte tokenizer is "record", whose
+    tokenizer.json is for `transformers` (`ByteTokenizer.write_hf`)."""
+    if _records_bytes(directory / TOKENIZER_RECORD):
+        return "record"
     if (directory / "tokenizer.json").is_file():
         return "tokenizer.json"
     if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
@@ -220,6 +247,13 @@ def tokenizer_files(directory: Path) -> str | None:
     if (directory / "tokenizer.model").is_file():
         return "sentencepiece"
     return None
+
+
+def _records_bytes(record: Path) -> bool:
+    try:
+        return json.loads(record.read_text()).get("tokenizer") == DEFAULT_TOKENIZER
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _from_directory(directory: Path, name: str) -> Tokenizer:
