@@ -7,12 +7,13 @@ import os
 import re
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.api.natsconf import free_port
-from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Stack
+from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Stack, hold
 from cleave.errors import CleaveError, PsEnded
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
@@ -132,6 +133,10 @@ class LocalFleet:
     job: JobConfig | None = None  # the job of the PS (`start_ps`)
 
     def __post_init__(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # one stack a run dir, refused before anything of it is written; freed by stop, or when the fleet is
+        # collected, or with this process
+        self.unlock = weakref.finalize(self, os.close, hold(self.run_dir))
         self.stack = Stack(self.run_dir)
 
     def start(self, with_fleet: bool = True) -> None:
@@ -246,3 +251,4 @@ class LocalFleet:
 
     def stop(self) -> None:
         self.stack.stop_all()
+        self.unlock()  # (a later stack in this process may take the run dir)

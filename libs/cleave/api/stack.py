@@ -11,6 +11,7 @@ TLS, and each service logs in with its role's credential.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -32,6 +33,8 @@ LAST_WORDS_BYTES = 64 * 1024  # of a process's log read back for what it said la
 # replica's EXIT_GROUP_LOST, which asks for the restart), each within CRASH_WINDOW_S of its start
 CRASH_LOOP_STARTS = 5
 CRASH_WINDOW_S = 60.0
+LOCK_FILE = "stack.lock"  # in a run dir, locked while a local stack runs there (`hold`)
+
 
 @dataclass
 class Proc:
@@ -289,3 +292,21 @@ class Stack:
             ],
         }
         write_atomic(self.run_dir / "stack.json", json.dumps(doc, indent=2))
+
+
+def hold(run_dir: Path) -> int:
+    """Lock `run_dir` for one stack (returns the lock file's descriptor; closing it, or this process's end,
+    frees the run dir): two stacks on one run dir (a second `cleave train` of the same job while the first runs)
+    would share its JetStream store, whose checkpoints neither could then read back, and its metrics file."""
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise CleaveError(f"{run_dir} is in use: another cleave{f' (pid {pid})' if pid else ''} runs a stack there "
+                          "(the same job started twice?); wait for it to end or stop it, or give this run another "
+                          "--run-dir (or --job-id)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
