@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -282,3 +285,22 @@ def test_a_dry_run_reads_a_token_files_sidecar(tmp_path, capsys) -> None:
     assert main(["train", "--preset", "tiny", "--data", str(tmp_path / "t.u16"), "--dry-run",
                  "--run-dir", str(tmp_path / "run")]) == 2
     assert f"was tokenised with '{tmp_path / 'other-tok'}'; set tokenizer=" in capsys.readouterr().err
+
+
+CTRL_C_AT_IMPORT = """import os, signal, sys
+def hook(event, args):
+    if event == "import" and args[0] == "cleave_cli.hub":
+        os.kill(os.getpid(), signal.SIGINT)
+sys.addaudithook(hook)
+"""
+
+
+def test_a_ctrl_c_while_the_command_line_is_read_exits_130_without_a_traceback(tmp_path) -> None:
+    """The first seconds of every command go to building its parser, which imports every command (torch too):
+    a Ctrl-C there ended in a KeyboardInterrupt traceback. Here a real SIGINT arrives as the parser imports one
+    of the commands (a sitecustomize's audit hook sends it)."""
+    (tmp_path / "sitecustomize.py").write_text(CTRL_C_AT_IMPORT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    got = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert got.returncode == 130 and "Traceback" not in got.stderr and not got.stdout, got

@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     atexit.unregister(gc.freeze)  # (once, however often main runs in one process)
     atexit.register(gc.freeze)  # the collector's last passes skip what exists at exit: with torch loaded they
     # took 1.2 s of CPU at the end of every command and service, 0.2 s without (objects are freed as always)
-    args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
-    try:
+    try:  # (building the parser imports every command, torch too: seconds in which a Ctrl-C may come)
+        args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
         if args.command in ("ps", "worker", "scheduler"):
             return run_service(args)
         if args.command in TOOLS:
