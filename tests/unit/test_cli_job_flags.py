@@ -87,8 +87,15 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
     cases = {
         ("train", "--preset", "tiny", "--tokenizer", str(tmp_path / "spm"), "--run-dir", str(tmp_path / "r")):
             "only a sentencepiece tokenizer.model; convert it",
-        ("train", "--preset", "tiny", "--run-dir", str(a_file)): f"{a_file}: File exists",
-        ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_dir)): f"{a_dir}: Is a directory",
+        # (they said "a-file: File exists" and "a-dir: Is a directory", naming neither the option nor the fix)
+        ("train", "--preset", "tiny", "--run-dir", str(a_file)):
+            f"run dir {a_file} (--run-dir) cannot be used: {a_file} is a file, where a folder is needed",
+        ("train", "--preset", "tiny", "--run-dir", str(a_file / "sub")): f"{a_file} is a file, where a folder",
+        ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_dir)):
+            f"metrics file {a_dir} (--metrics-out) cannot be written: it is a folder; name a file, e.g. "
+            f"{a_dir / 'metrics.jsonl'}",
+        ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_file / "m.jsonl")):
+            f"metrics file {a_file / 'm.jsonl'} (--metrics-out) cannot be written: {a_file} is a file, where a",
         ("train", "--config", str(binary)): "not a text file",
         ("train", "--preset", "tiny", "--lr", "inf", "--dry-run"): "lr: Input should be a finite number",
         ("train", "--preset", "tiny", "--workers", "0", "--dry-run"): "--workers: must be at least 1, got 0",

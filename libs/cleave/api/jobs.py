@@ -101,13 +101,37 @@ def check_auth(auth: str | Path | None, nats: str | None) -> None:
                           "local stack has no credentials")
 
 
+def writable(run_dir: Path, metrics_out: str | Path | None) -> Path:
+    """Make the run dir and the metrics file's folder, and open the metrics file (default: the run dir's
+    metrics.jsonl) to append, before any process starts; returns the metrics file. A path that cannot be used is
+    named with its option ("afile: File exists" said neither which option nor that a file was in the way)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run dir {run_dir} (--run-dir) cannot be used: {_why(e, run_dir)}") from None
+    metrics_out = Path(metrics_out) if metrics_out is not None else run_dir / "metrics.jsonl"
+    try:
+        metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        open(metrics_out, "a").close()
+    except OSError as e:
+        raise ConfigError(f"metrics file {metrics_out} (--metrics-out) cannot be written: "
+                          f"{_why(e, metrics_out)}") from None
+    return metrics_out
+
+
+def _why(e: OSError, path: Path) -> str:
+    if isinstance(e, IsADirectoryError):
+        return f"it is a folder; name a file, e.g. {path / 'metrics.jsonl'}"
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if isinstance(e, FileExistsError | NotADirectoryError) and blocker is not None:
+        return f"{blocker} is a file, where a folder is needed"
+    return e.strerror or str(e)
+
+
 def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: str | Path | None,
          metrics_out: str | Path | None, ps_replicas: int, reference: bool,
          on_stack: Callable[[LocalFleet], None] | None) -> Iterator[dict]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_out = Path(metrics_out) if metrics_out is not None else run_dir / "metrics.jsonl"
-    metrics_out.parent.mkdir(parents=True, exist_ok=True)
-    open(metrics_out, "a").close()  # (a path it cannot write to fails here, before any process starts)
+    metrics_out = writable(run_dir, metrics_out)
     if reference:
         yield from reference_steps(job, metrics_out)
         return

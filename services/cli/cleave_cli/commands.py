@@ -135,8 +135,7 @@ def train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     run_dir = args.run_dir or jobs.run_dir_of(job)  # the job's own: the same --job-id finds its state again
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
+    metrics_out = jobs.writable(run_dir, args.metrics_out)
     unit = "step" if args.reference else unit_of(job.method)
     if args.reference and job.method in ROUND_METHODS:
         print(f"method {job.method} is approximate: --reference trains the exact baseline it is measured against, "
