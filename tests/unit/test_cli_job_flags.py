@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -311,3 +312,14 @@ def test_a_ctrl_c_while_the_command_line_is_read_exits_130_without_a_traceback(t
     got = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--dry-run"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert got.returncode == 130 and "Traceback" not in got.stderr and not got.stdout, got
+
+
+def test_every_option_of_train_and_submit_says_what_it_does() -> None:
+    """`cleave train --help` listed --steps, --seed, --batch-size, --lr and --metrics-out with no word and no
+    default: a new user learnt from it neither what a step count or learning rate the job would take."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("train", "submit"):
+        silent = [a.option_strings[0] for a in sub.choices[command]._actions if not a.help]
+        assert not silent, (command, silent)
+    said = sub.choices["train"].format_help()
+    assert "training steps (default 20" in said and "(default 8)" in said and "(default 2e-3)" in said, said
