@@ -307,6 +307,23 @@ def test_a_crash_loop_is_left_down_and_told_but_a_killed_process_always_comes_ba
         stack.stop_all()
 
 
+def test_a_process_killed_and_left_down_is_told_killed_not_by_its_last_log_line(tmp_path: Path) -> None:
+    """`cleave demo` kills worker-1 on purpose and does not restart it; the terminal then read `worker-1 stopped
+    with status -9, not restarted: ... [info] worker_started ...`, its last log line given as the reason."""
+    stack = Stack(tmp_path)
+    victim = stack.spawn("worker-1", "worker", [sys.executable, "-c", "print('worker_started', flush=True); "
+                                                "import time; time.sleep(600)"], restart=False)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "worker_started" not in stack.last_words(victim) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stack.kill("worker-1")
+        assert stack.tell_ended(stack.supervise()) == [
+            f"worker-1 stopped with status -9, not restarted: killed by SIGKILL (see {stack.log_path('worker-1')})"]
+    finally:
+        stack.stop_all()
+
+
 class SignalledOnAcquire:
     """A `subprocess.Popen` wait lock that receives SIGTERM just as it is taken: the moment, between
     `Popen.poll`'s taking of the lock and the `try` that gives it back, at which a stop signal raised at once

@@ -232,11 +232,12 @@ class Stack:
         for p in ended:
             if not p.told:
                 p.told = True
+                code = p.popen.returncode
                 why = "held down (`cleave chaos ... --no-restart`)" if held_down(self.run_dir, p.name) else \
-                    f"{self.last_words(p) or 'no output'} (see {self.log_path(p.name)})"
+                    f"{killed_by(code) or self.last_words(p) or 'no output'} (see {self.log_path(p.name)})"
                 if p.crashes >= CRASH_LOOP_STARTS:
                     why = f"it failed {p.crashes} times in a row, each within {CRASH_WINDOW_S:.0f} s of starting; {why}"
-                lines.append(f"{p.name} stopped with status {p.popen.returncode}, not restarted: {why}")
+                lines.append(f"{p.name} stopped with status {code}, not restarted: {why}")
         return lines
 
     def restart(self, name: str) -> None:
@@ -292,6 +293,14 @@ class Stack:
             ],
         }
         write_atomic(self.run_dir / "stack.json", json.dumps(doc, indent=2))
+
+
+def killed_by(status: int) -> str:
+    """Why a process with a negative exit status ended, e.g. `killed by SIGKILL` (its last log line is no reason:
+    the demo's victim said `worker_started`); "" for a status of its own."""
+    if status >= 0:
+        return ""
+    return f"killed by {signal.Signals(-status).name}" if -status in signal.valid_signals() else f"killed by signal {-status}"
 
 
 def hold(run_dir: Path) -> int:
