@@ -391,17 +391,18 @@ def test_a_second_stack_on_a_run_dir_in_use_is_refused_and_the_first_runs_on(tmp
     """A second `cleave train` of a job while the first ran started a second nats-server on the same JetStream
     store and a second PS on the same metrics file: both trained, the stores' checkpoints became unreadable and
     the second ended with `no committed checkpoint ... reads back intact`. It is refused before it starts
-    anything, status 2, and the first stack runs on untouched."""
+    anything, status 2, and the first stack runs on untouched; so is a `--reference` run there."""
     run_dir = tmp_path / "run"
     up = supervisor("up", "--workers", "0", "--run-dir", str(run_dir))
     up.wait_line("stops everything")
     before = (run_dir / "stack.json").read_text()
-    second = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "1",
-                             "--workers", "1", "--run-dir", str(run_dir)], capture_output=True, text=True,
-                            timeout=READY_TIMEOUT_S)
-    assert second.returncode == 2, second
-    assert f"cleave: error: {run_dir} is in use: another cleave (pid {up.proc.pid}) runs a stack there" in (
-        second.stderr) and "Traceback" not in second.stderr and not second.stdout, second
+    for how in ("--workers", "--reference"):  # a reference run set the metrics file aside and wrote into it
+        second = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "1",
+                                 how, *(["1"] if how == "--workers" else []), "--run-dir", str(run_dir)],
+                                capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+        assert second.returncode == 2, second
+        assert f"cleave: error: {run_dir} is in use: another cleave (pid {up.proc.pid}) runs a job there" in (
+            second.stderr) and "Traceback" not in second.stderr and not second.stdout, second
     assert (run_dir / "stack.json").read_text() == before and not (run_dir / "job.json").exists()
     assert all(alive(pid) for pid in stack_pids(run_dir).values())
     up.proc.send_signal(signal.SIGTERM)

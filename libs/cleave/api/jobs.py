@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from cleave import codec
 from cleave.api import credentials, hub, state
 from cleave.api.args import JobId, checked
 from cleave.api.fleet import LocalFleet, reference_steps
+from cleave.api.stack import hold
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
@@ -133,7 +135,11 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
          on_stack: Callable[[LocalFleet], None] | None) -> Iterator[dict]:
     metrics_out = writable(run_dir, metrics_out)
     if reference:
-        yield from reference_steps(job, metrics_out)
+        held = hold(run_dir)  # (a stack of the same job there would write the same metrics file)
+        try:
+            yield from reference_steps(job, metrics_out)
+        finally:
+            os.close(held)
         return
     ps_env = credentials.role_env(Path(auth), "ps") if auth is not None else None
     fleet = LocalFleet(run_dir, workers, nats_url=nats, one_machine=True)

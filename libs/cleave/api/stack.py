@@ -304,16 +304,17 @@ def killed_by(status: int) -> str:
 
 
 def hold(run_dir: Path) -> int:
-    """Lock `run_dir` for one stack (returns the lock file's descriptor; closing it, or this process's end,
-    frees the run dir): two stacks on one run dir (a second `cleave train` of the same job while the first runs)
-    would share its JetStream store, whose checkpoints neither could then read back, and its metrics file."""
+    """Lock `run_dir` for one stack or `--reference` run (returns the lock file's descriptor; closing it, or this
+    process's end, frees the run dir): two stacks on one run dir (a second `cleave train` of the same job while
+    the first runs) would share its JetStream store, whose checkpoints neither could then read back, and its
+    metrics file, which a reference run would also set aside and write its own lines into."""
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         pid = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
-        raise CleaveError(f"{run_dir} is in use: another cleave{f' (pid {pid})' if pid else ''} runs a stack there "
+        raise CleaveError(f"{run_dir} is in use: another cleave{f' (pid {pid})' if pid else ''} runs a job there "
                           "(the same job started twice?); wait for it to end or stop it, or give this run another "
                           "--run-dir (or --job-id)") from None
     os.ftruncate(fd, 0)
