@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -236,6 +237,20 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
     shown = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in shown] == [str(s) for s in range(committed + 1, steps)], out
     assert f"over steps {committed + 1}-{steps - 1} (2 steps)" in out, out
+
+
+def test_a_stopped_job_of_no_named_id_says_which_id_resumes_it(tmp_path, supervisor):
+    """Stopped, a job started without --job-id said "the same command resumes it from step N": the same command
+    makes a new job, which starts from step 0 (and sets the metrics file aside). It names the id to add."""
+    run_dir = tmp_path / "run"
+    train = supervisor("train", "--preset", "tiny", "--steps", "500", "--workers", "1", "--run-dir", str(run_dir))
+    train.wait_line("step 1 (")
+    train.proc.send_signal(signal.SIGTERM)
+    code, out = train.end()
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    assert code == 128 + signal.SIGTERM and job_id.startswith("train-"), out
+    assert re.search(rf"job {job_id}: steps 0-\d+ of 500 are committed \(.*\); the same command with --job-id "
+                     rf"{job_id} resumes it from step \d+", out), out
 
 
 def test_a_process_last_words_are_its_last_error_line_of_its_latest_start(tmp_path: Path) -> None:

@@ -149,7 +149,7 @@ def train(args: argparse.Namespace) -> int:
         run_job(args, job, run_dir, metrics_out, progress, trackers, lines)
     except Stopped:
         if not args.reference:
-            tell_stopped(job, lines, metrics_out, progress, trackers, unit)
+            tell_stopped(job, lines, metrics_out, progress, trackers, unit, named=args.job_id is not None)
         raise
     finally:
         trackers.close()
@@ -176,9 +176,9 @@ def tell_after(job: JobConfig, lines: list[dict], unit: str, metrics_out: Path, 
 
 
 def tell_stopped(job: JobConfig, lines: list[dict], metrics_out: Path, progress: ProgressBar, trackers: Trackers,
-                 unit: str) -> None:
+                 unit: str, named: bool = True) -> None:
     """A run stopped by a signal: the steps its PS committed after the last one shown (while the stack was shut
-    down), and where the same command goes on."""
+    down), and where the same command goes on (`named`: it gave the job's id; else it makes a new job)."""
     shown = max((m["step"] for m in lines), default=-1)
     for m in MetricsFile(metrics_out).lines():
         if m["step"] > shown:
@@ -188,7 +188,8 @@ def tell_stopped(job: JobConfig, lines: list[dict], metrics_out: Path, progress:
     done = max(MetricsFile(metrics_out).steps(), default=-1) + 1
     if progress.tty and lines and done < job.steps:
         print()  # (the bar's line stays as it was)
-    print(f"job {job.job_id}: {unit}s 0-{done - 1} of {job.steps} are committed ({metrics_out}); the same command "
+    again = "the same command" if named else f"the same command with --job-id {job.job_id}"
+    print(f"job {job.job_id}: {unit}s 0-{done - 1} of {job.steps} are committed ({metrics_out}); {again} "
           f"resumes it from {unit} {done}" if done else f"job {job.job_id}: no {unit} was committed yet", flush=True)
 
 
