@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -323,3 +324,16 @@ def test_every_option_of_train_and_submit_says_what_it_does() -> None:
         assert not silent, (command, silent)
     said = sub.choices["train"].format_help()
     assert "training steps (default 20" in said and "(default 8)" in said and "(default 2e-3)" in said, said
+
+
+def test_output_into_a_closed_pipe_ends_quietly_with_sigpipes_status() -> None:
+    """`cleave train --dry-run | head -1` ended in a BrokenPipeError traceback (the reader had gone); it ends
+    quietly, 128 + SIGPIPE, as a program SIGPIPE ends does."""
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line
+    try:
+        got = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--dry-run"],
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert got.returncode == 128 + signal.SIGPIPE and got.stderr == "", got

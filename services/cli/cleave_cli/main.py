@@ -8,6 +8,7 @@ import difflib
 import gc
 import importlib
 import os
+import signal
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -250,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:  # a value the Python API refuses that no flag's own check caught
         print(f"cleave: error: {config_file.validation_message(e, e.title)}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # its reader is gone (`cleave ... | head`): end quietly, as SIGPIPE ends a program
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the flush at exit would fail again)
+        return 128 + signal.SIGPIPE
     except OSError as e:  # a path it cannot read or write (a file given for a folder, no permission, ...)
         if e.filename is None:  # not about a path: a fault, with its traceback
             raise
