@@ -241,7 +241,7 @@ def test_every_job_made_without_an_id_gets_its_own(tmp_path) -> None:
 def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) -> None:
     """`--dry-run` printed `fits` for jobs the PS then refused once a stack had started (~10 s later): a
     tokenizer larger than the model's vocabulary, an init_from of another architecture than its --preset, a
-    token file that is not whole."""
+    token file that is not whole, a text too short to train on."""
     from cleave.models import build_model, get_preset  # noqa: PLC0415
     from cleave.models.hf import export_hf  # noqa: PLC0415
     from tests.unit.test_tokenizer import _gpt2_style  # noqa: PLC0415
@@ -249,6 +249,7 @@ def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) ->
     _gpt2_style().save(str(tmp_path / "tokenizer.json"))  # 400 tokens: over tiny's 256
     export_hf(build_model(get_preset("tiny")), get_preset("tiny"), tmp_path / "tiny-model")
     (tmp_path / "short.u16").write_bytes(b"abc")
+    (tmp_path / "hello.txt").write_text("hello world\n")  # too little to train on
     shutil.copytree(tmp_path / "tiny-model", tmp_path / "cut")
     weights = (tmp_path / "cut" / "model.safetensors").read_bytes()
     (tmp_path / "cut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
@@ -261,6 +262,7 @@ def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) ->
             "has 400 tokens but preset 'tiny' has vocab_size=256",
         ("--preset", "tiny-llama", "--init-from", str(tmp_path / "tiny-model")): "does not fit preset='tiny-llama'",
         ("--preset", "tiny", "--data", str(tmp_path / "short.u16")): "3 bytes is not a whole number of uint16 tokens",
+        ("--preset", "tiny", "--data", str(tmp_path / "hello.txt")): "has 12 tokens; need at least 4096",
     }
     for flags, said in cases.items():
         assert main(["train", *flags, "--dry-run"]) == 2, flags

@@ -24,9 +24,9 @@ from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
-from cleave.train.data import check_token_file, check_vocab
+from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus, check_token_file, check_vocab
 from cleave.train.job import ROUND_METHODS, JobConfig, new_job_id
-from cleave.train.sources import check_source, parse_source
+from cleave.train.sources import check_source, parse_source, source_bytes
 from cleave.train.trainer import check_init
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args
@@ -35,6 +35,10 @@ from cleave_cli.progress import ProgressBar, spent, unit_of
 from cleave_ps.jobs.pretrain import fit, worker_budgets
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
+
+# text data smaller than this on disk is read whole before a stack starts (a token is rarely over 64 bytes), so
+# that one too small to train on is told by the dry run, not by the PS once a stack has started
+SMALL_DATA_BYTES = 64 * DEFAULT_MIN_TOKENS
 
 
 def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = None, replicas: int = 1,
@@ -99,6 +103,8 @@ def check_inputs(job: JobConfig) -> None:
     check_source(src)
     if src.kind == "tokens":  # (its sidecar: the tokenizer it was made with, its vocabulary)
         check_token_file(src, tok.name, arch.vocab_size, job.model_name)
+    elif src.kind in ("text", "folder", "glob", "jsonl") and source_bytes(src.spec) < SMALL_DATA_BYTES:
+        Corpus.for_job(job, tokenizer=tok)  # (too few tokens or examples: read now, it takes milliseconds)
 
 
 def train(args: argparse.Namespace) -> int:
