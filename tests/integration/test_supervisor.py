@@ -423,3 +423,25 @@ def test_a_second_stack_on_a_run_dir_in_use_is_refused_and_the_first_runs_on(tmp
     up.proc.send_signal(signal.SIGTERM)
     code, out = up.end()
     assert code == 0, out
+
+
+def test_two_jobs_on_one_metrics_file_at_once_the_second_is_refused(tmp_path, supervisor):
+    """Two jobs given one --metrics-out at once (a reference run started beside the fleet's, both into a.jsonl):
+    the second set the first's lines aside and both wrote into the new file, 148 lines of two jobs for 120
+    steps, and the second said the job had already run 79 steps. The second is refused, status 2."""
+    shared = tmp_path / "a.jsonl"
+    first = supervisor("train", "--preset", "tiny", "--steps", "500", "--workers", "1", "--run-dir",
+                       str(tmp_path / "first"), "--metrics-out", str(shared))
+    first.wait_line("step 0 (")
+    second = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "2",
+                             "--reference", "--run-dir", str(tmp_path / "second"), "--metrics-out", str(shared)],
+                            capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+    assert second.returncode == 2 and not second.stdout, second
+    assert f"cleave: error: metrics file {shared} (--metrics-out) is in use: another cleave (pid {first.proc.pid}) " \
+           "writes its job's steps there" in second.stderr, second
+    assert not list(tmp_path.glob("a.before-*"))  # the first job's lines were not set aside
+    first.proc.send_signal(signal.SIGTERM)
+    code, out = first.end()
+    assert code == 128 + signal.SIGTERM, out
+    steps = [json.loads(line)["step"] for line in shared.read_text().splitlines()]
+    assert steps == list(range(len(steps))), steps  # one job's steps, each once

@@ -134,18 +134,22 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
          metrics_out: str | Path | None, ps_replicas: int, reference: bool,
          on_stack: Callable[[LocalFleet], None] | None) -> Iterator[dict]:
     metrics_out = writable(run_dir, metrics_out)
+    held: list[int] = []  # the locks of the run dir (a stack's: LocalFleet's) and of the metrics file
     if reference:
-        held = hold(run_dir)  # (a stack of the same job there would write the same metrics file)
         try:
+            held.append(hold(run_dir))  # (a stack of the same job there would write the same metrics file)
+            held += _hold_metrics(run_dir, metrics_out)
             yield from reference_steps(job, metrics_out)
         finally:
-            os.close(held)
+            for fd in held:
+                os.close(fd)
         return
     ps_env = credentials.role_env(Path(auth), "ps") if auth is not None else None
     fleet = LocalFleet(run_dir, workers, nats_url=nats, one_machine=True)
     stop = functools.cache(fleet.stop)  # once: at the end, or at exit for a generator left unfinished (closed only
     atexit.register(stop)  # when collected, too late to stop a stack cleanly)
     try:
+        held += _hold_metrics(run_dir, metrics_out)
         fleet.start(with_fleet=nats is None)
         if on_stack:
             on_stack(fleet)
@@ -155,6 +159,19 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
     finally:
         atexit.unregister(stop)
         stop()
+        for fd in held:
+            os.close(fd)
+
+
+def _hold_metrics(run_dir: Path, metrics_out: Path) -> list[int]:
+    """The metrics file's lock (`hold`), none for one that is no regular file (/dev/null, a pipe) or whose folder
+    takes no lock file (/dev): nothing to keep apart there."""
+    if not metrics_out.is_file():
+        return []
+    try:
+        return [hold(run_dir, metrics_out)]
+    except OSError:  # (not CleaveError: the file is in use)
+        return []
 
 
 def _refuse_changed(job: JobConfig, url: str, auth: str | Path | None) -> None:

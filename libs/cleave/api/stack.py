@@ -303,20 +303,24 @@ def killed_by(status: int) -> str:
     return f"killed by {signal.Signals(-status).name}" if -status in signal.valid_signals() else f"killed by signal {-status}"
 
 
-def hold(run_dir: Path) -> int:
-    """Lock `run_dir` for one stack or `--reference` run (returns the lock file's descriptor; closing it, or this
-    process's end, frees the run dir): two stacks on one run dir (a second `cleave train` of the same job while
-    the first runs) would share its JetStream store, whose checkpoints neither could then read back, and its
-    metrics file, which a reference run would also set aside and write its own lines into."""
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def hold(run_dir: Path, metrics: Path | None = None) -> int:
+    """Lock `run_dir` for one stack or `--reference` run, or (`metrics`) a metrics file for the one job that
+    writes it; returns the lock file's descriptor (closing it, or this process's end, frees it). Two stacks on
+    one run dir (a second `cleave train` of the same job while the first runs) would share its JetStream store,
+    whose checkpoints neither could then read back; two jobs on one metrics file would set each other's lines
+    aside and write theirs into one file."""
+    lock = run_dir / LOCK_FILE if metrics is None else metrics.parent / f".{metrics.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         pid = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
-        raise CleaveError(f"{run_dir} is in use: another cleave{f' (pid {pid})' if pid else ''} runs a job there "
-                          "(the same job started twice?); wait for it to end or stop it, or give this run another "
-                          "--run-dir (or --job-id)") from None
+        who = f"another cleave{f' (pid {pid})' if pid else ''}"
+        raise CleaveError(f"{run_dir} is in use: {who} runs a job there (the same job started twice?); wait for "
+                          "it to end or stop it, or give this run another --run-dir (or --job-id)" if metrics is None
+                          else f"metrics file {metrics} (--metrics-out) is in use: {who} writes its job's steps "
+                          "there; wait for it to end, or give this run another --metrics-out") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
