@@ -445,3 +445,18 @@ def test_two_jobs_on_one_metrics_file_at_once_the_second_is_refused(tmp_path, su
     assert code == 128 + signal.SIGTERM, out
     steps = [json.loads(line)["step"] for line in shared.read_text().splitlines()]
     assert steps == list(range(len(steps))), steps  # one job's steps, each once
+
+
+def test_a_job_on_a_stack_with_no_worker_says_it_waits_for_one(tmp_path, supervisor):
+    """`cleave train --nats URL` on a stack with no worker showed its `stack:` line and then nothing, for ever:
+    only the PS's log said `waiting_for_workers`. The terminal is told once, with where workers come from."""
+    up = supervisor("up", "--workers", "0", "--run-dir", str(tmp_path / "hub"))
+    up.wait_line("stops everything")
+    url = json.loads((tmp_path / "hub" / "stack.json").read_text())["nats_url"]
+    train = supervisor("train", "--preset", "tiny", "--steps", "2", "--nats", url, "--run-dir", str(tmp_path / "job"))
+    train.wait_line(f"cleave: the parameter server has no worker to deal to and waits for one: start some on {url}")
+    train.proc.send_signal(signal.SIGTERM)
+    code, out = train.end()
+    assert code == 128 + signal.SIGTERM and out.count("has no worker to deal to") == 1, out
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.end()[0] == 0
