@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -238,6 +239,20 @@ def test_train_stopped_midway_leaves_nothing_and_a_sound_checkpoint(tmp_path, su
     assert f"over steps {committed + 1}-{steps - 1} (2 steps)" in out, out
 
 
+def test_a_stopped_job_of_no_named_id_says_which_id_resumes_it(tmp_path, supervisor):
+    """Stopped, a job started without --job-id said "the same command resumes it from step N": the same command
+    makes a new job, which starts from step 0 (and sets the metrics file aside). It names the id to add."""
+    run_dir = tmp_path / "run"
+    train = supervisor("train", "--preset", "tiny", "--steps", "500", "--workers", "1", "--run-dir", str(run_dir))
+    train.wait_line("step 1 (")
+    train.proc.send_signal(signal.SIGTERM)
+    code, out = train.end()
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    assert code == 128 + signal.SIGTERM and job_id.startswith("train-"), out
+    assert re.search(rf"job {job_id}: steps 0-\d+ of 500 are committed \(.*\); the same command with --job-id "
+                     rf"{job_id} resumes it from step \d+", out), out
+
+
 def test_a_process_last_words_are_its_last_error_line_of_its_latest_start(tmp_path: Path) -> None:
     """`Stack.last_words`: what the runner reports for a failed PS and a local fleet for a worker that could not
     start: the last `cleave: error:` line, else the last line, of what the process said since it was last started."""
@@ -307,6 +322,23 @@ def test_a_crash_loop_is_left_down_and_told_but_a_killed_process_always_comes_ba
         stack.stop_all()
 
 
+def test_a_process_killed_and_left_down_is_told_killed_not_by_its_last_log_line(tmp_path: Path) -> None:
+    """`cleave demo` kills worker-1 on purpose and does not restart it; the terminal then read `worker-1 stopped
+    with status -9, not restarted: ... [info] worker_started ...`, its last log line given as the reason."""
+    stack = Stack(tmp_path)
+    victim = stack.spawn("worker-1", "worker", [sys.executable, "-c", "print('worker_started', flush=True); "
+                                                "import time; time.sleep(600)"], restart=False)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while "worker_started" not in stack.last_words(victim) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stack.kill("worker-1")
+        assert stack.tell_ended(stack.supervise()) == [
+            f"worker-1 stopped with status -9, not restarted: killed by SIGKILL (see {stack.log_path('worker-1')})"]
+    finally:
+        stack.stop_all()
+
+
 class SignalledOnAcquire:
     """A `subprocess.Popen` wait lock that receives SIGTERM just as it is taken: the moment, between
     `Popen.poll`'s taking of the lock and the `try` that gives it back, at which a stop signal raised at once
@@ -368,3 +400,63 @@ def test_a_nats_server_that_cannot_start_says_why(tmp_path: Path) -> None:
     finally:
         stack.stop_all()
         taken.close()
+
+
+def test_a_second_stack_on_a_run_dir_in_use_is_refused_and_the_first_runs_on(tmp_path, supervisor):
+    """A second `cleave train` of a job while the first ran started a second nats-server on the same JetStream
+    store and a second PS on the same metrics file: both trained, the stores' checkpoints became unreadable and
+    the second ended with `no committed checkpoint ... reads back intact`. It is refused before it starts
+    anything, status 2, and the first stack runs on untouched; so is a `--reference` run there."""
+    run_dir = tmp_path / "run"
+    up = supervisor("up", "--workers", "0", "--run-dir", str(run_dir))
+    up.wait_line("stops everything")
+    before = (run_dir / "stack.json").read_text()
+    for how in ("--workers", "--reference"):  # a reference run set the metrics file aside and wrote into it
+        second = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "1",
+                                 how, *(["1"] if how == "--workers" else []), "--run-dir", str(run_dir)],
+                                capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+        assert second.returncode == 2, second
+        assert f"cleave: error: {run_dir} is in use: another cleave (pid {up.proc.pid}) runs a job there" in (
+            second.stderr) and "Traceback" not in second.stderr and not second.stdout, second
+    assert (run_dir / "stack.json").read_text() == before and not (run_dir / "job.json").exists()
+    assert all(alive(pid) for pid in stack_pids(run_dir).values())
+    up.proc.send_signal(signal.SIGTERM)
+    code, out = up.end()
+    assert code == 0, out
+
+
+def test_two_jobs_on_one_metrics_file_at_once_the_second_is_refused(tmp_path, supervisor):
+    """Two jobs given one --metrics-out at once (a reference run started beside the fleet's, both into a.jsonl):
+    the second set the first's lines aside and both wrote into the new file, 148 lines of two jobs for 120
+    steps, and the second said the job had already run 79 steps. The second is refused, status 2."""
+    shared = tmp_path / "a.jsonl"
+    first = supervisor("train", "--preset", "tiny", "--steps", "500", "--workers", "1", "--run-dir",
+                       str(tmp_path / "first"), "--metrics-out", str(shared))
+    first.wait_line("step 0 (")
+    second = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--steps", "2",
+                             "--reference", "--run-dir", str(tmp_path / "second"), "--metrics-out", str(shared)],
+                            capture_output=True, text=True, timeout=READY_TIMEOUT_S)
+    assert second.returncode == 2 and not second.stdout, second
+    assert f"cleave: error: metrics file {shared} (--metrics-out) is in use: another cleave (pid {first.proc.pid}) " \
+           "writes its job's steps there" in second.stderr, second
+    assert not list(tmp_path.glob("a.before-*"))  # the first job's lines were not set aside
+    first.proc.send_signal(signal.SIGTERM)
+    code, out = first.end()
+    assert code == 128 + signal.SIGTERM, out
+    steps = [json.loads(line)["step"] for line in shared.read_text().splitlines()]
+    assert steps == list(range(len(steps))), steps  # one job's steps, each once
+
+
+def test_a_job_on_a_stack_with_no_worker_says_it_waits_for_one(tmp_path, supervisor):
+    """`cleave train --nats URL` on a stack with no worker showed its `stack:` line and then nothing, for ever:
+    only the PS's log said `waiting_for_workers`. The terminal is told once, with where workers come from."""
+    up = supervisor("up", "--workers", "0", "--run-dir", str(tmp_path / "hub"))
+    up.wait_line("stops everything")
+    url = json.loads((tmp_path / "hub" / "stack.json").read_text())["nats_url"]
+    train = supervisor("train", "--preset", "tiny", "--steps", "2", "--nats", url, "--run-dir", str(tmp_path / "job"))
+    train.wait_line(f"cleave: the parameter server has no worker to deal to and waits for one: start some on {url}")
+    train.proc.send_signal(signal.SIGTERM)
+    code, out = train.end()
+    assert code == 128 + signal.SIGTERM and out.count("has no worker to deal to") == 1, out
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.end()[0] == 0

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,8 +89,15 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
     cases = {
         ("train", "--preset", "tiny", "--tokenizer", str(tmp_path / "spm"), "--run-dir", str(tmp_path / "r")):
             "only a sentencepiece tokenizer.model; convert it",
-        ("train", "--preset", "tiny", "--run-dir", str(a_file)): f"{a_file}: File exists",
-        ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_dir)): f"{a_dir}: Is a directory",
+        # (they said "a-file: File exists" and "a-dir: Is a directory", naming neither the option nor the fix)
+        ("train", "--preset", "tiny", "--run-dir", str(a_file)):
+            f"run dir {a_file} (--run-dir) cannot be used: {a_file} is a file, where a folder is needed",
+        ("train", "--preset", "tiny", "--run-dir", str(a_file / "sub")): f"{a_file} is a file, where a folder",
+        ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_dir)):
+            f"metrics file {a_dir} (--metrics-out) cannot be written: it is a folder; name a file, e.g. "
+            f"{a_dir / 'metrics.jsonl'}",
+        ("train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--metrics-out", str(a_file / "m.jsonl")):
+            f"metrics file {a_file / 'm.jsonl'} (--metrics-out) cannot be written: {a_file} is a file, where a",
         ("train", "--config", str(binary)): "not a text file",
         ("train", "--preset", "tiny", "--lr", "inf", "--dry-run"): "lr: Input should be a finite number",
         ("train", "--preset", "tiny", "--workers", "0", "--dry-run"): "--workers: must be at least 1, got 0",
@@ -229,7 +241,7 @@ def test_every_job_made_without_an_id_gets_its_own(tmp_path) -> None:
 def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) -> None:
     """`--dry-run` printed `fits` for jobs the PS then refused once a stack had started (~10 s later): a
     tokenizer larger than the model's vocabulary, an init_from of another architecture than its --preset, a
-    token file that is not whole."""
+    token file that is not whole, a text too short to train on."""
     from cleave.models import build_model, get_preset  # noqa: PLC0415
     from cleave.models.hf import export_hf  # noqa: PLC0415
     from tests.unit.test_tokenizer import _gpt2_style  # noqa: PLC0415
@@ -237,6 +249,7 @@ def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) ->
     _gpt2_style().save(str(tmp_path / "tokenizer.json"))  # 400 tokens: over tiny's 256
     export_hf(build_model(get_preset("tiny")), get_preset("tiny"), tmp_path / "tiny-model")
     (tmp_path / "short.u16").write_bytes(b"abc")
+    (tmp_path / "hello.txt").write_text("hello world\n")  # too little to train on
     shutil.copytree(tmp_path / "tiny-model", tmp_path / "cut")
     weights = (tmp_path / "cut" / "model.safetensors").read_bytes()
     (tmp_path / "cut" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
@@ -249,6 +262,7 @@ def test_a_dry_run_says_fits_only_of_a_job_the_ps_can_start(tmp_path, capsys) ->
             "has 400 tokens but preset 'tiny' has vocab_size=256",
         ("--preset", "tiny-llama", "--init-from", str(tmp_path / "tiny-model")): "does not fit preset='tiny-llama'",
         ("--preset", "tiny", "--data", str(tmp_path / "short.u16")): "3 bytes is not a whole number of uint16 tokens",
+        ("--preset", "tiny", "--data", str(tmp_path / "hello.txt")): "has 12 tokens; need at least 4096",
     }
     for flags, said in cases.items():
         assert main(["train", *flags, "--dry-run"]) == 2, flags
@@ -282,3 +296,46 @@ def test_a_dry_run_reads_a_token_files_sidecar(tmp_path, capsys) -> None:
     assert main(["train", "--preset", "tiny", "--data", str(tmp_path / "t.u16"), "--dry-run",
                  "--run-dir", str(tmp_path / "run")]) == 2
     assert f"was tokenised with '{tmp_path / 'other-tok'}'; set tokenizer=" in capsys.readouterr().err
+
+
+CTRL_C_AT_IMPORT = """import os, signal, sys
+def hook(event, args):
+    if event == "import" and args[0] == "cleave_cli.hub":
+        os.kill(os.getpid(), signal.SIGINT)
+sys.addaudithook(hook)
+"""
+
+
+def test_a_ctrl_c_while_the_command_line_is_read_exits_130_without_a_traceback(tmp_path) -> None:
+    """The first seconds of every command go to building its parser, which imports every command (torch too):
+    a Ctrl-C there ended in a KeyboardInterrupt traceback. Here a real SIGINT arrives as the parser imports one
+    of the commands (a sitecustomize's audit hook sends it)."""
+    (tmp_path / "sitecustomize.py").write_text(CTRL_C_AT_IMPORT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    got = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--dry-run"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert got.returncode == 130 and "Traceback" not in got.stderr and not got.stdout, got
+
+
+def test_every_option_of_train_and_submit_says_what_it_does() -> None:
+    """`cleave train --help` listed --steps, --seed, --batch-size, --lr and --metrics-out with no word and no
+    default: a new user learnt from it neither what a step count or learning rate the job would take."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("train", "submit"):
+        silent = [a.option_strings[0] for a in sub.choices[command]._actions if not a.help]
+        assert not silent, (command, silent)
+    said = sub.choices["train"].format_help()
+    assert "training steps (default 20" in said and "(default 8)" in said and "(default 2e-3)" in said, said
+
+
+def test_output_into_a_closed_pipe_ends_quietly_with_sigpipes_status() -> None:
+    """`cleave train --dry-run | head -1` ended in a BrokenPipeError traceback (the reader had gone); it ends
+    quietly, 128 + SIGPIPE, as a program SIGPIPE ends does."""
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first line
+    try:
+        got = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--dry-run"],
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert got.returncode == 128 + signal.SIGPIPE and got.stderr == "", got

@@ -203,3 +203,28 @@ def test_a_device_or_a_pipe_is_refused_as_data_before_it_is_read(tmp_path: Path)
             source_bytes(spec)
     with pytest.raises(ConfigError, match="is not a regular file"):
         check_source("/dev/zero")
+
+
+def test_data_that_holds_no_text_is_refused_before_a_stack_starts(tmp_path: Path, capsys) -> None:
+    """`cleave train --data papers/`, a folder of PDFs, trained on their bytes read as U+FFFD without a word (the
+    dry run said `fits`). A source none of whose files is text is refused, status 2; one binary file among
+    text files is still read as the docs say (its bad bytes as U+FFFD)."""
+    import zlib  # noqa: PLC0415
+
+    from cleave.train.sources import source_bytes  # noqa: PLC0415
+    from cleave_cli.main import main  # noqa: PLC0415
+
+    papers = tmp_path / "papers"
+    papers.mkdir()
+    stream = zlib.compress(bytes(range(256)) * 64)  # a PDF's compressed stream: binary, NULs and all
+    for name in ("a.pdf", "b.pdf"):
+        (papers / name).write_bytes(b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n1 0 obj\nstream\n" + stream + b"\nendstream\n")
+    for spec, says in ((papers, "none of its 2 files is text (a.pdf looks binary"),
+                       (papers / "b.pdf", "it is no text (it looks binary")):
+        assert main(["train", "--preset", "tiny", "--data", str(spec), "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "convert the documents to UTF-8 text first" in err and len(err.splitlines()) == 1
+    (papers / "notes.txt").write_text("some words to train on\n" * 10)
+    assert source_bytes(str(papers)) == sum(f.stat().st_size for f in papers.iterdir())
+    (tmp_path / "t.u16").write_bytes(bytes(range(256)))  # a worker's own token file is binary by nature
+    assert source_bytes(str(tmp_path / "t.u16")) == 256

@@ -7,12 +7,13 @@ import os
 import re
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cleave.api.natsconf import free_port
-from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Stack
+from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Stack, hold
 from cleave.errors import CleaveError, PsEnded
 from cleave.runtime import config_file
 from cleave.runtime.memory import peak_rss_bytes
@@ -110,6 +111,23 @@ class MetricsTail:
         return [m for m in read if _key(m) not in self.held] if self.held else read
 
 
+class LogTail:
+    """What a process adds to its log, read as it comes: whether a new line holds a word."""
+
+    def __init__(self, path: Path, pos: int = 0) -> None:
+        self.path, self.pos, self.told = path, pos, False
+
+    def saw(self, word: bytes) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                got = f.read()
+        except OSError:  # (not written yet)
+            return False
+        self.pos += len(got)
+        return word in got
+
+
 def _key(m: dict) -> str:
     return json.dumps(m, sort_keys=True)
 
@@ -132,6 +150,10 @@ class LocalFleet:
     job: JobConfig | None = None  # the job of the PS (`start_ps`)
 
     def __post_init__(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # one stack a run dir, refused before anything of it is written; freed by stop, or when the fleet is
+        # collected, or with this process
+        self.unlock = weakref.finalize(self, os.close, hold(self.run_dir))
         self.stack = Stack(self.run_dir)
 
     def start(self, with_fleet: bool = True) -> None:
@@ -206,9 +228,15 @@ class LocalFleet:
         `new_only`, not those `metrics_out` held before: `MetricsTail`); a PS that ends with an error raises
         CleaveError naming its log."""
         tail = MetricsTail(metrics_out, new_only)
+        ps = self.stack.procs[self.ps_names[0]]  # (its log from its start on: `waiting_for_workers`, told once)
+        idle = LogTail(self.stack.log_path(ps.name), ps.log_offset)
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
-            yield from tail.read()
+            if got := tail.read():
+                idle.told = False  # (a step came: a later wait is told again)
+            yield from got
+            if not idle.told and idle.saw(b"waiting_for_workers"):
+                self.tell_idle(idle)
             down = {p.name: p for p in self.tell(self.stack.supervise()) if p.name in self.ps_names}
             for name, p in down.items():  # a PS that ended for good with an error ends the run (its replicas
                 if p.popen.returncode != 0:  # would wait for it for ever)
@@ -228,6 +256,15 @@ class LocalFleet:
                 raise CleaveError(f"the job did not finish within {timeout_s}s; see {self.run_dir}/logs")
             time.sleep(DEFAULT_POLL_S)
 
+    def tell_idle(self, idle: LogTail) -> None:
+        """Say on stderr that the PS has no worker to deal to (its log said `waiting_for_workers`): a terminal
+        that showed only the stack's line while the PS waited, with no worker on a stack given by --nats."""
+        idle.told = True
+        where = (f"start some on {self.nats_url} (`cleave worker --nats URL`, `cleave up --workers N`, a site)"
+                 if self.nats_url else "the stack's workers have not joined (see their logs)")
+        print(f"cleave: the parameter server has no worker to deal to and waits for one: {where}; its log: "
+              f"{idle.path}", file=sys.stderr, flush=True)
+
     def tell(self, ended: list) -> list:
         """Say on stderr, once each, which of `ended` (as `Stack.supervise` returns them) stay down and why (a
         PS's own words end the run instead); `ended`."""
@@ -246,3 +283,4 @@ class LocalFleet:
 
     def stop(self) -> None:
         self.stack.stop_all()
+        self.unlock()  # (a later stack in this process may take the run dir)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from cleave import codec
 from cleave.api import credentials, hub, state
 from cleave.api.args import JobId, checked
 from cleave.api.fleet import LocalFleet, reference_steps
+from cleave.api.stack import hold
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
@@ -101,21 +103,53 @@ def check_auth(auth: str | Path | None, nats: str | None) -> None:
                           "local stack has no credentials")
 
 
+def writable(run_dir: Path, metrics_out: str | Path | None) -> Path:
+    """Make the run dir and the metrics file's folder, and open the metrics file (default: the run dir's
+    metrics.jsonl) to append, before any process starts; returns the metrics file. A path that cannot be used is
+    named with its option ("afile: File exists" said neither which option nor that a file was in the way)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run dir {run_dir} (--run-dir) cannot be used: {_why(e, run_dir)}") from None
+    metrics_out = Path(metrics_out) if metrics_out is not None else run_dir / "metrics.jsonl"
+    try:
+        metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        open(metrics_out, "a").close()
+    except OSError as e:
+        raise ConfigError(f"metrics file {metrics_out} (--metrics-out) cannot be written: "
+                          f"{_why(e, metrics_out)}") from None
+    return metrics_out
+
+
+def _why(e: OSError, path: Path) -> str:
+    if isinstance(e, IsADirectoryError):
+        return f"it is a folder; name a file, e.g. {path / 'metrics.jsonl'}"
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if isinstance(e, FileExistsError | NotADirectoryError) and blocker is not None:
+        return f"{blocker} is a file, where a folder is needed"
+    return e.strerror or str(e)
+
+
 def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: str | Path | None,
          metrics_out: str | Path | None, ps_replicas: int, reference: bool,
          on_stack: Callable[[LocalFleet], None] | None) -> Iterator[dict]:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_out = Path(metrics_out) if metrics_out is not None else run_dir / "metrics.jsonl"
-    metrics_out.parent.mkdir(parents=True, exist_ok=True)
-    open(metrics_out, "a").close()  # (a path it cannot write to fails here, before any process starts)
+    metrics_out = writable(run_dir, metrics_out)
+    held: list[int] = []  # the locks of the run dir (a stack's: LocalFleet's) and of the metrics file
     if reference:
-        yield from reference_steps(job, metrics_out)
+        try:
+            held.append(hold(run_dir))  # (a stack of the same job there would write the same metrics file)
+            held += _hold_metrics(run_dir, metrics_out)
+            yield from reference_steps(job, metrics_out)
+        finally:
+            for fd in held:
+                os.close(fd)
         return
     ps_env = credentials.role_env(Path(auth), "ps") if auth is not None else None
     fleet = LocalFleet(run_dir, workers, nats_url=nats, one_machine=True)
     stop = functools.cache(fleet.stop)  # once: at the end, or at exit for a generator left unfinished (closed only
     atexit.register(stop)  # when collected, too late to stop a stack cleanly)
     try:
+        held += _hold_metrics(run_dir, metrics_out)
         fleet.start(with_fleet=nats is None)
         if on_stack:
             on_stack(fleet)
@@ -125,6 +159,19 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
     finally:
         atexit.unregister(stop)
         stop()
+        for fd in held:
+            os.close(fd)
+
+
+def _hold_metrics(run_dir: Path, metrics_out: Path) -> list[int]:
+    """The metrics file's lock (`hold`), none for one that is no regular file (/dev/null, a pipe) or whose folder
+    takes no lock file (/dev): nothing to keep apart there."""
+    if not metrics_out.is_file():
+        return []
+    try:
+        return [hold(run_dir, metrics_out)]
+    except OSError:  # (not CleaveError: the file is in use)
+        return []
 
 
 def _refuse_changed(job: JobConfig, url: str, auth: str | Path | None) -> None:

@@ -11,6 +11,7 @@ TLS, and each service logs in with its role's credential.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -32,6 +33,8 @@ LAST_WORDS_BYTES = 64 * 1024  # of a process's log read back for what it said la
 # replica's EXIT_GROUP_LOST, which asks for the restart), each within CRASH_WINDOW_S of its start
 CRASH_LOOP_STARTS = 5
 CRASH_WINDOW_S = 60.0
+LOCK_FILE = "stack.lock"  # in a run dir, locked while a local stack runs there (`hold`)
+
 
 @dataclass
 class Proc:
@@ -229,11 +232,12 @@ class Stack:
         for p in ended:
             if not p.told:
                 p.told = True
+                code = p.popen.returncode
                 why = "held down (`cleave chaos ... --no-restart`)" if held_down(self.run_dir, p.name) else \
-                    f"{self.last_words(p) or 'no output'} (see {self.log_path(p.name)})"
+                    f"{killed_by(code) or self.last_words(p) or 'no output'} (see {self.log_path(p.name)})"
                 if p.crashes >= CRASH_LOOP_STARTS:
                     why = f"it failed {p.crashes} times in a row, each within {CRASH_WINDOW_S:.0f} s of starting; {why}"
-                lines.append(f"{p.name} stopped with status {p.popen.returncode}, not restarted: {why}")
+                lines.append(f"{p.name} stopped with status {code}, not restarted: {why}")
         return lines
 
     def restart(self, name: str) -> None:
@@ -289,3 +293,34 @@ class Stack:
             ],
         }
         write_atomic(self.run_dir / "stack.json", json.dumps(doc, indent=2))
+
+
+def killed_by(status: int) -> str:
+    """Why a process with a negative exit status ended, e.g. `killed by SIGKILL` (its last log line is no reason:
+    the demo's victim said `worker_started`); "" for a status of its own."""
+    if status >= 0:
+        return ""
+    return f"killed by {signal.Signals(-status).name}" if -status in signal.valid_signals() else f"killed by signal {-status}"
+
+
+def hold(run_dir: Path, metrics: Path | None = None) -> int:
+    """Lock `run_dir` for one stack or `--reference` run, or (`metrics`) a metrics file for the one job that
+    writes it; returns the lock file's descriptor (closing it, or this process's end, frees it). Two stacks on
+    one run dir (a second `cleave train` of the same job while the first runs) would share its JetStream store,
+    whose checkpoints neither could then read back; two jobs on one metrics file would set each other's lines
+    aside and write theirs into one file."""
+    lock = run_dir / LOCK_FILE if metrics is None else metrics.parent / f".{metrics.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        who = f"another cleave{f' (pid {pid})' if pid else ''}"
+        raise CleaveError(f"{run_dir} is in use: {who} runs a job there (the same job started twice?); wait for "
+                          "it to end or stop it, or give this run another --run-dir (or --job-id)" if metrics is None
+                          else f"metrics file {metrics} (--metrics-out) is in use: {who} writes its job's steps "
+                          "there; wait for it to end, or give this run another --metrics-out") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd

@@ -21,6 +21,8 @@ from cleave.errors import ConfigError
 SPACE_AFTER_WORD = re.compile(r"(?<=\S) ")  # where a long line may be cut (Python's \s: every Unicode space)
 REPLACE_COUNTING = "cleave-replace-counting"  # errors= for reading text: "replace", counting the bytes replaced
 
+SNIFF_BYTES = 8192  # of a data file read to tell whether it is text (`looks_binary`)
+
 _replaced = threading.local()  # .n: bytes this thread has read as U+FFFD
 
 
@@ -40,6 +42,14 @@ def undecodable_bytes() -> int:
     """How many bytes that are not UTF-8 this thread has read as U+FFFD so far, through REPLACE_COUNTING: the
     difference around a reading is that reading's count."""
     return getattr(_replaced, "n", 0)
+
+
+def looks_binary(path: Path) -> bool:
+    """Whether a readable file looks like no text at all: a NUL byte in its first SNIFF_BYTES, as git and grep
+    tell binary files, or more than a third of them not UTF-8 (a PDF, an image, an archive, a `.pyc`)."""
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    return b"\0" in head or head.decode("utf-8", errors="replace").count("\ufffd") * 3 > len(head)
 
 
 def hidden(path: Path, root: Path) -> bool:

@@ -252,14 +252,19 @@ def source_bytes(spec: str) -> int:
     if src.kind == "hf":
         return len(_hf_dataset(src))
     files = _files(src) if src.kind in ("folder", "glob") else [Path(src.path).expanduser()]
-    total = 0
+    total, binary = 0, []
     for f in files:
         try:
             with reading.open_text(f, spec) as fh:  # (there, readable and a regular file)
                 fh.read(1)
             total += f.stat().st_size
+            binary += [f] if src.kind in ("text", "folder", "glob") and reading.looks_binary(f) else []
         except OSError as e:
             raise ConfigError(f"data={spec!r}: cannot read {f} ({e.strerror})") from None
+    if len(binary) == len(files):  # (read as text, they would train the model on noise)
+        what = f"none of its {len(files)} files is text ({files[0].name}" if len(files) > 1 else "it is no text (it"
+        raise ConfigError(f"data={spec!r}: {what} looks binary: a PDF, an image, an archive?); convert the "
+                          "documents to UTF-8 text first (.txt files, or JSONL)")
     return total
 
 

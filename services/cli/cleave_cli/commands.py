@@ -24,9 +24,9 @@ from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
-from cleave.train.data import check_token_file, check_vocab
+from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus, check_token_file, check_vocab
 from cleave.train.job import ROUND_METHODS, JobConfig, new_job_id
-from cleave.train.sources import check_source, parse_source
+from cleave.train.sources import check_source, parse_source, source_bytes
 from cleave.train.trainer import check_init
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args
@@ -35,6 +35,10 @@ from cleave_cli.progress import ProgressBar, spent, unit_of
 from cleave_ps.jobs.pretrain import fit, worker_budgets
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
+
+# text data smaller than this on disk is read whole before a stack starts (a token is rarely over 64 bytes), so
+# that one too small to train on is told by the dry run, not by the PS once a stack has started
+SMALL_DATA_BYTES = 64 * DEFAULT_MIN_TOKENS
 
 
 def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = None, replicas: int = 1,
@@ -99,6 +103,8 @@ def check_inputs(job: JobConfig) -> None:
     check_source(src)
     if src.kind == "tokens":  # (its sidecar: the tokenizer it was made with, its vocabulary)
         check_token_file(src, tok.name, arch.vocab_size, job.model_name)
+    elif src.kind in ("text", "folder", "glob", "jsonl") and source_bytes(src.spec) < SMALL_DATA_BYTES:
+        Corpus.for_job(job, tokenizer=tok)  # (too few tokens or examples: read now, it takes milliseconds)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -135,8 +141,7 @@ def train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     run_dir = args.run_dir or jobs.run_dir_of(job)  # the job's own: the same --job-id finds its state again
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_out = args.metrics_out or run_dir / "metrics.jsonl"
+    metrics_out = jobs.writable(run_dir, args.metrics_out)
     unit = "step" if args.reference else unit_of(job.method)
     if args.reference and job.method in ROUND_METHODS:
         print(f"method {job.method} is approximate: --reference trains the exact baseline it is measured against, "
@@ -150,7 +155,7 @@ def train(args: argparse.Namespace) -> int:
         run_job(args, job, run_dir, metrics_out, progress, trackers, lines)
     except Stopped:
         if not args.reference:
-            tell_stopped(job, lines, metrics_out, progress, trackers, unit)
+            tell_stopped(job, lines, metrics_out, progress, trackers, unit, named=args.job_id is not None)
         raise
     finally:
         trackers.close()
@@ -177,9 +182,9 @@ def tell_after(job: JobConfig, lines: list[dict], unit: str, metrics_out: Path, 
 
 
 def tell_stopped(job: JobConfig, lines: list[dict], metrics_out: Path, progress: ProgressBar, trackers: Trackers,
-                 unit: str) -> None:
+                 unit: str, named: bool = True) -> None:
     """A run stopped by a signal: the steps its PS committed after the last one shown (while the stack was shut
-    down), and where the same command goes on."""
+    down), and where the same command goes on (`named`: it gave the job's id; else it makes a new job)."""
     shown = max((m["step"] for m in lines), default=-1)
     for m in MetricsFile(metrics_out).lines():
         if m["step"] > shown:
@@ -189,7 +194,8 @@ def tell_stopped(job: JobConfig, lines: list[dict], metrics_out: Path, progress:
     done = max(MetricsFile(metrics_out).steps(), default=-1) + 1
     if progress.tty and lines and done < job.steps:
         print()  # (the bar's line stays as it was)
-    print(f"job {job.job_id}: {unit}s 0-{done - 1} of {job.steps} are committed ({metrics_out}); the same command "
+    again = "the same command" if named else f"the same command with --job-id {job.job_id}"
+    print(f"job {job.job_id}: {unit}s 0-{done - 1} of {job.steps} are committed ({metrics_out}); {again} "
           f"resumes it from {unit} {done}" if done else f"job {job.job_id}: no {unit} was committed yet", flush=True)
 
 

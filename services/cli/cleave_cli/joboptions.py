@@ -9,17 +9,18 @@ from pathlib import Path
 
 def register(p: argparse.ArgumentParser) -> None:
     """Add the options that describe a job (not where or how it runs) to `p`."""
-    p.add_argument("--preset", help="a model preset: tiny, tiny-llama, small, gpt2-medium, llama3-1b")
+    p.add_argument("--preset", help="a model preset: tiny (default), tiny-llama, small, gpt2-medium, llama3-1b")
     p.add_argument("--config", type=Path, help="a settings file: the job (TOML top-level keys, or JSON) and the "
                    "services' tables ([ps], [worker], ...); flags win (docs/user-guide.md, 'Settings file')")
-    p.add_argument("--steps", type=int)
+    p.add_argument("--steps", type=int, help="training steps (default 20; for diloco and fedavg, rounds)")
     p.add_argument("--job-id", help="names the job and its persisted state; the same id resumes it "
                                     "(default: a new id)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--data", help="builtin, a text file, folder, glob, data.jsonl[:field], hf:..., "
-                                  "or tokens.u16/.u32/.bin")
+    p.add_argument("--seed", type=int, help="seeds the weights and the batches (default 0)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 8)")
+    p.add_argument("--lr", type=float, help="AdamW's peak learning rate, warmed up and decayed by a cosine "
+                                            "(default 2e-3)")
+    p.add_argument("--data", help="builtin (default: Python's own documentation), a text file, folder, glob, "
+                                  "data.jsonl[:field], hf:..., or tokens.u16/.u32/.bin")
     p.add_argument("--tokenizer", help="bytes (default), a tokenizer dir or tokenizer.json, or a cached repo id")
     p.add_argument("--init-from", help="a Hugging Face model dir to start from (fine-tuning)")
     p.add_argument("--method", choices=("cleave", "diloco", "fedavg", "split"), help="how to train (default cleave)")
@@ -36,10 +37,11 @@ def register(p: argparse.ArgumentParser) -> None:
                                                      "count, weighted 1/(1+age) (default 0: dropped)")
     p.add_argument("--min-updates", type=int, help="diloco/fedavg: a round closes once this many updates "
                                                    "arrived (default 0: every worker of the plan)")
-    p.add_argument("--val-every", type=int, help="validation loss of the PS's model every N steps or rounds")
-    p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine")
+    p.add_argument("--val-every", type=int, help="validation loss of the PS's model every N steps or rounds "
+                                                     "(default 0: never)")
+    p.add_argument("--aggregate", choices=("mean", "median", "trimmed"), help="how round updates combine (default mean)")
     p.add_argument("--compress", help="updates on the uplink: none, fp16, bf16, int8[:BLOCK], topk:FRACTION, "
-                   "topkq:FRACTION[:BITS]")
+                   "topkq:FRACTION[:BITS] (default none)")
     p.add_argument("--lora-rank", "--lora", type=int, dest="lora_rank", help="train and send only LoRA adapters of "
                    "this rank")
     p.add_argument("--lora-alpha", type=float, help="LoRA's scale is alpha / rank (default 16)")
@@ -57,13 +59,14 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-noise", type=float, help="fedavg: client-level differential privacy, Gaussian noise of "
                    "this multiple of --update-clip on each round's sum; epsilon is reported per round")
     p.add_argument("--dp-delta", type=float, help="fedavg with --dp-noise: the delta epsilon is reported at (1e-5)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="the GEMMs' precision (autocast "
-                   "semantics; fp16 with loss scaling); --reference runs the same precision")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="the GEMMs' precision (default fp32; "
+                   "autocast semantics; fp16 with loss scaling); --reference runs the same precision")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's block size)")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="activation checkpointing: each block keeps only its input and runs its forward again "
                         "(its GEMMs dealt again) in the backward (default: only when the batch does not fit)")
-    p.add_argument("--micro-batches", type=int, help="split each batch in N equal parts, gradients accumulated")
+    p.add_argument("--micro-batches", type=int, help="split each batch in N equal parts, gradients "
+                   "accumulated (default 1)")
     p.add_argument("--logits-bytes", type=int, help="the head and loss run in chunks of tokens whose float32 logits "
                    "take at most this many bytes (default 256 MiB): less memory, the head's dW sent more often")
 

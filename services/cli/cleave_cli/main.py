@@ -8,6 +8,7 @@ import difflib
 import gc
 import importlib
 import os
+import signal
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -115,14 +116,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    "127.0.0.1); beyond this machine it asks for a token, printed with its URL")
     p.add_argument("--max-running", type=at_least(1), default=1, help="submitted jobs run at once (default 1)")
 
-    p = sub.add_parser("train", help="run one training job")
+    p = sub.add_parser("train", help="run one training job", description="Train one job: on a local stack of "
+                       "--workers workers started for it (by default), on a running stack (--nats), or in this process "
+                       "in plain PyTorch (--reference); one line a step, then a summary. The user guide has every "
+                       "setting.")
     joboptions.register(p)
     p.add_argument("--workers", type=at_least(1), default=4, help="workers of the local stack (default 4)")
     p.add_argument("--nats", help="use this NATS (with its scheduler and workers) instead of a local stack")
     p.add_argument("--auth", type=Path, help="with --nats: log the PS in with the PS credential and the CA of this "
                    "directory (`cleave auth init`'s)")
     p.add_argument("--run-dir", type=Path, help="default: runs/<job id>, so that the same --job-id resumes")
-    p.add_argument("--metrics-out", type=Path)
+    p.add_argument("--metrics-out", type=Path, help="one JSON line a committed step (default: <run dir>/metrics.jsonl); "
+                   "appended to, another job's lines set aside")
     p.add_argument("--reference", action="store_true", help="run the same job in one process in plain PyTorch")
     p.add_argument("--ps-replicas", type=int, default=1, help="PS replicas, each training an equal share of every "
                    "batch with its own part of the fleet, gradients all-reduced (torch.distributed)")
@@ -137,7 +142,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
     p.add_argument("--job", type=Path, help="the job's file (TOML or JSON; default: --config's top-level keys)")
-    p.add_argument("--metrics-out", type=Path)
+    p.add_argument("--metrics-out", type=Path, help="one JSON line a committed step (default: <run dir>/metrics.jsonl); "
+                   "appended to, another job's lines set aside")
 
     p = sub.add_parser("worker", help="run a worker")
     _service_args(p)
@@ -224,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     atexit.unregister(gc.freeze)  # (once, however often main runs in one process)
     atexit.register(gc.freeze)  # the collector's last passes skip what exists at exit: with torch loaded they
     # took 1.2 s of CPU at the end of every command and service, 0.2 s without (objects are freed as always)
-    args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
-    try:
+    try:  # (building the parser imports every command, torch too: seconds in which a Ctrl-C may come)
+        args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
         if args.command in ("ps", "worker", "scheduler"):
             return run_service(args)
         if args.command in TOOLS:
@@ -245,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:  # a value the Python API refuses that no flag's own check caught
         print(f"cleave: error: {config_file.validation_message(e, e.title)}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # its reader is gone (`cleave ... | head`): end quietly, as SIGPIPE ends a program
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the flush at exit would fail again)
+        return 128 + signal.SIGPIPE
     except OSError as e:  # a path it cannot read or write (a file given for a folder, no permission, ...)
         if e.filename is None:  # not about a path: a fault, with its traceback
             raise
