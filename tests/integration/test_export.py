@@ -107,6 +107,18 @@ def test_export_after_the_stack_stopped(run_dir: Path, tmp_path: Path) -> None:
     assert (want - untrained).abs().max() > 1e-2
 
 
+def test_a_stack_is_refused_on_a_run_dir_while_an_export_reads_its_store(run_dir: Path) -> None:
+    """An export of a stopped run starts a nats-server of its own on the run's store: a resume started then
+    shared that store with it. The run dir is held meanwhile; a stack there is refused, and taken once done."""
+    from cleave.api.fleet import LocalFleet
+    from cleave.api.stack import hold
+
+    refused = rf"{run_dir} is in use: another cleave \(pid {os.getpid()}\)"
+    with state.state_server(run_dir), pytest.raises(CleaveError, match=refused):
+        LocalFleet(run_dir, 0)
+    os.close(hold(run_dir))  # (free again)
+
+
 def test_export_from_the_running_stack(run_dir: Path, tmp_path: Path) -> None:
     stack = Stack(run_dir)
     stack.start_nats()  # the run's store served again, recorded in stack.json as a live stack would be

@@ -19,7 +19,7 @@ from nats.js.errors import BucketNotFoundError
 
 from cleave import bus as busmod
 from cleave.api.hub import connect, unanswered
-from cleave.api.stack import Stack
+from cleave.api.stack import Stack, hold
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods.export import job_model
 from cleave.models import ModelConfig
@@ -75,7 +75,8 @@ def running_nats(run_dir: Path) -> str | None:
 
 @contextlib.contextmanager
 def state_server(run_dir: Path) -> Iterator[str]:
-    """A NATS URL serving the run's JetStream state: the live one, or a temporary server on its store."""
+    """A NATS URL serving the run's JetStream state: the live one, or a temporary server on its store, which
+    holds the run dir meanwhile (`hold`: a stack started there is refused until it is done)."""
     url = running_nats(run_dir)
     if url:
         yield url
@@ -86,14 +87,18 @@ def state_server(run_dir: Path) -> Iterator[str]:
             ": no stack ran there (a --reference run, trained in its own process, keeps no checkpoint to export)")
         raise ConfigError(elsewhere(run_dir) or f"{run_dir} has no running NATS (stack.json) and no JetStream store "
                           f"({store}){stackless}")
-    with tempfile.TemporaryDirectory(prefix="cleave-export-") as tmp:
-        # Stack keeps its store at <dir>/jetstream: point that at the run's store
-        (Path(tmp) / "jetstream").symlink_to(store.resolve(), target_is_directory=True)
-        stack = Stack(Path(tmp))
-        try:
-            yield stack.start_nats()
-        finally:
-            stack.stop_all()
+    lock = hold(run_dir)  # (a stack started there meanwhile would share the store with this server)
+    try:
+        with tempfile.TemporaryDirectory(prefix="cleave-export-") as tmp:
+            # Stack keeps its store at <dir>/jetstream: point that at the run's store
+            (Path(tmp) / "jetstream").symlink_to(store.resolve(), target_is_directory=True)
+            stack = Stack(Path(tmp))
+            try:
+                yield stack.start_nats()
+            finally:
+                stack.stop_all()
+    finally:
+        os.close(lock)
 
 
 def elsewhere(run_dir: Path) -> str | None:
