@@ -142,8 +142,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("ps", help="run the parameter server")
     _service_args(p)
     p.add_argument("--job", type=Path, help="the job's file (TOML or JSON; default: --config's top-level keys)")
-    p.add_argument("--metrics-out", type=Path, help="one JSON line a committed step (default: <run dir>/metrics.jsonl); "
-                   "appended to, another job's lines set aside")
+    p.add_argument("--metrics-out", type=Path, help="one JSON line a committed step (default: none, the events "
+                   "stream only); appended to, another job's lines set aside")
 
     p = sub.add_parser("worker", help="run a worker")
     _service_args(p)
