@@ -312,8 +312,11 @@ def test_a_ctrl_c_while_the_command_line_is_read_exits_130_without_a_traceback(t
     of the commands (a sitecustomize's audit hook sends it)."""
     (tmp_path / "sitecustomize.py").write_text(CTRL_C_AT_IMPORT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    # (SIGINT's default action restored: a shell that runs its commands in the background without job control,
+    # as a CI script may, leaves them ignoring it, and Python then raises no KeyboardInterrupt at all)
     got = subprocess.run([sys.executable, "-m", "cleave_cli", "train", "--preset", "tiny", "--dry-run"],
-                         capture_output=True, text=True, env=env, timeout=120)
+                         capture_output=True, text=True, env=env, timeout=120,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     assert got.returncode == 130 and "Traceback" not in got.stderr and not got.stdout, got
 
 
