@@ -28,6 +28,7 @@ from cleave.models.tokenizer import (
     ByteTokenizer,
     load_tokenizer,
     recorded_spec,
+    recorded_tokenizer,
     tokenizer_files,
 )
 
@@ -315,11 +316,7 @@ def own_tokenizer(path: str | Path) -> str | None:
         return None
     kind = tokenizer_files(directory)
     if kind == "record":
-        try:
-            recorded = json.loads((directory / TOKENIZER_RECORD).read_text()).get("tokenizer")
-        except (OSError, ValueError, AttributeError):
-            recorded = None
-        return DEFAULT_TOKENIZER if recorded == DEFAULT_TOKENIZER else str(path)
+        return DEFAULT_TOKENIZER if recorded_tokenizer(directory) == DEFAULT_TOKENIZER else str(path)
     return None if kind is None else str(path)
 
 

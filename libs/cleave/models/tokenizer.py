@@ -236,7 +236,7 @@ def tokenizer_files(directory: Path) -> str | None:
     "record" (an export's record of a tokenizer without files), "sentencepiece" (tokenizer.model alone, which
     needs converting), or None (no tokenizer at all). An export of the byte tokenizer is "record", whose
     tokenizer.json is for `transformers` (`ByteTokenizer.write_hf`)."""
-    if _records_bytes(directory / TOKENIZER_RECORD):
+    if recorded_tokenizer(directory) == DEFAULT_TOKENIZER:
         return "record"
     if (directory / "tokenizer.json").is_file():
         return "tokenizer.json"
@@ -249,11 +249,12 @@ def tokenizer_files(directory: Path) -> str | None:
     return None
 
 
-def _records_bytes(record: Path) -> bool:
+def recorded_tokenizer(directory: Path) -> str | None:
+    """The tokenizer spec an export's record in `directory` names; None where there is none or it cannot be read."""
     try:
-        return json.loads(record.read_text()).get("tokenizer") == DEFAULT_TOKENIZER
+        return json.loads((directory / TOKENIZER_RECORD).read_text()).get("tokenizer")
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
 
 
 def _from_directory(directory: Path, name: str) -> Tokenizer:
