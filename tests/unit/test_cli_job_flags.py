@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -342,3 +343,39 @@ def test_output_into_a_closed_pipe_ends_quietly_with_sigpipes_status() -> None:
     finally:
         os.close(write)
     assert got.returncode == 128 + signal.SIGPIPE and got.stderr == "", got
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--micro-batches", "3", "--batch-size", "4"], "--micro-batches 3 must divide --batch-size 4"),
+    (["--batch-size", "0"], "invalid option --batch-size:"),
+    (["--method", "diloco", "--round-timeout", "-1"], "invalid option --round-timeout:"),
+    (["--preset", "Tiny"], "--preset 'Tiny' is unknown (did you mean 'tiny'?)"),
+])
+def test_a_bad_option_is_named_as_the_option(flags, says) -> None:
+    """The command line's errors named the job's Python settings (`micro_batches=3`), which no option is called."""
+    from cleave.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        job_from_args(build_parser().parse_args(["train", *flags]))
+
+
+def test_a_settings_files_error_keeps_the_files_names(tmp_path) -> None:
+    f = tmp_path / "job.toml"
+    f.write_text("micro_batches = 3\nbatch_size = 4\n")
+    from cleave.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match=re.escape("micro_batches=3 must divide batch_size=4")):
+        job_from_args(build_parser().parse_args(["train", "--config", str(f)]))
+
+
+def test_commands_started_in_the_same_second_get_run_dirs_of_their_own(tmp_path, monkeypatch) -> None:
+    """`cleave up` and `cleave demo` name their run dir to the second: a second one started in that second
+    was refused, the first's run dir being in use."""
+    from cleave.api import fleet  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fleet.time, "strftime", lambda _fmt: "20261207-080000")
+    made = [fleet.default_run_dir("demo") for _ in range(3)]
+    assert [str(d) for d in made] == ["runs/demo-20261207-080000", "runs/demo-20261207-080000-2",
+                                      "runs/demo-20261207-080000-3"]
+    assert all(d.is_dir() for d in made)

@@ -168,7 +168,9 @@ class JobConfig(BaseModel):
     def _check(self) -> JobConfig:
         self._check_settings_apply()  # first: a setting the method ignores is the error to report
         if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"preset={self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+            close = difflib.get_close_matches(self.preset.lower(), PRESETS, n=1)
+            raise ValueError(f"preset={self.preset!r} is unknown" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; choose one of {', '.join(PRESETS)}")
         try:
             arch = self.arch()
         except ConfigError as e:

@@ -4,7 +4,10 @@ hub), and the job they describe."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
+
+FLAGS = {"round_timeout_s": "--round-timeout"}  # a job setting whose option is not --its-name-with-dashes
 
 
 def register(p: argparse.ArgumentParser) -> None:
@@ -73,6 +76,7 @@ def register(p: argparse.ArgumentParser) -> None:
 
 def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN201 - a JobConfig (torch: imported late)
     """The job the options describe: a job file's, with every option given on top; a new id unless one is named."""
+    from cleave.errors import ConfigError
     from cleave.train.job import JobConfig, new_job_id
 
     fields = dict(job_id=args.job_id, preset=args.preset, steps=args.steps, seed=args.seed,
@@ -94,7 +98,20 @@ def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN20
 
         named = dict(zip(("local_steps", "outer_lr", "outer_momentum"), SETTINGS[args.diloco_setting], strict=True))
         fields = {**named, **fields}
-    if args.config:
-        job = JobConfig.load(args.config, **fields)
-        return job if "job_id" in job.model_fields_set else job.model_copy(update={"job_id": new_job_id(kind)})
-    return JobConfig.build(**{"job_id": new_job_id(kind), **fields})
+    try:
+        if args.config:
+            job = JobConfig.load(args.config, **fields)
+            return job if "job_id" in job.model_fields_set else job.model_copy(update={"job_id": new_job_id(kind)})
+        return JobConfig.build(**{"job_id": new_job_id(kind), **fields})
+    except ConfigError as e:
+        raise ConfigError(in_options(str(e), fields)) from None
+
+
+def in_options(message: str, given: dict) -> str:
+    """A job's error in the command line's words: each setting given as an option named as that option
+    (`micro_batches=3 must divide batch_size=4` -> `--micro-batches 3 must divide --batch-size 4`)."""
+    for name in given:
+        flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+        message = re.sub(rf"\b{name}=", f"{flag} ", message)
+        message = re.sub(rf"\bjob setting {name}\b", f"option {flag}", message)
+    return message
