@@ -50,7 +50,18 @@ def worker_id(run_name: str, n: int) -> str:
 
 
 def default_run_dir(kind: str) -> Path:
-    return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """A new folder runs/<kind>-<date>-<time>, made here: of two commands started in the same second, the
+    second gets <...>-2 (it was refused as the first's run dir in use)."""
+    base = Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    folder, n = base, 1
+    while True:
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            n += 1
+            folder = base.with_name(f"{base.name}-{n}")
 
 
 def reference_steps(job: JobConfig, metrics_out: Path) -> Iterator[dict]:
