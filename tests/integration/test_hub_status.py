@@ -205,3 +205,12 @@ def test_a_word_of_waiting_holds_while_it_is_fresh_and_the_latest() -> None:
     assert waiting_for_workers("running", None, now - 20, None, now) is None
     stale = word.model_copy(update={"at": now - 3 * WAIT_EVENT_S - 1})  # its PS said nothing since: gone
     assert waiting_for_workers("running", stale, None, None, now) is None
+
+
+def test_an_empty_hub_says_which_jobs_it_lists(capsys: pytest.CaptureFixture) -> None:
+    """After a `cleave train --nats` job, `cleave status` said only 'no jobs on this hub'."""
+    from cleave_cli.jobs_cmd import show_list  # noqa: PLC0415
+
+    show_list([], {}, {}, [], as_json=False)
+    out = capsys.readouterr().out
+    assert out.startswith("no jobs on this hub") and "cleave submit" in out and "cleave train --nats" in out

@@ -183,7 +183,8 @@ def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], wai
         print(json.dumps(views + [untaken_view(j) for j in waiting]))
         return
     if not records and not waiting:
-        print("no jobs on this hub")
+        print("no jobs on this hub (it lists the jobs given with `cleave submit`; a `cleave train --nats` job's "
+              "progress is in its own terminal and metrics file)")
     for j in waiting:
         print(f"{j:<40} {'submitted':<8} waiting on the hub for its runner to take it (is `cleave up` running there?)")
     for r, v in zip(records, views, strict=True):
