@@ -77,6 +77,7 @@ from cleave.schemas import (
     SUBJECT_UPDATES,
     WORKER_REPLY_TOKEN,
 )
+from cleave.schemas.subjects import kv_stream, kv_subject, obj_stream
 
 ROLES = ("ps", "scheduler", "monitor", "worker", "submitter", "site")
 PROBE_ECHO = "scheduler-probe"  # the scheduler's second credential: it answers probes and may do nothing else
@@ -89,14 +90,6 @@ INBOX_ROOT = "_INBOX"
 WORKER_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
-def _kv(bucket: str) -> str:
-    return f"KV_{bucket}"
-
-
-def _obj(bucket: str) -> str:
-    return f"OBJ_{bucket}"
-
-
 def _wild(pattern: str) -> str:
     """A subject pattern with every `{field}` replaced by `*`, e.g. cleave.result.*.*"""
     parts = [("*" if p.startswith("{") and p.endswith("}") else p) for p in pattern.split(".")]
@@ -104,7 +97,7 @@ def _wild(pattern: str) -> str:
 
 
 # Streams every service's `Bus.setup()` creates when missing (the PS also creates its Object Store).
-SETUP_STREAMS = (EVENTS_STREAM, _kv(REGISTRY_BUCKET), _kv(PLAN_BUCKET), _kv(STATE_BUCKET))
+SETUP_STREAMS = (EVENTS_STREAM, kv_stream(REGISTRY_BUCKET), kv_stream(PLAN_BUCKET), kv_stream(STATE_BUCKET))
 
 
 # ---- permissions -------------------------------------------------------------------------------------
@@ -145,11 +138,11 @@ def _js_read(stream: str) -> list[str]:
 
 
 def _kv_write(bucket: str) -> list[str]:
-    return [f"$KV.{bucket}.>", f"$JS.API.STREAM.PURGE.{_kv(bucket)}"]
+    return [kv_subject(bucket), f"$JS.API.STREAM.PURGE.{kv_stream(bucket)}"]
 
 
 def _obj_write(bucket: str) -> list[str]:
-    return [f"$O.{bucket}.>", f"$JS.API.STREAM.PURGE.{_obj(bucket)}"]
+    return [f"$O.{bucket}.>", f"$JS.API.STREAM.PURGE.{obj_stream(bucket)}"]
 
 
 def _service(role: str, publish: list[str], subscribe: list[str], allow_responses: bool = False) -> Permissions:
@@ -166,34 +159,35 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
                SUBJECT_ROUNDCAST_ALL, _wild(SUBJECT_SPLIT), SUBJECT_EVENTS_ALL,
                *_kv_write(STATE_BUCKET), *_obj_write(STATE_OBJECTS),
                f"{inbox_prefix('worker')}.>"]  # its answers to the workers' model requests (`reply_refusal`)
-        for s in (*SETUP_STREAMS, _obj(STATE_OBJECTS)):
+        for s in (*SETUP_STREAMS, obj_stream(STATE_OBJECTS)):
             pub += _js_create(s)
-        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET), _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
+        for s in (kv_stream(PLAN_BUCKET), kv_stream(REGISTRY_BUCKET), kv_stream(STATE_BUCKET),
+                  obj_stream(STATE_OBJECTS)):
             pub += _js_read(s)
         # the hub's job runner runs as the PS: it takes submitted jobs and keeps their records
-        for s in (JOBS_STREAM, _kv(JOBS_BUCKET)):
+        for s in (JOBS_STREAM, kv_stream(JOBS_BUCKET)):
             pub += [*_js_create(s), *_js_read(s)]
-        pub += [*_kv_write(JOBS_BUCKET), f"$KV.{PLAN_BUCKET}.{SHAPES_KEY}"]  # and its job's GEMM shapes, planned
+        pub += [*_kv_write(JOBS_BUCKET), kv_subject(PLAN_BUCKET, SHAPES_KEY)]  # and its job's GEMM shapes, planned
         return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_MODELS_GET_ALL])
     if role == SUBMITTER:  # submits jobs; reads their records, metrics and checkpoints; writes nothing else
         pub = [SUBJECT_JOB_SUBMIT_ALL, f"$JS.API.STREAM.INFO.{JOBS_STREAM}"]
-        for s in (_kv(JOBS_BUCKET), EVENTS_STREAM, _kv(STATE_BUCKET), _obj(STATE_OBJECTS)):
+        for s in (kv_stream(JOBS_BUCKET), EVENTS_STREAM, kv_stream(STATE_BUCKET), obj_stream(STATE_OBJECTS)):
             pub += _js_read(s)
         return _service(role, pub, [])
     if role == "scheduler":
         pub = [SUBJECT_EVENTS_ALL, *_kv_write(REGISTRY_BUCKET), *_kv_write(PLAN_BUCKET)]
         for s in SETUP_STREAMS:
             pub += _js_create(s)
-        for s in (_kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET)):
+        for s in (kv_stream(PLAN_BUCKET), kv_stream(REGISTRY_BUCKET)):
             pub += _js_read(s)
         return _service(role, pub, [_wild(SUBJECT_HEARTBEAT), SUBJECT_OBSERVED_ALL])
     if role == "monitor":  # writes nothing; may create the streams because it runs Bus.setup() too
         pub = []
         for s in SETUP_STREAMS:
             pub += _js_create(s)
-        for s in (EVENTS_STREAM, _kv(PLAN_BUCKET), _kv(REGISTRY_BUCKET)):
+        for s in (EVENTS_STREAM, kv_stream(PLAN_BUCKET), kv_stream(REGISTRY_BUCKET)):
             pub += _js_read(s)
-        pub += [*_js_create(_kv(JOBS_BUCKET)), *_js_read(_kv(JOBS_BUCKET))]  # the hub's jobs, on the dashboard
+        pub += [*_js_create(kv_stream(JOBS_BUCKET)), *_js_read(kv_stream(JOBS_BUCKET))]  # the hub's jobs, on the dashboard
         return _service(role, pub, [SUBJECT_EVENTS_ALL])  # (no heartbeats: the registry tells it the fleet)
     if role == "worker":
         wid = "*" if worker_id is None else check_worker_id(worker_id)

@@ -44,6 +44,7 @@ from cleave.schemas import (
 )
 from cleave.schemas.base import Wire
 from cleave.schemas.jobs import runner_silent_s, waiting_for_workers
+from cleave.schemas.subjects import kv_stream, kv_subject
 from cleave.train.job import JobConfig
 
 T = TypeVar("T", bound=Wire)
@@ -153,7 +154,7 @@ async def read_records(bus: busmod.Bus, job_id: str | None) -> list[JobRecord]:
         got = await bus.kv_get(kv, job_id, JobRecord)
         return [got[0]] if got else []
     # (one pass over the bucket's stream, each key's latest value: one request a key took 8-26 s for 10,000)
-    found = await _read(bus, f"KV_{JOBS_BUCKET}", f"$KV.{JOBS_BUCKET}.>", JobRecord, DeliverPolicy.LAST_PER_SUBJECT)
+    found = await _read(bus, kv_stream(JOBS_BUCKET), kv_subject(JOBS_BUCKET), JobRecord, DeliverPolicy.LAST_PER_SUBJECT)
     return sorted(found, key=lambda r: r.submitted_at)
 
 

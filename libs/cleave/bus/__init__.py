@@ -49,6 +49,7 @@ from cleave.schemas import (
     StepMetrics,
     Wire,
 )
+from cleave.schemas.subjects import kv_subject
 
 log = structlog.get_logger("cleave.bus")
 T = TypeVar("T", bound=Wire)
@@ -159,9 +160,8 @@ class Bus:
             del frame  # decoded: the frame's bytes are not kept while the handler runs (a tile computes meanwhile)
             await handler(msg, nbytes)
 
-        sub = await self.nc.subscribe(
-            subject, queue=queue, cb=on_msg, pending_bytes_limit=pending_bytes, pending_msgs_limit=-1
-        )
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_bytes_limit=pending_bytes,
+                                      pending_msgs_limit=-1)
         receive.hand_views(self.nc, sub._id)  # on_msg reads a large message where it arrived, and lets it go
         return sub
 
@@ -227,7 +227,7 @@ class Bus:
         deletion (`kv_get` returns None for that one). Read in one request from the stream's own list of subjects:
         nats-py's `kv.keys()` lists them with a watch that can end before its first key on a busy server (its
         consumer has sent the keys, its client has not counted one yet) and then says the bucket is empty."""
-        prefix = f"$KV.{kv._name}."
+        prefix = kv_subject(kv._name, "")
         info = await self.patiently(lambda: self.js.stream_info(kv._stream, subjects_filter=f"{prefix}>"), "keys")
         return sorted(s.removeprefix(prefix) for s in info.state.subjects or {})
 
@@ -236,7 +236,7 @@ class Bus:
         value), a deletion's value empty. Read one message at a time ("the next message on this subject from
         this sequence on"): nats-py's `kv.history()` reads them with a watch that can end before its first entry
         on a busy machine and then says there is no history."""
-        subject, found, seq = f"$KV.{kv._name}.{key}", [], 1
+        subject, found, seq = kv_subject(kv._name, key), [], 1
         while seq <= upto:
             try:
                 msg = await self.patiently(lambda s=seq: self.js.get_msg(kv._stream, s, subject, next=True), "history")

@@ -59,6 +59,21 @@ STATE_BUCKET = "cleave-state"  # PS persistence head records
 STATE_OBJECTS = "cleave-state-objects"  # PS persistence tensors (Object Store)
 
 
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream that holds key-value bucket `bucket` (nats-server's name for it)."""
+    return f"KV_{bucket}"
+
+
+def kv_subject(bucket: str, key: str = ">") -> str:
+    """The subject of `key` in key-value bucket `bucket` (every key's: ">"; "" gives the bucket's prefix)."""
+    return f"$KV.{bucket}.{key}"
+
+
+def obj_stream(bucket: str) -> str:
+    """The JetStream stream that holds object-store bucket `bucket`."""
+    return f"OBJ_{bucket}"
+
+
 def token(name: str) -> str:
     """`name` with each character a subject token may not hold replaced by a -."""
     return _NOT_TOKEN.sub("-", name)

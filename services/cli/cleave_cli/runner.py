@@ -55,7 +55,7 @@ from cleave.schemas import (
     StateHead,
 )
 from cleave.schemas.jobs import JOB_ID_PATTERN, RUNNER_REFRESH_S
-from cleave.schemas.subjects import TOKEN_CHARS
+from cleave.schemas.subjects import TOKEN_CHARS, kv_stream, kv_subject
 from cleave.train import reading
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
@@ -234,7 +234,7 @@ class Runner:
         """Remove the oldest records of refused new jobs past `max_refused`, every revision (no marker left)."""
         while len(self.refused) > self.max_refused:
             job_id = next(iter(self.refused))
-            await asyncio.wait_for(self.bus.js.purge_stream(f"KV_{JOBS_BUCKET}", subject=f"$KV.{JOBS_BUCKET}.{job_id}"),
+            await asyncio.wait_for(self.bus.js.purge_stream(kv_stream(JOBS_BUCKET), subject=kv_subject(JOBS_BUCKET, job_id)),
                                    busmod.DEFAULT_TIMEOUT_S)
             del self.refused[job_id]
             self.records.pop(job_id, None)

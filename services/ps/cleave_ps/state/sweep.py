@@ -18,6 +18,7 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from cleave.bus import DEFAULT_TIMEOUT_S, Bus
+from cleave.schemas.subjects import obj_stream
 
 log = structlog.get_logger("ps")
 DEFAULT_ORPHAN_AGE_S = 60.0  # a nameless chunk subject this much older than its last chunk is garbage
@@ -38,7 +39,7 @@ async def _objects(store) -> list:  # noqa: ANN001 - nats-py's ObjectStore
 
 async def _nameless(bus: Bus, bucket: str, named: set[str], min_age_s: float) -> list[str]:
     """Chunk subjects that no object names and that got no chunk for `min_age_s`."""
-    stream = f"OBJ_{bucket}"
+    stream = obj_stream(bucket)
     info = await asyncio.wait_for(bus.js.stream_info(stream, subjects_filter=f"$O.{bucket}.C.>"), DEFAULT_TIMEOUT_S)
     now = datetime.datetime.now(datetime.UTC)
     old = []
@@ -64,7 +65,7 @@ async def collect(bus: Bus, store, bucket: str, job_id: str, keep: set[str],  # 
                 deleted.append(info.name)
         named = {info.nuid for info in objects if info.nuid}
         for subject in await _nameless(bus, bucket, named, min_age_s):
-            await asyncio.wait_for(bus.js.purge_stream(f"OBJ_{bucket}", subject=subject), DEFAULT_TIMEOUT_S)
+            await asyncio.wait_for(bus.js.purge_stream(obj_stream(bucket), subject=subject), DEFAULT_TIMEOUT_S)
             purged.append(subject)
     except Exception as e:  # the next commit tries again
         log.warning("checkpoint_garbage_not_collected", job=job_id, error=repr(e)[:300])
