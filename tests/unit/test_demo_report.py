@@ -33,3 +33,12 @@ def test_tiles_finished_by_copies_are_not_called_no_tiles(capsys: pytest.Capture
 def test_a_worker_without_tiles_is_said_to_hold_none(capsys: pytest.CaptureFixture[str]) -> None:
     report_recovery(steps(0), {"at_step": 3, "replacement": "worker-5"})
     assert "the killed worker held no tiles when it died" in capsys.readouterr().out
+
+
+def test_the_replacement_is_said_to_be_started_not_to_have_taken_over(capsys: pytest.CaptureFixture[str]) -> None:
+    """A short demo ends before the replacement joins: 'worker-5 took its place' was said of a worker that
+    never held a tile; and with none started it said 'no replacement took its place'."""
+    report_recovery(steps(0), {"at_step": 3, "replacement": "worker-5"})
+    assert "worker-5 was started in its place" in capsys.readouterr().out
+    report_recovery(steps(0), {"at_step": 5})
+    assert "the job ended before a replacement was started" in capsys.readouterr().out
