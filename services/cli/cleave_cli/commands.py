@@ -186,12 +186,13 @@ def tell_stopped(job: JobConfig, lines: list[dict], metrics_out: Path, progress:
     """A run stopped by a signal: the steps its PS committed after the last one shown (while the stack was shut
     down), and where the same command goes on (`named`: it gave the job's id; else it makes a new job)."""
     shown = max((m["step"] for m in lines), default=-1)
-    for m in MetricsFile(metrics_out).lines():
+    committed = MetricsFile(metrics_out).lines()
+    for m in committed:
         if m["step"] > shown:
             lines.append(m)
             progress.update(m)
             trackers.log(m)
-    done = max(MetricsFile(metrics_out).steps(), default=-1) + 1
+    done = committed[-1]["step"] + 1 if committed else 0
     if progress.tty and lines and done < job.steps:
         print()  # (the bar's line stays as it was)
     again = "the same command" if named else f"the same command with --job-id {job.job_id}"
