@@ -36,13 +36,16 @@ from cleave.api.stack import hold
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
-from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE
+from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config, resolve_model_dir
 from cleave.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD
+from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD, load_tokenizer
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
+from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus, check_token_file, check_vocab
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
+from cleave.train.sources import check_source, parse_source, source_bytes
+from cleave.train.trainer import check_init
 
 Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small", steps=200, method="diloco", ...)
 DEFAULT_WORKERS = 4  # as `cleave train`
@@ -50,6 +53,9 @@ DEFAULT_WORKERS = 4  # as `cleave train`
 EXPORT_NAMES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_RECORD, *TOKENIZER_FILES, methods_export.ADAPTER_DIR})
 # what an adapter export writes in its folder (`cleave.models.peft.write_adapter`, a seed-started job's base)
 ADAPTER_NAMES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS, methods_export.BASE_DIR})
+# text data smaller than this on disk is read whole before a stack starts (a token is rarely over 64 bytes), so
+# that one too small to train on is told at once, not by the PS once a stack has started
+SMALL_DATA_BYTES = 64 * DEFAULT_MIN_TOKENS
 
 
 @checked
@@ -92,9 +98,33 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
     if held not in (None, job.job_id):
         raise ConfigError(f"{run_dir} holds job {held!r} (its job.json, state and metrics): train {job.job_id!r} in a "
                           f"run dir of its own, or resume {held!r} under its id (--job-id {held} / job_id={held!r})")
+    check_inputs(job)
     if nats is not None and not reference:
         hub.reachable(nats, Path(auth) if auth is not None else None, "ps")  # (named now, not retried for ever)
     return _run(job, workers, run_dir, nats, auth, metrics_out, ps_replicas, reference, on_stack)
+
+
+def check_inputs(job: JobConfig) -> None:
+    """What the PS reads (it runs here, with nats= too): a tokenizer, model folder or data it cannot read, that
+    does not fit the model, is no text or too short to train on, is told now (`run`, `cleave train` and its dry
+    run), not once a stack has started."""
+    tok = load_tokenizer(job.tokenizer)
+    if job.init_from is not None:
+        try:
+            resolve_model_dir(job.init_from)
+        except ConfigError as e:
+            raise ConfigError(f"init_from: {e}") from None
+    arch = job.arch()  # (a job without a preset reads it from init_from)
+    check_vocab(tok.name, tok.vocab_size, arch.vocab_size, job.model_name)
+    if job.init_from is not None:
+        check_init(read_hf_config(job.init_from), arch, job)
+        check_weights(job.init_from)
+    src = parse_source(job.data)
+    check_source(src)  # (text that looks binary is refused)
+    if src.kind == "tokens":  # (its sidecar: the tokenizer it was made with, its vocabulary)
+        check_token_file(src, tok.name, arch.vocab_size, job.model_name)
+    elif src.kind in ("text", "folder", "glob", "jsonl") and source_bytes(src.spec) < SMALL_DATA_BYTES:
+        Corpus.for_job(job, tokenizer=tok)  # (too few tokens or examples: read now, it takes milliseconds)
 
 
 def check_auth(auth: str | Path | None, nats: str | None) -> None:
