@@ -43,7 +43,7 @@ from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
 from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus, check_token_file, check_vocab
 from cleave.train.identity import refusal
-from cleave.train.job import JobConfig
+from cleave.train.job import ROUND_METHODS, JobConfig
 from cleave.train.sources import check_source, parse_source, source_bytes
 from cleave.train.trainer import check_init
 
@@ -98,10 +98,35 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
     if held not in (None, job.job_id):
         raise ConfigError(f"{run_dir} holds job {held!r} (its job.json, state and metrics): train {job.job_id!r} in a "
                           f"run dir of its own, or resume {held!r} under its id (--job-id {held} / job_id={held!r})")
+    check_stack(job, workers, ps_replicas, local=nats is None and not reference)
     check_inputs(job)
     if nats is not None and not reference:
         hub.reachable(nats, Path(auth) if auth is not None else None, "ps")  # (named now, not retried for ever)
     return _run(job, workers, run_dir, nats, auth, metrics_out, ps_replicas, reference, on_stack)
+
+
+def check_stack(job: JobConfig, workers: int, ps_replicas: int, local: bool) -> None:
+    """What a job asks of the stack it runs on, told before one starts (`local`: a stack of `workers` workers
+    started for it, none with data of its own): a PS replica with no worker waited for ever, and a round that
+    can never apply an update trained nothing, step after step."""
+    if local and ps_replicas > workers:
+        raise ConfigError(f"ps_replicas={ps_replicas} (--ps-replicas) needs at least as many workers (each replica "
+                          f"trains with its own part of the fleet, and one with none waits for ever); workers="
+                          f"{workers} (--workers)")
+    if local and job.method in ROUND_METHODS and job.min_updates > workers and not job.max_staleness:
+        raise ConfigError(f"min_updates={job.min_updates} (--min-updates) is more than the {workers} workers of this "
+                          "stack: no round could ever apply an update (each worker sends one a round)")
+    if local and job.secagg and workers < 2:
+        raise ConfigError(f"secagg (--secagg) needs at least 2 workers (a sum of one update hides nothing); "
+                          f"workers={workers} (--workers)")
+    if local and job.own_data:
+        raise ConfigError("own_data (--own-data) trains only on data the workers declared themselves (cleave worker "
+                          "--data SOURCE), and a local stack's workers declare none: run the job on a hub whose "
+                          "workers do (cleave up, then submit or run with nats=URL; docs/methods.md)")
+    if job.batch_size % (ps_replicas * job.micro_batches) or (ps_replicas > 1 and job.method != "cleave"):
+        raise ConfigError(f"ps_replicas={ps_replicas} (--ps-replicas) needs method cleave and a batch size divisible "
+                          f"by it times micro_batches (the job has method {job.method}, batch size {job.batch_size}, "
+                          f"micro-batches {job.micro_batches})")
 
 
 def check_inputs(job: JobConfig) -> None:
