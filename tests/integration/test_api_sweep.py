@@ -3,6 +3,9 @@ run, a run dir in use, a loop stopped early. Each is told at the call or ends th
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -42,3 +45,39 @@ def test_settings_a_local_stack_cannot_run_are_refused_at_the_call(tmp_path: Pat
     with pytest.raises(ConfigError, match=says):
         run(Job(preset="tiny", steps=2, **{"batch_size": 4, **settings}), run_dir=tmp_path / "run", **args)
     assert time.monotonic() - t0 < 10 and not (tmp_path / "run").exists()
+
+
+# Ctrl-C in the loop, and again while the stack stops (the second lands at the stack's first SIGTERM to a child)
+INTERRUPTED_TWICE = """
+import json, os, signal, subprocess, sys
+from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell that starts commands in the background ignores it)
+from cleave import Job, run
+from cleave.api.stack import hold
+terminate = subprocess.Popen.terminate
+def terminate_pressed(self):
+    subprocess.Popen.terminate = terminate
+    os.kill(os.getpid(), signal.SIGINT)
+    terminate(self)
+run_dir = Path(sys.argv[1])
+try:
+    for m in run(Job(job_id="api-twice", preset="tiny", steps=100, batch_size=2), workers=1, run_dir=run_dir):
+        subprocess.Popen.terminate = terminate_pressed
+        os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+    pass
+procs = json.loads((run_dir / "stack.json").read_text())["processes"]
+running = [p["name"] for p in procs if Path(f"/proc/{p['pid']}").exists()
+           and Path(f"/proc/{p['pid']}/stat").read_text().split(") ")[1][0] != "Z"]
+os.close(hold(run_dir))  # (raises while a stack holds it)
+print(json.dumps(running))
+"""
+
+
+def test_ctrl_c_twice_stops_the_whole_stack(tmp_path: Path) -> None:
+    """A notebook's interrupt pressed again while the stack stopped: nats-server (and the PS) ran on, with the run
+    dir free for another stack on the same store, until the kernel exited. The stop now runs to its end."""
+    out = subprocess.run([sys.executable, "-c", INTERRUPTED_TWICE, str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == []

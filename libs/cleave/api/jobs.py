@@ -19,7 +19,9 @@ import atexit
 import functools
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -213,9 +215,27 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
         yield from fleet.follow_ps(metrics_out, new_only=True)
     finally:
         atexit.unregister(stop)
-        stop()
+        _uninterrupted(stop)
         for fd in held:
             os.close(fd)
+
+
+def _uninterrupted(stop: Callable[[], None]) -> None:
+    """`stop`, run to its end even when Ctrl-C comes again meanwhile (a notebook's interrupt pressed twice left
+    nats-server running, its run dir free for another stack on the same store); that Ctrl-C is raised once the
+    stack is down. Under another SIGINT handler (`cleave train`'s: a second signal exits at once), as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        stop()
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        stop()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def _hold_metrics(run_dir: Path, metrics_out: Path) -> list[int]:
