@@ -4,6 +4,7 @@ run, a run dir in use, a loop stopped early. Each is told at the call or ends th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from cleave import Job, run
-from cleave.errors import ConfigError
+from cleave.api.stack import hold
+from cleave.errors import CleaveError, ConfigError
 
 
 @pytest.mark.parametrize("reference", [False, True])
@@ -54,6 +56,7 @@ from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell that starts commands in the background ignores it)
 from cleave import Job, run
 from cleave.api.stack import hold
+from cleave.api.stack import hold
 terminate = subprocess.Popen.terminate
 def terminate_pressed(self):
     subprocess.Popen.terminate = terminate
@@ -81,3 +84,17 @@ def test_ctrl_c_twice_stops_the_whole_stack(tmp_path: Path) -> None:
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_a_run_dir_held_by_this_process_says_so(tmp_path: Path) -> None:
+    """A run's steps kept in a variable and left unfinished hold its run dir (its stack runs on): a second run
+    there named 'another cleave (pid N)', N being the notebook's own kernel; it now says so, and what to close."""
+    job = Job(job_id="api-held", preset="tiny", steps=50, batch_size=2)
+    steps = run(job, workers=1, run_dir=tmp_path)
+    next(steps)
+    try:
+        with pytest.raises(CleaveError, match=r"is this process: a `run\(...\)` kept in a variable"):
+            next(run(job, workers=1, run_dir=tmp_path))
+    finally:
+        steps.close()
+    os.close(hold(tmp_path))  # (free again)
