@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cleave import Job, run
+from cleave import Job, metrics, run
 from cleave.api.stack import hold
 from cleave.errors import CleaveError, ConfigError
 
@@ -54,7 +54,7 @@ INTERRUPTED_TWICE = """
 import json, os, signal, subprocess, sys
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell that starts commands in the background ignores it)
-from cleave import Job, run
+from cleave import Job, metrics, run
 from cleave.api.stack import hold
 from cleave.api.stack import hold
 terminate = subprocess.Popen.terminate
@@ -98,3 +98,11 @@ def test_a_run_dir_held_by_this_process_says_so(tmp_path: Path) -> None:
     finally:
         steps.close()
     os.close(hold(tmp_path))  # (free again)
+
+
+def test_metrics_of_a_metrics_file_names_the_mistake(tmp_path: Path) -> None:
+    """`metrics` given the metrics file itself (or one named with metrics_out=): it said 'no such folder' of a file
+    that was there."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a run dir"):
+        metrics(tmp_path / "metrics.jsonl")

@@ -261,6 +261,9 @@ def _refuse_changed(job: JobConfig, url: str, auth: str | Path | None) -> None:
 def metrics(run_dir: str | Path) -> list[dict]:
     """The committed steps' metrics of the job a run dir holds (each step once, in step order), e.g. after
     `train` or `cleave train` ended, or while it runs (none yet: an empty list)."""
+    if Path(run_dir).is_file():
+        raise ConfigError(f"{run_dir} is a file, not a run dir: name the run's folder (metrics(run_dir)), or read a "
+                          "metrics file of your own (metrics_out=) directly, one JSON object a line")
     if not Path(run_dir).is_dir():
         raise ConfigError(f"{run_dir} is no run dir (no such folder)")
     return MetricsFile(Path(run_dir) / "metrics.jsonl").lines()
