@@ -3,6 +3,7 @@ run, a run dir in use, a loop stopped early. Each is told at the call or ends th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cleave import Job, metrics, run
+from cleave import Job, export, metrics, run
 from cleave.api.stack import hold
 from cleave.errors import CleaveError, ConfigError
 
@@ -54,7 +55,7 @@ INTERRUPTED_TWICE = """
 import json, os, signal, subprocess, sys
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (a shell that starts commands in the background ignores it)
-from cleave import Job, metrics, run
+from cleave import Job, export, metrics, run
 from cleave.api.stack import hold
 from cleave.api.stack import hold
 terminate = subprocess.Popen.terminate
@@ -106,3 +107,15 @@ def test_metrics_of_a_metrics_file_names_the_mistake(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ConfigError, match="is a file, not a run dir"):
         metrics(tmp_path / "metrics.jsonl")
+
+
+def test_a_run_and_its_export_work_where_an_event_loop_runs(tmp_path: Path) -> None:
+    """A Jupyter notebook runs its cells in its kernel's event loop: there `run` and `export` raised RuntimeError
+    (asyncio.run() cannot be called from a running event loop) before a step was trained."""
+
+    async def cell() -> tuple[list[int], int]:
+        job = Job(job_id="api-cell", preset="tiny", steps=1, batch_size=2)
+        steps = [m["step"] for m in run(job, workers=1, run_dir=tmp_path / "run")]
+        return steps, export(tmp_path / "model", run_dir=tmp_path / "run").head.step
+
+    assert asyncio.run(cell()) == ([0], 0)

@@ -14,7 +14,6 @@ stack's JetStream store, which `cleave export --run-dir` reads and the same job 
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import functools
 import os
@@ -32,7 +31,7 @@ from pydantic import Field
 
 from cleave import codec
 from cleave.api import credentials, hub, state
-from cleave.api.args import JobId, checked
+from cleave.api.args import JobId, blocking, checked
 from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.stack import hold
 from cleave.api.state import EXPORT_PRECISIONS
@@ -252,7 +251,7 @@ def _hold_metrics(run_dir: Path, metrics_out: Path) -> list[int]:
 def _refuse_changed(job: JobConfig, url: str, auth: str | Path | None) -> None:
     """A job id whose state is of another model, data order or privacy noise is refused here, before the run dir's
     job.json is rewritten with settings that never ran (its PS, reading the same head, would refuse it too)."""
-    head = asyncio.run(state.head_of(url, job.job_id, Path(auth) if auth is not None else None, "ps"))
+    head = blocking(state.head_of(url, job.job_id, Path(auth) if auth is not None else None, "ps"))
     if head is not None and (refused := refusal(job.job_id, head.job_config, head.step, job.model_dump_json())):
         raise refused
 
@@ -314,10 +313,10 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         if not job_id:
             raise ConfigError("export from a hub's NATS (--nats, nats=) needs the job's id (--job-id, job_id=): "
                               "`cleave status --nats URL` lists the hub's jobs")
-        head, job, cfg, model = asyncio.run(state.read_state(nats, job_id, Path(auth) if auth else None))
+        head, job, cfg, model = blocking(state.read_state(nats, job_id, Path(auth) if auth else None))
     else:
         with state.state_server(Path(run_dir)) as url:
-            head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.named_job(Path(run_dir), url)))
+            head, job, cfg, model = blocking(state.read_state(url, job_id or state.named_job(Path(run_dir), url)))
     for what, spec in (("init_from", job.init_from), ("tokenizer", job.tokenizer)):
         home = Path(spec).expanduser() if spec else None
         if home is not None and home.exists() and home.resolve().is_relative_to(out.resolve()):
