@@ -88,7 +88,8 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
     - `ps_replicas`: PS replicas, each training an equal share of every batch (method cleave).
     - `on_stack(fleet)`: called once the stack is up, before the PS starts (its URL: `fleet.stack.nats_url`).
     A PS that fails raises `cleave.errors.CleaveError` naming its log; nothing is left running either way. A run
-    dir is one job's: one that holds another job (its job.json) is refused.
+    dir is one job's: one that holds another job (its job.json) is refused. What the stack cannot run
+    (`check_stack`) and what the PS cannot read or train on (`check_inputs`) raise ConfigError at the call.
     """
     check_auth(auth, nats)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(job)
