@@ -26,3 +26,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(f"cleave.api.{API[name]}"), name)
     raise AttributeError(f"module 'cleave' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names and the API's, for a notebook's or an editor's completion (`cleave.<Tab>`)."""
+    return sorted({*globals(), *API})

@@ -144,10 +144,14 @@ def test_a_changed_job_is_refused_before_its_settings_are_recorded(tmp_path: Pat
 def test_a_ps_that_refuses_its_job_stops_the_run_with_its_own_words(tmp_path: Path) -> None:
     """A job whose data cannot be read: the PS exits 2 at its start. Restarted, it would refuse again for ever
     (the run hung, silent); it stays down, and the run raises its words with its status (`cleave train` ends 2)."""
-    job = Job(job_id="api-nodata", preset="tiny", steps=2, batch_size=2, data=str(tmp_path / "no-such-corpus.txt"))
+    corpus = tmp_path / "corpus.txt"  # (there when `run` checks the job's data, gone when the PS reads it)
+    corpus.write_text("Some text to train on. " * 20_000)
+    job = Job(job_id="api-nodata", preset="tiny", steps=2, batch_size=2, data=str(corpus))
     start = time.monotonic()
-    with pytest.raises(PsEnded, match=r"exited with 2: data=.*no-such-corpus.txt.*cannot read") as ended:
-        list(run(job, workers=1, run_dir=tmp_path / "run"))
+    steps = run(job, workers=1, run_dir=tmp_path / "run")
+    corpus.unlink()
+    with pytest.raises(PsEnded, match=r"exited with 2: data=.*corpus.txt.*cannot read") as ended:
+        list(steps)
     assert ended.value.exit_code == EXIT_ERROR and time.monotonic() - start < 60
     stack = json.loads((tmp_path / "run" / "stack.json").read_text())
     ps = next(p for p in stack["processes"] if p["name"] == "ps")

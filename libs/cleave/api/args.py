@@ -1,12 +1,15 @@
 """The Python API's arguments, checked as a job's settings are: each of its own type (no '2' for 2), in range and
-finite; a wrong one raises pydantic's ValidationError naming it, before anything starts or connects."""
+finite; a wrong one raises pydantic's ValidationError naming it, before anything starts or connects. And its
+calls' NATS work, run to its end from synchronous code wherever that runs (`blocking`)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
-from collections.abc import Callable
-from typing import Annotated, TypeVar
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, TypeVar
 
 from pydantic import ConfigDict, Field, ValidationError, validate_call
 
@@ -15,6 +18,7 @@ from cleave.schemas.jobs import JOB_ID_PATTERN
 JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]
 Seconds = Annotated[float, Field(gt=0)]  # a wait or a period: more than none
 F = TypeVar("F", bound=Callable)
+R = TypeVar("R")
 CONFIG = ConfigDict(strict=True, allow_inf_nan=False, arbitrary_types_allowed=True)
 
 
@@ -37,3 +41,14 @@ def checked(fn: F) -> F:
             raise ValidationError.from_exception_data(e.title, details) from None
 
     return call  # type: ignore[return-value]
+
+
+def blocking(coro: Coroutine[Any, Any, R]) -> R:
+    """`asyncio.run(coro)`, also from a thread that already runs an event loop (a Jupyter notebook's cells run in
+    its kernel's, where asyncio.run raises RuntimeError): there in a thread of its own, this one waiting for it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1, thread_name_prefix="cleave-api") as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -14,12 +14,13 @@ stack's JetStream store, which `cleave export --run-dir` reads and the same job 
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import functools
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -30,19 +31,22 @@ from pydantic import Field
 
 from cleave import codec
 from cleave.api import credentials, hub, state
-from cleave.api.args import JobId, checked
+from cleave.api.args import JobId, blocking, checked
 from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.stack import hold
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
-from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE
+from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config, resolve_model_dir
 from cleave.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD
+from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD, load_tokenizer
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
+from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus, check_token_file, check_vocab
 from cleave.train.identity import refusal
-from cleave.train.job import JobConfig
+from cleave.train.job import ROUND_METHODS, JobConfig
+from cleave.train.sources import check_source, parse_source, source_bytes
+from cleave.train.trainer import check_init
 
 Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small", steps=200, method="diloco", ...)
 DEFAULT_WORKERS = 4  # as `cleave train`
@@ -50,6 +54,9 @@ DEFAULT_WORKERS = 4  # as `cleave train`
 EXPORT_NAMES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_RECORD, *TOKENIZER_FILES, methods_export.ADAPTER_DIR})
 # what an adapter export writes in its folder (`cleave.models.peft.write_adapter`, a seed-started job's base)
 ADAPTER_NAMES = frozenset({ADAPTER_CONFIG, ADAPTER_WEIGHTS, methods_export.BASE_DIR})
+# text data smaller than this on disk is read whole before a stack starts (a token is rarely over 64 bytes), so
+# that one too small to train on is told at once, not by the PS once a stack has started
+SMALL_DATA_BYTES = 64 * DEFAULT_MIN_TOKENS
 
 
 @checked
@@ -81,7 +88,8 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
     - `ps_replicas`: PS replicas, each training an equal share of every batch (method cleave).
     - `on_stack(fleet)`: called once the stack is up, before the PS starts (its URL: `fleet.stack.nats_url`).
     A PS that fails raises `cleave.errors.CleaveError` naming its log; nothing is left running either way. A run
-    dir is one job's: one that holds another job (its job.json) is refused.
+    dir is one job's: one that holds another job (its job.json) is refused. What the stack cannot run
+    (`check_stack`) and what the PS cannot read or train on (`check_inputs`) raise ConfigError at the call.
     """
     check_auth(auth, nats)
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(job)
@@ -92,9 +100,58 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
     if held not in (None, job.job_id):
         raise ConfigError(f"{run_dir} holds job {held!r} (its job.json, state and metrics): train {job.job_id!r} in a "
                           f"run dir of its own, or resume {held!r} under its id (--job-id {held} / job_id={held!r})")
+    check_stack(job, workers, ps_replicas, local=nats is None and not reference)
+    check_inputs(job)
     if nats is not None and not reference:
         hub.reachable(nats, Path(auth) if auth is not None else None, "ps")  # (named now, not retried for ever)
     return _run(job, workers, run_dir, nats, auth, metrics_out, ps_replicas, reference, on_stack)
+
+
+def check_stack(job: JobConfig, workers: int, ps_replicas: int, local: bool) -> None:
+    """What a job asks of the stack it runs on, told before one starts (`local`: a stack of `workers` workers
+    started for it, none with data of its own): a PS replica with no worker waited for ever, and a round that
+    can never apply an update trained nothing, step after step."""
+    if local and ps_replicas > workers:
+        raise ConfigError(f"ps_replicas={ps_replicas} (--ps-replicas) needs at least as many workers (each replica "
+                          f"trains with its own part of the fleet, and one with none waits for ever); workers="
+                          f"{workers} (--workers)")
+    if local and job.method in ROUND_METHODS and job.min_updates > workers and not job.max_staleness:
+        raise ConfigError(f"min_updates={job.min_updates} (--min-updates) is more than the {workers} workers of this "
+                          "stack: no round could ever apply an update (each worker sends one a round)")
+    if local and job.secagg and workers < 2:
+        raise ConfigError(f"secagg (--secagg) needs at least 2 workers (a sum of one update hides nothing); "
+                          f"workers={workers} (--workers)")
+    if local and job.own_data:
+        raise ConfigError("own_data (--own-data) trains only on data the workers declared themselves (cleave worker "
+                          "--data SOURCE), and a local stack's workers declare none: run the job on a hub whose "
+                          "workers do (cleave up, then submit or run with nats=URL; docs/methods.md)")
+    if job.batch_size % (ps_replicas * job.micro_batches) or (ps_replicas > 1 and job.method != "cleave"):
+        raise ConfigError(f"ps_replicas={ps_replicas} (--ps-replicas) needs method cleave and a batch size divisible "
+                          f"by it times micro_batches (the job has method {job.method}, batch size {job.batch_size}, "
+                          f"micro-batches {job.micro_batches})")
+
+
+def check_inputs(job: JobConfig) -> None:
+    """What the PS reads (it runs here, with nats= too): a tokenizer, model folder or data it cannot read, that
+    does not fit the model, is no text or too short to train on, is told now (`run`, `cleave train` and its dry
+    run), not once a stack has started."""
+    tok = load_tokenizer(job.tokenizer)
+    if job.init_from is not None:
+        try:
+            resolve_model_dir(job.init_from)
+        except ConfigError as e:
+            raise ConfigError(f"init_from: {e}") from None
+    arch = job.arch()  # (a job without a preset reads it from init_from)
+    check_vocab(tok.name, tok.vocab_size, arch.vocab_size, job.model_name)
+    if job.init_from is not None:
+        check_init(read_hf_config(job.init_from), arch, job)
+        check_weights(job.init_from)
+    src = parse_source(job.data)
+    check_source(src)  # (text that looks binary is refused)
+    if src.kind == "tokens":  # (its sidecar: the tokenizer it was made with, its vocabulary)
+        check_token_file(src, tok.name, arch.vocab_size, job.model_name)
+    elif src.kind in ("text", "folder", "glob", "jsonl") and source_bytes(src.spec) < SMALL_DATA_BYTES:
+        Corpus.for_job(job, tokenizer=tok)  # (too few tokens or examples: read now, it takes milliseconds)
 
 
 def check_auth(auth: str | Path | None, nats: str | None) -> None:
@@ -158,9 +215,27 @@ def _run(job: JobConfig, workers: int, run_dir: Path, nats: str | None, auth: st
         yield from fleet.follow_ps(metrics_out, new_only=True)
     finally:
         atexit.unregister(stop)
-        stop()
+        _uninterrupted(stop)
         for fd in held:
             os.close(fd)
+
+
+def _uninterrupted(stop: Callable[[], None]) -> None:
+    """`stop`, run to its end even when Ctrl-C comes again meanwhile (a notebook's interrupt pressed twice left
+    nats-server running, its run dir free for another stack on the same store); that Ctrl-C is raised once the
+    stack is down. Under another SIGINT handler (`cleave train`'s: a second signal exits at once), as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        stop()
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        stop()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def _hold_metrics(run_dir: Path, metrics_out: Path) -> list[int]:
@@ -177,7 +252,7 @@ def _hold_metrics(run_dir: Path, metrics_out: Path) -> list[int]:
 def _refuse_changed(job: JobConfig, url: str, auth: str | Path | None) -> None:
     """A job id whose state is of another model, data order or privacy noise is refused here, before the run dir's
     job.json is rewritten with settings that never ran (its PS, reading the same head, would refuse it too)."""
-    head = asyncio.run(state.head_of(url, job.job_id, Path(auth) if auth is not None else None, "ps"))
+    head = blocking(state.head_of(url, job.job_id, Path(auth) if auth is not None else None, "ps"))
     if head is not None and (refused := refusal(job.job_id, head.job_config, head.step, job.model_dump_json())):
         raise refused
 
@@ -186,6 +261,9 @@ def _refuse_changed(job: JobConfig, url: str, auth: str | Path | None) -> None:
 def metrics(run_dir: str | Path) -> list[dict]:
     """The committed steps' metrics of the job a run dir holds (each step once, in step order), e.g. after
     `train` or `cleave train` ended, or while it runs (none yet: an empty list)."""
+    if Path(run_dir).is_file():
+        raise ConfigError(f"{run_dir} is a file, not a run dir: name the run's folder (metrics(run_dir)), or read a "
+                          "metrics file of your own (metrics_out=) directly, one JSON object a line")
     if not Path(run_dir).is_dir():
         raise ConfigError(f"{run_dir} is no run dir (no such folder)")
     return MetricsFile(Path(run_dir) / "metrics.jsonl").lines()
@@ -236,10 +314,10 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         if not job_id:
             raise ConfigError("export from a hub's NATS (--nats, nats=) needs the job's id (--job-id, job_id=): "
                               "`cleave status --nats URL` lists the hub's jobs")
-        head, job, cfg, model = asyncio.run(state.read_state(nats, job_id, Path(auth) if auth else None))
+        head, job, cfg, model = blocking(state.read_state(nats, job_id, Path(auth) if auth else None))
     else:
         with state.state_server(Path(run_dir)) as url:
-            head, job, cfg, model = asyncio.run(state.read_state(url, job_id or state.named_job(Path(run_dir), url)))
+            head, job, cfg, model = blocking(state.read_state(url, job_id or state.named_job(Path(run_dir), url)))
     for what, spec in (("init_from", job.init_from), ("tokenizer", job.tokenizer)):
         home = Path(spec).expanduser() if spec else None
         if home is not None and home.exists() and home.resolve().is_relative_to(out.resolve()):

@@ -317,10 +317,14 @@ def hold(run_dir: Path, metrics: Path | None = None) -> int:
         pid = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
         who = f"another cleave{f' (pid {pid})' if pid else ''}"
+        if metrics is not None:
+            raise CleaveError(f"metrics file {metrics} (--metrics-out) is in use: {who} writes its job's steps "
+                              "there; wait for it to end, or give this run another --metrics-out") from None
+        # (a notebook's kernel: the pid named is its own, where it kept a run's steps in a variable, unfinished)
+        own = (f"; pid {pid} is this process: a `run(...)` kept in a variable holds it until it ends or is closed "
+               "(`.close()`)" if pid == str(os.getpid()) else "")
         raise CleaveError(f"{run_dir} is in use: {who} runs a job there (the same job started twice?); wait for "
-                          "it to end or stop it, or give this run another --run-dir (or --job-id)" if metrics is None
-                          else f"metrics file {metrics} (--metrics-out) is in use: {who} writes its job's steps "
-                          "there; wait for it to end, or give this run another --metrics-out") from None
+                          f"it to end or stop it, or give this run another --run-dir (or --job-id){own}") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd

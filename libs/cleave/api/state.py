@@ -18,6 +18,7 @@ import torch
 from nats.js.errors import BucketNotFoundError
 
 from cleave import bus as busmod
+from cleave.api.args import blocking
 from cleave.api.hub import connect, unanswered
 from cleave.api.stack import Stack, hold
 from cleave.errors import CleaveError, ConfigError
@@ -174,7 +175,7 @@ def named_job(run_dir: Path, url: str) -> str:
     if (run_dir / "job.json").exists():
         return job_id_of(run_dir)
     raise ConfigError(f"{run_dir} has no job.json naming its job (a hub's run dir holds many): name one (--job-id, "
-                      f"job_id=); jobs with a committed checkpoint there: {asyncio.run(_jobs_at(url))}")
+                      f"job_id=); jobs with a committed checkpoint there: {blocking(_jobs_at(url))}")
 
 
 async def head_of(url: str, job_id: str, auth_dir: Path | None = None, role: str = "submitter") -> StateHead | None:

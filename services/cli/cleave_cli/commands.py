@@ -16,18 +16,13 @@ from cleave.api import jobs
 from cleave.api.fleet import LocalFleet, default_run_dir
 from cleave.api.hub import connect as hub_connect
 from cleave.errors import ConfigError, Stopped
-from cleave.models.hf import check_weights, read_hf_config, resolve_model_dir
-from cleave.models.tokenizer import load_tokenizer
 from cleave.runtime import config_file
 from cleave.runtime.files import write_atomic
 from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.runtime.trackers import Trackers
 from cleave.train import preflight
-from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus, check_token_file, check_vocab
 from cleave.train.job import ROUND_METHODS, JobConfig, new_job_id
-from cleave.train.sources import check_source, parse_source, source_bytes
-from cleave.train.trainer import check_init
 from cleave_cli.hub import LOOPBACK, HubConfig, split_listen
 from cleave_cli.joboptions import job_from_args
 from cleave_cli.monitor_cmd import start_monitor
@@ -35,10 +30,6 @@ from cleave_cli.progress import ProgressBar, spent, unit_of
 from cleave_ps.jobs.pretrain import fit, worker_budgets
 from cleave_ps.settings import PsSettings
 from cleave_worker.settings import WorkerSettings
-
-# text data smaller than this on disk is read whole before a stack starts (a token is rarely over 64 bytes), so
-# that one too small to train on is told by the dry run, not by the PS once a stack has started
-SMALL_DATA_BYTES = 64 * DEFAULT_MIN_TOKENS
 
 
 def check_fits(job: JobConfig, workers: int, dry_run: bool, nats: str | None = None, replicas: int = 1,
@@ -85,28 +76,6 @@ def registry_budgets(nats: str, auth: Path | None = None) -> list[int]:
     return asyncio.run(read())
 
 
-def check_inputs(job: JobConfig) -> None:
-    """What the PS reads (it runs here, with --nats too): a tokenizer, model folder or data it cannot read, or
-    that does not fit the model, is told now (before a dry run says `fits`), not once a stack has started."""
-    tok = load_tokenizer(job.tokenizer)
-    if job.init_from is not None:
-        try:
-            resolve_model_dir(job.init_from)
-        except ConfigError as e:
-            raise ConfigError(f"init_from: {e}") from None
-    arch = job.arch()  # (a job without a preset reads it from init_from)
-    check_vocab(tok.name, tok.vocab_size, arch.vocab_size, job.model_name)
-    if job.init_from is not None:
-        check_init(read_hf_config(job.init_from), arch, job)
-        check_weights(job.init_from)
-    src = parse_source(job.data)
-    check_source(src)
-    if src.kind == "tokens":  # (its sidecar: the tokenizer it was made with, its vocabulary)
-        check_token_file(src, tok.name, arch.vocab_size, job.model_name)
-    elif src.kind in ("text", "folder", "glob", "jsonl") and source_bytes(src.spec) < SMALL_DATA_BYTES:
-        Corpus.for_job(job, tokenizer=tok)  # (too few tokens or examples: read now, it takes milliseconds)
-
-
 def train(args: argparse.Namespace) -> int:
     configure("train", level="error")  # the client's reconnect chatter (a hub not up yet) is not for this user
     job = job_from_args(args)
@@ -135,7 +104,7 @@ def train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
                           f"it times --micro-batches (the job has method {job.method}, batch size {job.batch_size}, "
                           f"micro-batches {job.micro_batches})")
-    check_inputs(job)
+    jobs.check_inputs(job)
     job = check_fits(job, args.workers, args.dry_run, args.nats if not args.reference else None, args.ps_replicas,
                      args.auth)
     if args.dry_run:
