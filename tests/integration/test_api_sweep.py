@@ -119,3 +119,16 @@ def test_a_run_and_its_export_work_where_an_event_loop_runs(tmp_path: Path) -> N
         return steps, export(tmp_path / "model", run_dir=tmp_path / "run").head.step
 
     assert asyncio.run(cell()) == ([0], 0)
+
+
+def test_the_hubs_client_works_where_an_event_loop_runs_and_on_a_server_with_no_hub(nats_url: str) -> None:
+    """`status`, `submit` and `follow` raised RuntimeError in a notebook's cell; `follow` on a NATS server no
+    hub ever ran on raised nats-py's NotFoundError (stream not found)."""
+    from cleave import follow, status  # noqa: PLC0415
+
+    async def cell() -> list[dict]:
+        return status(nats_url)
+
+    assert asyncio.run(cell()) == []
+    with pytest.raises(CleaveError, match="knows no job 'nowhere'"):
+        next(follow("nowhere", nats_url))

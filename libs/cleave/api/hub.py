@@ -19,13 +19,13 @@ from typing import Annotated, TypeVar
 
 import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError, BucketNotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from pydantic import Field
 
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api import contact
-from cleave.api.args import JobId, Seconds, checked
+from cleave.api.args import JobId, Seconds, blocking, checked
 from cleave.api.credentials import client_options
 from cleave.bus import urls
 from cleave.bus.limits import STORE_FAILED
@@ -94,7 +94,7 @@ def reachable(url: str, folder: Path | None, role: str) -> None:
     async def go() -> None:
         await (await connect(url, folder, role)).close()
 
-    asyncio.run(go())
+    blocking(go())
 
 
 async def store(bus: busmod.Bus, job_id: str, sub: JobSubmission, wait_s: float, url: str):  # noqa: ANN201 - a PubAck
@@ -200,8 +200,11 @@ async def _read(bus: busmod.Bus, stream: str, subject: str, schema: type[T], pol
     one that does not decode (a deletion's marker, too) is skipped."""
     config = ConsumerConfig(deliver_policy=policy, ack_policy=AckPolicy.NONE,
                             inactive_threshold=DEFAULT_CONSUMER_IDLE_S)  # gone soon after this command
-    sub = await asyncio.wait_for(bus.js.pull_subscribe(subject, stream=stream, config=config),
-                                 busmod.DEFAULT_TIMEOUT_S)
+    try:
+        sub = await asyncio.wait_for(bus.js.pull_subscribe(subject, stream=stream, config=config),
+                                     busmod.DEFAULT_TIMEOUT_S)
+    except NotFoundError:
+        return []  # no such stream: no hub (nor stack) ever ran on this server
     found: list[T] = []
     try:
         if not (await sub.consumer_info()).num_pending:
@@ -276,7 +279,7 @@ def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_worker
             raise CleaveError(f"the hub refused job {job.job_id}: {rec.verdict_reason}")
         return rec
 
-    return asyncio.run(go())
+    return blocking(go())
 
 
 @checked
@@ -294,7 +297,7 @@ def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = Non
         finally:
             await bus.close()
 
-    return asyncio.run(go())
+    return blocking(go())
 
 
 @checked
@@ -320,7 +323,7 @@ def _follow(job_id: str, nats: str, auth: str | Path | None, poll_s: float,
             await bus.close()
 
     while True:
-        rec, lines = asyncio.run(read())
+        rec, lines = blocking(read())
         for m in lines:
             if m.step not in seen:
                 seen.add(m.step)
