@@ -104,12 +104,12 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("train", "--preset", "tiny", "--workers", "0", "--dry-run"): "--workers: must be at least 1, got 0",
         ("train", "--preset", "tiny", "--ps-replicas", "0", "--dry-run"): "--ps-replicas: must be at least 1, got 0",
         ("train", "--method", "fedavg", "--workers", "2", "--min-updates", "5", "--run-dir", str(tmp_path / "r")):
-            "--min-updates 5 is more than the 2 workers of this stack",
+            "min_updates=5 (--min-updates) is more than the 2 workers of this stack",
         ("train", "--preset", "tiny", "--workers", "1", "--ps-replicas", "2", "--run-dir", str(tmp_path / "r")):
-            "--ps-replicas 2 needs at least as many workers",
+            "ps_replicas=2 (--ps-replicas) needs at least as many workers",
         # refused after rounds of retries (14 s, or minutes of round timeouts): a local stack cannot run them
         ("train", "--method", "fedavg", "--secagg", "--workers", "1", "--run-dir", str(tmp_path / "r")):
-            "--secagg needs at least 2 workers",
+            "secagg (--secagg) needs at least 2 workers",
         ("train", "--method", "fedavg", "--own-data", "--workers", "2", "--run-dir", str(tmp_path / "r")):
             "a local stack's workers declare none",
         ("demo", "--workers", "1"): "--workers: must be at least 2, got 1",

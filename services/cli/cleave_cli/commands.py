@@ -84,26 +84,7 @@ def train(args: argparse.Namespace) -> int:
     jobs.check_auth(args.auth, args.nats)
     if args.ps_replicas < 1:
         raise ConfigError(f"--ps-replicas: must be at least 1, got {args.ps_replicas}")
-    if args.ps_replicas > args.workers and args.nats is None and not args.reference:
-        raise ConfigError(f"--ps-replicas {args.ps_replicas} needs at least as many workers (each replica trains "
-                          f"with its own part of the fleet, and one with none waits for ever); --workers is "
-                          f"{args.workers}")
-    if args.nats is None and not args.reference:  # a local stack: its workers are these, with no data of their own
-        if job.method in ROUND_METHODS and job.min_updates > args.workers and not job.max_staleness:
-            raise ConfigError(f"--min-updates {job.min_updates} is more than the {args.workers} workers of this "
-                              "stack: no round could ever apply an update (each worker sends one a round)")
-        if job.secagg and args.workers < 2:
-            raise ConfigError(f"--secagg needs at least 2 workers (a sum of one update hides nothing); --workers is "
-                              f"{args.workers}")
-        if job.own_data:
-            raise ConfigError("--own-data trains only on data the workers declared themselves (cleave worker --data "
-                              "SOURCE), and a local stack's workers declare none: run the job on a hub whose workers "
-                              "do (cleave up, then cleave submit or cleave train --nats URL; docs/methods.md)")
-    if job.batch_size % (args.ps_replicas * job.micro_batches) or (
-            args.ps_replicas > 1 and job.method != "cleave"):
-        raise ConfigError(f"--ps-replicas {args.ps_replicas} needs method cleave and a batch size divisible by "
-                          f"it times --micro-batches (the job has method {job.method}, batch size {job.batch_size}, "
-                          f"micro-batches {job.micro_batches})")
+    jobs.check_stack(job, args.workers, args.ps_replicas, local=args.nats is None and not args.reference)
     jobs.check_inputs(job)
     job = check_fits(job, args.workers, args.dry_run, args.nats if not args.reference else None, args.ps_replicas,
                      args.auth)
