@@ -69,12 +69,15 @@ def test_a_device_or_a_pipe_as_tokenizer_or_data_is_refused_when_judged(nats_url
     os.mkfifo(tmp_path / "fifo.json")
     tokdir.mkdir()
     os.mkfifo(tokdir / "tokenizer.json")
-    text.write_text("some text to train on\n" * 100)
+    text.write_text("some text to train on\n" * 300)
+    (tmp_path / "short.txt").write_text("too short to train on\n")
+    (tmp_path / "doc.pdf").write_bytes(bytes(range(256)) * 64)
     hostile = {"t-fifo": {"tokenizer": str(fifo)}, "t-fifojson": {"tokenizer": str(tmp_path / "fifo.json")},
                "t-dir": {"tokenizer": str(tokdir)}, "t-zero": {"tokenizer": "/dev/zero"},
                "t-stdin": {"tokenizer": "/dev/stdin"}, "d-fifo": {"data": str(fifo)}, "d-zero": {"data": "/dev/zero"},
                "d-stdin": {"data": "/dev/stdin"}, "t-none": {"tokenizer": str(tmp_path / "nothing")},
-               "d-none": {"data": str(tmp_path / "nothing.txt")}}
+               "d-none": {"data": str(tmp_path / "nothing.txt")}, "d-short": {"data": str(tmp_path / "short.txt")},
+               "d-binary": {"data": str(tmp_path / "doc.pdf")}}
     honest = {"builtin": {}, "a-file": {"data": str(text)}}
 
     async def go() -> dict[str, JobRecord]:
@@ -97,6 +100,8 @@ def test_a_device_or_a_pipe_as_tokenizer_or_data_is_refused_when_judged(nats_url
     for job_id in ("t-fifo", "t-fifojson", "t-zero", "d-fifo", "d-zero"):
         assert "is not a regular file (a device, pipe or socket)" in recs[job_id].reason, recs[job_id].reason
     assert recs["t-zero"].reason.startswith("tokenizer='/dev/zero'") and recs["d-zero"].reason.startswith("data=")
+    assert "has 22 tokens; need at least" in recs["d-short"].reason and "it is no text (it looks binary" in recs["d-binary"].reason, recs  # (their
+    # PSs failed 8 s into their runs)
     for job_id in honest:
         assert (recs[job_id].state, recs[job_id].verdict) == ("queued", "accepted"), recs[job_id]
 

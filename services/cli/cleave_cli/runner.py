@@ -35,11 +35,12 @@ from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageT
 
 from cleave import auth, codec
 from cleave import bus as busmod
+from cleave.api import jobs
 from cleave.api.hub import read_records
 from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES
 from cleave.errors import CleaveError, CreateRefused, WireError
-from cleave.models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from cleave.models.tokenizer import DEFAULT_TOKENIZER
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
 from cleave.runtime.logs import configure
@@ -59,7 +60,6 @@ from cleave.schemas.subjects import TOKEN_CHARS, kv_stream, kv_subject
 from cleave.train import reading
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
-from cleave.train.sources import check_source
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("runner")
@@ -345,13 +345,13 @@ async def jobs_stream(bus: busmod.Bus) -> None:
 
 
 def check_inputs(job: JobConfig) -> None:
-    """What a job's PS reads first, checked where it runs, before it is queued: its tokenizer loads, and its data
-    is there and readable. A device or a pipe is refused by the rule that reading data follows
+    """What a job's PS reads first, checked where it runs, before it is queued: `cleave train`'s checks
+    (`jobs.check_inputs`: the tokenizer loads and fits the model, the data is there, is text and is not too short
+    to train on). A device or a pipe as tokenizer is refused first, by the rule that reading data follows
     (`reading.check_regular`): one read for ever, the other blocked its reader. ConfigError says why."""
     if job.tokenizer != DEFAULT_TOKENIZER and not Path(job.tokenizer).expanduser().is_dir():
         reading.check_regular(Path(job.tokenizer).expanduser(), f"tokenizer={job.tokenizer!r}")
-    load_tokenizer(job.tokenizer)
-    check_source(job.data)
+    jobs.check_inputs(job)
 
 
 def failure_reason(stack: Stack, proc: Proc) -> str:
