@@ -228,3 +228,20 @@ def test_data_that_holds_no_text_is_refused_before_a_stack_starts(tmp_path: Path
     assert source_bytes(str(papers)) == sum(f.stat().st_size for f in papers.iterdir())
     (tmp_path / "t.u16").write_bytes(bytes(range(256)))  # a worker's own token file is binary by nature
     assert source_bytes(str(tmp_path / "t.u16")) == 256
+
+
+def test_a_ps_or_cleave_data_given_no_text_refuses_it(tmp_path: Path) -> None:
+    """`cleave ps --job` (a PS started by hand) and `cleave data prepare` read a PDF as text and trained on (or
+    wrote) its noise: every reader of a text source checks it first."""
+    from cleave.errors import ConfigError  # noqa: PLC0415
+    from cleave.models.tokenizer import ByteTokenizer  # noqa: PLC0415
+    from cleave.train.data import Corpus  # noqa: PLC0415
+    from cleave.train.sources import prepare_data  # noqa: PLC0415
+
+    pdf = tmp_path / "scan.pdf"
+    pdf.write_bytes(b"%PDF-1.4\n" + bytes(range(256)) * 64)
+    with pytest.raises(ConfigError, match="it is no text"):
+        Corpus(str(pdf), 0.1, "bytes", "random")
+    with pytest.raises(ConfigError, match="it is no text"):
+        prepare_data(str(pdf), ByteTokenizer(), tmp_path / "out.u16")
+    assert not (tmp_path / "out.u16").exists()

@@ -255,7 +255,8 @@ def source_bytes(spec: str) -> int:
     total, binary = 0, []
     for f in files:
         try:
-            with reading.open_text(f, spec) as fh:  # (there, readable and a regular file)
+            with reading.open_text(f, spec, errors="replace") as fh:  # (there, readable and a regular file; its
+                # bytes not counted as the reading's undecodable ones)
                 fh.read(1)
             total += f.stat().st_size
             binary += [f] if src.kind in ("text", "folder", "glob") and reading.looks_binary(f) else []
@@ -285,7 +286,9 @@ def iter_token_chunks(
     source: str | Source, tok: Tokenizer, chunk_chars: int = DEFAULT_CHUNK_CHARS
 ) -> Iterator[tuple[np.ndarray, int, int]]:
     """Token ids of a text source in order, as (ids, characters read, document number); documents are
-    separated by the tokenizer's end-of-text token, or by a blank line when it has none."""
+    separated by the tokenizer's end-of-text token, or by a blank line when it has none. Files that are no text
+    (`check_source`) are refused before any is read: the PS and `cleave data prepare` trained on their noise."""
+    check_source(source)
     dtype = token_dtype(tok.vocab_size)
     sep = np.array([tok.eos_id], dtype) if tok.eos_id is not None else encode(tok, DOC_SEPARATOR, dtype)
     for i, doc in enumerate(iter_documents(source, chunk_chars)):
