@@ -119,18 +119,10 @@ class Bus:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         log.warning("message_rejected", reason=reason, subject=subject, detail=detail[:200], service=self.name)
 
-    async def subscribe(
-        self,
-        subject: str,
-        schema: type[T],
-        handler: Callable[[T, int], Awaitable[None]],
-        queue: str = "",
-        max_bytes: int = MAX_MESSAGE_BYTES,
-        pending_bytes: int = DEFAULT_PENDING_BYTES,
-        sender: str = "",
-        compressed: bool = True,
-        cap: Callable[[], int] | None = None,
-    ):
+    async def subscribe(self, subject: str, schema: type[T], handler: Callable[[T, int], Awaitable[None]],
+                        queue: str = "", max_bytes: int = MAX_MESSAGE_BYTES,
+                        pending_bytes: int = DEFAULT_PENDING_BYTES, sender: str = "", compressed: bool = True,
+                        cap: Callable[[], int] | None = None):  # noqa: ANN201 - nats-py's Subscription
         """Subscribe with reassembly and validation; `handler(msg, wire_bytes)` sees only valid messages.
 
         With `sender` (a field name, e.g. "worker_id"), a message whose field differs from the last token of
@@ -409,6 +401,7 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, stop: asy
     (given `stop`) until `stop` is set: then None, a service asked to stop before NATS ever answered."""
     delay = 0.2
     made: list[Bus] = []  # the Bus, once connected, for the callbacks
+    said: list[str] = []  # the error last logged while not connected: the same again (each retry's) is not
 
     async def on_error(e: Exception) -> None:
         if isinstance(e, SlowConsumerError) and made:  # a message was dropped unread: whoever waits for it
@@ -416,14 +409,16 @@ async def connect(url: str, name: str, connect_timeout_s: float = 2.0, stop: asy
                 handler(e.subject)
         if made and made[0].closing:
             log.debug("nats_error_while_closing", service=name, error=repr(e))
-        else:
+        elif said != [repr(e)] or (made and made[0].nc.is_connected):
+            said[:] = [repr(e)]
             log.warning("nats_error", service=name, error=repr(e))
 
     async def on_disconnected() -> None:
-        if not (made and made[0].closing):  # (our own close is no news: a program using the API printed it)
+        if made and not made[0].closing:  # (our own close is no news, nor a connection never made)
             log.warning("nats_disconnected", service=name)
 
     async def on_reconnected() -> None:
+        said.clear()
         log.info("nats_reconnected", service=name)
 
     servers = urls.servers(url)  # a cluster: several URLs; a wrong one is refused here, not retried
