@@ -156,6 +156,9 @@ class Rounds:
             self.dropped += 1
             return
         if msg.worker_id not in self.members.get(msg.round, ()):
+            if msg.round < self.server.round - self.job.max_staleness:  # (its members are forgotten: a straggler)
+                return self.refuse("update_late", msg, f"round {msg.round} closed; updates more than "
+                                   f"max_staleness={self.job.max_staleness} rounds old are dropped")
             return self.refuse("not_member", msg, "it was not dealt that round")
         if msg.error:
             self.dropped += 1
