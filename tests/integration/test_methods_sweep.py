@@ -26,3 +26,18 @@ def test_rounds_that_time_out_name_the_round_timeout(tmp_path):
     finally:
         fleet.stop()
     assert "no update from slow within round_timeout_s=0.3 (--round-timeout)" in str(ended.value)
+
+
+def test_split_learning_that_diverges_ends_saying_so(tmp_path):
+    """A learning rate far too high: the gradient at the cut overflows. The PS ends the job (status 4, not
+    restarted into the same divergence) saying it diverged and what to lower."""
+    job = JobConfig(job_id="diverges", preset="tiny", steps=30, method="split", lr=1000.0)
+    fleet = LocalFleet(tmp_path / "run", 1)
+    try:
+        fleet.start()
+        fleet.start_ps(job, tmp_path / "m.jsonl")
+        with pytest.raises(PsEnded, match="exited with 4") as ended:
+            fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=120)
+    finally:
+        fleet.stop()
+    assert "split learning diverged at step" in str(ended.value) and "(--lr)" in str(ended.value)
