@@ -41,3 +41,18 @@ def test_split_learning_that_diverges_ends_saying_so(tmp_path):
     finally:
         fleet.stop()
     assert "split learning diverged at step" in str(ended.value) and "(--lr)" in str(ended.value)
+
+
+def test_rounds_that_diverge_end_saying_so(tmp_path):
+    """A learning rate far too high in diloco's local steps: the job ends with why, naming --lr."""
+    job = JobConfig(job_id="rounds-diverge", preset="tiny", steps=3, method="diloco", local_steps=3, lr=1000.0,
+                    max_empty_rounds=1)
+    fleet = LocalFleet(tmp_path / "run", 1)
+    try:
+        fleet.start()
+        fleet.start_ps(job, tmp_path / "m.jsonl")
+        with pytest.raises(PsEnded, match="exited with 4") as ended:
+            fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=120)
+    finally:
+        fleet.stop()
+    assert "the local training diverged (a lower --lr may help)" in str(ended.value)
