@@ -68,4 +68,7 @@ def test_max_staleness_decides_whether_a_straggler_counts(tmp_path, max_stalenes
         assert late >= 1 and dropped == 0, (late, dropped)
     else:
         assert late == 0 and dropped >= 1, (late, dropped)
+        # the PS log says why: late, not "not dealt that round" (it was dealt them)
+        log = (tmp_path / "run" / "logs" / "ps.log").read_text()
+        assert "update from straggler" in log and "reason=not_member" not in log
     assert all(m["applied"] for m in lines)

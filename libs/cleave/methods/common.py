@@ -73,7 +73,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, grad_
         opt.step()
     value = loss.item()
     if not math.isfinite(value):
-        raise FloatingPointError(f"local loss is {value}")
+        raise FloatingPointError(f"local loss is {value}: the local training diverged (a lower --lr may help)")
     return value
 
 

@@ -155,10 +155,12 @@ class SplitClient:
         """Finish the step on the client; the clip coefficient the server must apply too."""
         if self._out is None:
             raise RuntimeError("backward without a forward")
-        if back.grad.shape != self._out.shape or not bool(torch.isfinite(back.grad).all()):
+        if back.grad.shape != self._out.shape:
             raise ValueError(
                 f"cut gradient of shape {tuple(back.grad.shape)} for activations {tuple(self._out.shape)}"
             )
+        if not bool(torch.isfinite(back.grad).all()):
+            raise FloatingPointError("the gradient at the cut is not finite")
         self.opt.zero_grad(set_to_none=True)
         self._out.backward(back.grad)
         self._out = None
@@ -194,6 +196,8 @@ class SplitServer:
         value = loss.item()
         if not math.isfinite(value):
             raise FloatingPointError(f"loss is {value}")
+        if not bool(torch.isfinite(act.grad).all()):  # (the client would refuse it: the step cannot be finished)
+            raise FloatingPointError(f"loss is {value:.4g}, and the gradient at the cut is not finite")
         return CutBackward(value, act.grad, tied_grad, _sq_norm(server_params(self.half)))
 
     @torch.no_grad()

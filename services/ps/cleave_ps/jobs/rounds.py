@@ -156,6 +156,9 @@ class Rounds:
             self.dropped += 1
             return
         if msg.worker_id not in self.members.get(msg.round, ()):
+            if msg.round < self.server.round - self.job.max_staleness:  # (its members are forgotten: a straggler)
+                return self.refuse("update_late", msg, f"round {msg.round} closed; updates more than "
+                                   f"max_staleness={self.job.max_staleness} rounds old are dropped")
             return self.refuse("not_member", msg, "it was not dealt that round")
         if msg.error:
             self.dropped += 1
@@ -273,7 +276,10 @@ class Rounds:
 
     def why_empty(self, expected: set[str], lost: list[Event], silent: bool = True) -> str:
         """What the PS saw in a round that accepted nothing (`silent`: name the members that sent nothing)."""
-        parts = [f"{ev.worker_id} {ev.cause.replace('_', ' ')}" for ev in lost if ev.cause != "update_failed"]
+        parts = [f"{ev.worker_id} left plan" for ev in lost if ev.cause == "left_plan"]
+        if timed_out := sorted({ev.worker_id for ev in lost if ev.cause == "round_timeout"}):
+            parts.append(f"no update from {', '.join(timed_out)} within round_timeout_s={self.job.round_timeout_s} "
+                         "(--round-timeout)")
         if not expected:
             parts.append("no worker to deal it to" + (f" ({len(self.refused)} refused the job: " + "; ".join(
                 f"{w}: {e[:200]}" for w, e in sorted(self.refused.items())) + ")" if self.refused else ""))

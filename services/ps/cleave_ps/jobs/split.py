@@ -163,7 +163,11 @@ class SplitJob:
         tied = None if fwd.tied_weight is None else codec.data_to_tensor(fwd.tied_weight)
         cut = split.CutForward(codec.data_to_tensor(fwd.activations), tied)
         lr = set_lr(self.server.opt, self.job, s)
-        back = await asyncio.to_thread(self.server.step, cut, codec.data_to_tensor(fwd.targets))
+        try:
+            back = await asyncio.to_thread(self.server.step, cut, codec.data_to_tensor(fwd.targets))
+        except FloatingPointError as e:  # the same step again (a restarted PS) would only diverge again
+            raise StepAborted(f"split learning diverged at step {s}: {e}; a lower learning rate (--lr) may "
+                              "help") from None
         self.faults.hit("in_step", s)
         bwd = await self.ask(SplitTask(
             **base, phase="backward", grad=codec.tensor_to_data(back.grad), loss=back.loss,
