@@ -1,0 +1,47 @@
+"""`cleave plan` and `cleave sim` as a user meets them: the plan is the one the runtime makes for the same job,
+and a bad value is refused in one line that names its flag (no traceback, no hang)."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from cleave.models import gemm_shapes, get_preset
+from cleave.plan.fleet import Fleet, synthetic_fleet
+from cleave.plan.planner import plan_model
+from cleave.train.job import JobConfig
+from cleave_cli.plan_cmd import plan_command
+
+
+def plan_json(*args, **kwargs):
+    out = io.StringIO()
+    assert plan_command(*args, as_json=True, assignments=False, out=out, **kwargs) == 0
+    return json.loads(out.getvalue())
+
+
+def test_cleave_plan_plans_the_gemms_the_jobs_ps_describes():
+    # GPT-2 Medium at 2 x 1024: the PS runs the head in 2 chunks of tokens and its input gradient over 13
+    # slices of the vocabulary (JobConfig.layout); `cleave plan` planned one whole 2048 x 50257 head
+    doc = plan_json("gpt2-medium", "synthetic:20", 2, 1024)
+    layout = JobConfig(preset="gpt2-medium", batch_size=2, seq_len=1024, recompute=False).layout()
+    assert (layout.head_chunks, layout.head_slices) == (2, 13)
+    job = gemm_shapes(get_preset("gpt2-medium"), 2, 1024, layout)
+    assert [(g["name"], g["m"], g["n"], g["k"], g["count_per_step"]) for g in doc["gemms"]] == [
+        (g.name, g.m, g.n, g.k, g.count_per_step) for g in job
+    ]
+    assert doc["head_chunks"] == 2
+    assert plan_json("gpt2-medium", "synthetic:20", 2, 1024, head_chunks=4)["head_chunks"] == 4
+
+
+def test_a_half_precision_job_is_planned_with_float32_in_device_memory(tmp_path):
+    # the PS tells the scheduler memory_dtype_bytes 4 for a bf16/fp16 job (its workers compute in float32);
+    # `cleave plan --precision fp16` planned 2 bytes: blocks twice as large as a device can hold
+    base = synthetic_fleet(8, seed=1)
+    fleet = Fleet(base.ids, base.flops, np.full(8, 2**16, dtype=np.int64), base.downlink, base.uplink, base.latency)
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(fleet.to_json_list()))
+    shapes = gemm_shapes(get_preset("tiny"), 4, 64)
+    runtime = plan_model(fleet, shapes, 2, None, memory_dtype_bytes=4).predicted_step_s
+    assert runtime != plan_model(fleet, shapes, 2, None).predicted_step_s
+    assert plan_json("tiny", str(path), 4, 64, dtype="fp16")["predicted_step_s"] == pytest.approx(runtime)
