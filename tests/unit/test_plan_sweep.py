@@ -1,17 +1,26 @@
 """`cleave plan` and `cleave sim` as a user meets them: the plan is the one the runtime makes for the same job,
 and a bad value is refused in one line that names its flag (no traceback, no hang)."""
 
+import argparse
 import io
 import json
 
 import numpy as np
 import pytest
 
+from cleave.errors import ConfigError
 from cleave.models import gemm_shapes, get_preset
-from cleave.plan.fleet import Fleet, synthetic_fleet
+from cleave.plan.fleet import Fleet, load_fleet, synthetic_fleet
 from cleave.plan.planner import plan_model
 from cleave.train.job import JobConfig
+from cleave_cli import sim_cmd
 from cleave_cli.plan_cmd import plan_command
+
+
+def sim_config(*argv):
+    parser = argparse.ArgumentParser()
+    sim_cmd.register(parser.add_subparsers(dest="command"))
+    return sim_cmd.config(parser.parse_args(["sim", *argv]))
 
 
 def plan_json(*args, **kwargs):
@@ -45,3 +54,42 @@ def test_a_half_precision_job_is_planned_with_float32_in_device_memory(tmp_path)
     runtime = plan_model(fleet, shapes, 2, None, memory_dtype_bytes=4).predicted_step_s
     assert runtime != plan_model(fleet, shapes, 2, None).predicted_step_s
     assert plan_json("tiny", str(path), 4, 64, dtype="fp16")["predicted_step_s"] == pytest.approx(runtime)
+
+
+def test_a_fleet_file_that_is_not_text_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "fleet.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="fleet.json: not JSON"):
+        load_fleet(path)
+
+
+def test_a_negative_seed_is_refused_by_name():
+    with pytest.raises(ConfigError, match="--seed must be at least 0, got -1"):
+        plan_command("tiny", "synthetic:4", 2, 64, seed=-1)
+    with pytest.raises(ConfigError, match="--seed must be at least 0, got -1"):
+        sim_config("--model", "tiny", "--seq-len", "64", "--seed", "-1")
+
+
+@pytest.mark.parametrize("churn", ["nan", "inf"])
+def test_a_churn_that_is_no_rate_is_refused_not_simulated_forever(churn):
+    with pytest.raises(ConfigError, match="--churn non-negative"):
+        sim_config("--model", "tiny", "--seq-len", "64", "--churn", churn)
+
+
+@pytest.mark.parametrize("value", ["1e-300", "inf", "nan", "-1"])
+def test_a_ps_bandwidth_beyond_a_links_range_is_refused_by_name(value):
+    # 1e-300 bytes/s overflowed every time to inf: `cleave plan` printed a gap of nan%, `cleave sim` a traceback
+    with pytest.raises(ConfigError, match="--ps-bandwidth must be 1000 to 1e\\+15 bytes/s, or 0 for unlimited"):
+        sim_config("--model", "tiny", "--seq-len", "64", "--ps-bandwidth", value)
+    with pytest.raises(ConfigError, match="--ps-bandwidth must be 1000 to 1e\\+15 bytes/s; got"):
+        plan_command("tiny", "synthetic:4", 2, 64, ps_bandwidth=float(value))
+    assert sim_config("--model", "tiny", "--seq-len", "64", "--ps-bandwidth", "0").ps_bandwidth is None
+
+
+def test_a_fleet_that_churns_away_is_infeasible_not_a_traceback():
+    from cleave.sim.systems import SimConfig, compare
+
+    doc = compare(SimConfig(model="tiny", devices=4, batch=2, seq=64, churn=100_000.0, systems=("cleave",)))
+    me = doc["systems"]["cleave"]
+    assert not me["feasible"] and "no worker left" in me["note"]
+

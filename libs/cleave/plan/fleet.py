@@ -171,7 +171,7 @@ def load_fleet(path: str | Path) -> Fleet:
         raw = json.loads(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f"cannot read fleet file {source}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # (malformed JSON, or bytes that are not UTF-8 text)
         raise ConfigError(f"{source}: not JSON: {e}") from None
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{source}: expected a non-empty JSON array of devices")

@@ -23,6 +23,7 @@ from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_pre
 from cleave.plan.fleet import fleet_from_spec
 from cleave.plan.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
 from cleave.schemas.dtypes import COMPUTE_DTYPE_BYTES
+from cleave.schemas.fleet import MAX_BANDWIDTH, MIN_BANDWIDTH
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -95,8 +96,10 @@ def plan_command(
     is the job's (`job_layout` of `recompute`, `micro_batches` and `head_chunks`), or `layout` where given."""
     out = out or sys.stdout
     cfg = check_job(model, batch, seq, dtype)
-    if ps_bandwidth is not None and not ps_bandwidth > 0:
-        raise ConfigError(f"--ps-bandwidth must be positive bytes/s, got {ps_bandwidth}")
+    if ps_bandwidth is not None:
+        check_ps_bandwidth(ps_bandwidth)
+    if seed < 0:  # (numpy's generator takes none)
+        raise ConfigError(f"--seed must be at least 0, got {seed}")
     layout = layout or job_layout(model, batch, seq, recompute, micro_batches, head_chunks)
     if layout.micro_batches < 1 or batch % layout.micro_batches:
         raise ConfigError(f"--micro-batches must divide --batch {batch}, got {layout.micro_batches}")
@@ -141,6 +144,13 @@ def job_layout(model: str, batch: int, seq: int, recompute: bool = False, micro_
     job = JobConfig(preset=model, batch_size=batch, seq_len=seq, recompute=recompute, micro_batches=micro_batches)
     layout = job.layout()
     return layout if head_chunks is None else replace(layout, head_chunks=head_chunks)
+
+
+def check_ps_bandwidth(value: float, unlimited: str = "") -> None:
+    """--ps-bandwidth within a link's range (`DeviceProfile`'s): a PS sending 1e-300 bytes/s overflowed every
+    time to inf (and the simulator's engine to 'no worker left'); `unlimited` says how to ask for no limit."""
+    if not MIN_BANDWIDTH <= value <= MAX_BANDWIDTH:
+        raise ConfigError(f"--ps-bandwidth must be {MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g} bytes/s{unlimited}; got {value}")
 
 
 def check_job(model: str, batch: int, seq: int, dtype: str, model_flag: str = "--model") -> ModelConfig:

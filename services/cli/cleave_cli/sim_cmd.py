@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,7 +31,7 @@ from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
 from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
 from cleave.sim.systems import DEFAULT_FLEET_SIZE, DEFAULT_PS_BANDWIDTH
-from cleave_cli.plan_cmd import check_job
+from cleave_cli.plan_cmd import check_job, check_ps_bandwidth
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -126,6 +127,7 @@ def config(args: argparse.Namespace) -> Any:
         ("--window", args.window, 1),
         ("--chunks", args.chunks, 1),
         ("--deferred", args.deferred, 0),
+        ("--seed", args.seed, 0),
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
@@ -134,10 +136,10 @@ def config(args: argparse.Namespace) -> Any:
         raise ConfigError(f"--memory must be positive bytes, got {args.memory}")
     if not args.replan_every >= 0:
         raise ConfigError(f"--replan-every must be seconds, or 0 for every change; got {args.replan_every}")
-    if not 0 <= args.stragglers <= 1 or args.churn < 0:
+    if not 0 <= args.stragglers <= 1 or not 0 <= args.churn < math.inf:  # (nan or inf churned forever)
         raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
-    if args.ps_bandwidth is not None and not args.ps_bandwidth >= 0:  # (a negative one was taken as given)
-        raise ConfigError(f"--ps-bandwidth must be bytes/s, or 0 for unlimited; got {args.ps_bandwidth}")
+    if args.ps_bandwidth is not None and args.ps_bandwidth != 0:
+        check_ps_bandwidth(args.ps_bandwidth, ", or 0 for unlimited")
     ps = {}
     for flag, key in (("--ps-flops", "ps_flops"), ("--ps-memory", "ps_memory"), ("--ps-link", "ps_link")):
         value = getattr(args, key)
