@@ -93,3 +93,17 @@ def test_a_fleet_that_churns_away_is_infeasible_not_a_traceback():
     me = doc["systems"]["cleave"]
     assert not me["feasible"] and "no worker left" in me["note"]
 
+
+def test_sim_memory_help_names_the_default_a_fleet_file_gets(tmp_path):
+    from cleave.sim.systems import build_fleet
+
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps(synthetic_fleet(2, seed=3).to_json_list()).replace("536870912", "1073741824"))
+    assert set(build_fleet(sim_config("--model", "tiny", "--seq-len", "64", "--fleet", str(path))).memory_bytes) == {
+        2**30
+    }
+    parser = argparse.ArgumentParser()
+    sim_cmd.register(parser.add_subparsers(dest="command"))
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["sim"]
+    memory = next(a for a in sub._actions if a.dest == "memory")
+    assert "the fleet's own" in memory.help and "512 MiB in a synthetic fleet" in memory.help

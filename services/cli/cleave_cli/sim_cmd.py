@@ -59,7 +59,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1, help="training steps to simulate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--memory", type=int, default=None, help="every device's memory in bytes (default 512 MiB)"
+        "--memory", type=int, default=None, help="every device's memory in bytes (default: the fleet's own; 512 MiB in a synthetic fleet)"
     )
     p.add_argument(
         "--ps-bandwidth", type=float, default=None,
