@@ -107,3 +107,13 @@ def test_sim_memory_help_names_the_default_a_fleet_file_gets(tmp_path):
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["sim"]
     memory = next(a for a in sub._actions if a.dest == "memory")
     assert "the fleet's own" in memory.help and "512 MiB in a synthetic fleet" in memory.help
+
+
+def test_a_fleet_of_more_than_200000_devices_is_planned_not_called_short_of_memory():
+    # `cleave plan --fleet synthetic:1000000` (the largest synthetic fleet) was refused: "device memory is
+    # too small ... the plan would need more than 200000 tiles", counting each device's one tile
+    from cleave.plan.planner import plan_gemm
+
+    fleet = synthetic_fleet(250_000)
+    gp = plan_gemm(fleet, 8192, 4096, 1024, 2)
+    assert 0 < gp.devices_used < len(fleet) and gp.gap < 0.01
