@@ -117,3 +117,15 @@ def test_a_fleet_of_more_than_200000_devices_is_planned_not_called_short_of_memo
     fleet = synthetic_fleet(250_000)
     gp = plan_gemm(fleet, 8192, 4096, 1024, 2)
     assert 0 < gp.devices_used < len(fleet) and gp.gap < 0.01
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--chunks", "65"], "--chunks must be 1 to 64, as the scheduler's plan carries it; got 65"),
+    (["--memory", str(2**50 + 1)], "--memory must be 1 to 1125899906842624 bytes"),
+])
+def test_sim_refuses_what_the_runtime_cannot_run_by_flag(argv, message):
+    # --chunks 100000 simulated for ever (a plan carries at most 64); --memory past a profile's range was
+    # refused as "DeviceProfile: invalid setting memory_bytes", naming no flag
+    with pytest.raises(ConfigError, match=message):
+        sim_config("--model", "tiny", "--seq-len", "64", *argv)
+    assert sim_config("--model", "tiny", "--seq-len", "64", "--chunks", "64").chunks == 64

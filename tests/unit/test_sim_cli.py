@@ -54,8 +54,8 @@ def test_a_fleet_file_without_devices_is_taken_whole(two_devices):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--memory", "0"], "--memory must be positive"),
-        (["--memory", "-1"], "--memory must be positive"),
+        (["--memory", "0"], "--memory must be 1 to"),
+        (["--memory", "-1"], "--memory must be 1 to"),
         (["--systems", ""], "--systems names no system"),
         (["--systems", " , "], "--systems names no system"),
         (["--systems", "cleave,nope"], "unknown system nope"),

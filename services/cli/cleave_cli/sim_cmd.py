@@ -29,6 +29,8 @@ from typing import Any, TextIO
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
+from cleave.schemas.fleet import DeviceProfile
+from cleave.schemas.plan import Plan
 from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
 from cleave.sim.systems import DEFAULT_FLEET_SIZE, DEFAULT_PS_BANDWIDTH
 from cleave_cli.plan_cmd import check_job, check_ps_bandwidth
@@ -76,7 +78,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="send every block with its tile (the PS's CLEAVE_PS_FANOUT=false)")
     p.add_argument("--tile", default=None, help="cut planned blocks into tiles of at most ROWSxCOLS")
     p.add_argument("--chunks", type=int, default=4,
-                   help="a planned block goes out in at least N pieces, streamed (1: whole blocks)")
+                   help="a planned block goes out in at least N pieces, streamed (1 to 64; 1: whole blocks)")
     p.add_argument("--window", type=int, default=1, help="tiles in flight per worker beyond its planned pieces")
     p.add_argument("--deferred", type=int, default=0,
                    help="weight gradients dealt beside the backward's input gradients, at most N waiting (the "
@@ -117,6 +119,11 @@ def _tile(text: str | None) -> tuple[int, int] | None:
     return int(rows), int(cols)
 
 
+def _most(model: Any, field: str) -> int:
+    """The largest value a schema's field takes (its `le`)."""
+    return next(rule.le for rule in model.model_fields[field].metadata if getattr(rule, "le", None) is not None)
+
+
 def config(args: argparse.Namespace) -> Any:
     """The `SimConfig` of these flags, checked."""
     from cleave.sim.systems import SimConfig, fleet_spec, parse_systems
@@ -131,9 +138,13 @@ def config(args: argparse.Namespace) -> Any:
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    most = _most(Plan, "chunks")  # (a plan carries no more: the runtime never streams more pieces)
+    if args.chunks > most:
+        raise ConfigError(f"--chunks must be 1 to {most}, as the scheduler's plan carries it; got {args.chunks}")
     check_job(args.model, args.batch, args.seq, args.dtype)  # as cleave plan checks them
-    if args.memory is not None and args.memory < 1:  # (else refused later as a bad fleet column)
-        raise ConfigError(f"--memory must be positive bytes, got {args.memory}")
+    if args.memory is not None and not 1 <= args.memory <= _most(DeviceProfile, "memory_bytes"):
+        raise ConfigError(f"--memory must be 1 to {_most(DeviceProfile, 'memory_bytes')} bytes (a device profile's "
+                          f"range), got {args.memory}")
     if not args.replan_every >= 0:
         raise ConfigError(f"--replan-every must be seconds, or 0 for every change; got {args.replan_every}")
     if not 0 <= args.stragglers <= 1 or not 0 <= args.churn < math.inf:  # (nan or inf churned forever)
