@@ -129,3 +129,16 @@ def test_sim_refuses_what_the_runtime_cannot_run_by_flag(argv, message):
     with pytest.raises(ConfigError, match=message):
         sim_config("--model", "tiny", "--seq-len", "64", *argv)
     assert sim_config("--model", "tiny", "--seq-len", "64", "--chunks", "64").chunks == 64
+
+
+def test_the_table_shows_a_fast_fleets_times_not_zeros(tmp_path):
+    # three data-centre-class devices plan tiny's step in microseconds: the table printed 0.0000 and 0.000 s
+    fast = {"flops": 1e15, "memory_bytes": 2**34, "downlink_bytes_per_s": 1e12, "uplink_bytes_per_s": 1e12,
+            "latency_s": 0.0}
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps([{"id": f"gpu-{i}", **fast} for i in range(3)]))
+    out = io.StringIO()
+    plan_command("tiny", str(path), 4, 64, out=out)
+    rows, totals = out.getvalue().splitlines()[2:-1], out.getvalue().splitlines()[-1]
+    assert all(float(row.split()[6]) > 0 for row in rows)
+    assert float(totals.split("predicted step ")[1].split()[0]) > 0

@@ -178,11 +178,11 @@ def _print_table(plan: ModelPlan, even_step_s: float, title: str, out: TextIO) -
     for g in plan.gemms:
         out.write(
             f"{g.name:<28} {g.m:>7} {g.n:>7} {g.k:>7} {g.count_per_step:>5} {g.devices_used:>7} "
-            f"{g.makespan_s:>11.4f} {g.lower_bound_s:>10.4f} {g.gap:>7.2%}\n"
+            f"{g.makespan_s:>11.4g} {g.lower_bound_s:>10.4g} {g.gap:>7.2%}\n"
         )
     out.write(
-        f"predicted step {plan.predicted_step_s:.3f} s, lower bound {plan.lower_bound_s:.3f} s "
+        f"predicted step {plan.predicted_step_s:.4g} s, lower bound {plan.lower_bound_s:.4g} s "
         f"(gap {plan.gap:.2%}); {plan.devices_used} of {plan.n_devices} devices used; "
-        f"even split over all devices {even_step_s:.3f} s ({even_step_s / plan.predicted_step_s:.2f}x); "
+        f"even split over all devices {even_step_s:.4g} s ({even_step_s / plan.predicted_step_s:.2f}x); "
         f"planned in {plan.plan_time_s:.3f} s\n"
     )
