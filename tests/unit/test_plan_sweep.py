@@ -142,3 +142,9 @@ def test_the_table_shows_a_fast_fleets_times_not_zeros(tmp_path):
     rows, totals = out.getvalue().splitlines()[2:-1], out.getvalue().splitlines()[-1]
     assert all(float(row.split()[6]) > 0 for row in rows)
     assert float(totals.split("predicted step ")[1].split()[0]) > 0
+
+
+@pytest.mark.parametrize("flag", ["--report-models", "--report-devices"])
+def test_a_sweep_flag_without_report_is_refused_not_ignored(flag):
+    with pytest.raises(ConfigError, match=f"{flag} sets the sweep of --report DIR; give --report too"):
+        sim_config("--model", "tiny", "--seq-len", "64", flag, "16" if flag == "--report-devices" else "tiny")

@@ -142,6 +142,9 @@ def config(args: argparse.Namespace) -> Any:
     if args.chunks > most:
         raise ConfigError(f"--chunks must be 1 to {most}, as the scheduler's plan carries it; got {args.chunks}")
     check_job(args.model, args.batch, args.seq, args.dtype)  # as cleave plan checks them
+    for flag, value in (("--report-models", args.report_models), ("--report-devices", args.report_devices)):
+        if value is not None and args.report is None:  # (else one point was simulated and the sweep ignored)
+            raise ConfigError(f"{flag} sets the sweep of --report DIR; give --report too")
     if args.memory is not None and not 1 <= args.memory <= _most(DeviceProfile, "memory_bytes"):
         raise ConfigError(f"--memory must be 1 to {_most(DeviceProfile, 'memory_bytes')} bytes (a device profile's "
                           f"range), got {args.memory}")
