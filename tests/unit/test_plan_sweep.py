@@ -148,3 +148,16 @@ def test_the_table_shows_a_fast_fleets_times_not_zeros(tmp_path):
 def test_a_sweep_flag_without_report_is_refused_not_ignored(flag):
     with pytest.raises(ConfigError, match=f"{flag} sets the sweep of --report DIR; give --report too"):
         sim_config("--model", "tiny", "--seq-len", "64", flag, "16" if flag == "--report-devices" else "tiny")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--ps-flops", "1e-300"], "--ps-flops must be 1e\\+06 to 1e\\+18; got 1e-300"),
+    (["--ps-flops", "inf"], "--ps-flops must be"),
+    (["--ps-link", "inf"], "--ps-link must be 1000 to 1e\\+15; got inf"),
+    (["--ps-memory", "inf"], "--ps-memory must be 1 to"),
+    (["--replan-every", "inf"], "--replan-every must be seconds"),
+])
+def test_sim_refuses_a_ps_or_replan_value_that_makes_its_json_infinite(argv, message):
+    # each was simulated, and `--json` printed Infinity (no JSON parser but Python's reads it)
+    with pytest.raises(ConfigError, match=message):
+        sim_config("--model", "tiny", "--seq-len", "64", *argv)

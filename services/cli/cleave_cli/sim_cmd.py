@@ -29,7 +29,14 @@ from typing import Any, TextIO
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
-from cleave.schemas.fleet import DeviceProfile
+from cleave.schemas.fleet import (
+    MAX_BANDWIDTH,
+    MAX_FLOPS,
+    MAX_MEMORY_BYTES,
+    MIN_BANDWIDTH,
+    MIN_FLOPS,
+    DeviceProfile,
+)
 from cleave.schemas.plan import Plan
 from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
 from cleave.sim.systems import DEFAULT_FLEET_SIZE, DEFAULT_PS_BANDWIDTH
@@ -148,18 +155,20 @@ def config(args: argparse.Namespace) -> Any:
     if args.memory is not None and not 1 <= args.memory <= _most(DeviceProfile, "memory_bytes"):
         raise ConfigError(f"--memory must be 1 to {_most(DeviceProfile, 'memory_bytes')} bytes (a device profile's "
                           f"range), got {args.memory}")
-    if not args.replan_every >= 0:
+    if not 0 <= args.replan_every < math.inf:
         raise ConfigError(f"--replan-every must be seconds, or 0 for every change; got {args.replan_every}")
     if not 0 <= args.stragglers <= 1 or not 0 <= args.churn < math.inf:  # (nan or inf churned forever)
         raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
     if args.ps_bandwidth is not None and args.ps_bandwidth != 0:
         check_ps_bandwidth(args.ps_bandwidth, ", or 0 for unlimited")
     ps = {}
-    for flag, key in (("--ps-flops", "ps_flops"), ("--ps-memory", "ps_memory"), ("--ps-link", "ps_link")):
+    for flag, key, low, high in (("--ps-flops", "ps_flops", MIN_FLOPS, MAX_FLOPS),
+                                 ("--ps-memory", "ps_memory", 1, MAX_MEMORY_BYTES),
+                                 ("--ps-link", "ps_link", MIN_BANDWIDTH, MAX_BANDWIDTH)):
         value = getattr(args, key)
         if value is not None:
-            if not value > 0:
-                raise ConfigError(f"{flag} must be positive, got {value}")
+            if not low <= value <= high:  # (a device profile's range: beyond it times overflow to inf)
+                raise ConfigError(f"{flag} must be {low:g} to {high:g}; got {value}")
             ps[key] = value
     fleet, devices = fleet_spec(args.fleet, args.devices, args.seed)
     return SimConfig(
