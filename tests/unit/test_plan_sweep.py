@@ -161,3 +161,9 @@ def test_sim_refuses_a_ps_or_replan_value_that_makes_its_json_infinite(argv, mes
     # each was simulated, and `--json` printed Infinity (no JSON parser but Python's reads it)
     with pytest.raises(ConfigError, match=message):
         sim_config("--model", "tiny", "--seq-len", "64", *argv)
+
+
+def test_plan_fleet_synthetic_without_a_size_asks_for_one():
+    # `cleave sim --fleet synthetic` is a fleet; `cleave plan --fleet synthetic` said "cannot read fleet file"
+    with pytest.raises(ConfigError, match="--fleet 'synthetic': expected synthetic:N"):
+        plan_command("tiny", "synthetic", 2, 64)

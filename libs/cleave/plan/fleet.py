@@ -186,8 +186,8 @@ def load_fleet(path: str | Path) -> Fleet:
 
 def fleet_from_spec(spec: str, seed: int = 0) -> Fleet:
     """`synthetic:N` (the edge profile, drawn with `seed`) or the path of a fleet file."""
-    if spec.startswith("synthetic:"):
-        count = spec.removeprefix("synthetic:")
+    if spec.startswith("synthetic:") or (spec == "synthetic" and not Path(spec).exists()):
+        count = spec.removeprefix("synthetic").removeprefix(":")
         if not count.isdigit() or not 0 < int(count) <= MAX_SYNTHETIC:
             raise ConfigError(f"--fleet {spec!r}: expected synthetic:N with N from 1 to {MAX_SYNTHETIC:,}")
         return synthetic_fleet(int(count), seed)
