@@ -167,3 +167,13 @@ def test_plan_fleet_synthetic_without_a_size_asks_for_one():
     # `cleave sim --fleet synthetic` is a fleet; `cleave plan --fleet synthetic` said "cannot read fleet file"
     with pytest.raises(ConfigError, match="--fleet 'synthetic': expected synthetic:N"):
         plan_command("tiny", "synthetic", 2, 64)
+
+
+def test_a_fleet_of_stragglers_only_is_simulated():
+    # `cleave sim --stragglers 1` (or 0.99 on 8 devices) ended in "max() arg is an empty sequence": the
+    # recovery drill looked for a victim among the devices that are not stragglers
+    from cleave.sim.systems import SimConfig, compare
+
+    me = compare(SimConfig(model="tiny", devices=4, batch=2, seq=64, stragglers=1.0, systems=("cleave",)))
+    me = me["systems"]["cleave"]
+    assert me["feasible"] and me["step_s"] > 0 and me["recovery_s"] > 0
