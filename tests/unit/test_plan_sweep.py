@@ -177,3 +177,12 @@ def test_a_fleet_of_stragglers_only_is_simulated():
     me = compare(SimConfig(model="tiny", devices=4, batch=2, seq=64, stragglers=1.0, systems=("cleave",)))
     me = me["systems"]["cleave"]
     assert me["feasible"] and me["step_s"] > 0 and me["recovery_s"] > 0
+
+
+def test_a_batch_no_device_can_hold_names_the_flags_that_fix_it():
+    from cleave.errors import PlanError
+
+    # tiny's weight gradients have k = the batch's tokens: 2,000,000 x 64 of them need 1 GB for one element
+    with pytest.raises(PlanError, match="smallest tile .*; for this job: a smaller --batch-size or --seq-len, "
+                                        "more --micro-batches, or devices with more memory"):
+        plan_command("tiny", "synthetic:4", 2_000_000, 64)

@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 from typing import Any, TextIO
 
-from cleave.errors import ConfigError
+from cleave.errors import ConfigError, PlanError
 from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset
 from cleave.plan.fleet import fleet_from_spec
 from cleave.plan.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
@@ -109,7 +109,11 @@ def plan_command(
     devices = fleet_from_spec(fleet, seed)
     shapes = gemm_shapes(cfg, batch, seq, layout)
     # elements travel in the job's precision and take float32 in a device's memory, as the PS tells the scheduler
-    plan = plan_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth, COMPUTE_DTYPE_BYTES)
+    try:
+        plan = plan_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth, COMPUTE_DTYPE_BYTES)
+    except PlanError as e:  # (the planner's words name no flag: its weight gradients' k is a micro-batch's tokens)
+        raise PlanError(f"{e}; for this job: a smaller --batch-size or --seq-len, more --micro-batches, or "
+                        "devices with more memory") from None
     even = even_split_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth, COMPUTE_DTYPE_BYTES)
     if as_json:
         doc = {
