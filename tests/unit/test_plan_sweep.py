@@ -186,3 +186,12 @@ def test_a_batch_no_device_can_hold_names_the_flags_that_fix_it():
     with pytest.raises(PlanError, match="smallest tile .*; for this job: a smaller --batch-size or --seq-len, "
                                         "more --micro-batches, or devices with more memory"):
         plan_command("tiny", "synthetic:4", 2_000_000, 64)
+
+
+def test_a_fleet_file_number_written_as_true_is_refused(tmp_path):
+    # "memory_bytes": true was read as 1 byte (and "latency_s": false as 0 s)
+    entry = synthetic_fleet(1).to_json_list()[0] | {"memory_bytes": True}
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps([entry]))
+    with pytest.raises(ConfigError, match="entry 0 .*: memory_bytes: expected a number \\(got True\\)"):
+        load_fleet(path)

@@ -155,6 +155,9 @@ def _entry(raw: object, pos: int, source: str) -> Device:
     missing = [f for f in FLEET_FIELDS if f not in raw]
     if missing:
         raise ConfigError(f"{where}: missing {', '.join(missing)}")
+    flags = [f for f in FLEET_FIELDS if isinstance(raw[f], bool)]  # (pydantic reads true as 1, false as 0)
+    if flags:
+        raise ConfigError(f"{where}: {flags[0]}: expected a number (got {raw[flags[0]]!r})")
     try:
         return Device(dev_id, DeviceProfile.model_validate({f: raw[f] for f in FLEET_FIELDS}))
     except ValidationError as e:
