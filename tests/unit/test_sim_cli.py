@@ -54,15 +54,15 @@ def test_a_fleet_file_without_devices_is_taken_whole(two_devices):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--memory", "0"], "--memory must be positive"),
-        (["--memory", "-1"], "--memory must be positive"),
+        (["--memory", "0"], "--memory must be 1 to"),
+        (["--memory", "-1"], "--memory must be 1 to"),
         (["--systems", ""], "--systems names no system"),
         (["--systems", " , "], "--systems names no system"),
         (["--systems", "cleave,nope"], "unknown system nope"),
         (["--model", "tiny", "--seq-len", "1000"], "--seq-len must be between 1 and tiny's block_size 64"),
         (["--seq-len", "0"], "--seq-len must be between 1"),
         (["--batch-size", "0"], "--batch-size must be a positive integer"),
-        (["--ps-bandwidth", "-1"], "--ps-bandwidth must be bytes/s"),
+        (["--ps-bandwidth", "-1"], "--ps-bandwidth must be 1000 to 1e\\+15 bytes/s, or 0 for unlimited"),
         (["--replan-every", "-1"], "--replan-every must be seconds"),
         (["--devices", "0"], "--devices must be at least 1"),
     ],

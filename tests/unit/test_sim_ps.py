@@ -143,7 +143,7 @@ def test_cleave_sim_refuses_a_ps_without_memory():
     sim_cmd.register(parser.add_subparsers(dest="command"))
     with pytest.raises(ConfigError, match="--ps-memory"):
         sim_cmd.config(parser.parse_args(["sim", "--ps-memory", "0"]))
-    with pytest.raises(ConfigError, match="--ps-bandwidth must be bytes/s, or 0 for unlimited"):  # (was taken)
+    with pytest.raises(ConfigError, match="--ps-bandwidth must be 1000 to 1e\\+15 bytes/s, or 0 for unlimited"):  # (was taken)
         sim_cmd.config(parser.parse_args(["sim", "--ps-bandwidth", "-5"]))
 
 

@@ -155,6 +155,9 @@ def _entry(raw: object, pos: int, source: str) -> Device:
     missing = [f for f in FLEET_FIELDS if f not in raw]
     if missing:
         raise ConfigError(f"{where}: missing {', '.join(missing)}")
+    flags = [f for f in FLEET_FIELDS if isinstance(raw[f], bool)]  # (pydantic reads true as 1, false as 0)
+    if flags:
+        raise ConfigError(f"{where}: {flags[0]}: expected a number (got {raw[flags[0]]!r})")
     try:
         return Device(dev_id, DeviceProfile.model_validate({f: raw[f] for f in FLEET_FIELDS}))
     except ValidationError as e:
@@ -171,7 +174,7 @@ def load_fleet(path: str | Path) -> Fleet:
         raw = json.loads(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f"cannot read fleet file {source}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # (malformed JSON, or bytes that are not UTF-8 text)
         raise ConfigError(f"{source}: not JSON: {e}") from None
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{source}: expected a non-empty JSON array of devices")
@@ -186,8 +189,8 @@ def load_fleet(path: str | Path) -> Fleet:
 
 def fleet_from_spec(spec: str, seed: int = 0) -> Fleet:
     """`synthetic:N` (the edge profile, drawn with `seed`) or the path of a fleet file."""
-    if spec.startswith("synthetic:"):
-        count = spec.removeprefix("synthetic:")
+    if spec.startswith("synthetic:") or (spec == "synthetic" and not Path(spec).exists()):
+        count = spec.removeprefix("synthetic").removeprefix(":")
         if not count.isdigit() or not 0 < int(count) <= MAX_SYNTHETIC:
             raise ConfigError(f"--fleet {spec!r}: expected synthetic:N with N from 1 to {MAX_SYNTHETIC:,}")
         return synthetic_fleet(int(count), seed)

@@ -79,7 +79,7 @@ def virtual_devices(relax: Relaxation, T: float) -> Virtual:
     """Expand devices into their tiles' budgets at target time T."""
     r = relax.r
     j = _rounds(relax, T)
-    if int(j.sum()) > MAX_VIRTUAL:
+    if int(j.sum()) > max(MAX_VIRTUAL, len(j)):  # (one tile a device is never too many: a fleet may be larger)
         raise PlanError(
             f"device memory is too small for this {relax.lo}x{relax.hi} output (k={r.k}): the "
             f"largest tile any device holds has {int(relax.tile_max.max())} elements, and the plan "

@@ -284,12 +284,13 @@ def simulate_step(
 
 
 def busiest(world: World, ts: TileSet) -> str:
-    """The device (not a straggler) with the most planned output area in this GEMM."""
+    """The device (not a straggler, unless every owner is one) with the most planned output area in this GEMM."""
     area: dict[str, int] = {}
     for t, o in zip(ts.tiles, ts.owners, strict=True):
-        if o is not None and not world.straggler[world.index[o]]:
+        if o is not None:
             area[o] = area.get(o, 0) + t.rows * t.cols
-    return max(area, key=lambda w: area[w])
+    fit = [w for w in area if not world.straggler[world.index[w]]] or list(area)
+    return max(fit, key=lambda w: area[w])
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,10 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         return SystemResult(
             "cleave", False, None, None, None, None, 0, note=f"the planner found no plan: {e}"
         )
+    except RuntimeError as e:  # (the engine's: every device of a GEMM left, and none joined in time)
+        if "no worker left" not in str(e):
+            raise
+        return SystemResult("cleave", False, None, None, None, None, 0, note=f"the fleet churned away: {e}")
     down, up = per_device(stats)
     predicted = predicted_step(sim, work)
     gemm_step = float(np.mean([st.step_s for st in stats]))

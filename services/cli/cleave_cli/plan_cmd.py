@@ -4,8 +4,10 @@
                 [--ps-bandwidth BYTES_PER_S] [--seed S] [--json] [--no-assignments]
                 [--recompute] [--micro-batches N] [--head-chunks N]
 
-Without --json it prints one line per GEMM kind and the totals; with --json the document described in
-docs/planning.md (the `ModelPlan` JSON plus the job's parameters and the even-split baseline).
+It plans the GEMMs that `cleave train --preset NAME --batch-size B --seq-len S` runs (the head in the job's
+chunks of tokens, its input gradient over slices of the vocabulary, every element 4 bytes in a device's
+memory). Without --json it prints one line per GEMM kind and the totals; with --json the document described
+in docs/planning.md (the `ModelPlan` JSON plus the job's parameters and the even-split baseline).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any, TextIO
 
-from cleave.errors import ConfigError
+from cleave.errors import ConfigError, PlanError
 from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset
 from cleave.plan.fleet import fleet_from_spec
 from cleave.plan.planner import DTYPE_BYTES, ModelPlan, even_split_model, plan_model
+from cleave.schemas.dtypes import COMPUTE_DTYPE_BYTES
+from cleave.schemas.fleet import MAX_BANDWIDTH, MIN_BANDWIDTH
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,8 +51,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--recompute", action="store_true",
                    help="the job recomputes each block's forward in the backward (its GEMMs dealt again)")
     p.add_argument("--micro-batches", type=int, default=1, help="the batch in N equal parts (every GEMM N times)")
-    p.add_argument("--head-chunks", type=int, default=1,
-                   help="the head and loss of each micro-batch in N chunks of tokens (a job's dry run says how many)")
+    p.add_argument("--head-chunks", type=int, default=None,
+                   help="the head and loss of each micro-batch in N chunks of tokens (default: the job's, the "
+                        "fewest whose float32 logits fit 256 MiB, as its dry run prints)")
     p.set_defaults(func=run)
     return p
 
@@ -64,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         as_json=args.json,
         assignments=not args.no_assignments,
-        layout=StepLayout(recompute=args.recompute, micro_batches=args.micro_batches, head_chunks=args.head_chunks),
+        recompute=args.recompute,
+        micro_batches=args.micro_batches,
+        head_chunks=args.head_chunks,
     )
 
 
@@ -80,13 +88,19 @@ def plan_command(
     assignments: bool = True,
     out: TextIO | None = None,
     layout: StepLayout | None = None,
+    recompute: bool = False,
+    micro_batches: int = 1,
+    head_chunks: int | None = None,
 ) -> int:
-    """Plan `model` on `fleet` and print the result to `out` (stdout); raises CleaveError on bad input."""
+    """Plan `model` on `fleet` and print the result to `out` (stdout); raises CleaveError on bad input. The step
+    is the job's (`job_layout` of `recompute`, `micro_batches` and `head_chunks`), or `layout` where given."""
     out = out or sys.stdout
     cfg = check_job(model, batch, seq, dtype)
-    if ps_bandwidth is not None and not ps_bandwidth > 0:
-        raise ConfigError(f"--ps-bandwidth must be positive bytes/s, got {ps_bandwidth}")
-    layout = layout or StepLayout()
+    if ps_bandwidth is not None:
+        check_ps_bandwidth(ps_bandwidth)
+    if seed < 0:  # (numpy's generator takes none)
+        raise ConfigError(f"--seed must be at least 0, got {seed}")
+    layout = layout or job_layout(model, batch, seq, recompute, micro_batches, head_chunks)
     if layout.micro_batches < 1 or batch % layout.micro_batches:
         raise ConfigError(f"--micro-batches must divide --batch {batch}, got {layout.micro_batches}")
     if layout.head_chunks < 1 or batch // layout.micro_batches * seq % layout.head_chunks:
@@ -94,8 +108,13 @@ def plan_command(
                           f"got {layout.head_chunks}")
     devices = fleet_from_spec(fleet, seed)
     shapes = gemm_shapes(cfg, batch, seq, layout)
-    plan = plan_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth)
-    even = even_split_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth)
+    # elements travel in the job's precision and take float32 in a device's memory, as the PS tells the scheduler
+    try:
+        plan = plan_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth, COMPUTE_DTYPE_BYTES)
+    except PlanError as e:  # (the planner's words name no flag: its weight gradients' k is a micro-batch's tokens)
+        raise PlanError(f"{e}; for this job: a smaller --batch-size or --seq-len, more --micro-batches, or "
+                        "devices with more memory") from None
+    even = even_split_model(devices, shapes, DTYPE_BYTES[dtype], ps_bandwidth, COMPUTE_DTYPE_BYTES)
     if as_json:
         doc = {
             "model": model,
@@ -116,6 +135,26 @@ def plan_command(
     else:
         _print_table(plan, even.predicted_step_s, f"{model} batch={batch} seq={seq} {dtype} on {fleet}", out)
     return 0
+
+
+def job_layout(model: str, batch: int, seq: int, recompute: bool = False, micro_batches: int = 1,
+               head_chunks: int | None = None) -> StepLayout:
+    """How the job of `model` at `batch` x `seq` runs its step's GEMMs (`JobConfig.layout`, as its PS does):
+    `head_chunks` where given, else the job's own."""
+    if micro_batches < 1 or batch % micro_batches:
+        raise ConfigError(f"--micro-batches must divide --batch {batch}, got {micro_batches}")
+    from cleave.train.job import JobConfig  # (imports torch, as the GEMM shapes do)
+
+    job = JobConfig(preset=model, batch_size=batch, seq_len=seq, recompute=recompute, micro_batches=micro_batches)
+    layout = job.layout()
+    return layout if head_chunks is None else replace(layout, head_chunks=head_chunks)
+
+
+def check_ps_bandwidth(value: float, unlimited: str = "") -> None:
+    """--ps-bandwidth within a link's range (`DeviceProfile`'s): a PS sending 1e-300 bytes/s overflowed every
+    time to inf (and the simulator's engine to 'no worker left'); `unlimited` says how to ask for no limit."""
+    if not MIN_BANDWIDTH <= value <= MAX_BANDWIDTH:
+        raise ConfigError(f"--ps-bandwidth must be {MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g} bytes/s{unlimited}; got {value}")
 
 
 def check_job(model: str, batch: int, seq: int, dtype: str, model_flag: str = "--model") -> ModelConfig:
@@ -143,11 +182,11 @@ def _print_table(plan: ModelPlan, even_step_s: float, title: str, out: TextIO) -
     for g in plan.gemms:
         out.write(
             f"{g.name:<28} {g.m:>7} {g.n:>7} {g.k:>7} {g.count_per_step:>5} {g.devices_used:>7} "
-            f"{g.makespan_s:>11.4f} {g.lower_bound_s:>10.4f} {g.gap:>7.2%}\n"
+            f"{g.makespan_s:>11.4g} {g.lower_bound_s:>10.4g} {g.gap:>7.2%}\n"
         )
     out.write(
-        f"predicted step {plan.predicted_step_s:.3f} s, lower bound {plan.lower_bound_s:.3f} s "
+        f"predicted step {plan.predicted_step_s:.4g} s, lower bound {plan.lower_bound_s:.4g} s "
         f"(gap {plan.gap:.2%}); {plan.devices_used} of {plan.n_devices} devices used; "
-        f"even split over all devices {even_step_s:.3f} s ({even_step_s / plan.predicted_step_s:.2f}x); "
+        f"even split over all devices {even_step_s:.4g} s ({even_step_s / plan.predicted_step_s:.2f}x); "
         f"planned in {plan.plan_time_s:.3f} s\n"
     )

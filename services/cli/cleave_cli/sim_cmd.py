@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,9 +29,18 @@ from typing import Any, TextIO
 from cleave.errors import ConfigError
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
+from cleave.schemas.fleet import (
+    MAX_BANDWIDTH,
+    MAX_FLOPS,
+    MAX_MEMORY_BYTES,
+    MIN_BANDWIDTH,
+    MIN_FLOPS,
+    DeviceProfile,
+)
+from cleave.schemas.plan import Plan
 from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
 from cleave.sim.systems import DEFAULT_FLEET_SIZE, DEFAULT_PS_BANDWIDTH
-from cleave_cli.plan_cmd import check_job
+from cleave_cli.plan_cmd import check_job, check_ps_bandwidth
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -58,7 +68,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1, help="training steps to simulate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--memory", type=int, default=None, help="every device's memory in bytes (default 512 MiB)"
+        "--memory", type=int, default=None, help="every device's memory in bytes (default: the fleet's own; 512 MiB in a synthetic fleet)"
     )
     p.add_argument(
         "--ps-bandwidth", type=float, default=None,
@@ -75,7 +85,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="send every block with its tile (the PS's CLEAVE_PS_FANOUT=false)")
     p.add_argument("--tile", default=None, help="cut planned blocks into tiles of at most ROWSxCOLS")
     p.add_argument("--chunks", type=int, default=4,
-                   help="a planned block goes out in at least N pieces, streamed (1: whole blocks)")
+                   help="a planned block goes out in at least N pieces, streamed (1 to 64; 1: whole blocks)")
     p.add_argument("--window", type=int, default=1, help="tiles in flight per worker beyond its planned pieces")
     p.add_argument("--deferred", type=int, default=0,
                    help="weight gradients dealt beside the backward's input gradients, at most N waiting (the "
@@ -116,6 +126,11 @@ def _tile(text: str | None) -> tuple[int, int] | None:
     return int(rows), int(cols)
 
 
+def _most(model: Any, field: str) -> int:
+    """The largest value a schema's field takes (its `le`)."""
+    return next(rule.le for rule in model.model_fields[field].metadata if getattr(rule, "le", None) is not None)
+
+
 def config(args: argparse.Namespace) -> Any:
     """The `SimConfig` of these flags, checked."""
     from cleave.sim.systems import SimConfig, fleet_spec, parse_systems
@@ -126,24 +141,34 @@ def config(args: argparse.Namespace) -> Any:
         ("--window", args.window, 1),
         ("--chunks", args.chunks, 1),
         ("--deferred", args.deferred, 0),
+        ("--seed", args.seed, 0),
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    most = _most(Plan, "chunks")  # (a plan carries no more: the runtime never streams more pieces)
+    if args.chunks > most:
+        raise ConfigError(f"--chunks must be 1 to {most}, as the scheduler's plan carries it; got {args.chunks}")
     check_job(args.model, args.batch, args.seq, args.dtype)  # as cleave plan checks them
-    if args.memory is not None and args.memory < 1:  # (else refused later as a bad fleet column)
-        raise ConfigError(f"--memory must be positive bytes, got {args.memory}")
-    if not args.replan_every >= 0:
+    for flag, value in (("--report-models", args.report_models), ("--report-devices", args.report_devices)):
+        if value is not None and args.report is None:  # (else one point was simulated and the sweep ignored)
+            raise ConfigError(f"{flag} sets the sweep of --report DIR; give --report too")
+    if args.memory is not None and not 1 <= args.memory <= _most(DeviceProfile, "memory_bytes"):
+        raise ConfigError(f"--memory must be 1 to {_most(DeviceProfile, 'memory_bytes')} bytes (a device profile's "
+                          f"range), got {args.memory}")
+    if not 0 <= args.replan_every < math.inf:
         raise ConfigError(f"--replan-every must be seconds, or 0 for every change; got {args.replan_every}")
-    if not 0 <= args.stragglers <= 1 or args.churn < 0:
+    if not 0 <= args.stragglers <= 1 or not 0 <= args.churn < math.inf:  # (nan or inf churned forever)
         raise ConfigError("--stragglers must be in [0, 1] and --churn non-negative")
-    if args.ps_bandwidth is not None and not args.ps_bandwidth >= 0:  # (a negative one was taken as given)
-        raise ConfigError(f"--ps-bandwidth must be bytes/s, or 0 for unlimited; got {args.ps_bandwidth}")
+    if args.ps_bandwidth is not None and args.ps_bandwidth != 0:
+        check_ps_bandwidth(args.ps_bandwidth, ", or 0 for unlimited")
     ps = {}
-    for flag, key in (("--ps-flops", "ps_flops"), ("--ps-memory", "ps_memory"), ("--ps-link", "ps_link")):
+    for flag, key, low, high in (("--ps-flops", "ps_flops", MIN_FLOPS, MAX_FLOPS),
+                                 ("--ps-memory", "ps_memory", 1, MAX_MEMORY_BYTES),
+                                 ("--ps-link", "ps_link", MIN_BANDWIDTH, MAX_BANDWIDTH)):
         value = getattr(args, key)
         if value is not None:
-            if not value > 0:
-                raise ConfigError(f"{flag} must be positive, got {value}")
+            if not low <= value <= high:  # (a device profile's range: beyond it times overflow to inf)
+                raise ConfigError(f"{flag} must be {low:g} to {high:g}; got {value}")
             ps[key] = value
     fleet, devices = fleet_spec(args.fleet, args.devices, args.seed)
     return SimConfig(
