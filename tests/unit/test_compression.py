@@ -200,3 +200,24 @@ def test_topkq_bits_and_malformed_input() -> None:
                    p.model_copy(update={"values": codec.tensor_to_data(torch.zeros(3, dtype=torch.uint8))})):
         with pytest.raises(WireError):
             decompress(broken)
+
+
+def test_a_senders_huge_int8_block_costs_the_ps_no_memory() -> None:
+    """An update of ~100 bytes claiming int8 blocks of 2**28 values made the PS pad its codes to one block: 2 GB
+    and seconds for each such message (2**31: 16 GB). A block longer than the tensor is read as the tensor."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    t = randn(100)
+    want = decompress(Int8Blockwise(128).compress(t))
+    assert torch.equal(decompress(_tamper(Int8Blockwise(128).compress(t), block=1 << 28)), want)
+    code = ("import torch\nfrom cleave.compression import Int8Blockwise, Packed, decompress\n"
+            "from cleave.runtime.memory import resident\n"
+            "p = Int8Blockwise(128).compress(torch.randn(100))\n"
+            "p = Packed.model_validate({**p.model_dump(), 'block': 1 << 28})\n"
+            "before = resident()[0]\n"
+            "decompress(p)\n"
+            "print(resident()[0] - before)\n")  # (VmHWM: a child's ru_maxrss starts at its parent's peak)
+    grew = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              timeout=120).stdout)
+    assert grew < 64 << 20, f"decoding grew the process by {grew >> 20} MiB"
