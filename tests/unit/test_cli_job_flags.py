@@ -379,3 +379,19 @@ def test_commands_started_in_the_same_second_get_run_dirs_of_their_own(tmp_path,
     assert [str(d) for d in made] == ["runs/demo-20261207-080000", "runs/demo-20261207-080000-2",
                                       "runs/demo-20261207-080000-3"]
     assert all(d.is_dir() for d in made)
+
+
+def test_a_diverging_job_ends_saying_so_not_in_a_traceback(tmp_path, capsys) -> None:
+    """`cleave train --reference` at a learning rate far too high ended in FloatingPointError's traceback, and
+    the PS of the same job failed five times in a row into the same divergence: both end with status 4 and why."""
+    from cleave.errors import StepAborted  # noqa: PLC0415
+    from cleave.train.trainer import Trainer  # noqa: PLC0415
+
+    assert main(["train", "--preset", "tiny", "--steps", "8", "--lr", "1e8", "--reference", "--run-dir",
+                 str(tmp_path / "r")]) == 4
+    err = capsys.readouterr().err
+    assert "the training diverged: loss is nan at step" in err and "(--lr)" in err and "Traceback" not in err, err
+    trainer = Trainer(JobConfig(preset="tiny", steps=8, lr=1e8))  # the PS's trainer: StepAborted ends its job
+    with pytest.raises(StepAborted, match="the training diverged"):  # (status 4, not restarted)
+        for step in range(8):
+            trainer.step(step)

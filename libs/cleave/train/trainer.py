@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from cleave.errors import ConfigError
+from cleave.errors import ConfigError, StepAborted
 from cleave.gemm import tiled
 from cleave.gemm.head import head_loss
 from cleave.models import ModelConfig, build_model, head_chunks
@@ -152,8 +152,9 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.grad_clip, foreach=False)
             schedule.set_lr(self.opt, self.job, step)
             self.opt.step()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"loss is {value} at step {step}")
+        if not math.isfinite(value):  # (the same step again, a restarted PS's, would only diverge again)
+            raise StepAborted(f"the training diverged: loss is {value} at step {step}; a lower learning rate "
+                              "(--lr) may help")
         return value
 
     def _unscaled(self) -> bool:
