@@ -166,7 +166,7 @@ def test_an_export_replaces_an_earlier_one_whole_and_one_that_fails_leaves_it(ru
         jobs.export(out, run_dir=run_dir)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging folder left
-    with pytest.raises(ConfigError, match="adapter_out=.* is the model's own folder"):
+    with pytest.raises(ConfigError, match=r"adapter_out \(--adapter-out\) .* is the model's own folder"):
         jobs.export(out, run_dir=run_dir, adapter_out=out)
     with pytest.raises(ConfigError, match=f"job '{JOB_ID}' has no LoRA adapters"):  # (it was ignored)
         jobs.export(out, run_dir=run_dir, adapter_out=tmp_path / "adapter")

@@ -298,10 +298,10 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         if above := next((p for p in folder.parents if p.exists() and not p.is_dir()), None):
             raise ConfigError(f"{above} is a file: no folder can be made under it for {folder}")
     if adapter_out is not None and Path(adapter_out).resolve() == out.resolve():
-        raise ConfigError(f"adapter_out={adapter_out} is the model's own folder: transformers would apply the adapter "
+        raise ConfigError(f"adapter_out (--adapter-out) {adapter_out} is the model's own folder: transformers would apply the adapter "
                           "again over the merged weights; leave it unset (it goes to OUT/adapter) or name another")
     if adapter_out is not None and out.resolve().is_relative_to(Path(adapter_out).resolve()):
-        raise ConfigError(f"adapter_out={adapter_out} holds the model's folder {out}: the adapter's folder is replaced "
+        raise ConfigError(f"adapter_out (--adapter-out) {adapter_out} holds the model's folder {out}: the adapter's folder is replaced "
                           "whole; leave it unset (it goes to OUT/adapter) or name another")
     adapters = Path(adapter_out) if adapter_out is not None else None
     inside = adapters is not None and adapters.resolve().is_relative_to(out.resolve())
@@ -309,7 +309,7 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
     own = {adapters.resolve().name} if inside and adapters.resolve().parent == out.resolve() else set()
     replaceable(out, written=EXPORT_NAMES | own)
     if adapters is not None:
-        replaceable(adapters, ADAPTER_CONFIG, ADAPTER_NAMES, "an adapter export")
+        replaceable(adapters, ADAPTER_CONFIG, ADAPTER_NAMES, "adapter export")
     if nats is not None:
         if not job_id:
             raise ConfigError("export from a hub's NATS (--nats, nats=) needs the job's id (--job-id, job_id=): "
@@ -324,7 +324,7 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
             raise ConfigError(f"{out} holds the job's own {what} ({spec}): the export would replace it; export into "
                               "another folder")
     if adapter_out is not None and not job.lora_rank:
-        raise ConfigError(f"adapter_out={adapter_out}: job {job.job_id!r} has no LoRA adapters (lora_rank=0); "
+        raise ConfigError(f"adapter_out (--adapter-out) {adapter_out}: job {job.job_id!r} has no LoRA adapters (lora_rank=0); "
                           "its export is the model alone")
     dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
     try:  # (an adapter folder inside `out` is written inside its staging; one elsewhere is staged and swapped too)
@@ -339,17 +339,17 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
 
 
 def replaceable(out: Path, mark: str = TOKENIZER_RECORD, written: frozenset[str] = EXPORT_NAMES,
-                what: str = "an export") -> None:
+                what: str = "export") -> None:
     """Refuse an `out` that holds anything but an earlier export: an export replaces its folder whole, and nothing
     else there may be lost (an earlier export is known by its `mark`: the tokenizer record; an adapter export's,
     its adapter_config.json; it holds only what an export writes, `written`)."""
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     if names and mark not in names:
-        raise ConfigError(f"{out} holds other files and is not an earlier {what.removeprefix('an ')} (a run dir, a "
+        raise ConfigError(f"{out} holds other files and is not an earlier {what} (a run dir, a "
                           f"model of your own?): export into a new or empty folder, or over an earlier {what} "
                           "(replaced whole)")
     if extra := sorted(names - written):
-        raise ConfigError(f"{out} is an earlier {what.removeprefix('an ')} but also holds {', '.join(extra[:5])}: an "
+        raise ConfigError(f"{out} is an earlier {what} but also holds {', '.join(extra[:5])}: an "
                           "export replaces its folder whole; move them, or export into another folder")
 
 
