@@ -330,6 +330,11 @@ def test_every_option_of_train_and_submit_says_what_it_does() -> None:
         assert not silent, (command, silent)
     said = sub.choices["train"].format_help()
     assert "training steps (default 20" in said and "(default 8)" in said and "(default 2e-3)" in said, said
+    job = JobConfig(preset="tiny")  # (--local-steps, --outer-lr and --outer-momentum said no default)
+    for flag, value in (("--local-steps", job.local_steps), ("--outer-lr", job.outer_lr),
+                        ("--outer-momentum", job.outer_momentum)):
+        option = next(a for a in sub.choices["train"]._actions if flag in a.option_strings)
+        assert f"(default {value:g}" in option.help, (flag, option.help)
 
 
 def test_output_into_a_closed_pipe_ends_quietly_with_sigpipes_status() -> None:

@@ -28,9 +28,9 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-from", help="a Hugging Face model dir to start from (fine-tuning)")
     p.add_argument("--method", choices=("cleave", "diloco", "fedavg", "split"), help="how to train (default cleave)")
     p.add_argument("--split-layers", type=int, help="split learning: blocks the client keeps (default 1)")
-    p.add_argument("--local-steps", type=int, help="diloco H / fedavg E: local steps per round")
-    p.add_argument("--outer-lr", type=float, help="diloco's outer learning rate")
-    p.add_argument("--outer-momentum", type=float, help="diloco's outer Nesterov momentum")
+    p.add_argument("--local-steps", type=int, help="diloco H / fedavg E: local steps per round (default 10)")
+    p.add_argument("--outer-lr", type=float, help="diloco's outer learning rate (default 1: plain averaging)")
+    p.add_argument("--outer-momentum", type=float, help="diloco's outer Nesterov momentum (default 0)")
     p.add_argument("--diloco-setting", choices=("default", "paper", "plain"),
                    help="diloco's H, outer lr and momentum by name (the flags above win): default (measured on "
                         "small), paper (H 500, 0.7, Nesterov 0.9), plain (outer lr 1, no momentum)")

@@ -261,3 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":  # (`python -m cleave_cli.main`, as `python -m cleave_cli`)
+    sys.exit(main())
