@@ -355,6 +355,7 @@ def test_output_into_a_closed_pipe_ends_quietly_with_sigpipes_status() -> None:
     (["--batch-size", "0"], "invalid option --batch-size:"),
     (["--method", "diloco", "--round-timeout", "-1"], "invalid option --round-timeout:"),
     (["--preset", "Tiny"], "--preset 'Tiny' is unknown (did you mean 'tiny'?)"),
+    (["--method", "fedavg", "--dp-noise", "1"], "--dp-noise > 0 needs --update-clip > 0"),  # (also one not given)
 ])
 def test_a_bad_option_is_named_as_the_option(flags, says) -> None:
     """The command line's errors named the job's Python settings (`micro_batches=3`), which no option is called."""

@@ -92,7 +92,7 @@ def test_job_files_and_the_cli_refuse_them(tmp_path, capsys):
     assert cli(["train", "--config", str(path), "--reference", "--run-dir", str(tmp_path / "r")]) == 2
     assert "compress='fp16' does not apply to method='split'" in capsys.readouterr().err
     assert cli(["train", "--preset", "tiny", "--lora", "8", "--reference", "--run-dir", str(tmp_path / "r")]) == 2
-    assert "--lora-rank 8 does not apply to method='cleave': it needs method diloco or fedavg" in capsys.readouterr().err
+    assert "--lora-rank 8 does not apply to --method 'cleave': it needs method diloco or fedavg" in capsys.readouterr().err
 
 
 def test_the_metrics_tail_reads_whole_lines_and_a_file_begun_anew_from_its_start(tmp_path):

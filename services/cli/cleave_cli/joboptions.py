@@ -92,6 +92,7 @@ def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN20
                   micro_batches=args.micro_batches, logits_bytes=args.logits_bytes,
                   lora_targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
                   if args.lora_targets else None)
+    options = set(fields)  # the settings an option sets
     fields = {k: v for k, v in fields.items() if v is not None}
     if args.diloco_setting:  # a named (H, outer lr, momentum); explicit flags win
         from cleave.methods.diloco import SETTINGS
@@ -103,15 +104,17 @@ def job_from_args(args: argparse.Namespace, kind: str = "train"):  # noqa: ANN20
             job = JobConfig.load(args.config, **fields)
             return job if "job_id" in job.model_fields_set else job.model_copy(update={"job_id": new_job_id(kind)})
         return JobConfig.build(**{"job_id": new_job_id(kind), **fields})
-    except ConfigError as e:
-        raise ConfigError(in_options(str(e), fields)) from None
+    except ConfigError as e:  # (with a settings file, its keys keep their names where no option set them)
+        raise ConfigError(in_options(str(e), set(fields) if args.config else options)) from None
 
 
-def in_options(message: str, given: dict) -> str:
-    """A job's error in the command line's words: each setting given as an option named as that option
+def in_options(message: str, names: set[str]) -> str:
+    """A job's error in the command line's words: each of the settings `names` named as its option
     (`micro_batches=3 must divide batch_size=4` -> `--micro-batches 3 must divide --batch-size 4`)."""
-    for name in given:
+    for name in sorted(names, key=len, reverse=True):
         flag = FLAGS.get(name, "--" + name.replace("_", "-"))
         message = re.sub(rf"\b{name}=", f"{flag} ", message)
         message = re.sub(rf"\bjob setting {name}\b", f"option {flag}", message)
+        if "_" in name:  # (a bare name: only one no word of English can be)
+            message = re.sub(rf"\b{name}\b", flag, message)
     return message
