@@ -122,6 +122,7 @@ def test_a_fleet_of_more_than_200000_devices_is_planned_not_called_short_of_memo
 @pytest.mark.parametrize(("argv", "message"), [
     (["--chunks", "65"], "--chunks must be 1 to 64, as the scheduler's plan carries it; got 65"),
     (["--memory", str(2**50 + 1)], "--memory must be 1 to 1125899906842624 bytes"),
+    (["--window", "1000000"], "--window must be 1 to 64, as the PS's window setting"),  # (minutes, 1.6 GB)
 ])
 def test_sim_refuses_what_the_runtime_cannot_run_by_flag(argv, message):
     # --chunks 100000 simulated for ever (a plan carries at most 64); --memory past a profile's range was
@@ -195,3 +196,12 @@ def test_a_fleet_file_number_written_as_true_is_refused(tmp_path):
     path.write_text(json.dumps([entry]))
     with pytest.raises(ConfigError, match="entry 0 .*: memory_bytes: expected a number \\(got True\\)"):
         load_fleet(path)
+
+
+def test_the_ps_window_is_bounded() -> None:
+    """A PS's dealing steps through every depth of its window for each GEMM: a window of a million stalled it."""
+    from cleave_ps.settings import PsSettings  # noqa: PLC0415
+
+    assert PsSettings(window=64).window == 64
+    with pytest.raises(ConfigError, match="invalid setting window: Input should be less than or equal to 64"):
+        PsSettings(window=65)

@@ -22,6 +22,7 @@ from cleave.gemm.tiles import Tile, cut_block
 
 Outcome = Literal["accepted", "duplicate", "unknown"]
 DEFAULT_WINDOW = 2  # tiles in flight per worker (one computing, one arriving); a planned block's pieces stream
+MAX_WINDOW = 64  # as many as a plan's pieces of a block (each GEMM's dealing steps through every depth)
 DEFAULT_DEFERRED = 8  # weight-gradient GEMMs the PS keeps running beside the backward (`deferred_gemms`)
 DEFAULT_AFFINITY_SCAN = 32  # pending tiles looked at when choosing one whose inputs a worker caches
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cleave.errors import ConfigError
+from cleave.gemm.ledger import MAX_WINDOW
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
 from cleave.schemas.fleet import (
@@ -145,6 +146,8 @@ def config(args: argparse.Namespace) -> Any:
     ):
         if value < low:
             raise ConfigError(f"{flag} must be at least {low}, got {value}")
+    if args.window > MAX_WINDOW:  # (a million simulated for minutes, 1.6 GB: the PS's own limit)
+        raise ConfigError(f"--window must be 1 to {MAX_WINDOW}, as the PS's window setting; got {args.window}")
     most = _most(Plan, "chunks")  # (a plan carries no more: the runtime never streams more pieces)
     if args.chunks > most:
         raise ConfigError(f"--chunks must be 1 to {most}, as the scheduler's plan carries it; got {args.chunks}")

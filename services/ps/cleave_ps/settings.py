@@ -10,7 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from cleave.bus.urls import NatsUrl
 from cleave.gemm.dealer.model import DEFAULT_COPY_SHARE
-from cleave.gemm.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW
+from cleave.gemm.ledger import DEFAULT_DEFERRED, DEFAULT_WINDOW, MAX_WINDOW
 from cleave.runtime.config_file import FileSettings
 from cleave.runtime.faults import PS_POINTS, spec_type
 from cleave.runtime.memory import DEFAULT_PRODUCT_POOL_BYTES
@@ -25,7 +25,7 @@ class PsSettings(FileSettings):
     nats_url: NatsUrl = "nats://127.0.0.1:4222"
     job_file: Path | None = None  # JSON JobConfig; None = the default job
     metrics_out: Path | None = None  # JSON lines, one per step
-    window: int = Field(DEFAULT_WINDOW, ge=1)  # tiles in flight per worker (a planned block's pieces: the plan's chunks)
+    window: int = Field(DEFAULT_WINDOW, ge=1, le=MAX_WINDOW)  # tiles in flight per worker (a planned block's pieces: the plan's chunks)
     tile_timeout_s: float = Field(1.0, gt=0)  # a worker silent this long with tiles in flight is presumed lost
     timeout_factor: float = Field(4.0, ge=1)  # ... or this many times its usual tile round trip, if longer
     speculate_factor: float = Field(3.0, ge=0)  # copy a tile running this many usual round trips; 0 = never
