@@ -70,11 +70,3 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 @pytest.fixture
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """With pytest-xdist (`-n 2 --dist loadgroup`): the integration tests run one at a time on one worker (each
-    runs a fleet of processes that uses the machine's cores), the unit tests beside them on the other."""
-    for item in items:
-        if "integration" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("integration"))
