@@ -28,31 +28,22 @@ def test_rounds_that_time_out_name_the_round_timeout(tmp_path):
     assert "no update from slow within round_timeout_s=0.3 (--round-timeout)" in str(ended.value)
 
 
-def test_split_learning_that_diverges_ends_saying_so(tmp_path):
-    """A learning rate far too high: the gradient at the cut overflows. The PS ends the job (status 4, not
-    restarted into the same divergence) saying it diverged and what to lower."""
-    job = JobConfig(job_id="diverges", preset="tiny", steps=30, method="split", lr=1000.0)
+def test_split_learning_and_rounds_that_diverge_end_saying_so(tmp_path):
+    """A learning rate far too high, one job after the other on one stack: split learning's gradient at the cut
+    overflows, diloco's local steps diverge. The PS ends each job (status 4, not restarted into the same
+    divergence) saying it diverged and what to lower."""
+    jobs = {"split learning diverged at step": JobConfig(job_id="diverges", preset="tiny", steps=30, method="split",
+                                                         lr=1000.0),
+            "the local training diverged (a lower --lr may help)": JobConfig(
+                job_id="rounds-diverge", preset="tiny", steps=3, method="diloco", local_steps=3, lr=1000.0,
+                max_empty_rounds=1)}
     fleet = LocalFleet(tmp_path / "run", 1)
     try:
         fleet.start()
-        fleet.start_ps(job, tmp_path / "m.jsonl")
-        with pytest.raises(PsEnded, match="exited with 4") as ended:
-            fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=120)
+        for says, job in jobs.items():
+            fleet.start_ps(job, tmp_path / f"{job.job_id}.jsonl")
+            with pytest.raises(PsEnded, match="exited with 4") as ended:
+                fleet.wait_ps(tmp_path / f"{job.job_id}.jsonl", timeout_s=120)
+            assert says in str(ended.value) and "--lr" in str(ended.value), str(ended.value)
     finally:
         fleet.stop()
-    assert "split learning diverged at step" in str(ended.value) and "(--lr)" in str(ended.value)
-
-
-def test_rounds_that_diverge_end_saying_so(tmp_path):
-    """A learning rate far too high in diloco's local steps: the job ends with why, naming --lr."""
-    job = JobConfig(job_id="rounds-diverge", preset="tiny", steps=3, method="diloco", local_steps=3, lr=1000.0,
-                    max_empty_rounds=1)
-    fleet = LocalFleet(tmp_path / "run", 1)
-    try:
-        fleet.start()
-        fleet.start_ps(job, tmp_path / "m.jsonl")
-        with pytest.raises(PsEnded, match="exited with 4") as ended:
-            fleet.wait_ps(tmp_path / "m.jsonl", timeout_s=120)
-    finally:
-        fleet.stop()
-    assert "the local training diverged (a lower --lr may help)" in str(ended.value)
