@@ -71,6 +71,10 @@ class PlanError(CleaveError):
     """No plan exists for this input (empty fleet, a GEMM no device can hold, ...); the message says why."""
 
 
+class FleetGone(CleaveError):
+    """Every device that could finish a GEMM left, and none joined in time (the simulator's engine)."""
+
+
 class ProbeFailed(CleaveError):
     """Not even a small echo came back: nothing is known about the links."""
 

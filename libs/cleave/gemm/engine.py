@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cleave.errors import FleetGone
 from cleave.gemm import fanout
 from cleave.gemm.dealer import (
     CHECK_BYTES,
@@ -188,7 +189,7 @@ class Engine:
             self._schedule_check()
             if not self.heap:
                 left = ", ".join(f"{ts.m}x{ts.n}" for ts in self.sets.values())
-                raise RuntimeError(f"GEMM {left}: no worker left to finish it")
+                raise FleetGone(f"GEMM {left}: no worker left to finish it")
             self.now, _, kind, args = heapq.heappop(self.heap)
             self.events += 1
             if kind == FINISH:

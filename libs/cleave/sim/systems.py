@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from cleave.errors import ConfigError, PlanError
+from cleave.errors import ConfigError, FleetGone, PlanError
 from cleave.gemm.dealer import Policy
 from cleave.gemm.tiles import DEFAULT_CHUNKS
 from cleave.plan.fleet import Fleet, fleet_from_spec, load_fleet, synthetic_fleet
@@ -180,9 +180,7 @@ def run_cleave(cfg: SimConfig, work: Workload, world: World) -> SystemResult:
         return SystemResult(
             "cleave", False, None, None, None, None, 0, note=f"the planner found no plan: {e}"
         )
-    except RuntimeError as e:  # (the engine's: every device of a GEMM left, and none joined in time)
-        if "no worker left" not in str(e):
-            raise
+    except FleetGone as e:  # (every device of a GEMM left, and none joined in time)
         return SystemResult("cleave", False, None, None, None, None, 0, note=f"the fleet churned away: {e}")
     down, up = per_device(stats)
     predicted = predicted_step(sim, work)
