@@ -14,7 +14,11 @@ DEFAULT_PRODUCT_POOL_BYTES = 256 * 1024 * 1024  # freed GEMM outputs of MAPPED_B
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (`ru_maxrss`: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident memory so far: VmHWM where /proc has it (Linux's `ru_maxrss` starts at the
+    peak of the process that started this one: a PS whose own peak stayed below its starter's reported the
+    starter's, and its checkpoint staging counted that memory as taken), else `ru_maxrss` (bytes on macOS)."""
+    if peak := resident()[0]:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
