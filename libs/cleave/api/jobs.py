@@ -39,13 +39,14 @@ from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
 from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config, resolve_model_dir
 from cleave.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from cleave.models.tokenizer import TOKENIZER_FILES, TOKENIZER_RECORD, load_tokenizer
+from cleave.models.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_FILES, TOKENIZER_RECORD, load_tokenizer
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import StateHead
+from cleave.train import reading
 from cleave.train.data import DEFAULT_MIN_TOKENS, Corpus, check_token_file, check_vocab
 from cleave.train.identity import refusal
 from cleave.train.job import ROUND_METHODS, JobConfig
-from cleave.train.sources import check_source, parse_source, source_bytes
+from cleave.train.sources import check_source, parse_source
 from cleave.train.trainer import check_init
 
 Job = JobConfig  # a job's every setting (docs/user-guide.md): Job(preset="small", steps=200, method="diloco", ...)
@@ -134,7 +135,10 @@ def check_stack(job: JobConfig, workers: int, ps_replicas: int, local: bool) -> 
 def check_inputs(job: JobConfig) -> None:
     """What the PS reads (it runs here, with nats= too): a tokenizer, model folder or data it cannot read, that
     does not fit the model, is no text or too short to train on, is told now (`run`, `cleave train` and its dry
-    run), not once a stack has started."""
+    run, the hub's runner), not once a stack has started. A device or a pipe as tokenizer is refused by the rule
+    that reading data follows (`reading.check_regular`): one is read for ever, the other blocks its reader."""
+    if job.tokenizer != DEFAULT_TOKENIZER and not Path(job.tokenizer).expanduser().is_dir():
+        reading.check_regular(Path(job.tokenizer).expanduser(), f"tokenizer={job.tokenizer!r}")
     tok = load_tokenizer(job.tokenizer)
     if job.init_from is not None:
         try:
@@ -147,10 +151,10 @@ def check_inputs(job: JobConfig) -> None:
         check_init(read_hf_config(job.init_from), arch, job)
         check_weights(job.init_from)
     src = parse_source(job.data)
-    check_source(src)  # (text that looks binary is refused)
+    size = check_source(src)  # (text that looks binary is refused)
     if src.kind == "tokens":  # (its sidecar: the tokenizer it was made with, its vocabulary)
         check_token_file(src, tok.name, arch.vocab_size, job.model_name)
-    elif src.kind in ("text", "folder", "glob", "jsonl") and source_bytes(src.spec) < SMALL_DATA_BYTES:
+    elif src.kind in ("text", "folder", "glob", "jsonl") and size < SMALL_DATA_BYTES:
         Corpus.for_job(job, tokenizer=tok)  # (too few tokens or examples: read now, it takes milliseconds)
 
 

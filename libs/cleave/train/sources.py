@@ -230,17 +230,18 @@ def iter_documents(source: str | Source, chunk_chars: int = DEFAULT_CHUNK_CHARS)
         raise ConfigError(f"data={src.spec!r} holds token ids, not text")
 
 
-def check_source(source: str | Source) -> None:
+def check_source(source: str | Source) -> int | None:
     """What can be told of a data source without reading it whole: it is there and readable (a token file: its
-    dtype, sidecar and length; a Hugging Face dataset: the `datasets` package is installed)."""
+    dtype, sidecar and length; a Hugging Face dataset: the `datasets` package is installed). Returns its bytes on
+    disk (`source_bytes`) where it is text, None for token files and datasets."""
     src = source if isinstance(source, Source) else parse_source(source)
     if src.kind == "hf" and importlib.util.find_spec("datasets") is None:
         raise ConfigError(f"data={src.spec!r}: Hugging Face datasets need the `datasets` package "
                           "(pip install datasets); or export the text to JSONL")
     if src.kind == "tokens":
         open_tokens(src)
-    elif src.kind != "hf":
-        source_bytes(src.spec)
+        return None
+    return None if src.kind == "hf" else source_bytes(src.spec)
 
 
 def source_bytes(spec: str) -> int:

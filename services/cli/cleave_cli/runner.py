@@ -2,7 +2,7 @@
 from anywhere run here, one at a time unless the operator allows more (`--max-running`).
 
 - Taking a job: a durable consumer of the stream CLEAVE_JOBS hands over each submission once. The runner checks
-  it (a valid job description; a tokenizer and data its PS can read here, `check_inputs`; a job that is running
+  it (a valid job description; a tokenizer and data its PS can read here, `jobs.check_inputs`; a job that is running
   is not replaced; a job that has state keeps its model and data order, `cleave_ps.state.persist.identity_changes`;
   room in the queue), writes its verdict into the job's record (KV bucket `cleave-jobs`, key: the job id) and
   only then acknowledges it, so no submission is lost between the two.
@@ -40,7 +40,6 @@ from cleave.api.hub import read_records
 from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES
 from cleave.errors import CleaveError, CreateRefused, WireError
-from cleave.models.tokenizer import DEFAULT_TOKENIZER
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
 from cleave.runtime.logs import configure
@@ -57,7 +56,6 @@ from cleave.schemas import (
 )
 from cleave.schemas.jobs import JOB_ID_PATTERN, RUNNER_REFRESH_S
 from cleave.schemas.subjects import TOKEN_CHARS, kv_stream, kv_subject
-from cleave.train import reading
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
 from cleave_ps.settings import PsSettings
@@ -71,7 +69,7 @@ MAX_QUEUED_ENV = "CLEAVE_RUNNER_MAX_QUEUED"  # --max-queued's default, for compo
 # records of refused new jobs kept (their verdicts, for `cleave submit` and `status`); past it the oldest goes: a
 # flood of invalid jobs, each on a new id, filled the records' bucket, and with it full the runner stopped
 DEFAULT_MAX_REFUSED = 10_000
-INPUTS_TIMEOUT_S = 30.0  # checking a job's tokenizer and data (`check_inputs`) longer than this refuses it
+INPUTS_TIMEOUT_S = 30.0  # checking a job's tokenizer and data (`jobs.check_inputs`) longer than this refuses it
 DEFAULT_TICK_S = 0.5  # how often submissions are taken and the PS processes looked after
 JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then starts with those there
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
@@ -258,7 +256,7 @@ class Runner:
         if got and (refused := refusal(job_id, got[0].job_config, got[0].step, job.model_dump_json())):
             return None, str(refused)
         try:  # (off the loop: a tokenizer is read whole)
-            await asyncio.wait_for(asyncio.to_thread(check_inputs, job), INPUTS_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(jobs.check_inputs, job), INPUTS_TIMEOUT_S)
         except TimeoutError:
             return None, f"its tokenizer and data could not be checked within {INPUTS_TIMEOUT_S:.0f} s"
         except Exception as e:  # (ConfigError names the setting; anything else a hostile path raises, too)
@@ -342,16 +340,6 @@ async def jobs_stream(bus: busmod.Bus) -> None:
                                   retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
                                   max_bytes=JOBS_MAX_BYTES, discard=DiscardPolicy.NEW,
                                   max_msg_size=MAX_CONTROL_BYTES, num_replicas=bus.replicas))
-
-
-def check_inputs(job: JobConfig) -> None:
-    """What a job's PS reads first, checked where it runs, before it is queued: `cleave train`'s checks
-    (`jobs.check_inputs`: the tokenizer loads and fits the model, the data is there, is text and is not too short
-    to train on). A device or a pipe as tokenizer is refused first, by the rule that reading data follows
-    (`reading.check_regular`): one read for ever, the other blocked its reader. ConfigError says why."""
-    if job.tokenizer != DEFAULT_TOKENIZER and not Path(job.tokenizer).expanduser().is_dir():
-        reading.check_regular(Path(job.tokenizer).expanduser(), f"tokenizer={job.tokenizer!r}")
-    jobs.check_inputs(job)
 
 
 def failure_reason(stack: Stack, proc: Proc) -> str:
