@@ -36,7 +36,6 @@ from cleave.schemas.fleet import (
     MAX_MEMORY_BYTES,
     MIN_BANDWIDTH,
     MIN_FLOPS,
-    DeviceProfile,
 )
 from cleave.schemas.plan import Plan
 from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
@@ -155,8 +154,8 @@ def config(args: argparse.Namespace) -> Any:
     for flag, value in (("--report-models", args.report_models), ("--report-devices", args.report_devices)):
         if value is not None and args.report is None:  # (else one point was simulated and the sweep ignored)
             raise ConfigError(f"{flag} sets the sweep of --report DIR; give --report too")
-    if args.memory is not None and not 1 <= args.memory <= _most(DeviceProfile, "memory_bytes"):
-        raise ConfigError(f"--memory must be 1 to {_most(DeviceProfile, 'memory_bytes')} bytes (a device profile's "
+    if args.memory is not None and not 1 <= args.memory <= MAX_MEMORY_BYTES:
+        raise ConfigError(f"--memory must be 1 to {MAX_MEMORY_BYTES} bytes (a device profile's "
                           f"range), got {args.memory}")
     if not 0 <= args.replan_every < math.inf:
         raise ConfigError(f"--replan-every must be seconds, or 0 for every change; got {args.replan_every}")
