@@ -149,8 +149,8 @@ class Int8Blockwise:
         nb = -(-n // p.block)
         if q.numel() != n or scale.numel() != nb:
             raise WireError("bad_packed", f"{q.numel()} codes, {scale.numel()} scales for {n} values")
-        if nb == 1:  # (a block as long as the tensor, or longer: none padded to it, or a sender's block of 2**31
-            return _restore(q.float() * scale[0], p)  # made the PS allocate 8 GB for an update of 100 bytes)
+        if nb == 1:  # (a block as long as the tensor, or longer: none padded to it: a sender's block of 2**31
+            return _restore(q.float() * scale[0], p)  # made the PS allocate 16 GB for an update of 100 bytes)
         q = torch.nn.functional.pad(q.float(), (0, nb * p.block - n)).view(nb, p.block)  # (blocks, B); B < n
         return _restore((q * scale[:, None]).view(-1)[:n], p)
 
