@@ -105,6 +105,9 @@ def test_bad_paths_counts_and_numbers_end_in_one_line_and_status_2(tmp_path, cap
         ("train", "--preset", "tiny", "--ps-replicas", "0", "--dry-run"): "--ps-replicas: must be at least 1, got 0",
         ("train", "--method", "fedavg", "--workers", "2", "--min-updates", "5", "--run-dir", str(tmp_path / "r")):
             "min_updates=5 (--min-updates) is more than the 2 workers of this stack",
+        # (a robust rule that silently was the plain mean: only the PS's log said so)
+        ("train", "--method", "fedavg", "--aggregate", "trimmed", "--workers", "4", "--run-dir", str(tmp_path / "r")):
+            "with workers=4 (--workers) it is the plain mean; use --aggregate median",
         ("train", "--preset", "tiny", "--workers", "1", "--ps-replicas", "2", "--run-dir", str(tmp_path / "r")):
             "ps_replicas=2 (--ps-replicas) needs at least as many workers",
         # refused after rounds of retries (14 s, or minutes of round timeouts): a local stack cannot run them

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import math
 import os
 import shutil
 import signal
@@ -36,6 +37,7 @@ from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.stack import hold
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
+from cleave.methods.aggregate import DEFAULT_TRIM, trim_cut
 from cleave.methods import export as methods_export
 from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config, resolve_model_dir
 from cleave.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -111,7 +113,7 @@ def run(job: JobConfig, *, workers: Annotated[int, Field(ge=1)] = DEFAULT_WORKER
 def check_stack(job: JobConfig, workers: int, ps_replicas: int, local: bool) -> None:
     """What a job asks of the stack it runs on, told before one starts (`local`: a stack of `workers` workers
     started for it, none with data of its own): a PS replica with no worker waited for ever, and a round that
-    can never apply an update trained nothing, step after step."""
+    can never apply an update trained nothing, step after step, and a trimmed mean of too few was the mean."""
     if local and ps_replicas > workers:
         raise ConfigError(f"ps_replicas={ps_replicas} (--ps-replicas) needs at least as many workers (each replica "
                           f"trains with its own part of the fleet, and one with none waits for ever); workers="
@@ -122,6 +124,10 @@ def check_stack(job: JobConfig, workers: int, ps_replicas: int, local: bool) -> 
     if local and job.secagg and workers < 2:
         raise ConfigError(f"secagg (--secagg) needs at least 2 workers (a sum of one update hides nothing); "
                           f"workers={workers} (--workers)")
+    if local and job.aggregate == "trimmed" and not trim_cut(workers, DEFAULT_TRIM):
+        raise ConfigError(f"aggregate=trimmed (--aggregate) drops {DEFAULT_TRIM:g} of a round's updates at each end, "
+                          f"none of fewer than {math.ceil(1 / DEFAULT_TRIM)}: with workers={workers} (--workers) it "
+                          "is the plain mean; use --aggregate median, or more workers")
     if local and job.own_data:
         raise ConfigError("own_data (--own-data) trains only on data the workers declared themselves (cleave worker "
                           "--data SOURCE), and a local stack's workers declare none: run the job on a hub whose "
