@@ -123,6 +123,9 @@ def test_a_fleet_of_more_than_200000_devices_is_planned_not_called_short_of_memo
     (["--chunks", "65"], "--chunks must be 1 to 64, as the scheduler's plan carries it; got 65"),
     (["--memory", str(2**50 + 1)], "--memory must be 1 to 1125899906842624 bytes"),
     (["--window", "1000000"], "--window must be 1 to 64, as the PS's window setting"),  # (minutes, 1.6 GB)
+    # (the simulator dealt them for hours: ~40,000 tiles a second)
+    (["--tile", "1x1", "--batch", "64", "--steps", "2"], r"--tile 1x1 cuts 2 step\(s\) of tiny at 64 x 64 tokens "
+                                                         "into at least 19,628,032 tiles; a run simulates at most"),
 ])
 def test_sim_refuses_what_the_runtime_cannot_run_by_flag(argv, message):
     # --chunks 100000 simulated for ever (a plan carries at most 64); --memory past a profile's range was

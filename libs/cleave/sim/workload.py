@@ -83,6 +83,11 @@ class Workload:
         """(k, n, count per step) of every forward GEMM kind."""
         return [(s.k, s.n, s.count_per_step) for s in self.shapes if s.name.endswith(".fwd")]
 
+    def grid_tiles(self, rows: int, cols: int) -> int:
+        """The tiles of a step's GEMMs each cut on a grid of at most `rows` x `cols` (the fewest a tile limit
+        leaves: planned blocks cut to it give at least as many)."""
+        return sum(-(-s.m // rows) * -(-s.n // cols) * s.count_per_step for s in self.shapes)
+
     @property
     def step_flops(self) -> float:
         """Every GEMM of a step (forward and both backward products)."""

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 from cleave.errors import ConfigError
 from cleave.gemm.ledger import MAX_WINDOW
+from cleave.gemm.tiles import DEFAULT_TILE
 from cleave.models import PRESETS
 from cleave.plan.planner import DTYPE_BYTES
 from cleave.schemas.fleet import (
@@ -40,6 +41,7 @@ from cleave.schemas.fleet import (
 from cleave.schemas.plan import Plan
 from cleave.sim.report import BASE_EXTRA_DEVICES, DEFAULT_DEVICES, DEFAULT_MODELS
 from cleave.sim.systems import DEFAULT_FLEET_SIZE, DEFAULT_PS_BANDWIDTH
+from cleave.sim.workload import Workload
 from cleave_cli.plan_cmd import check_job, check_ps_bandwidth
 
 
@@ -126,6 +128,20 @@ def _tile(text: str | None) -> tuple[int, int] | None:
     return int(rows), int(cols)
 
 
+MAX_TILES = 10_000_000  # tiles one run deals at most: it deals some 40,000 a second (`--tile 1x1` never ended)
+
+
+def check_tiles(model: str, batch: int, seq: int, tile: tuple[int, int] | None, steps: int) -> None:
+    """A tile limit that cuts the run into more than MAX_TILES tiles is refused, with its count."""
+    if tile is None:
+        return
+    tiles = steps * Workload.of(model, batch, seq).grid_tiles(*tile)
+    if tiles > MAX_TILES:
+        raise ConfigError(f"--tile {tile[0]}x{tile[1]} cuts {steps} step(s) of {model} at {batch} x {seq} tokens into "
+                          f"at least {tiles:,} tiles; a run simulates at most {MAX_TILES:,} (some 40,000 a second): "
+                          f"give larger tiles (the runtime's default is {DEFAULT_TILE}x{DEFAULT_TILE})")
+
+
 def _most(model: Any, field: str) -> int:
     """The largest value a schema's field takes (its `le`)."""
     return next(rule.le for rule in model.model_fields[field].metadata if getattr(rule, "le", None) is not None)
@@ -151,6 +167,7 @@ def config(args: argparse.Namespace) -> Any:
     if args.chunks > most:
         raise ConfigError(f"--chunks must be 1 to {most}, as the scheduler's plan carries it; got {args.chunks}")
     check_job(args.model, args.batch, args.seq, args.dtype)  # as cleave plan checks them
+    check_tiles(args.model, args.batch, args.seq, _tile(args.tile), args.steps)
     for flag, value in (("--report-models", args.report_models), ("--report-devices", args.report_devices)):
         if value is not None and args.report is None:  # (else one point was simulated and the sweep ignored)
             raise ConfigError(f"{flag} sets the sweep of --report DIR; give --report too")
@@ -208,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
         spec = ReportSpec.of(cfg, args.report_models, args.report_devices)
         for model in spec.models:
             check_job(model, cfg.batch, cfg.seq, cfg.dtype, "--report-models")
+            check_tiles(model, cfg.batch, cfg.seq, cfg.tile, cfg.steps)
         doc = write_report(spec, args.report, progress=sys.stderr)
         print(json.dumps({"report": str(args.report), "files": doc["files"]}))
         return 0
