@@ -23,7 +23,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -37,8 +37,8 @@ from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.stack import hold
 from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
-from cleave.methods.aggregate import DEFAULT_TRIM, trim_cut
 from cleave.methods import export as methods_export
+from cleave.methods.aggregate import DEFAULT_TRIM, trim_cut
 from cleave.models.hf import CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config, resolve_model_dir
 from cleave.models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from cleave.models.tokenizer import DEFAULT_TOKENIZER, TOKENIZER_FILES, TOKENIZER_RECORD, load_tokenizer
@@ -337,11 +337,11 @@ def export(out: str | Path, *, run_dir: str | Path | None = None, nats: str | No
         raise ConfigError(f"adapter_out (--adapter-out) {adapter_out}: job {job.job_id!r} has no LoRA adapters (lora_rank=0); "
                           "its export is the model alone")
     dtype = codec.torch_dtype(EXPORT_PRECISIONS[precision])
-    try:  # (an adapter folder inside `out` is written inside its staging; one elsewhere is staged and swapped too)
-        with replacing(out) as staging, replacing(adapters) if adapters and not inside else nullcontext() as beside:
+    try:  # (an adapter folder inside `out` is written inside its staging; one elsewhere is staged and swapped with it)
+        with replacing(out, *([adapters] if adapters and not inside else [])) as (staging, *beside):
             written, *adapter = methods_export.export(
                 model, job, cfg, staging, dtype, staging / adapters.resolve().relative_to(out.resolve()) if inside
-                else beside, home=out, adapter_home=adapters)
+                else next(iter(beside), None), home=out, adapter_home=adapters)
     except OSError as e:  # a full disk, a folder it may not write: nothing of the export is left
         raise CleaveError(f"cannot write the export to {out}: {e.filename or ''} {e.strerror or e}; nothing was "
                           "written") from None
@@ -364,23 +364,31 @@ def replaceable(out: Path, mark: str = TOKENIZER_RECORD, written: frozenset[str]
 
 
 @contextmanager
-def replacing(out: Path) -> Iterator[Path]:
-    """A new folder beside `out` to write an export into, put in `out`'s place once it is written whole: an
-    earlier export there is replaced, none of its files left behind (a stale tokenizer would win over the new
-    model's), and a write that fails (a full disk, a signal) leaves it as it was."""
-    out = out.resolve()  # (`.` has no name to stage beside)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    old = staging.with_suffix(".old")
+def replacing(*outs: Path) -> Iterator[list[Path]]:
+    """A new folder beside each of `outs` to write an export into, each put in its folder's place once all are
+    written whole: an earlier export there is replaced, none of its files left behind (a stale tokenizer would
+    win over the new model's), and a write or a swap that fails (a full disk, a signal between two swaps)
+    leaves every one of them as it was (a model and its adapter elsewhere are never from two exports)."""
+    outs = [out.resolve() for out in outs]  # (`.` has no name to stage beside)
+    stagings: list[Path] = []
     try:
-        staging.chmod(0o755)  # (mkdtemp's 0700: an export is shared like any folder of the user's)
-        yield staging
-        if out.exists():
-            out.rename(old)
-        staging.rename(out)
+        for out in outs:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            stagings.append(Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)))
+            stagings[-1].chmod(0o755)  # (mkdtemp's 0700: an export is shared like any folder of the user's)
+        yield stagings
+        for out, staging in zip(outs, stagings, strict=True):
+            if out.exists():
+                out.rename(staging.with_suffix(".old"))
+            staging.rename(out)
     except BaseException:
-        if old.exists() and not out.exists():  # (the swap failed halfway: the earlier export goes back)
-            old.rename(out)
-        shutil.rmtree(staging, ignore_errors=True)
+        for out, staging in zip(outs, stagings, strict=False):
+            old = staging.with_suffix(".old")
+            if not staging.exists() and out.exists():  # (swapped in already: it goes back out)
+                out.rename(staging)
+            if old.exists() and not out.exists():  # (the earlier export goes back)
+                old.rename(out)
+            shutil.rmtree(staging, ignore_errors=True)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    for staging in stagings:
+        shutil.rmtree(staging.with_suffix(".old"), ignore_errors=True)
