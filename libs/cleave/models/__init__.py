@@ -1,7 +1,7 @@
 """The model zoo: GPT-2 and Llama-style decoders, their configs and named presets.
 
-The presets and the builders import torch when first used (`__getattr__`): a process that only reads a step's
-GEMM shapes and order (the scheduler) starts without it.
+The builder imports torch when first used (`__getattr__`): a process that only reads presets or a step's GEMM
+shapes and order (the scheduler, the CLI's hub commands) starts without it.
 """
 
 from cleave.models.config import ModelConfig, RopeScaling
@@ -15,6 +15,7 @@ from cleave.models.gemms import (
     linear_layers,
     step_order,
 )
+from cleave.models.presets import PRESETS, get_preset
 
 __all__ = [
     "PRESETS",
@@ -33,8 +34,8 @@ __all__ = [
 ]
 
 def __getattr__(name: str) -> object:
-    if name in ("PRESETS", "build_model", "get_preset"):
-        from cleave.models import presets
+    if name == "build_model":
+        from cleave.models.build import build_model
 
-        return getattr(presets, name)
+        return build_model
     raise AttributeError(f"module 'cleave.models' has no attribute {name!r}")

@@ -83,7 +83,7 @@ def _linear_kinds(cfg: ModelConfig) -> tuple[tuple[str, int, int, int, bool], ..
     """(kind, in_features, out_features, count, recomputed) of the model's linear layers (recomputed: a
     recomputation of its block runs its product); building even a meta model takes a second or so for the
     big presets, hence the cache (configs are frozen, so hashable)."""
-    from cleave.models.presets import build_model
+    from cleave.models.build import build_model
     from cleave.models.recompute import recompute_free
 
     counts: dict[tuple[str, int, int, bool], int] = {}

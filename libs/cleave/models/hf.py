@@ -12,16 +12,13 @@ import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import ValidationError
-from torch import nn
 
 from cleave.errors import CleaveError, ConfigError
 from cleave.models.config import ModelConfig, RopeScaling
 from cleave.models.hub import cached_snapshot
-from cleave.models.presets import build_model
 from cleave.models.tokenizer import (
     DEFAULT_TOKENIZER,
     TOKENIZER_RECORD,
@@ -32,6 +29,10 @@ from cleave.models.tokenizer import (
     tokenizer_files,
 )
 
+if TYPE_CHECKING:  # (torch is imported where weights are read or written: reading a config needs none)
+    import torch
+    from torch import nn
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded checkpoints: {"weight_map": {key: shard file}}
@@ -40,22 +41,23 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 # buffers that some published checkpoints carry; they are recomputed, never loaded
 _IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
-StateDict = dict[str, torch.Tensor]
+StateDict = dict[str, "torch.Tensor"]
 
 
 # ---------------------------------------------------------------- configs
 
 
 def to_hf_config(
-    cfg: ModelConfig, dtype: torch.dtype = torch.float32, eos_id: int | None = None, bos_id: int | None = None
+    cfg: ModelConfig, dtype: torch.dtype | None = None, eos_id: int | None = None, bos_id: int | None = None
 ) -> dict:
-    """The config.json of the equivalent `GPT2LMHeadModel` or `LlamaForCausalLM`."""
+    """The config.json of the equivalent `GPT2LMHeadModel` or `LlamaForCausalLM` (weights of `dtype`,
+    float32 by default)."""
     common: dict[str, Any] = {
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32",
     }
     if cfg.family == "gpt2":
         if cfg.kv_heads != cfg.n_head:
@@ -198,6 +200,7 @@ def _embedding_key(cfg: ModelConfig) -> str:
 
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every key of our model's state dict and its shape (read off a model on the meta device)."""
+    from cleave.models.build import build_model  # noqa: PLC0415 - (torch: see the imports)
     return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
 
 
@@ -243,7 +246,7 @@ def to_hf_state_dict(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> StateD
     like = sd[_embedding_key(cfg)]
     out: StateDict = {}
     for key, shape in our_shapes(full).items():
-        t = sd[key].detach() if key in sd else torch.zeros(shape, dtype=like.dtype, device=like.device)
+        t = sd[key].detach() if key in sd else like.new_zeros(shape)
         out[_hf_key(cfg, key)] = t.t().contiguous() if _is_conv1d(cfg, key) else t
     return out
 
@@ -344,6 +347,7 @@ def model_files(path: str | Path) -> list[Path]:
 
 
 def _read_weights(directory: Path) -> StateDict:
+    import torch  # noqa: PLC0415 - (see the imports)
     files = weight_files(directory)
     st, sd = _safetensors(), {}
     for f in files:
@@ -399,6 +403,7 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, StateDict]:
 def load_hf_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, nn.Module]:
     """`load_hf`, then our model built from it with the weights loaded (cast to the model's float32)."""
     cfg, sd = load_hf(path)
+    from cleave.models.build import build_model  # noqa: PLC0415 - (torch: see the imports)
     model = build_model(cfg, device=device)
     model.load_state_dict(sd)
     return cfg, model

@@ -1,13 +1,9 @@
-"""Named model presets and building a model from its config."""
+"""Named model presets: their configs only (`cleave.models.build` builds a model), so that what reads a preset's
+shapes (the CLI's hub commands, the scheduler) starts without torch."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from cleave.models.config import ModelConfig, RopeScaling
-from cleave.models.gpt2 import GPT2
-from cleave.models.llama import Llama
 
 PRESETS: dict[str, ModelConfig] = {
     # runs a training step in well under a second on 2 CPU cores
@@ -90,10 +86,3 @@ def get_preset(name: str) -> ModelConfig:
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
-
-def build_model(cfg: ModelConfig, seed: int | None = None, device: str | torch.device = "cpu") -> nn.Module:
-    """A freshly initialised model; the same seed gives the same weights on every machine."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    with torch.device(device):
-        return GPT2(cfg) if cfg.family == "gpt2" else Llama(cfg)

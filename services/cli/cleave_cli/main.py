@@ -26,8 +26,9 @@ TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "pl
          "submit": "jobs_cmd", "status": "jobs_cmd", "runner": "runner", "site": "site_cmd"}
 # each module: register(sub) adds its subcommands, run(args) runs one
 DISTRIBUTION = "cleave-train"  # the name on the package index (the import names are cleave, cleave_cli, ...)
-LIGHT = ("chaos", "monitor", "scheduler")  # parsed alone, importing no other command: `cleave chaos kill`
-# signals, and the scheduler and the monitor start, without torch (its import is 2 s of CPU on a laptop core)
+LIGHT = ("chaos", "monitor", "scheduler", "submit", "status")  # parsed alone, importing no other command: `cleave
+# chaos kill` signals, the scheduler and the monitor start, and a hub's jobs are submitted and listed, without torch
+# (its import is 2 s of CPU on a laptop core)
 
 
 def tool(name: str) -> ModuleType:
