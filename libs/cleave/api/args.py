@@ -15,6 +15,10 @@ from pydantic import ConfigDict, Field, ValidationError, validate_call
 
 from cleave.schemas.jobs import JOB_ID_PATTERN
 
+# an export's precision, named as a job's (fp32, bf16, fp16), or by the wire's names, as they once were
+EXPORT_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32",
+                     "bfloat16": "bfloat16", "float16": "float16"}
+
 JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]
 Seconds = Annotated[float, Field(gt=0)]  # a wait or a period: more than none
 F = TypeVar("F", bound=Callable)

@@ -22,7 +22,6 @@ from cleave.schemas import StepMetrics
 from cleave.schemas.subjects import MAX_WORKER_ID, token
 from cleave.train.job import JobConfig
 from cleave.train.schedule import lr_at
-from cleave.train.trainer import Trainer
 
 JOIN_WAIT_S = 60.0  # how long a local PS waits for the stack's workers to join before it starts
 JOINED = re.compile(r"worker_joined .*?worker_id=(\S+)")  # the scheduler's log line for a join
@@ -67,6 +66,8 @@ def default_run_dir(kind: str) -> Path:
 def reference_steps(job: JobConfig, metrics_out: Path) -> Iterator[dict]:
     """The identical job in this process in plain PyTorch (same seed, same batches, same optimizer): each step's
     metrics line as it is written to `metrics_out`."""
+    from cleave.train.trainer import Trainer  # noqa: PLC0415 - (torch: a stack's commands start without it)
+
     trainer = Trainer(job)
     trainer.hold_optimizer_state()  # its peak from the first step, as the PS's
     out = MetricsFile(metrics_out)

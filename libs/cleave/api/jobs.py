@@ -32,10 +32,9 @@ from pydantic import Field
 
 from cleave import codec
 from cleave.api import credentials, hub, state
-from cleave.api.args import JobId, blocking, checked
+from cleave.api.args import EXPORT_PRECISIONS, JobId, blocking, checked
 from cleave.api.fleet import LocalFleet, reference_steps
 from cleave.api.stack import hold
-from cleave.api.state import EXPORT_PRECISIONS
 from cleave.errors import CleaveError, ConfigError
 from cleave.methods import export as methods_export
 from cleave.methods.aggregate import DEFAULT_TRIM, trim_cut

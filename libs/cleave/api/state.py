@@ -29,9 +29,6 @@ from cleave.train.checkpoint import read_checkpoint
 from cleave.train.job import JobConfig
 
 DEFAULT_PROBE_TIMEOUT_S = 1.0  # a run's NATS that does not greet within this is taken for gone
-# the saved weights' precision, named as a job's (fp32, bf16, fp16), or by the wire's names, as they once were
-EXPORT_PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float32": "float32",
-                     "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def job_id_of(run_dir: Path) -> str:

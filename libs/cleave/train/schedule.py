@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from cleave.train.job import JobConfig
+
+if TYPE_CHECKING:  # (the schedule is arithmetic: a stack's supervisor reads it without torch)
+    import torch
 
 T = TypeVar("T")
 DEFAULT_WARMUP_FRACTION = 0.05  # warmup_steps=None: this share of the run's optimizer steps ...

@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cleave.api import jobs
-from cleave.api.state import EXPORT_PRECISIONS
+from cleave.api.args import EXPORT_PRECISIONS
 from cleave.runtime.logs import configure
 from cleave_cli.progress import unit_of
 
@@ -35,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cleave.api import jobs  # (torch: `cleave --help` starts without it)
     from cleave_cli.jobs_cmd import quiet
 
     configure("export", level="error")  # the client's reconnect chatter is not for this command's user

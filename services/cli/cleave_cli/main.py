@@ -26,9 +26,10 @@ TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "pl
          "submit": "jobs_cmd", "status": "jobs_cmd", "runner": "runner", "site": "site_cmd"}
 # each module: register(sub) adds its subcommands, run(args) runs one
 DISTRIBUTION = "cleave-train"  # the name on the package index (the import names are cleave, cleave_cli, ...)
-LIGHT = ("chaos", "monitor", "scheduler", "submit", "status")  # parsed alone, importing no other command: `cleave
-# chaos kill` signals, the scheduler and the monitor start, and a hub's jobs are submitted and listed, without torch
-# (its import is 2 s of CPU on a laptop core)
+LIGHT = ("chaos", "monitor", "scheduler", "submit", "status")  # parsed alone, importing no other command, and run
+# without torch (its import is 2 s of CPU on a laptop core): `cleave chaos kill` signals, the scheduler and the
+# monitor start, a hub's jobs are submitted and listed. (No command's options import torch: each imports what it
+# runs when it runs.)
 
 
 def tool(name: str) -> ModuleType:
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     atexit.unregister(gc.freeze)  # (once, however often main runs in one process)
     atexit.register(gc.freeze)  # the collector's last passes skip what exists at exit: with torch loaded they
     # took 1.2 s of CPU at the end of every command and service, 0.2 s without (objects are freed as always)
-    try:  # (building the parser imports every command, torch too: seconds in which a Ctrl-C may come)
+    try:  # (building the parser imports every command: a second in which a Ctrl-C may come)
         args = build_parser(argv[0] if argv and argv[0] in LIGHT else None).parse_args(argv)
         if args.command in ("ps", "worker", "scheduler"):
             return run_service(args)

@@ -35,7 +35,6 @@ from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageT
 
 from cleave import auth, codec
 from cleave import bus as busmod
-from cleave.api import jobs
 from cleave.api.hub import read_records
 from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES
@@ -255,6 +254,8 @@ class Runner:
         got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
         if got and (refused := refusal(job_id, got[0].job_config, got[0].step, job.model_dump_json())):
             return None, str(refused)
+        from cleave.api import jobs  # noqa: PLC0415 - (torch: `cleave --help` starts without it)
+
         try:  # (off the loop: a tokenizer is read whole)
             await asyncio.wait_for(asyncio.to_thread(jobs.check_inputs, job), INPUTS_TIMEOUT_S)
         except TimeoutError:
