@@ -254,10 +254,8 @@ class Runner:
         got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
         if got and (refused := refusal(job_id, got[0].job_config, got[0].step, job.model_dump_json())):
             return None, str(refused)
-        from cleave.api import jobs  # noqa: PLC0415 - (torch: `cleave --help` starts without it)
-
         try:  # (off the loop: a tokenizer is read whole)
-            await asyncio.wait_for(asyncio.to_thread(jobs.check_inputs, job), INPUTS_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.to_thread(check_inputs, job), INPUTS_TIMEOUT_S)
         except TimeoutError:
             return None, f"its tokenizer and data could not be checked within {INPUTS_TIMEOUT_S:.0f} s"
         except Exception as e:  # (ConfigError names the setting; anything else a hostile path raises, too)
@@ -341,6 +339,14 @@ async def jobs_stream(bus: busmod.Bus) -> None:
                                   retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
                                   max_bytes=JOBS_MAX_BYTES, discard=DiscardPolicy.NEW,
                                   max_msg_size=MAX_CONTROL_BYTES, num_replicas=bus.replicas))
+
+
+def check_inputs(job: JobConfig) -> None:
+    """`cleave.api.jobs.check_inputs`, imported on first use in the thread that checks (it imports torch, which
+    `cleave --help` does without, and which would hold the runner's loop for seconds)."""
+    from cleave.api import jobs  # noqa: PLC0415
+
+    jobs.check_inputs(job)
 
 
 def failure_reason(stack: Stack, proc: Proc) -> str:
