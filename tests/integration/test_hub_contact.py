@@ -105,3 +105,32 @@ def test_cleave_train_at_a_hub_not_up_says_so_in_one_line(tmp_path: Path, capsys
     assert said.out == "" and said.err.strip().splitlines() == [
         f"cleave: error: could not reach NATS at {url} within 3s: nothing listens there (connection refused): is "
         "the hub up, and is this its client port?"], said
+
+
+PROGRAM = """
+import sys, structlog
+from cleave.api import hub
+hub.DEFAULT_CONNECT_TIMEOUT_S = 2.0
+def mine(_logger, _method, event):
+    print("mine:", event["event"], file=sys.stderr)
+    raise structlog.DropEvent
+if sys.argv[1] == "own":  # a program with its own logging keeps it
+    structlog.configure(processors=[mine])
+try:
+    hub.status(sys.argv[2])
+except Exception as e:
+    print("told:", e)
+"""
+
+
+@pytest.mark.parametrize("logging_", ["none", "own"])
+def test_a_program_calling_the_api_gets_no_log_lines_in_its_output(logging_: str) -> None:
+    """A program or notebook that asked for the status of a hub not up had the client's `nats_error` warnings
+    printed among its own output (structlog, not configured, prints every line on stdout)."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    run = subprocess.run([sys.executable, "-c", PROGRAM, logging_, url], capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert run.stdout.splitlines() == [f"told: could not reach NATS at {url} within 2s: nothing listens there "
+                                       "(connection refused): is the hub up, and is this its client port?"], run
+    mine = [line for line in run.stderr.splitlines() if line.startswith("mine:")]
+    assert run.stderr.strip() == "" if logging_ == "none" else mine and set(mine) == {"mine: nats_error"}, run

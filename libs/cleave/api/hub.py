@@ -30,6 +30,7 @@ from cleave.api.credentials import client_options
 from cleave.bus import urls
 from cleave.bus.limits import STORE_FAILED
 from cleave.errors import CleaveError, WireError
+from cleave.runtime import logs
 from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
@@ -62,6 +63,7 @@ ENDED = ("done", "failed")  # a job's states after which nothing more happens un
 # ---- the hub's client -------------------------------------------------------------------------------
 async def connect(url: str, folder: Path | None, role: str = "submitter") -> busmod.Bus:
     """Log in at `url` as `role` with the credential in `folder`; a clear error when that cannot be done."""
+    logs.unless_configured()  # (the client's retries are not for a program's stdout)
     urls.servers(url)  # (a wrong URL named before the credential is read)
     options = client_options(folder, role)
     start = time.monotonic()

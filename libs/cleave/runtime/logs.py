@@ -38,3 +38,24 @@ def configure(service: str, json: bool | None = None, level: str | None = None) 
     )
     structlog.contextvars.bind_contextvars(service=service)
     return structlog.get_logger(service)
+
+
+def unless_configured(level: str = "error") -> None:
+    """Where nothing configured logging (a program or a notebook calling `cleave.api`), Cleave's lines of `level`
+    and above go to stderr: structlog's own default prints every line on stdout, into the program's output (a
+    client's retries of a hub not up: a warning each). A program that configured structlog keeps its own."""
+    if structlog.is_configured():
+        return
+    least = logging.getLevelName(level.upper())
+
+    def at_least(_logger: object, method: str, event: dict) -> dict:
+        if logging.getLevelName(method.upper()) < least:
+            raise structlog.DropEvent
+        return event
+
+    structlog.configure(  # (filtered by a processor, not the wrapper: structlog's log capture still sees all)
+        processors=[structlog.processors.add_log_level, at_least, structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.dev.ConsoleRenderer(colors=False)],
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
+        cache_logger_on_first_use=False,
+    )
