@@ -79,6 +79,11 @@ def test_the_aggregate_is_fedavgs_and_no_update_reaches_the_ps(tmp_path):
     plain, plain_seen, plain_w = run(tmp_path / "plain" / "run", job)
     secure, seen, secure_w = run(tmp_path / "secure" / "run", job.model_copy(update={"secagg": True}))
     assert [m["workers"] for m in secure] == [3, 3, 3]
+    # what each worker received: the round's broadcast, and under secagg the most any member got of its own
+    # messages (the others' keys, its sealed shares), far less than what left the PS for all three
+    assert all(m["bytes_down_per_worker"] == m["bytes_down"] for m in plain)
+    for m, p in zip(secure, plain, strict=True):
+        assert p["bytes_down"] < m["bytes_down_per_worker"] < m["bytes_down"] - (m["bytes_down"] - p["bytes_down"]) / 2, m
     assert_same([m["loss"] for m in secure], [m["loss"] for m in plain], rtol=1e-6)
     # the global weights after three rounds: FedAvg's, within float tolerance. The sum is taken in another order
     # (float64 fixed point, not float32), an ulp a round, and AdamW's next local steps magnify it where a bias's

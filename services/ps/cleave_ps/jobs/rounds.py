@@ -296,11 +296,12 @@ class Rounds:
         """Deal round `r` and close it: its metrics line, or (nothing accepted) what the PS saw, or None."""
         t0 = time.perf_counter()
         expected = set(await self.plan.some_workers(self.stop, lambda: self.idle.waiting(r))) - set(self.refused)
-        bytes_down = await self.deal(r, expected)
+        bytes_down = per_worker = await self.deal(r, expected)  # (the round's broadcast: every worker gets it)
         self.faults.hit("in_round", r)
         if self.secure is not None:
             total, survivors, lost, why = await self.secure.run(expected, t0)
             bytes_down += self.secure.bytes_down
+            per_worker += max(self.secure.bytes_to.values(), default=0)  # (and the most any member got of its own)
         else:
             lost, why = await self.collect(r, expected, t0), None
         if self.stop.is_set():
@@ -336,7 +337,7 @@ class Rounds:
                         loss=round_loss(losses, self.job.aggregate, trim), val_loss=val,
                         step_time_s=time.perf_counter() - self.round_started, workers=len(report.senders),
                         bytes_down=bytes_down,
-                        bytes_down_per_worker=bytes_down,
+                        bytes_down_per_worker=per_worker,
                         bytes_up=self.bytes_up, raw_bytes_up=self.raw_bytes, updates=len(report.senders),
                         updates_dropped=self.dropped, tokens=len(report.senders) * self.job.local_steps
                         * self.job.batch_size * self.job.seq, lr=lr_at(self.job, r * self.job.local_steps), recoveries=len(lost),

@@ -69,6 +69,7 @@ class SecureRound:
         self.u3: tuple[str, ...] = ()
         self.dropped: tuple[str, ...] = ()
         self.bytes_down = 0
+        self.bytes_to: dict[str, int] = {}  # member -> bytes of its own messages
 
     def on_update(self, msg: RoundUpdate) -> str | None:
         """Take a member's phase message; the reason it is refused, or None."""
@@ -112,7 +113,9 @@ class SecureRound:
 
     async def send(self, to: list[str], make) -> None:  # noqa: ANN001 - member -> SecAggTask
         for w in to:
-            self.bytes_down += await self.rounds.bus.publish(SUBJECT_SECAGG.format(worker_id=w), make(w))
+            sent = await self.rounds.bus.publish(SUBJECT_SECAGG.format(worker_id=w), make(w))
+            self.bytes_down += sent
+            self.bytes_to[w] = self.bytes_to.get(w, 0) + sent
 
     def task(self, phase: str, **fields: object) -> SecAggTask:
         job = self.rounds.job
