@@ -22,6 +22,7 @@ from cleave.sim.step import Simulation, recovery_over_step, simulate_step
 from cleave.sim.systems import SimConfig, compare, expected_step, with_churn
 from cleave.sim.workload import Workload
 from cleave.sim.world import World
+from cleave.train.job import JobConfig
 from cleave_cli import sim_cmd
 
 SMALL = ("opt-125m", 8, 128)  # model, batch, seq: GEMMs of 1024 rows, simulated in milliseconds
@@ -47,6 +48,19 @@ def shapes(model=SMALL[0], batch=SMALL[1], seq=SMALL[2]):
 def test_presets_have_the_published_parameter_counts(name, billions):
     params = sum(p.numel() for p in build_model(PRESETS[name], device="meta").parameters())
     assert params / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+@pytest.mark.parametrize(("model", "batch", "seq"), [("opt-13b", 128, 1024), ("opt-125m", 16, 256), ("tiny", 4, 64)])
+def test_the_simulator_deals_the_gemms_the_ps_deals(model, batch, seq):
+    """The simulated step is the job's (`JobConfig.layout`: the head in chunks of tokens and slices of the
+    vocabulary, as the PS runs it), while the baselines keep the one-pass model they were published with."""
+    work = Workload.of(model, batch, seq)
+    job = JobConfig(preset=model, batch_size=batch, seq_len=seq)
+    assert list(work.shapes) == gemm_shapes(PRESETS[model], batch, seq, job.layout())
+    assert work.step_flops == pytest.approx(sum(s.flops * s.count_per_step for s in work.one_pass))
+    heads = {s.count_per_step for s in work.shapes if s.name == "lm_head.fwd"}
+    assert heads == {job.layout().head_chunks} and (model == "tiny" or heads != {1})
+    assert [s.count_per_step for s in work.one_pass if s.name.startswith("lm_head.")] == [1, 1, 1]
 
 
 def gemm(world, shape, plan_kind="cost", tile=None, policy=None, leave_at=None, plans=(), chunks=4, fan_out=True):

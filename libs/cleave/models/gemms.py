@@ -37,6 +37,15 @@ class StepLayout:
     head_chunks: int = 1  # the head and loss of each micro-batch in this many pieces of tokens
     head_slices: int = 1  # the head's input gradient as the sum over this many slices of the vocabulary
 
+    @classmethod
+    def of(cls, cfg: ModelConfig, micro_tokens: int, recompute: bool = False, micro_batches: int = 1,
+           logits_bytes: int = DEFAULT_LOGITS_BYTES) -> StepLayout:
+        """How a PS runs a step of `cfg` whose micro-batches have `micro_tokens` tokens each: the head in the
+        chunks its logits budget leaves and the slices of the vocabulary (`JobConfig.layout`; the simulator's
+        step is this one)."""
+        return cls(recompute=recompute, micro_batches=micro_batches,
+                   head_chunks=head_chunks(cfg, micro_tokens, logits_bytes), head_slices=head_slices(cfg))
+
 
 def head_slices(cfg: ModelConfig) -> int:
     """Slices of the vocabulary that the head's input gradient is summed over (`HEAD_SLICE` each at most)."""

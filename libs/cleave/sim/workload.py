@@ -22,7 +22,7 @@ from functools import cached_property
 
 import numpy as np
 
-from cleave.models import GemmShape, ModelConfig, gemm_shapes, get_preset
+from cleave.models import GemmShape, ModelConfig, StepLayout, gemm_shapes, get_preset
 from cleave.plan.planner import DTYPE_BYTES
 
 STATE_FACTOR = 3.0  # weights + 2x weights of optimizer state
@@ -50,23 +50,32 @@ class Workload:
     batch: int
     seq: int
     dtype_bytes: int
-    shapes: tuple[GemmShape, ...]
+    shapes: tuple[GemmShape, ...]  # what Cleave's PS deals in a step (`of`: the job's layout)
 
     @classmethod
     def of(cls, model: str, batch: int, seq: int, dtype: str = "fp16") -> Workload:
+        """The job as Cleave's PS runs it (`StepLayout.of`: the head and loss in chunks of tokens, the head's input
+        gradient over slices of the vocabulary); the baselines see the same model in one pass (`one_pass`)."""
         cfg = get_preset(model)
-        return cls(model, cfg, batch, seq, DTYPE_BYTES[dtype], tuple(gemm_shapes(cfg, batch, seq)))
+        layout = StepLayout.of(cfg, batch * seq)
+        return cls(model, cfg, batch, seq, DTYPE_BYTES[dtype], tuple(gemm_shapes(cfg, batch, seq, layout)))
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
 
     @cached_property
+    def one_pass(self) -> list[GemmShape]:
+        """The step's GEMMs in one pass over the batch, each linear layer's three products once (the baselines'
+        step: `shapes` cuts the head into the pieces Cleave's PS deals)."""
+        return gemm_shapes(self.cfg, self.batch, self.seq)
+
+    @cached_property
     def layer_gemms(self) -> list[tuple[int, int]]:
         """(k, n) of each linear layer of one transformer block (forward Y[M, n] = X[M, k] · W)."""
         return [
             (s.k, s.n)
-            for s in self.shapes
+            for s in self.one_pass
             if s.name.endswith(".fwd") and s.count_per_step == self.cfg.n_layer
         ]
 
@@ -74,14 +83,14 @@ class Workload:
     def head_gemms(self) -> list[tuple[int, int]]:
         return [
             (s.k, s.n)
-            for s in self.shapes
+            for s in self.one_pass
             if s.name.endswith(".fwd") and s.count_per_step != self.cfg.n_layer
         ]
 
     @cached_property
     def fwd_gemms(self) -> list[tuple[int, int, int]]:
         """(k, n, count per step) of every forward GEMM kind."""
-        return [(s.k, s.n, s.count_per_step) for s in self.shapes if s.name.endswith(".fwd")]
+        return [(s.k, s.n, s.count_per_step) for s in self.one_pass if s.name.endswith(".fwd")]
 
     def grid_tiles(self, rows: int, cols: int) -> int:
         """The tiles of a step's GEMMs each cut on a grid of at most `rows` x `cols` (the fewest a tile limit

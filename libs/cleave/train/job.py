@@ -12,8 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cleave.errors import ConfigError
-from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset, head_chunks
-from cleave.models.gemms import DEFAULT_LOGITS_BYTES, head_slices
+from cleave.models import PRESETS, ModelConfig, StepLayout, gemm_shapes, get_preset
+from cleave.models.gemms import DEFAULT_LOGITS_BYTES
 from cleave.models.hf import own_tokenizer, read_hf_config
 from cleave.models.tokenizer import recorded_spec
 from cleave.runtime import config_file
@@ -254,10 +254,8 @@ class JobConfig(BaseModel):
     def layout(self, replicas: int = 1) -> StepLayout:
         """How one PS (of `replicas`, each with its share of the batch) runs a step's GEMMs; `recompute`
         still undecided (None) counts as off."""
-        tokens = self.batch_size // replicas // self.micro_batches * self.seq
-        return StepLayout(recompute=bool(self.recompute), micro_batches=self.micro_batches,
-                          head_chunks=head_chunks(self.arch(), tokens, self.logits_bytes),
-                          head_slices=head_slices(self.arch()))
+        return StepLayout.of(self.arch(), self.batch_size // replicas // self.micro_batches * self.seq,
+                             bool(self.recompute), self.micro_batches, self.logits_bytes)
 
     @classmethod
     def load(cls, path: str | Path, **overrides: object) -> JobConfig:
