@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from cleave.api.fleet import LocalFleet
-from cleave.models import gemm_shapes, get_preset
+from cleave.models import gemm_shapes
 from cleave.plan.profile import parse_profile
 from cleave.sim import simulate_step
 from cleave.train.job import JobConfig
@@ -70,7 +70,7 @@ def run(planner: str, job: JobConfig, run_dir: Path) -> dict:
     measured, predicted = med("step_time_s"), med("predicted_step_s")
     gemm, planned = med("gemm_s"), med("predicted_gemm_s")
     profiles = {name: parse_profile(spec) for name, spec in PROFILES.items()}
-    shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
+    shapes = gemm_shapes(job.arch(), job.batch_size, job.seq, job.layout())
     simulated = simulate_step(profiles, shapes, 4, planner=planner, steps=2)
     return {"planner": planner, "measured_step_s": measured, "predicted_step_s": predicted,
             "measured_over_predicted": measured / predicted if predicted else None,

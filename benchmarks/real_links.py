@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cleave.gemm.ledger import DEFAULT_DEFERRED
-from cleave.models import gemm_shapes, get_preset
+from cleave.models import gemm_shapes
 from cleave.runtime import netlab
 from cleave.runtime.netlab import Link
 from cleave.schemas import DeviceProfile
@@ -111,7 +111,7 @@ def run(planner: str, job: JobConfig, run_dir: Path, links: list[Link], deferred
     measured = profiles(run_dir, links)
     fleet_profiles = {w: DeviceProfile(flops=p["flops"], memory_bytes=512 * 1024**2, downlink_bytes_per_s=p["down"],
                                        uplink_bytes_per_s=p["up"], latency_s=p["latency_s"]) for w, p in measured.items()}
-    shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
+    shapes = gemm_shapes(job.arch(), job.batch_size, job.seq, job.layout())
     simulated = simulate_step(fleet_profiles, shapes, 4, planner=planner, steps=2)  # the same measured profiles
     gemms = gemm_table(run_dir / "logs" / "ps.log")
     return {"planner": planner, "deferred_gemms": deferred, "chunks": chunks, "measured_gemm_s": gemm,

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from cleave.models import gemm_shapes, get_preset
+from cleave.models import gemm_shapes
 from cleave.runtime import netlab
 from cleave.runtime.netlab import Link
 from cleave.schemas import DeviceProfile
@@ -64,7 +64,7 @@ def test_the_cost_model_predicts_gemms_behind_shaped_links_within_20_percent(tmp
         p = profiles[link.id]
         assert 0.6 * link.down < p.downlink_bytes_per_s < 1.1 * link.down, (link, p)
         assert 0.6 * link.up < p.uplink_bytes_per_s < 1.1 * link.up, (link, p)
-    shapes = gemm_shapes(get_preset(job.preset), job.batch_size, job.seq)
+    shapes = gemm_shapes(job.arch(), job.batch_size, job.seq, job.layout())
     simulated = simulate_step(profiles, shapes, 4, steps=2)
     for key, value in (("measured_gemm_s", measured), ("simulated_gemm_s", simulated),
                        ("scheduler_predicted_gemm_s", scheduler)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from cleave.models import gemm_shapes, get_preset
+from cleave.models import StepLayout, gemm_shapes, get_preset
 from cleave.plan.fleet import synthetic_fleet
 from cleave.schemas import DeviceRecord, GemmSpec, JobShapes, Plan
 from cleave_scheduler.planning import with_layouts
@@ -25,9 +25,10 @@ def synthetic_registry(devices: int, seed: int = 0) -> Registry:
 
 
 def job_shapes(model: str, batch: int, seq: int, dtype_bytes: int) -> JobShapes:
-    """What a PS running this job tells the scheduler."""
+    """What a PS running this job tells the scheduler (its step as `JobConfig.layout` has it by default)."""
+    cfg = get_preset(model)
     specs = tuple(GemmSpec(name=g.name, m=g.m, n=g.n, k=g.k, count_per_step=g.count_per_step)
-                  for g in gemm_shapes(get_preset(model), batch, seq))
+                  for g in gemm_shapes(cfg, batch, seq, StepLayout.of(cfg, batch * seq)))
     return JobShapes(job=f"{model}-b{batch}", gemms=specs, dtype_bytes=dtype_bytes)
 
 
