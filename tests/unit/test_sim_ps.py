@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cleave.models.gemms import DEFAULT_LOGITS_BYTES
 from cleave.sim.ps import (
     PsSpec,
     allreduce_s,
@@ -52,17 +53,26 @@ def test_the_ps_flops_by_hand(work):
 def test_the_ps_memory_by_hand(work):
     m = ps_memory(work)
     assert m["state"] == 16 * PARAMS
-    # 17 elements of 2 bytes per token, hidden unit and layer, and the logits: 16 x 256 x 2
-    assert m["activations"] == 16 * 64 * 2 * 17 * 2 + 16 * 256 * 2  # 77,824
+    # 17 elements of 2 bytes per token, hidden unit and layer, and the float32 logits of the head's one chunk
+    assert m["logits"] == 16 * 256 * 4
+    assert m["activations"] == 16 * 64 * 2 * 17 * 2 + 16 * 256 * 4  # 86,016
     half = ps_memory(work, replicas=2)
     assert half["state"] == m["state"] and half["activations"] == m["activations"] / 2
 
 
+def test_the_ps_holds_the_logits_of_one_chunk_of_the_head():
+    """The PS runs the head and the loss in chunks of tokens (`JobConfig.layout`): GPT-2 Medium at 8 x 1,024
+    holds 1,024 tokens' logits at once, not 8,192 tokens' (1.6 GB)."""
+    work = Workload.of("gpt2-medium", 8, 1024)
+    assert ps_memory(work)["logits"] == 4 * 50257 * 1024 <= DEFAULT_LOGITS_BYTES
+    assert ps_memory(work, replicas=8)["logits"] == 4 * 50257 * 1024  # (one chunk of its 1,024 tokens)
+
+
 def test_replicas_by_memory_split_the_activations_not_the_state(work):
     state = 16 * PARAMS
-    assert replicas_by_memory(work, state + 77_824) == 1
-    assert replicas_by_memory(work, state + 40_000) == 2  # ceil(77,824 / 40,000)
-    assert replicas_by_memory(work, state + 10_000) == 8
+    assert replicas_by_memory(work, state + 86_016) == 1
+    assert replicas_by_memory(work, state + 43_008) == 2
+    assert replicas_by_memory(work, state + 10_000) == 9  # ceil(86,016 / 10,000)
     assert replicas_by_memory(work, state) is None  # nothing is left for activations on any replica
 
 
@@ -104,7 +114,7 @@ def test_charge_names_what_bounds_one_ps(work):
     assert fast["bound"] == "fleet" and fast["replicas"] == 1
     thin = charge(work, PsSpec(flops=1e15), {**fleet, "ps_bandwidth": 1e7})  # egress 100 s > fleet 50 s
     assert thin["bound"] == "ps_egress"
-    small = charge(work, PsSpec(memory_bytes=16 * PARAMS + 40_000), fleet)
+    small = charge(work, PsSpec(memory_bytes=16 * PARAMS + 43_008), fleet)
     assert small["bound"] == "ps_memory" and small["replicas_by_memory"] == 2 and small["replicas"] >= 2
     assert charge(work, PsSpec(memory_bytes=16 * PARAMS), fleet)["replicas"] is None
 

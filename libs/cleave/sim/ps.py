@@ -13,7 +13,8 @@ Conventions (each a constant below, with where it comes from):
   32-bit master weights, momentum and variance; ZeRO, Rajbhandari et al. 2020); every replica holds it all.
 - Saved activations: a layer keeps `SAVED_PER_TOKEN_HIDDEN` elements per token and hidden unit for its
   backward (the 34 bytes of 16-bit of Korthikanti et al. 2022 without the attention matrix, which the
-  memory-efficient kernel recomputes), plus the logits for the loss; a replica keeps its share of the batch.
+  memory-efficient kernel recomputes), plus the float32 logits of one chunk of the head (the PS runs the head
+  and the loss in chunks of tokens, `StepLayout.of`); a replica keeps its share of the batch.
 - Replicas split the batch (and the fleet) R ways: the inputs that carry tokens (activations, output
   gradients) leave each replica at 1/R, the weights leave every replica whole; the fleet's GEMM time is
   taken as unchanged (each replica's devices do 1/R of the work).
@@ -25,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from cleave.models import StepLayout
 from cleave.sim.workload import WORK_FACTOR, Workload, ring_allreduce_s
 
 DEFAULT_PS_FLOPS = 5e12  # a 64-core cloud VM in torch (~100 GFLOP/s a core, as measured here on 2 cores)
@@ -37,6 +39,7 @@ REPLICA_SLACK = 1.1  # replicas needed: the fewest whose step is within 10% of t
 STATE_BYTES_PER_PARAM = 16.0
 GRAD_BYTES = 4  # gradients all-reduced in fp32 (the PS's own dtype)
 SAVED_PER_TOKEN_HIDDEN = WORK_FACTOR / 2  # 17 elements of one layer's input-sized tensors, a token
+LOGITS_BYTES = 4  # a logit, as the PS computes the loss (float32)
 ADAM_FLOPS_PER_PARAM = 14.0  # moments 7, the update 5, weight decay 2
 NORM_FLOPS = 8.0  # per element: mean, variance, normalise, scale and shift
 ACT_FLOPS = 10.0  # per element of the MLP's width (GELU's tanh form; SwiGLU about the same)
@@ -78,18 +81,24 @@ def ps_memory(work: Workload, replicas: int = 1) -> dict[str, float]:
     c, b = work.cfg, work.dtype_bytes
     tokens = work.tokens / replicas
     state = STATE_BYTES_PER_PARAM * work.params
-    activations = tokens * c.n_embd * c.n_layer * SAVED_PER_TOKEN_HIDDEN * b + tokens * c.vocab_size * b
-    return {"state": state, "activations": activations, "total": state + activations}
+    saved = tokens * c.n_embd * c.n_layer * SAVED_PER_TOKEN_HIDDEN * b
+    logits = LOGITS_BYTES * c.vocab_size * tokens / StepLayout.of(c, max(1, math.ceil(tokens))).head_chunks
+    return {"state": state, "activations": saved + logits, "logits": logits, "total": state + saved + logits}
 
 
 def replicas_by_memory(work: Workload, memory_bytes: float) -> int | None:
-    """The fewest replicas whose share of the batch fits in `memory_bytes` each (None: the state alone does
-    not fit, and data-parallel replicas each hold all of it)."""
+    """The fewest replicas whose share of the batch fits in `memory_bytes` each (None: none does, as when the
+    state alone does not fit: data-parallel replicas each hold all of it)."""
     m = ps_memory(work)
     room = memory_bytes - m["state"]
     if room <= 0:
         return None
-    return max(1, math.ceil(m["activations"] / room))
+    replicas = max(1, math.ceil(m["activations"] / room))  # (the logits of a smaller share may come in fewer chunks)
+    while ps_memory(work, replicas)["total"] > memory_bytes:
+        if replicas >= work.tokens:  # (one token a replica, and still too much)
+            return None
+        replicas += 1
+    return replicas
 
 
 def egress_share(work: Workload, replicas: int) -> float:
