@@ -40,22 +40,32 @@ def configure(service: str, json: bool | None = None, level: str | None = None) 
     return structlog.get_logger(service)
 
 
-def unless_configured(level: str = "error") -> None:
-    """Where nothing configured logging (a program or a notebook calling `cleave.api`), Cleave's lines of `level`
-    and above go to stderr: structlog's own default prints every line on stdout, into the program's output (a
-    client's retries of a hub not up: a warning each). A program that configured structlog keeps its own."""
+class _ErrorsOnStderr:
+    """Cleave's logger in a program that configured no logging: its errors on stderr, its other lines dropped."""
+
+    def _write(self, message: str) -> None:
+        _Stderr().write(message + "\n")
+
+    def _drop(self, message: str) -> None:
+        pass
+
+    error = err = exception = critical = fatal = failure = _write
+    msg = log = debug = info = warning = warn = _drop
+
+
+def _by_name(*args: object) -> object:
+    """Cleave's loggers (`cleave.*`) write errors only, to stderr; any other keeps structlog's default (stdout)."""
+    name = args[0] if args else None
+    if isinstance(name, str) and name.split(".")[0] == "cleave":
+        return _ErrorsOnStderr()
+    return structlog.PrintLogger()
+
+
+def unless_configured() -> None:
+    """Where nothing configured logging (a program or a notebook calling `cleave.api`), Cleave's own lines are
+    errors only, on stderr: structlog's default prints every line on stdout, into the program's output (a
+    client's retries of a hub not up: a warning each). The program's own structlog lines stay as structlog's
+    defaults have them, and a program that configured structlog keeps its configuration."""
     if structlog.is_configured():
         return
-    least = logging.getLevelName(level.upper())
-
-    def at_least(_logger: object, method: str, event: dict) -> dict:
-        if logging.getLevelName(method.upper()) < least:
-            raise structlog.DropEvent
-        return event
-
-    structlog.configure(  # (filtered by a processor, not the wrapper: structlog's log capture still sees all)
-        processors=[structlog.processors.add_log_level, at_least, structlog.processors.TimeStamper(fmt="iso", utc=True),
-                    structlog.dev.ConsoleRenderer(colors=False)],
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
-        cache_logger_on_first_use=False,
-    )
+    structlog.configure(logger_factory=_by_name, cache_logger_on_first_use=False)
