@@ -25,6 +25,7 @@ from cleave.schemas import (
     STATE_OBJECTS,
     SUBJECT_EVENTS_ALL,
     SUBJECT_HEARTBEAT,
+    SUBJECT_JOB_SUBMIT,
     SUBJECT_MODELS_GET,
     SUBJECT_PROBE,
     SUBJECT_PROBE_ALL,
@@ -71,13 +72,15 @@ async def test_every_issued_credential_connects(server: AuthServer, connect) -> 
 
 
 # ---- what a worker may do ----------------------------------------------------------------------------
-async def test_worker_cannot_publish_tiles_plans_or_state(server: AuthServer, connect) -> None:
+async def test_worker_cannot_publish_tiles_plans_or_state_nor_submit_or_cancel_a_job(server: AuthServer,
+                                                                                       connect) -> None:
     victim = await connect(server.settings("worker"), "worker")  # another worker, waiting for its tiles
     inbox = await victim.nc.subscribe(SUBJECT_TILES.format(worker_id="x"))
     await victim.nc.flush(timeout=OP_TIMEOUT_S)
     hostile = await connect(server.settings("worker"), "worker")
     for subject in (SUBJECT_TILES.format(worker_id="x"), f"$KV.{PLAN_BUCKET}.{PLAN_KEY}",
-                    f"$KV.{STATE_BUCKET}.head", "cleave.events.worker_joined"):
+                    f"$KV.{STATE_BUCKET}.head", "cleave.events.worker_joined",
+                    SUBJECT_JOB_SUBMIT.format(job="j")):  # (a submission or a cancel: `cleave cancel`)
         await hostile.nc.publish(subject, b"forged")
         assert "permissions violation for publish" in await hostile.violation(subject)
     await hostile.nc.flush(timeout=OP_TIMEOUT_S)  # the server has handled every forged publish ...

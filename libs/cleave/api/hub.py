@@ -1,6 +1,7 @@
-"""A hub's jobs from anywhere that reaches its NATS: submit a job to its runner, read the jobs' records and a
-job's step metrics (the events stream keeps them), follow a job to its end. `cleave submit` and `cleave status`
-are these with their printing; `from cleave import submit, status, follow` the same from Python.
+"""A hub's jobs from anywhere that reaches its NATS: submit a job to its runner, cancel one, read the jobs' records
+and a job's step metrics (the events stream keeps them), follow a job to its end. `cleave submit`, `cleave cancel`
+and `cleave status` are these with their printing; `from cleave import submit, cancel, status, follow` the same
+from Python.
 
 Every call logs in with the submitter's credential found in an auth directory (`cleave auth init`'s, or the
 submitter's copy of it: `submitter.env` and `tls/ca.pem`), or with none on a hub without auth.
@@ -44,7 +45,7 @@ from cleave.schemas import (
     StepMetrics,
 )
 from cleave.schemas.base import Wire
-from cleave.schemas.jobs import runner_silent_s, waiting_for_workers
+from cleave.schemas.jobs import ENDED, runner_silent_s, waiting_for_workers
 from cleave.schemas.subjects import kv_stream, kv_subject
 from cleave.train.job import JobConfig
 
@@ -57,7 +58,6 @@ DEFAULT_FOLLOW_S = 2.0  # how often `follow` reads a job's new steps
 DEFAULT_RETRY_S = 1.0  # between tries to store a job on a hub whose runner has not made its stream yet
 DEFAULT_FETCH = 512  # metrics lines read per batch
 DEFAULT_CONSUMER_IDLE_S = 30.0  # the server deletes a reading consumer this long after its last use
-ENDED = ("done", "failed")  # a job's states after which nothing more happens until it is submitted again
 
 
 # ---- the hub's client -------------------------------------------------------------------------------
@@ -284,6 +284,39 @@ def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_worker
     return blocking(go())
 
 
+async def cancel_on(bus: busmod.Bus, job_id: str, nats: str, wait_s: float) -> tuple[JobRecord | None, JobRecord | None]:
+    """Send a cancel of `job_id` and wait up to `wait_s` for the runner's answer: its record before (None for a
+    job only submitted, not taken yet) and the record that answers the cancel (None: no answer in time)."""
+    before = await read_records(bus, job_id)
+    if not before and not await untaken(bus, job_id):
+        raise CleaveError(f"the hub at {nats} knows no job {job_id!r} (`cleave status` lists them)")
+    sub = JobSubmission(job="{}", nonce=secrets.token_hex(8), submitted_at=time.time(), action="cancel")
+    await store(bus, job_id, sub, wait_s, nats)
+    rec = await verdict(bus, job_id, sub.nonce, wait_s)
+    if rec is not None and rec.verdict == "refused":  # (a runner of a Cleave without cancels judged it a job)
+        raise CleaveError(f"the hub's runner did not cancel job {job_id}: {rec.verdict_reason} (is the hub's "
+                          "Cleave older than this one?)")
+    return (before[0] if before else None), rec
+
+
+@checked
+def cancel(job_id: JobId, nats: str, auth: str | Path | None = None,
+           wait_s: Annotated[float, Field(ge=0)] = DEFAULT_WAIT_S) -> JobRecord | None:
+    """Cancel the job `job_id` on the hub at `nats`: a queued job does not start, a running one's PS commits its
+    step and stops. Its checkpoint stays: submitting the job again resumes it. Returns the runner's record once
+    it answers (state `cancelled`, or the state a job that had ended kept), None when no runner answered within
+    `wait_s` (the cancel waits on the hub). CleaveError when the hub knows no such job."""
+
+    async def go() -> JobRecord | None:
+        bus = await connect(nats, _path(auth))
+        try:
+            return (await cancel_on(bus, job_id, nats, wait_s))[1]
+        finally:
+            await bus.close()
+
+    return blocking(go())
+
+
 @checked
 def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = None) -> list[dict]:
     """The hub's jobs (or the one named), each as `cleave status --json` shows it: state, step, loss, workers, and
@@ -335,6 +368,8 @@ def _follow(job_id: str, nats: str, auth: str | Path | None, poll_s: float,
         if rec.state in ENDED:
             if rec.state == "failed":
                 raise CleaveError(f"job {job_id} failed: {rec.reason or 'see the runner log on the hub'}")
+            if rec.state == "cancelled":
+                raise CleaveError(f"job {job_id} was {rec.reason or 'cancelled'}")
             return
         if deadline is not None and time.monotonic() > deadline:
             raise CleaveError(f"job {job_id} did not end within {timeout_s}s (it is {rec.state})")

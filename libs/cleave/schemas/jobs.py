@@ -3,7 +3,9 @@
 `cleave submit` publishes a `JobSubmission` on `cleave.jobs.submit.<job>` (JetStream stream CLEAVE_JOBS: stored
 on the hub until the runner takes it). The runner answers in the KV bucket `cleave-jobs`, key `<job>`, with a
 `JobRecord`: the job's state and the verdict on the latest submission (named by its nonce), which `cleave submit`
-and `cleave status` read. Only the runner writes that bucket.
+and `cleave status` read. Only the runner writes that bucket. `cleave cancel` publishes on the same subject a
+submission whose `action` is "cancel": the runner stops that job (its PS commits and exits; its checkpoint stays,
+so submitting it again resumes it) and records it `cancelled`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from cleave.schemas.limits import MAX_JOB_BYTES
 from cleave.schemas.state import Event
 from cleave.schemas.subjects import TOKEN_CHARS
 
-JOB_STATES = ("queued", "running", "done", "failed")  # a job's life on the hub, in order
+JOB_STATES = ("queued", "running", "done", "failed", "cancelled")  # a job's life on the hub, in order
+ENDED = ("done", "failed", "cancelled")  # nothing more happens to a job in these until it is submitted again
 JOB_ID_PATTERN = rf"^[{TOKEN_CHARS}]{{1,64}}$"  # as JobConfig.job_id: one subject token, one KV key
 NONCE_PATTERN = r"^[0-9a-f]{16,64}$"
 MAX_MIN_WORKERS = 100_000
@@ -32,12 +35,13 @@ Time = Annotated[float, Field(ge=0, le=1e10, allow_inf_nan=False)]
 class JobSubmission(Wire):
     """One job for the hub: its description as `cleave submit` built it (the runner validates it again)."""
 
-    job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig as JSON
+    job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig as JSON ("{}" for a cancel)
     nonce: str = Field(pattern=NONCE_PATTERN)  # names this submission: the runner's verdict carries it back
     # the submitter's clock, as it says: the runner orders its queue by when it took the job; a number, strictly
     # (true or "1700000000" was read as a time)
     submitted_at: Annotated[Time, Field(strict=True)]
     min_workers: int = Field(0, ge=0, le=MAX_MIN_WORKERS)  # start once this many workers are registered (or later)
+    action: Literal["run", "cancel"] = "run"  # run this job (queue it), or cancel the job of that id
 
 
 class JobRecord(Wire):
@@ -51,7 +55,7 @@ class JobRecord(Wire):
     started_at: Time | None = None  # when its PS was last started
     ended_at: Time | None = None
     exit_code: int | None = None  # of its PS, once done or failed
-    reason: str = Field("", max_length=4096)  # why it failed, in the words of the PS's error
+    reason: str = Field("", max_length=4096)  # why it failed (in the words of the PS's error), or was cancelled
     runs: int = Field(0, ge=0)  # PS processes started for it (restarts and resumes included)
     nonce: str = ""  # the latest submission's nonce, accepted or refused
     verdict: Literal["accepted", "refused"] = "accepted"

@@ -1,12 +1,14 @@
-"""`cleave submit` and `cleave status`: jobs on a hub, from anywhere that reaches its NATS.
+"""`cleave submit`, `cleave cancel` and `cleave status`: jobs on a hub, from anywhere that reaches its NATS.
 
 - `submit` builds the job from the same options as `cleave train`, publishes it on `cleave.jobs.submit.<job>`
   (JetStream keeps it on the hub) and returns once the hub has it: JetStream's acknowledgement, then the
   runner's verdict in the job's record (`cleave-jobs`), named by this submission's nonce. A refused job exits 2
   with the runner's reason; no verdict within `--wait` seconds (no runner up) still leaves the job on the hub.
+- `cancel` publishes a cancel on the job's subject and returns once the runner has recorded the job `cancelled`
+  (a running job's PS commits its step and stops; its checkpoint stays, and submitting the job again resumes it).
 - `status` reads the job records and the job's step metrics from the events stream (each step once, its last
   line): step, loss, done, workers; `--metrics-out` writes those lines in the `--metrics-out` format.
-Both log in with the submitter's credential found in `--auth DIR` (`cleave auth init`).
+Each logs in with the submitter's credential found in `--auth DIR` (`cleave auth init`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from cleave.errors import EXIT_ERROR, EXIT_INTERRUPTED, CleaveError, ConfigError
 from cleave.runtime.logs import configure
 from cleave.runtime.metrics_file import MetricsFile
 from cleave.schemas import Event, JobRecord, StepMetrics
+from cleave.schemas.jobs import ENDED
 from cleave_cli import joboptions
 from cleave_cli.progress import duration, unit_of
 
@@ -36,6 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                           "(at most a minute; default 0: at once)")
     p.add_argument("--wait", type=float, default=hub.DEFAULT_WAIT_S, help="seconds to wait for the hub to store the "
                    "job (its runner starting) and then for the runner's verdict")
+
+    p = sub.add_parser("cancel", help="cancel a job on a hub: it does not start, or its PS commits and stops")
+    _remote(p)
+    p.add_argument("--job-id", required=True, help="the job to cancel")
+    p.add_argument("--wait", type=float, default=hub.DEFAULT_WAIT_S, help="seconds to wait for the runner's answer")
 
     p = sub.add_parser("status", help="a hub's jobs, or one job's step, loss, workers and metrics")
     _remote(p)
@@ -61,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     quiet()
     if args.command == "submit":
         return submit(args)
+    if args.command == "cancel":
+        return cancel(args)
     return asyncio.run(status(args))
 
 
@@ -88,6 +98,31 @@ def submit(args: argparse.Namespace) -> int:
               "for it", file=sys.stderr)
         return 0
     print(f"{job.job_id}: {rec.state}; follow it with: {follow}")
+    return 0
+
+
+# ---- cancel ------------------------------------------------------------------------------------------
+def cancel(args: argparse.Namespace) -> int:
+    async def go() -> tuple[JobRecord | None, JobRecord | None]:
+        bus = await hub.connect(args.nats, args.auth)
+        try:
+            return await hub.cancel_on(bus, args.job_id, args.nats, args.wait)
+        finally:
+            await bus.close()
+
+    try:
+        before, rec = asyncio.run(go())
+    except KeyboardInterrupt:
+        print(f"{args.job_id}: no longer waiting; if the hub stored the cancel, its runner cancels the job",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if before is not None and before.state in ENDED:
+        print(f"{args.job_id}: had already ended ({before.state}); nothing to cancel")
+    elif rec is None:
+        print(f"{args.job_id}: the hub's runner has not answered within {args.wait:.0f}s; the cancel waits on the "
+              "hub for it", file=sys.stderr)
+    else:
+        print(f"{args.job_id}: cancelled; its checkpoint stays on the hub: submit the job again to resume it")
     return 0
 
 

@@ -14,6 +14,10 @@ from anywhere run here, one at a time unless the operator allows more (`--max-ru
   exits with a status of NOT_RESTARTED stays down: 0 with every step committed is `done`, anything else
   `failed`, with the PS's error as the reason, as is one in a crash loop (cleave.api.stack). One that exits 0
   short of its last step (stopped from outside) is started again.
+- Cancelling (`cleave cancel`: a submission whose action is "cancel", on the job's subject): a queued job is
+  recorded `cancelled` and does not start; a running one too, and its PS is sent SIGTERM (it commits its step and
+  exits; its exit status goes into the record). Its checkpoint stays: submitting it again resumes it, once its PS
+  has exited (until then it counts as running). A job that had ended keeps its state.
 - On the hub's disk: `<run-dir>/jobs/<job>/job.json` and `metrics.jsonl` (appended over the job's runs),
   `<run-dir>/logs/ps-<job>.log`.
 """
@@ -26,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -53,7 +58,7 @@ from cleave.schemas import (
     JobSubmission,
     StateHead,
 )
-from cleave.schemas.jobs import JOB_ID_PATTERN, RUNNER_REFRESH_S
+from cleave.schemas.jobs import ENDED, JOB_ID_PATTERN, RUNNER_REFRESH_S
 from cleave.schemas.subjects import TOKEN_CHARS, kv_stream, kv_subject
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
@@ -208,6 +213,8 @@ class Runner:
         old = self.records.get(job_id)
         if old is not None and old.nonce == sub.nonce:  # handed over again (its acknowledgement was lost): judged
             return old
+        if sub.action == "cancel":
+            return await self.cancel(job_id, sub, old)
         job, why = await self.judge(job_id, sub, old)
         if why:
             log.warning("job_refused", job=job_id, reason=why)
@@ -226,6 +233,29 @@ class Runner:
         return await self.put(JobRecord(job_id=job_id, job=job.model_dump_json(), state="queued",
                                         submitted_at=stored_at, min_workers=sub.min_workers,
                                         runs=old.runs if old else 0, nonce=sub.nonce, verdict="accepted"))
+
+    async def cancel(self, job_id: str, sub: JobSubmission, old: JobRecord | None) -> JobRecord | None:
+        """Record job `job_id` cancelled, answering `sub`, and stop its PS if it runs (SIGTERM: it commits its step
+        and exits); one that had ended keeps its state. None for a job without a record (nothing to cancel)."""
+        if old is None:
+            log.warning("cancel_ignored", job=job_id, reason="the runner has no record of this job")
+            return None
+        answered = {"nonce": sub.nonce, "verdict": "accepted", "verdict_reason": ""}
+        if old.state in ENDED:
+            return await self.put(old.model_copy(update=answered))
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
+        rec = await self.put(old.model_copy(update={"state": "cancelled", "ended_at": time.time(),
+                                                    "reason": f"cancelled by its submitter at {when}", **answered}))
+        self.waiting.pop(job_id, None)
+        if old.state == "running" and self.alive(job_id):
+            self.stack.kill(_ps_name(job_id), signal.SIGTERM, restart=False)
+        log.info("job_cancelled", job=job_id, was=old.state)
+        return rec
+
+    def alive(self, job_id: str) -> bool:
+        """Whether a PS of job `job_id` runs (a cancelled job's drains until it has committed)."""
+        proc = self.stack.procs.get(_ps_name(job_id))
+        return proc is not None and proc.running()
 
     async def forget_refused(self) -> None:
         """Remove the oldest records of refused new jobs past `max_refused`, every revision (no marker left)."""
@@ -251,6 +281,8 @@ class Runner:
             return None, f"the job names itself {job.job_id!r} but was submitted as {job_id!r}"
         if old is not None and old.state == "running":
             return None, f"job {job_id!r} is running; submit it again once it has ended (`cleave status`)"
+        if old is not None and self.alive(job_id):
+            return None, f"job {job_id!r} was cancelled and its PS is still stopping; submit it again in a moment"
         got = await self.bus.kv_get(self.state, f"{job_id}.head", StateHead)
         if got and (refused := refusal(job_id, got[0].job_config, got[0].step, job.model_dump_json())):
             return None, str(refused)
@@ -281,7 +313,8 @@ class Runner:
             if proc is not None and proc.restarts > seen:  # restarted since: say so in its record
                 self.restarts[rec.job_id] = proc.restarts
                 await self.put(rec.model_copy(update={"runs": rec.runs + proc.restarts - seen}))
-        running = sum(r.state == "running" for r in self.records.values())
+        running = sum(r.state == "running" or (r.state == "cancelled" and self.alive(r.job_id))
+                      for r in self.records.values())
         queued = sorted((r for r in self.records.values() if r.state == "queued"), key=lambda r: r.submitted_at)
         for rec in queued[: max(0, self.max_running - running)]:
             if not await self.workers_ready(rec):
@@ -317,6 +350,8 @@ class Runner:
     async def ended(self, proc: Proc) -> None:
         job_id = proc.name.removeprefix("ps-")
         rec, code = self.records.get(job_id), proc.popen.returncode
+        if rec is not None and rec.state == "cancelled" and rec.exit_code is None:  # its PS, stopped: how it ended
+            await self.put(rec.model_copy(update={"exit_code": code}))
         if rec is None or rec.state != "running":
             return
         if code == 0:

@@ -9,7 +9,7 @@ Routes:
   GET /api/plan          the current plan, predicted against measured step time
   GET /api/stream        server-sent events: `snapshot` first, then `metrics`, `event`, `status`
   GET /metrics           Prometheus text format
-  GET /api/jobs          the hub's submitted jobs (queued, running, done, failed)
+  GET /api/jobs          the hub's submitted jobs (queued, running, done, failed, cancelled)
   GET /healthz           200 with {"nats": true|false}
 Every request but /healthz passes `cleave_monitor.guard` first (the Host header; the token beyond localhost).
 """
