@@ -80,15 +80,16 @@ def start_up(run_dir: Path, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 def scheduler_chunks(run_dir: Path) -> str | None:
-    """CLEAVE_SCHEDULER_CHUNKS in the environment the stack in `run_dir` started its scheduler with (/proc)."""
-    for _ in range(600):
-        procs = json.loads((run_dir / "stack.json").read_text())["processes"]
-        pid = next((p["pid"] for p in procs if p["role"] == "scheduler"), None)
-        if pid:
-            break
+    """The chunks the scheduler of the stack in `run_dir` took (its `scheduler_started` line; a forked service's
+    environment is not the one /proc shows)."""
+    log = run_dir / "logs" / "scheduler.log"
+    for _ in range(1200):
+        said = [x for x in (log.read_text(errors="replace") if log.exists() else "").splitlines()
+                if "scheduler_started" in x]
+        if said:
+            return next((w.split("=", 1)[1] for w in said[-1].split() if w.startswith("chunks=")), None)
         time.sleep(0.1)
-    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-    return env.get("CLEAVE_SCHEDULER_CHUNKS")
+    raise AssertionError(f"the scheduler did not start: {log}")
 
 
 def test_a_stack_on_this_machine_sends_whole_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

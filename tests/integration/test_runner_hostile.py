@@ -29,11 +29,17 @@ from cleave_cli.main import main
 from cleave_cli.runner import Runner
 
 OP_TIMEOUT_S = 120.0
+# (in every process that starts with it, the stack's fork server too, whose forks are the services: the PS of job
+# `crashy` ends as it starts)
 CRASH = """import os, sys
-_a = [x.decode() for x in open("/proc/self/cmdline", "rb").read().split(b"\\0")]
-if _a[1:4] == ["-m", "cleave_cli", "ps"] and any("/jobs/crashy/" in x for x in _a):
-    sys.stderr.write("simulated broken install: this PS crashes at start\\n")
-    os._exit(1)
+import cleave_cli.main as _main
+_run_service = _main.run_service
+def _crashy(args):
+    if args.command == "ps" and "/jobs/crashy/" in str(args.job):
+        sys.stderr.write("simulated broken install: this PS crashes at start\\n")
+        os._exit(1)
+    return _run_service(args)
+_main.run_service = _crashy
 """
 
 

@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
+from cleave.api.forks import ENABLE_ENV, Forked, ForkServer
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
 from cleave.api.supervisor import HELD_DOWN_DIR, held_down, parent_death_signal, signals_held
 from cleave.errors import EXIT_ERROR, EXIT_GROUP_LOST, NOT_RESTARTED, CleaveError
@@ -33,6 +36,7 @@ LAST_WORDS_BYTES = 64 * 1024  # of a process's log read back for what it said la
 # replica's EXIT_GROUP_LOST, which asks for the restart), each within CRASH_WINDOW_S of its start
 CRASH_LOOP_STARTS = 5
 CRASH_WINDOW_S = 60.0
+_log = structlog.get_logger("cleave.stack")
 LOCK_FILE = "stack.lock"  # in a run dir, locked while a local stack runs there (`hold`)
 
 
@@ -43,7 +47,7 @@ class Proc:
     argv: list[str]
     env: dict[str, str]
     restart: bool
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | Forked | None = None
     started_at: float = 0.0
     restarts: int = 0
     crashes: int = 0  # failures in a row, each soon after its start (a crash loop at CRASH_LOOP_STARTS)
@@ -78,6 +82,7 @@ class Stack:
         # role -> exit codes not restarted (a worker that refused its settings would only refuse them again)
         self.stays_down: dict[str, tuple[int, ...]] = {"ps": NOT_RESTARTED, "worker": (EXIT_ERROR,)}
         self._down: set[str] = set()  # processes that ended and stay down, as stack.json last said
+        self._forks: ForkServer | None = None  # forks the services (`forks_for`)
 
     # ---- nats ----------------------------------------------------------------------------------------
     def start_nats(self) -> str:
@@ -198,12 +203,33 @@ class Stack:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **proc.env}
         # nats-server closes its store on SIGTERM; a service is killed outright (as in a crash)
         on_orphaned = signal.SIGTERM if proc.role == "nats" else signal.SIGKILL
-        with signals_held(), open(log, "ab") as logf:  # a stop signal lands once the child is recorded
-            proc.popen = subprocess.Popen(proc.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=parent_death_signal(on_orphaned))  # noqa: PLW1509
+        with signals_held():  # a stop signal lands once the child is recorded
+            forks = self.forks_for(proc.argv, env)
+            if forks is not None:
+                log.touch()  # (there once the service is started, as a process's of its own: the fork opens it)
+                try:
+                    proc.popen = forks.spawn(proc.argv, env, log, on_orphaned)
+                except OSError as e:  # the fork server is gone (its log says why): a process of its own
+                    _log.warning("fork_server_gone", service=proc.name, error=str(e))
+                    forks = None
+            if forks is None:
+                with open(log, "ab") as logf:
+                    proc.popen = subprocess.Popen(proc.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                                  stdin=subprocess.DEVNULL, start_new_session=True,
+                                                  preexec_fn=parent_death_signal(on_orphaned))  # noqa: PLW1509
         proc.started_at = time.time()
         self.write_stack_json()
+
+    def forks_for(self, argv: list[str], env: dict[str, str]) -> ForkServer | None:
+        """The fork server for a `python -m cleave_cli` service with environment `env` (started on first use),
+        None where the service is to be a process of its own: another program, an environment a fork cannot
+        take (`forks.interpreter_env`), not Linux, or CLEAVE_FORK_SERVER=0."""
+        if argv[:3] != [sys.executable, "-m", "cleave_cli"] or os.environ.get(ENABLE_ENV, "1") == "0" \
+                or not sys.platform.startswith("linux"):
+            return None
+        if self._forks is None or self._forks.gone:
+            self._forks = ForkServer(self.log_path("forkserver"), parent_death_signal(signal.SIGKILL))
+        return self._forks if self._forks.fits(env) else None
 
     def supervise(self) -> list[Proc]:
         """Restart dead processes that should run; returns those that exited and stay down."""
@@ -275,6 +301,8 @@ class Stack:
                     except subprocess.TimeoutExpired:
                         p.popen.kill()
                         p.popen.wait()
+                if self._forks is not None and group is services:  # (its children have ended)
+                    self._forks.close()
             self.write_stack_json()
 
     def write_stack_json(self) -> None:

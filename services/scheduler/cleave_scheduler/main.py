@@ -292,7 +292,8 @@ async def serve(s: SchedulerSettings, stop: asyncio.Event) -> int:
 
     probes = await probe_bus.serve(SUBJECT_PROBE_ALL, Probe, on_probe, max_bytes=MAX_PROBE_BYTES + 1024,
                                    reply_ok=refusal, with_subject=True)
-    log.info("scheduler_started", nats=s.nats_url, liveness_s=s.liveness_s, probes_apart=probe_bus is not bus)
+    log.info("scheduler_started", nats=s.nats_url, liveness_s=s.liveness_s, probes_apart=probe_bus is not bus,
+             chunks=s.chunks)
     async with asyncio.TaskGroup() as tg:
         tg.create_task(sched.sweep(stop))
         tg.create_task(sched.outbox.run(stop))
