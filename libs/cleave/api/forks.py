@@ -1,16 +1,23 @@
 """The stack's side of its fork server (`cleave_cli.forkserver`, which says how it works): `ForkServer` starts
 it and asks it for services; each comes back as a `Forked`, which the stack handles as a `subprocess.Popen`.
 Where a fork cannot be the service as a process of its own would be (`interpreter_env`), the stack starts one.
+
+The stacks of one program share a fork server (`shared`): one for each thread that starts services (a child's
+parent-death signal follows the thread that started its parent) and each interpreter environment. A server
+with no service for IDLE_EXIT_S ends; one idle for half of that is not used again, and the program's end
+ends them all.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +26,7 @@ INTERPRETER_ENV = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_"
 READY_TIMEOUT_S = 120.0  # the server's imports (seconds; minutes on a loaded machine) before it forks
 ENABLE_ENV = "CLEAVE_FORK_SERVER"  # "0": every service a process of its own (python -m cleave_cli ...)
 SERVER = "cleave_cli.forkserver"
+IDLE_EXIT_S = 600.0  # a fork server with no service this long ends (a program's next stack starts another)
 
 
 def interpreter_env(env: dict[str, str]) -> dict[str, str]:
@@ -75,6 +83,7 @@ class ForkServer:
                                          stdout=subprocess.PIPE, stderr=logf, env=env, start_new_session=True,
                                          preexec_fn=preexec)  # noqa: PLW1509
         self.log = log
+        self.idle_since: float | None = time.monotonic()  # no service since then (None: it has some)
         self.children: dict[int, Forked] = {}
         self.ready = False
         self.gone = False
@@ -83,7 +92,14 @@ class ForkServer:
 
     def fits(self, env: dict[str, str]) -> bool:
         """Whether a service with environment `env` can be forked from here."""
-        return not self.gone and interpreter_env(env) == self.env
+        return self.usable() and interpreter_env(env) == self.env
+
+    def usable(self) -> bool:
+        """Up, and not so long idle that it may end while asked (IDLE_EXIT_S)."""
+        if not self.gone and self.proc.poll() is not None:
+            self.collect(0.0)  # (its end, read)
+        idle = self.idle_since is not None and time.monotonic() - self.idle_since > IDLE_EXIT_S / 2
+        return not self.gone and self.proc.poll() is None and not idle
 
     def spawn(self, argv: list[str], env: dict[str, str], log: Path, orphaned: int) -> Forked:
         req = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log), "orphaned": int(orphaned)}
@@ -100,6 +116,7 @@ class ForkServer:
             self.collect(deadline - time.monotonic())
         child = Forked(self, self._pids.pop(0), argv)
         self.children[child.pid] = child
+        self.idle_since = None
         return child
 
     def collect(self, timeout: float) -> None:
@@ -126,6 +143,8 @@ class ForkServer:
                 child = self.children.pop(said["pid"], None)
                 if child is not None:
                     child.returncode = said["status"]
+                if not self.children:
+                    self.idle_since = time.monotonic()
             else:
                 self._pids.append(said["pid"])
 
@@ -139,3 +158,29 @@ class ForkServer:
             self.proc.kill()
             self.proc.wait()
         self.proc.stdout.close()
+
+
+_shared: dict[tuple, ForkServer] = {}  # (thread, interpreter environment) -> its fork server
+
+
+def shared(log: Path, preexec) -> ForkServer:  # noqa: ANN001 - a preexec_fn (cleave.api.supervisor)
+    """This thread's fork server for this program's environment, started (its own log: `log`) where there is
+    none that is usable."""
+    key = (threading.get_ident(), tuple(sorted(interpreter_env({**os.environ, "PYTHONUNBUFFERED": "1"}).items())))
+    server = _shared.get(key)
+    if server is None or not server.usable():
+        if server is not None and not server.gone:
+            server.close()
+        if not _shared:  # (the first: the program's end ends them all)
+            atexit.unregister(close_all)
+            atexit.register(close_all)
+        server = _shared[key] = ForkServer(log, preexec)
+    return server
+
+
+def close_all() -> None:
+    """End every fork server of this program."""
+    for server in _shared.values():
+        if not server.gone:
+            server.close()
+    _shared.clear()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import structlog
 
-from cleave.api.forks import ENABLE_ENV, Forked, ForkServer
+from cleave.api.forks import ENABLE_ENV, Forked, ForkServer, shared
 from cleave.api.natsconf import NATS_CONFIG, NATS_LIMITS, free_port, nats_server_binary
 from cleave.api.supervisor import HELD_DOWN_DIR, held_down, parent_death_signal, signals_held
 from cleave.errors import EXIT_ERROR, EXIT_GROUP_LOST, NOT_RESTARTED, CleaveError
@@ -82,7 +82,7 @@ class Stack:
         # role -> exit codes not restarted (a worker that refused its settings would only refuse them again)
         self.stays_down: dict[str, tuple[int, ...]] = {"ps": NOT_RESTARTED, "worker": (EXIT_ERROR,)}
         self._down: set[str] = set()  # processes that ended and stay down, as stack.json last said
-        self._forks: ForkServer | None = None  # forks the services (`forks_for`)
+        self._forks: ForkServer | None = None  # forked its latest service (`forks_for`)
 
     # ---- nats ----------------------------------------------------------------------------------------
     def start_nats(self) -> str:
@@ -221,14 +221,13 @@ class Stack:
         self.write_stack_json()
 
     def forks_for(self, argv: list[str], env: dict[str, str]) -> ForkServer | None:
-        """The fork server for a `python -m cleave_cli` service with environment `env` (started on first use),
-        None where the service is to be a process of its own: another program, an environment a fork cannot
-        take (`forks.interpreter_env`), not Linux, or CLEAVE_FORK_SERVER=0."""
+        """The fork server for a `python -m cleave_cli` service with environment `env` (this program's, shared
+        with its other stacks: `forks.shared`), None where the service is to be a process of its own: another
+        program, an environment a fork cannot take (`forks.interpreter_env`), not Linux, or CLEAVE_FORK_SERVER=0."""
         if argv[:3] != [sys.executable, "-m", "cleave_cli"] or os.environ.get(ENABLE_ENV, "1") == "0" \
                 or not sys.platform.startswith("linux"):
             return None
-        if self._forks is None or self._forks.gone:
-            self._forks = ForkServer(self.log_path("forkserver"), parent_death_signal(signal.SIGKILL))
+        self._forks = shared(self.log_path("forkserver"), parent_death_signal(signal.SIGKILL))
         return self._forks if self._forks.fits(env) else None
 
     def supervise(self) -> list[Proc]:
@@ -301,8 +300,6 @@ class Stack:
                     except subprocess.TimeoutExpired:
                         p.popen.kill()
                         p.popen.wait()
-                if self._forks is not None and group is services:  # (its children have ended)
-                    self._forks.close()
             self.write_stack_json()
 
     def write_stack_json(self) -> None:

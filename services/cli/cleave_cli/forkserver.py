@@ -7,7 +7,8 @@ that becomes the service exactly as `python -m cleave_cli ...` would (its own se
 working directory, stdout and stderr appended to PATH, stdin from /dev/null, `ps` shows its command line, its
 parent-death signal `orphaned`), and the answer on stdout is `{"pid": N}`. When a child ends, `{"pid": N,
 "status": S}` follows (S as `subprocess.Popen.returncode`: negative for a signal). The server ends when its
-stdin closes; its children receive their parent-death signal then, as they would if the stack died.
+stdin closes (its children receive their parent-death signal then, as they would if the stack died), or once it
+has had no child for IDLE_EXIT_S.
 
 The server never runs a torch operation nor starts a thread, so a fork inherits no thread pool. What a fresh
 interpreter reads from its environment before any code runs (`PYTHON*`, the libraries' thread settings)
@@ -28,7 +29,7 @@ from collections.abc import Callable
 
 from setproctitle import getproctitle, setproctitle
 
-from cleave.api.forks import status_of
+from cleave.api.forks import IDLE_EXIT_S, status_of
 from cleave.api.supervisor import parent_death_signal
 
 PRELOAD = ("cleave_cli.main", "cleave_ps.main", "cleave_worker.main", "cleave_scheduler.main", "cleave_monitor.main")
@@ -36,18 +37,20 @@ PRELOAD = ("cleave_cli.main", "cleave_ps.main", "cleave_worker.main", "cleave_sc
 
 def serve(requests: int, answers: int) -> tuple[dict, Callable[[], None]] | None:
     """Fork a child for each request read from fd `requests`, answering on fd `answers`; returns None when
-    `requests` closes, and, in each child, its request and what sets its parent-death signal (the child goes on
-    to become the service)."""
+    `requests` closes or after IDLE_EXIT_S without a child, and, in each child, its request and what sets its
+    parent-death signal (the child goes on to become the service)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (a handler, so that a child's end wakes the select)
-    pending = b""
+    pending, children = b"", set()
     while True:
-        ready, _, _ = select.select([requests, wake_r], [], [])
+        ready, _, _ = select.select([requests, wake_r], [], [], None if children else IDLE_EXIT_S)
+        if not ready and not children:
+            return None
         if wake_r in ready:
             os.read(wake_r, 4096)
-        reap(answers)
+        children -= reap(answers)
         if requests not in ready:
             continue
         chunk = os.read(requests, 1 << 20)
@@ -63,18 +66,21 @@ def serve(requests: int, answers: int) -> tuple[dict, Callable[[], None]] | None
                 for fd in (requests, answers, wake_r, wake_w):
                     os.close(fd)
                 return req, orphaned
+            children.add(pid)
             os.write(answers, json.dumps({"pid": pid}).encode() + b"\n")
 
 
-def reap(answers: int) -> None:
-    """Tell the end of every child that has ended."""
+def reap(answers: int) -> set[int]:
+    """Tell the end of every child that has ended; returns their pids."""
+    ended = set()
     while True:
         try:
             pid, wait_status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return ended
         if pid == 0:
-            return
+            return ended
+        ended.add(pid)
         os.write(answers, json.dumps({"pid": pid, "status": status_of(wait_status)}).encode() + b"\n")
 
 
