@@ -284,7 +284,8 @@ def submit(job: JobConfig, nats: str, auth: str | Path | None = None, min_worker
     return blocking(go())
 
 
-async def cancel_on(bus: busmod.Bus, job_id: str, nats: str, wait_s: float) -> tuple[JobRecord | None, JobRecord | None]:
+async def cancel_on(bus: busmod.Bus, job_id: str, nats: str,
+                    wait_s: float) -> tuple[JobRecord | None, JobRecord | None]:
     """Send a cancel of `job_id` and wait up to `wait_s` for the runner's answer: its record before (None for a
     job only submitted, not taken yet) and the record that answers the cancel (None: no answer in time)."""
     before = await read_records(bus, job_id)

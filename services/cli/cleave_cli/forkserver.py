@@ -1,11 +1,12 @@
 """The local stack's fork server: what every service imports (torch, nats-py, Cleave's services: 2-3 s of CPU a
 process) is imported once, here, and each service is a fork of this process.
 
-`python -m cleave_cli.forkserver` (started by `cleave.api.forks.ForkServer`, one per `Stack`): requests come
-on stdin, one JSON line each, `{"argv": [...], "env": {...}, "cwd": ..., "log": PATH, "orphaned": SIGNAL}`; for each, a child is forked
-that becomes the service exactly as `python -m cleave_cli ...` would (its own session, its environment and
-working directory, stdout and stderr appended to PATH, stdin from /dev/null, `ps` shows its command line, its
-parent-death signal `orphaned`), and the answer on stdout is `{"pid": N}`. When a child ends, `{"pid": N,
+`python -m cleave_cli.forkserver` (started by `cleave.api.forks.ForkServer`; the stacks of one program thread
+share one, `cleave.api.forks.shared`): requests come on stdin, one JSON line each, `{"argv": [...], "env":
+{...}, "cwd": ..., "log": PATH, "orphaned": SIGNAL}` (a pipe between two processes of one machine, not a bus
+message); for each, a child is forked that becomes the service exactly as `python -m cleave_cli ...` would (its
+own session, its environment and working directory, stdout and stderr appended to PATH, stdin from /dev/null,
+`ps` shows its command line, its parent-death signal `orphaned`), and the answer on stdout is `{"pid": N}`. When a child ends, `{"pid": N,
 "status": S}` follows (S as `subprocess.Popen.returncode`: negative for a signal). The server ends when its
 stdin closes (its children receive their parent-death signal then, as they would if the stack died), or once it
 has had no child for IDLE_EXIT_S.
