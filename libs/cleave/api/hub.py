@@ -192,6 +192,12 @@ async def read_waits(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Ev
     return {e.job: e for e in await _events(bus, "waiting_for_workers", Event) if job_id is None or e.job == job_id}
 
 
+async def read_trims(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Event]:
+    """Each job's (or only `job_id`'s) word from its PS that a round's trimmed mean dropped nothing (too few
+    updates for its trim: the plain mean was applied; the `trimmed_drops_nothing` events, the latest)."""
+    return {e.job: e for e in await _events(bus, "trimmed_drops_nothing", Event) if job_id is None or e.job == job_id}
+
+
 async def _events(bus: busmod.Bus, kind: str, schema: type[T]) -> list[T]:
     """The events stream's messages of one kind, oldest first (one that does not decode is skipped)."""
     return await _read(bus, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), schema, DeliverPolicy.ALL)
@@ -236,11 +242,14 @@ def description(rec: JobRecord) -> dict:
     return job if isinstance(job, dict) else {}
 
 
-def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, wait: Event | None = None) -> dict:
+def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, wait: Event | None = None,
+            trim: Event | None = None) -> dict:
     """A job as `cleave status --json` shows it. `runner_silent_s`: for a queued or running job whose runner has
     not stamped its record for RUNNER_SILENT_S, how long (its runner is gone: it goes on once one is back).
     `waiting_for_workers`: its PS has no worker to deal to (`wait`, its latest word of that, while it holds:
-    since when, at which step, how many workers it expelled as faulty), else None."""
+    since when, at which step, how many workers it expelled as faulty), else None. `trimmed_drops_nothing`: a
+    round (`round`) whose trimmed mean dropped nothing, with its `updates` and `trim` (`trim`, its PS's word:
+    the plain mean was applied), else None."""
     job = description(rec)
     steps = job.get("steps")
     last = lines[-1] if lines else None
@@ -248,6 +257,8 @@ def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, 
     return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
             "runner_silent_s": runner_silent_s(rec.state, rec.heard_at, now),
             "waiting_for_workers": waiting_for_workers(rec.state, wait, last.at if last else None, rec.started_at, now),
+            "trimmed_drops_nothing": ({"round": trim.step, "updates": trim.detail.get("updates"),
+                                       "trim": trim.detail.get("trim")} if trim is not None else None),
             "method": job.get("method", "cleave"),
             "step": last.step if last else None, "steps_reported": len(lines),
             "loss": last.loss if last else None, "workers": last.workers if last else None,
@@ -329,7 +340,9 @@ def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = Non
             records = await read_records(bus, job_id)
             lines = await read_all_metrics(bus, job_id) if records else {}
             waits = await read_waits(bus, job_id) if records else {}
-            return [summary(rec, lines.get(rec.job_id, []), wait=waits.get(rec.job_id)) for rec in records]
+            trims = await read_trims(bus, job_id) if records else {}
+            return [summary(rec, lines.get(rec.job_id, []), wait=waits.get(rec.job_id), trim=trims.get(rec.job_id))
+                    for rec in records]
         finally:
             await bus.close()
 

@@ -133,9 +133,10 @@ async def status(args: argparse.Namespace) -> int:
         records = await hub.read_records(bus, args.job_id)
         if args.job_id is None:
             waits = await hub.read_waits(bus) if records else {}
+            trims = await hub.read_trims(bus) if records else {}
             lines = await hub.read_all_metrics(bus) if records and (args.json or waits) else {}
             waiting = [j for j in await hub.untaken(bus) if j not in {r.job_id for r in records}]
-            show_list(records, lines, waits, waiting, args.json)
+            show_list(records, lines, waits, waiting, args.json, trims)
             return 0
         if not records and await hub.untaken(bus, args.job_id):
             if args.metrics_out:
@@ -148,6 +149,7 @@ async def status(args: argparse.Namespace) -> int:
             raise ConfigError(f"the hub knows no job {args.job_id!r} (cleave status --nats {args.nats} lists them)")
         lines = await hub.read_metrics(bus, args.job_id)
         wait = (await hub.read_waits(bus, args.job_id)).get(args.job_id)
+        trim = (await hub.read_trims(bus, args.job_id)).get(args.job_id)
     finally:
         await bus.close()
     rec = records[0]
@@ -155,7 +157,7 @@ async def status(args: argparse.Namespace) -> int:
         kept = mirror(args.metrics_out, args.job_id, lines)
         if kept is not None:
             print(f"{args.metrics_out} held another job's steps: set aside as {kept}", file=sys.stderr)
-    view = hub.summary(rec, lines, wait=wait)
+    view = hub.summary(rec, lines, wait=wait, trim=trim)
     print(json.dumps(view) if args.json else line(view))
     return 0
 
@@ -188,7 +190,7 @@ def line(v: dict) -> str:
     why = f"; {v['reason']}" if v["reason"] else ""
     refused = (f"; its last submission was refused: {v['last_submission']['reason']}"
                if v["last_submission"]["verdict"] == "refused" else "")
-    return f"{v['job']}: {v['state']}, {where}{loss}{workers}{why}{refused}{idle(v)}{silent(v)}"
+    return f"{v['job']}: {v['state']}, {where}{loss}{workers}{why}{refused}{idle(v)}{silent(v)}{trimmed(v)}"
 
 
 def idle(v: dict) -> str:
@@ -209,11 +211,22 @@ def silent(v: dict) -> str:
             "running there? The job goes on once a runner is back)")
 
 
+def trimmed(v: dict) -> str:
+    """The note on a job whose trimmed mean dropped nothing in a round (`hub.summary`'s `trimmed_drops_nothing`)."""
+    t = v.get("trimmed_drops_nothing")
+    if not t:
+        return ""
+    return (f"; its trimmed mean dropped nothing in round {t['round']} ({t['updates']} updates, too few for trim "
+            f"{t['trim']:g}): the plain mean was applied there (docs/methods.md: `median` for small fleets)")
+
+
 def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], waits: dict[str, Event],
-              waiting: list[str], as_json: bool) -> None:
-    """The hub's jobs; `waits`: their PSs' latest word that they wait for workers; `waiting`: the jobs submitted
-    that no runner has taken yet (no record)."""
-    views = [hub.summary(r, lines.get(r.job_id, []), wait=waits.get(r.job_id)) for r in records]
+              waiting: list[str], as_json: bool, trims: dict[str, Event] | None = None) -> None:
+    """The hub's jobs; `waits`: their PSs' latest word that they wait for workers; `trims`: that a round's
+    trimmed mean dropped nothing; `waiting`: the jobs submitted that no runner has taken yet (no record)."""
+    trims = trims or {}
+    views = [hub.summary(r, lines.get(r.job_id, []), wait=waits.get(r.job_id), trim=trims.get(r.job_id))
+             for r in records]
     if as_json:
         print(json.dumps(views + [untaken_view(j) for j in waiting]))
         return
@@ -225,4 +238,4 @@ def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], wai
     for r, v in zip(records, views, strict=True):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.submitted_at))
         print(f"{r.job_id:<40} {r.state:<8} submitted {when}, {r.runs} run(s)" + (f"; {r.reason}" if r.reason else "")
-              + idle(v) + silent(v))
+              + idle(v) + silent(v) + trimmed(v))

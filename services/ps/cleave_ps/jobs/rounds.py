@@ -318,7 +318,9 @@ class Rounds:
         if self.job.aggregate == "trimmed" and report.senders and not trim_cut(len(report.senders), trim) \
                 and not self.told_trim:
             log.warning("trimmed_drops_nothing", round=r, updates=len(report.senders), trim=trim)
-            self.told_trim = True
+            self.told_trim = True  # (and in the events stream: `cleave status` says it beside the job)
+            await self.bus.emit(Event(kind="trimmed_drops_nothing", at=time.time(), job=self.job.job_id, step=r,
+                                      detail={"updates": len(report.senders), "trim": trim}))
         self.losses.clear()
         self.failed.clear()
         self.failed_at.clear()
