@@ -34,11 +34,6 @@ def interpreter_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(INTERPRETER_ENV) and k != "PYTHONUNBUFFERED"}
 
 
-def status_of(wait_status: int) -> int:
-    """A wait status as `subprocess.Popen.returncode` gives it: the exit code, or minus the signal."""
-    return -os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.WEXITSTATUS(wait_status)
-
-
 class Forked:
     """A service forked by the server, as much of `subprocess.Popen` as the stack uses: its pid, `returncode`,
     `poll`, `wait`, `send_signal`, `terminate` and `kill` (a signal only while its end is not known, as Popen)."""
@@ -85,7 +80,6 @@ class ForkServer:
         self.log = log
         self.idle_since: float | None = time.monotonic()  # no service since then (None: it has some)
         self.children: dict[int, Forked] = {}
-        self.ready = False
         self.gone = False
         self._buf = b""
         self._pids: list[int] = []  # answers to requests, in order
@@ -137,9 +131,7 @@ class ForkServer:
         while b"\n" in self._buf:
             line, self._buf = self._buf.split(b"\n", 1)
             said = json.loads(line)
-            if "ready" in said:
-                self.ready = True
-            elif "status" in said:
+            if "status" in said:
                 child = self.children.pop(said["pid"], None)
                 if child is not None:
                     child.returncode = said["status"]

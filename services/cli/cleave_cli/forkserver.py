@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from setproctitle import getproctitle, setproctitle
 
-from cleave.api.forks import IDLE_EXIT_S, status_of
+from cleave.api.forks import IDLE_EXIT_S
 from cleave.api.supervisor import parent_death_signal
 
 PRELOAD = ("cleave_cli.main", "cleave_ps.main", "cleave_worker.main", "cleave_scheduler.main", "cleave_monitor.main")
@@ -69,6 +69,11 @@ def serve(requests: int, answers: int) -> tuple[dict, Callable[[], None]] | None
                 return req, orphaned
             children.add(pid)
             os.write(answers, json.dumps({"pid": pid}).encode() + b"\n")
+
+
+def status_of(wait_status: int) -> int:
+    """A wait status as `subprocess.Popen.returncode` gives it: the exit code, or minus the signal."""
+    return -os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else os.WEXITSTATUS(wait_status)
 
 
 def reap(answers: int) -> set[int]:
@@ -122,7 +127,6 @@ def main() -> int:
             continue
     setproctitle(getproctitle())  # (its room in memory found now, from the environment the server started with)
     gc.freeze()  # what the imports made is shared with every child: a collection there leaves its pages alone
-    os.write(answers, json.dumps({"ready": os.getpid()}).encode() + b"\n")
     child = serve(requests, answers)
     if child is None:  # (at once: an interpreter's orderly end with torch loaded is half a second of CPU)
         os._exit(0)
