@@ -14,7 +14,7 @@ from typing import Any
 
 API = {  # the names offered here -> their module in cleave.api
     "Job": "jobs", "load_job": "jobs", "run": "jobs", "metrics": "jobs", "run_dir_of": "jobs", "export": "jobs",
-    "submit": "hub", "cancel": "hub", "status": "hub", "follow": "hub",
+    "submit": "hub", "cancel": "hub", "forget": "hub", "status": "hub", "follow": "hub",
 }
 
 __all__ = list(API)

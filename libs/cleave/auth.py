@@ -9,8 +9,8 @@ Roles and what they may do (anything not listed is refused by nats-server):
   job's GEMM shapes (the plans bucket's `shapes` key only) and what it observed of the workers; subscribe to
   results and to the workers' requests for its jobs' base weights and tokenizers (`cleave.models.*`), which it
   answers under the workers' inboxes (`_INBOX.worker.>`), only ever on the requester's own
-  (`reply_refusal`). The hub's job runner logs in as the PS: it also takes submissions and writes the job
-  records.
+  (`reply_refusal`). The hub's job runner logs in as the PS: it also takes submissions, writes the job
+  records and finds and deletes a forgotten job's events in the events stream.
 - scheduler: publish the registry and the plan (KV) and events; subscribe to heartbeats and to what the PS
   observed of the workers. Probes are answered by a credential of its own (`scheduler-probe`, its seed in
   scheduler.env beside the scheduler's), which may subscribe to probe requests and publish to the workers'
@@ -20,7 +20,8 @@ Roles and what they may do (anything not listed is refused by nats-server):
   nothing (it may create the streams and buckets, as every service runs `Bus.setup()`).
 - submitter: submit jobs to the hub (publish on `cleave.jobs.submit.*`, stored in JetStream), and read what
   `cleave status` and `cleave export` need: the job records, the events stream (step metrics), the PS's state
-  and checkpoints. It writes nothing else (the runner alone writes the job records).
+  and checkpoints. It writes nothing else (the runner alone writes the job records; a cancel or a forget is a
+  submission, which the runner judges).
 - site: a site's leaf node, dialling the hub (a leaf-node connection only, never a client): exactly what its
   workers may publish and receive (the worker role's subjects with `*` for the id), plus the answers to the
   PS's requests to them (`_INBOX.ps.w.>`, `cleave.schemas.WORKER_REPLY_TOKEN`: a leaf node cannot use
@@ -168,6 +169,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         for s in (JOBS_STREAM, kv_stream(JOBS_BUCKET)):
             pub += [*_js_create(s), *_js_read(s)]
         pub += [*_kv_write(JOBS_BUCKET), kv_subject(PLAN_BUCKET, SHAPES_KEY)]  # and its job's GEMM shapes, planned
+        pub += [*_js_read(EVENTS_STREAM), f"$JS.API.STREAM.MSG.DELETE.{EVENTS_STREAM}"]  # and a forgotten job's events
         return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_MODELS_GET_ALL])
     if role == SUBMITTER:  # submits jobs; reads their records, metrics and checkpoints; writes nothing else
         pub = [SUBJECT_JOB_SUBMIT_ALL, f"$JS.API.STREAM.INFO.{JOBS_STREAM}"]

@@ -14,9 +14,11 @@ import pytest
 from nats.js.api import DeliverPolicy
 
 from cleave import auth, codec
+from cleave.api import hub
 from cleave.bus import Bus
 from cleave.schemas import (
     EVENTS_STREAM,
+    JOBS_BUCKET,
     PLAN_BUCKET,
     PLAN_KEY,
     REGISTRY_BUCKET,
@@ -35,10 +37,13 @@ from cleave.schemas import (
     SUBJECT_UPDATES,
     Event,
     Heartbeat,
+    JobRecord,
     Plan,
+    StateHead,
+    StepMetrics,
     TileResult,
 )
-from cleave_cli import auth_cmd
+from cleave_cli import auth_cmd, forget
 from cleave_worker.settings import WorkerSettings
 from tests.integration import authserver
 from tests.integration.authserver import OP_TIMEOUT_S, SETTINGS, AuthServer, Client, heartbeat, refused
@@ -265,6 +270,34 @@ async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthSe
     for subject in ("cleave.events.forged", f"$KV.{REGISTRY_BUCKET}.w9", SUBJECT_TILES.format(worker_id="w1")):
         await mon_c.nc.publish(subject, b"forged")  # the monitor only reads
         assert "publish" in await mon_c.violation(subject)
+
+
+async def test_the_runner_forgets_a_job_with_the_ps_credential(server: AuthServer, connect, tmp_path) -> None:
+    """What the hub's runner deletes of a forgotten job (`cleave_cli.forget`), logged in as the PS: its record,
+    checkpoint, head and events go; another job's stay; a worker may delete no event."""
+    ps_c = await connect(server.settings("ps"), "ps")
+    ps = Bus(ps_c.nc, "ps")
+    async with asyncio.timeout(12 * OP_TIMEOUT_S):
+        await ps.setup()
+        jobs, state = await ps.kv(JOBS_BUCKET), await ps.kv(STATE_BUCKET, history=5)
+        objects = await ps.object_store(STATE_OBJECTS)
+        for job in ("gone", "kept"):
+            await ps.kv_put(jobs, job, JobRecord(job_id=job, job="{}", state="done", submitted_at=1.0))
+            await ps.kv_put(state, f"{job}.head", StateHead(job=job, step=0, epoch=1, object=f"{job}/ckpt",
+                                                            sha256="0" * 64, size=1000, job_config="{}"))
+            await objects.put(f"{job}/ckpt", b"\x01" * 1000)
+            await ps.emit(StepMetrics(job=job, step=0, loss=1.0, step_time_s=0.1, workers=1))
+        (tmp_path / "gone").mkdir()
+        gone = await forget.forget(ps, "gone", tmp_path / "gone", tmp_path / "ps-gone.log")
+        assert (gone.checkpoints, gone.events, gone.paths) == (1, 1, (tmp_path / "gone",))
+        assert await ps.keys(jobs) == ["kept"] and await ps.keys(state) == ["kept.head"]
+        assert [o.name for o in await objects.list(ignore_deletes=True)] == ["kept/ckpt"]
+        assert list(await hub.read_all_metrics(ps)) == ["kept"]
+    assert ps_c.errors == []
+    worker = await connect(server.settings("worker"), "worker")
+    subject = f"$JS.API.STREAM.MSG.DELETE.{EVENTS_STREAM}"
+    await worker.nc.publish(subject, b'{"seq": 1}')
+    assert "publish" in await worker.violation(subject)
 
 
 async def watch_as_the_monitor(client: Client) -> None:

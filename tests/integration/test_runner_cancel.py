@@ -1,11 +1,13 @@
-"""Cancelling a job on a hub (`cleave cancel`): a real nats-server, the runner's own code, real PS processes and the
-real command line.
+"""Cancelling and forgetting a job on a hub (`cleave cancel`, `cleave forget`): a real nats-server, the runner's own
+code, real PS and worker processes and the real command line.
 
 - A running job's PS is stopped (SIGTERM: it drains and exits 0), not started again, and its record says
   `cancelled` with the PS's exit status; submitting the job again runs it (a second run of the same record).
 - A queued job that is cancelled never starts; a cancelled job whose PS still stops counts as running, so the
   next job does not start beside it.
 - Cancelling a job that ended says so and changes nothing; cancelling a job the hub does not know is an error.
+- Forgetting an ended job deletes its record, head, checkpoint, step lines, folder and log, and nothing of another
+  job; a new job of its id is then judged as a new job. A running job is not forgotten; nor is any without a yes.
 """
 
 from __future__ import annotations
@@ -18,21 +20,30 @@ from pathlib import Path
 
 from cleave import bus as busmod
 from cleave import codec
+from cleave.api import hub
 from cleave.api.stack import Stack
 from cleave.errors import EXIT_ERROR
-from cleave.schemas import SUBJECT_JOB_SUBMIT, JobRecord, JobSubmission
+from cleave.schemas import (
+    STATE_BUCKET,
+    STATE_OBJECTS,
+    SUBJECT_JOB_SUBMIT,
+    JobRecord,
+    JobSubmission,
+    StepMetrics,
+)
 from cleave.train.job import JobConfig
 from cleave_cli.runner import Runner
+from tests.integration.fleet import start_fleet
 
 OP_TIMEOUT_S = 120.0
 
 
-def _job(job_id: str) -> str:
-    return JobConfig.build(job_id=job_id, preset="tiny", steps=100_000, batch_size=2).model_dump_json()
+def _job(job_id: str, **settings: int) -> str:
+    return JobConfig.build(job_id=job_id, preset="tiny", batch_size=2, **{"steps": 100_000, **settings}).model_dump_json()
 
 
-async def _submit(bus: busmod.Bus, job_id: str, nonce: int, action: str = "run") -> None:
-    sub = JobSubmission(job=_job(job_id) if action == "run" else "{}", nonce=f"{nonce:016x}",
+async def _submit(bus: busmod.Bus, job_id: str, nonce: int, action: str = "run", **settings: int) -> None:
+    sub = JobSubmission(job=_job(job_id, **settings) if action == "run" else "{}", nonce=f"{nonce:016x}",
                         submitted_at=time.time(), action=action)
     await bus.js.publish(SUBJECT_JOB_SUBMIT.format(job=job_id), codec.encode(sub))
 
@@ -130,3 +141,46 @@ def test_a_cancelled_queued_job_never_starts_and_a_stopping_ps_holds_the_next_jo
         assert second.state == "cancelled" and second.started_at is None and second.runs == 0, second
 
     _run(nats_url, tmp_path / "run", go)
+
+
+def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str, tmp_path: Path) -> None:
+    fleet = start_fleet(tmp_path / "fleet", nats_url, workers=1)
+
+    async def go(bus: busmod.Bus, runner: Runner) -> None:
+        await _submit(bus, "old", 1, steps=3)
+        await _ticking(runner, lambda: _state(runner, "old") == "done")
+        await bus.emit(StepMetrics(job="older", step=0, loss=1.0, step_time_s=0.1, workers=1))  # another job's line
+        await _submit(bus, "old", 2, steps=3, seed=7)  # another model under its id: refused while it has state
+        await _ticking(runner, lambda: runner.records["old"].verdict == "refused")
+        await _submit(bus, "long", 3)
+        await _ticking(runner, lambda: _state(runner, "long") == "running")
+
+        forget = ("forget", "--nats", nats_url, "--job-id")
+        code, out = await _cli(runner, *forget, "old")  # (no terminal to ask, no --yes)
+        assert code == EXIT_ERROR and "pass --yes" in out, out
+        code, out = await _cli(runner, *forget, "long", "--yes")
+        assert code == EXIT_ERROR and "'long' is running: cancel it first" in out, out
+        state, objects = await bus.kv(STATE_BUCKET, history=5), await bus.object_store(STATE_OBJECTS)
+        folder, log = runner.run_dir / "jobs" / "old", runner.stack.log_path("ps-old")
+        assert "old.head" in await bus.keys(state) and folder.exists() and log.exists()
+        assert runner.alive("long") and "old" in await hub.read_all_metrics(bus)
+
+        code, out = await _cli(runner, *forget, "old", "--yes")
+        assert code == 0 and "old: forgotten" in out, out
+        assert await hub.read_records(bus, "old") == [] and "old" not in runner.records
+        assert "old.head" not in await bus.keys(state) and "long.head" in await bus.keys(state)
+        names = [o.name for o in await objects.list(ignore_deletes=True)]
+        assert names and not [n for n in names if n.startswith("old/")], names
+        assert "old" not in await hub.read_all_metrics(bus) and "older" in await hub.read_all_metrics(bus)
+        assert not folder.exists() and not log.exists() and (runner.run_dir / "jobs" / "long").exists()
+        code, out = await _cli(runner, *forget, "old", "--yes")
+        assert code == EXIT_ERROR and "no record of job 'old'" in out, out
+
+        await _submit(bus, "old", 4, steps=3, seed=7)  # a new job of that id
+        await _ticking(runner, lambda: runner.records.get("old") is not None)
+        assert (runner.records["old"].state, runner.records["old"].verdict) == ("queued", "accepted")
+
+    try:
+        _run(nats_url, tmp_path / "run", go)
+    finally:
+        fleet.stop()

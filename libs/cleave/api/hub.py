@@ -1,7 +1,7 @@
-"""A hub's jobs from anywhere that reaches its NATS: submit a job to its runner, cancel one, read the jobs' records
-and a job's step metrics (the events stream keeps them), follow a job to its end. `cleave submit`, `cleave cancel`
-and `cleave status` are these with their printing; `from cleave import submit, cancel, status, follow` the same
-from Python.
+"""A hub's jobs from anywhere that reaches its NATS: submit a job to its runner, cancel one, forget an ended one,
+read the jobs' records and a job's step metrics (the events stream keeps them), follow a job to its end. `cleave
+submit`, `cleave cancel`, `cleave forget` and `cleave status` are these with their printing; `from cleave import
+submit, cancel, forget, status, follow` the same from Python.
 
 Every call logs in with the submitter's credential found in an auth directory (`cleave auth init`'s, or the
 submitter's copy of it: `submitter.env` and `tls/ca.pem`), or with none on a hub without auth.
@@ -14,7 +14,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, TypeVar
 
@@ -50,6 +50,7 @@ from cleave.schemas.subjects import kv_stream, kv_subject
 from cleave.train.job import JobConfig
 
 T = TypeVar("T", bound=Wire)
+R = TypeVar("R")
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
 DEFAULT_ASK_AFTER_S = 2.0  # a login not done by then is tried once more on its own, to say why (`contact`)
 DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
@@ -58,6 +59,9 @@ DEFAULT_FOLLOW_S = 2.0  # how often `follow` reads a job's new steps
 DEFAULT_RETRY_S = 1.0  # between tries to store a job on a hub whose runner has not made its stream yet
 DEFAULT_FETCH = 512  # metrics lines read per batch
 DEFAULT_CONSUMER_IDLE_S = 30.0  # the server deletes a reading consumer this long after its last use
+# what `status` and `follow` read of a job in the events stream, by kind: forgetting a job deletes these
+JOB_EVENTS: dict[str, type[Wire]] = {"metrics": StepMetrics, "waiting_for_workers": Event,
+                                     "trimmed_drops_nothing": Event}
 
 
 # ---- the hub's client -------------------------------------------------------------------------------
@@ -203,9 +207,25 @@ async def _events(bus: busmod.Bus, kind: str, schema: type[T]) -> list[T]:
     return await _read(bus, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), schema, DeliverPolicy.ALL)
 
 
+async def job_events(bus: busmod.Bus, job_id: str) -> list[int]:
+    """The stream sequence numbers of what `status` and `follow` read of job `job_id` in the events stream (its
+    step lines, and its PS's words: JOB_EVENTS), oldest first."""
+    found = []
+    for kind, schema in JOB_EVENTS.items():
+        found += [seq for seq, e in await numbered(bus, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), schema,
+                                                   DeliverPolicy.ALL) if e.job == job_id]
+    return sorted(found)
+
+
 async def _read(bus: busmod.Bus, stream: str, subject: str, schema: type[T], policy: DeliverPolicy) -> list[T]:
     """The messages of `stream` on `subject` that `policy` delivers (all, or each subject's last), oldest first;
     one that does not decode (a deletion's marker, too) is skipped."""
+    return [found for _, found in await numbered(bus, stream, subject, schema, policy)]
+
+
+async def numbered(bus: busmod.Bus, stream: str, subject: str, schema: type[T],
+                   policy: DeliverPolicy) -> list[tuple[int, T]]:
+    """`_read`'s messages, each with its sequence number in the stream."""
     config = ConsumerConfig(deliver_policy=policy, ack_policy=AckPolicy.NONE,
                             inactive_threshold=DEFAULT_CONSUMER_IDLE_S)  # gone soon after this command
     try:
@@ -213,7 +233,7 @@ async def _read(bus: busmod.Bus, stream: str, subject: str, schema: type[T], pol
                                      busmod.DEFAULT_TIMEOUT_S)
     except NotFoundError:
         return []  # no such stream: no hub (nor stack) ever ran on this server
-    found: list[T] = []
+    found: list[tuple[int, T]] = []
     try:
         if not (await sub.consumer_info()).num_pending:
             return found  # none (a fetch would wait out its timeout)
@@ -224,7 +244,7 @@ async def _read(bus: busmod.Bus, stream: str, subject: str, schema: type[T], pol
                 break  # nothing (more) there
             for m in msgs:
                 with contextlib.suppress(WireError):
-                    found.append(codec.decode(m.data, schema, MAX_CONTROL_BYTES))
+                    found.append((m.metadata.sequence.stream, codec.decode(m.data, schema, MAX_CONTROL_BYTES)))
             if msgs[-1].metadata.num_pending == 0:
                 break
     finally:
@@ -319,14 +339,40 @@ def cancel(job_id: JobId, nats: str, auth: str | Path | None = None,
     it answers (state `cancelled`, or the state a job that had ended kept), None when no runner answered within
     `wait_s` (the cancel waits on the hub). CleaveError when the hub knows no such job."""
 
-    async def go() -> JobRecord | None:
-        bus = await connect(nats, _path(auth))
-        try:
-            return (await cancel_on(bus, job_id, nats, wait_s))[1]
-        finally:
-            await bus.close()
+    async def go(bus: busmod.Bus) -> JobRecord | None:
+        return (await cancel_on(bus, job_id, nats, wait_s))[1]
 
-    return blocking(go())
+    return _on_hub(nats, auth, go)
+
+
+async def forget_on(bus: busmod.Bus, job_id: str, nats: str, wait_s: float) -> bool:
+    """Send a forget of `job_id` and wait up to `wait_s` for the runner to have deleted its record: True once it
+    has, False when no runner answered in time (the forget waits on the hub). CleaveError when the hub knows no
+    such job, or its runner refused (a job that has not ended is not forgotten)."""
+    if not await read_records(bus, job_id):
+        waits = " (it waits to be taken: forget it once it has ended)" if await untaken(bus, job_id) else ""
+        raise CleaveError(f"the hub at {nats} has no record of job {job_id!r}{waits} (`cleave status` lists them)")
+    sub = JobSubmission(job="{}", nonce=secrets.token_hex(8), submitted_at=time.time(), action="forget")
+    await store(bus, job_id, sub, wait_s, nats)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        records = await read_records(bus, job_id)
+        if not records:
+            return True
+        if records[0].nonce == sub.nonce:  # (answered, and the record stays: refused)
+            raise CleaveError(f"the hub's runner did not forget job {job_id}: {records[0].verdict_reason}")
+        await asyncio.sleep(DEFAULT_POLL_S)
+    return False
+
+
+@checked
+def forget(job_id: JobId, nats: str, auth: str | Path | None = None,
+           wait_s: Annotated[float, Field(ge=0)] = DEFAULT_WAIT_S) -> bool:
+    """Forget the ended job `job_id` on the hub at `nats`: its runner deletes its checkpoints, state, step lines,
+    files and record, for good. True once it has, False when no runner answered within `wait_s` (the forget waits
+    on the hub). CleaveError when the hub has no record of the job, or the job has not ended (cancel it first)."""
+
+    return _on_hub(nats, auth, lambda bus: forget_on(bus, job_id, nats, wait_s))
 
 
 @checked
@@ -334,19 +380,15 @@ def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = Non
     """The hub's jobs (or the one named), each as `cleave status --json` shows it: state, step, loss, workers, and
     whether its PS waits for workers."""
 
-    async def go() -> list[dict]:
-        bus = await connect(nats, _path(auth))
-        try:
-            records = await read_records(bus, job_id)
-            lines = await read_all_metrics(bus, job_id) if records else {}
-            waits = await read_waits(bus, job_id) if records else {}
-            trims = await read_trims(bus, job_id) if records else {}
-            return [summary(rec, lines.get(rec.job_id, []), wait=waits.get(rec.job_id), trim=trims.get(rec.job_id))
-                    for rec in records]
-        finally:
-            await bus.close()
+    async def go(bus: busmod.Bus) -> list[dict]:
+        records = await read_records(bus, job_id)
+        lines = await read_all_metrics(bus, job_id) if records else {}
+        waits = await read_waits(bus, job_id) if records else {}
+        trims = await read_trims(bus, job_id) if records else {}
+        return [summary(rec, lines.get(rec.job_id, []), wait=waits.get(rec.job_id), trim=trims.get(rec.job_id))
+                for rec in records]
 
-    return blocking(go())
+    return _on_hub(nats, auth, go)
 
 
 @checked
@@ -363,16 +405,12 @@ def _follow(job_id: str, nats: str, auth: str | Path | None, poll_s: float,
     seen: set[int] = set()
     deadline = time.monotonic() + timeout_s if timeout_s is not None else None
 
-    async def read() -> tuple[JobRecord | None, list[StepMetrics]]:
-        bus = await connect(nats, _path(auth))
-        try:
-            records = await read_records(bus, job_id)
-            return (records[0] if records else None), await read_metrics(bus, job_id)
-        finally:
-            await bus.close()
+    async def read(bus: busmod.Bus) -> tuple[JobRecord | None, list[StepMetrics]]:
+        records = await read_records(bus, job_id)
+        return (records[0] if records else None), await read_metrics(bus, job_id)
 
     while True:
-        rec, lines = blocking(read())
+        rec, lines = _on_hub(nats, auth, read)
         for m in lines:
             if m.step not in seen:
                 seen.add(m.step)
@@ -392,3 +430,16 @@ def _follow(job_id: str, nats: str, auth: str | Path | None, poll_s: float,
 
 def _path(auth: str | Path | None) -> Path | None:
     return Path(auth) if auth is not None else None
+
+
+def _on_hub(nats: str, auth: str | Path | None, work: Callable[[busmod.Bus], Awaitable[R]]) -> R:
+    """`work` done on a connection to the hub at `nats` (logged in from `auth`), closed after."""
+
+    async def go() -> R:
+        bus = await connect(nats, _path(auth))
+        try:
+            return await work(bus)
+        finally:
+            await bus.close()
+
+    return blocking(go())

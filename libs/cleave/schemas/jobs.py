@@ -5,7 +5,8 @@ on the hub until the runner takes it). The runner answers in the KV bucket `clea
 `JobRecord`: the job's state and the verdict on the latest submission (named by its nonce), which `cleave submit`
 and `cleave status` read. Only the runner writes that bucket. `cleave cancel` publishes on the same subject a
 submission whose `action` is "cancel": the runner stops that job (its PS commits and exits; its checkpoint stays,
-so submitting it again resumes it) and records it `cancelled`.
+so submitting it again resumes it) and records it `cancelled`. `cleave forget` publishes one whose `action` is
+"forget": the runner deletes an ended job's checkpoint, state, step lines and files, and its record last.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ Time = Annotated[float, Field(ge=0, le=1e10, allow_inf_nan=False)]
 class JobSubmission(Wire):
     """One job for the hub: its description as `cleave submit` built it (the runner validates it again)."""
 
-    job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig as JSON ("{}" for a cancel)
+    job: str = Field(max_length=MAX_JOB_BYTES)  # the JobConfig as JSON ("{}" for a cancel or a forget)
     nonce: str = Field(pattern=NONCE_PATTERN)  # names this submission: the runner's verdict carries it back
     # the submitter's clock, as it says: the runner orders its queue by when it took the job; a number, strictly
     # (true or "1700000000" was read as a time)
     submitted_at: Annotated[Time, Field(strict=True)]
     min_workers: int = Field(0, ge=0, le=MAX_MIN_WORKERS)  # start once this many workers are registered (or later)
-    action: Literal["run", "cancel"] = "run"  # run this job (queue it), or cancel the job of that id
+    # run this job (queue it), cancel the job of that id, or forget it (an ended job: its record and state go)
+    action: Literal["run", "cancel", "forget"] = "run"
 
 
 class JobRecord(Wire):

@@ -1,4 +1,5 @@
-"""`cleave submit`, `cleave cancel` and `cleave status`: jobs on a hub, from anywhere that reaches its NATS.
+"""`cleave submit`, `cleave cancel`, `cleave forget` and `cleave status`: jobs on a hub, from anywhere that reaches
+its NATS.
 
 - `submit` builds the job from the same options as `cleave train`, publishes it on `cleave.jobs.submit.<job>`
   (JetStream keeps it on the hub) and returns once the hub has it: JetStream's acknowledgement, then the
@@ -6,6 +7,9 @@
   with the runner's reason; no verdict within `--wait` seconds (no runner up) still leaves the job on the hub.
 - `cancel` publishes a cancel on the job's subject and returns once the runner has recorded the job `cancelled`
   (a running job's PS commits its step and stops; its checkpoint stays, and submitting the job again resumes it).
+- `forget` (after a yes at the terminal, or `--yes`) publishes a forget on the job's subject and returns once the
+  runner has deleted the job's record, having deleted its checkpoints, state, step lines and files first; a job
+  that has not ended is refused (cancel it first).
 - `status` reads the job records and the job's step metrics from the events stream (each step once, its last
   line): step, loss, done, workers; `--metrics-out` writes those lines in the `--metrics-out` format.
 Each logs in with the submitter's credential found in `--auth DIR` (`cleave auth init`).
@@ -45,6 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job-id", required=True, help="the job to cancel")
     p.add_argument("--wait", type=float, default=hub.DEFAULT_WAIT_S, help="seconds to wait for the runner's answer")
 
+    p = sub.add_parser("forget", help="delete an ended job from a hub: its checkpoints, metrics, files and record")
+    _remote(p)
+    p.add_argument("--job-id", required=True, help="the job to forget")
+    p.add_argument("--yes", action="store_true", help="do not ask (needed where no terminal can be asked)")
+    p.add_argument("--wait", type=float, default=hub.DEFAULT_WAIT_S, help="seconds to wait for the runner's answer")
+
     p = sub.add_parser("status", help="a hub's jobs, or one job's step, loss, workers and metrics")
     _remote(p)
     p.add_argument("--job-id", help="this job (default: list every job)")
@@ -71,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return submit(args)
     if args.command == "cancel":
         return cancel(args)
+    if args.command == "forget":
+        return forget(args)
     return asyncio.run(status(args))
 
 
@@ -123,6 +135,38 @@ def cancel(args: argparse.Namespace) -> int:
               "hub for it", file=sys.stderr)
     else:
         print(f"{args.job_id}: cancelled; its checkpoint stays on the hub: submit the job again to resume it")
+    return 0
+
+
+# ---- forget ------------------------------------------------------------------------------------------
+def forget(args: argparse.Namespace) -> int:
+    what = f"job {args.job_id} on {args.nats}: its checkpoints, metrics, files and record, for good"
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"cleave forget deletes {what}; pass --yes to confirm where no terminal can be asked")
+        try:
+            answer = input(f"Delete {what}? [y/N] ")
+        except EOFError:  # (Ctrl-D)
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print(f"{args.job_id}: kept")
+            return 1
+    try:
+        gone = hub.forget(args.job_id, args.nats, args.auth, wait_s=args.wait)
+    except KeyboardInterrupt:
+        print(f"{args.job_id}: no longer waiting; if the hub stored the forget, its runner forgets the job",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except CleaveError as e:
+        if "did not forget" not in str(e):
+            raise
+        print(f"cleave: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if not gone:
+        print(f"{args.job_id}: the hub's runner has not answered within {args.wait:.0f}s; the forget waits on the "
+              "hub for it", file=sys.stderr)
+        return 0
+    print(f"{args.job_id}: forgotten; the hub holds nothing of it, and a new job of that id starts from step 0")
     return 0
 
 

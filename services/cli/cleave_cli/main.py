@@ -23,12 +23,12 @@ from cleave_cli import joboptions
 
 TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "plan": "plan_cmd",
          "export": "export_cmd", "prepare-data": "data_cmd", "sim": "sim_cmd", "swarm": "swarm_cmd",
-         "submit": "jobs_cmd", "cancel": "jobs_cmd", "status": "jobs_cmd", "runner": "runner", "site": "site_cmd"}
+         "submit": "jobs_cmd", "cancel": "jobs_cmd", "forget": "jobs_cmd", "status": "jobs_cmd", "runner": "runner", "site": "site_cmd"}
 # each module: register(sub) adds its subcommands, run(args) runs one
 DISTRIBUTION = "cleave-train"  # the name on the package index (the import names are cleave, cleave_cli, ...)
-LIGHT = ("chaos", "monitor", "scheduler", "submit", "cancel", "status")  # parsed alone, importing no other command, and run
+LIGHT = ("chaos", "monitor", "scheduler", "submit", "cancel", "forget", "status")  # parsed alone, importing no other command, and run
 # without torch (its import is 2 s of CPU on a laptop core): `cleave chaos kill` signals, the scheduler and the
-# monitor start, a hub's jobs are submitted, cancelled and listed. (No command's options import torch: each imports what it
+# monitor start, a hub's jobs are submitted, cancelled, forgotten and listed. (No command's options import torch: each imports what it
 # runs when it runs.)
 
 

@@ -18,6 +18,9 @@ from anywhere run here, one at a time unless the operator allows more (`--max-ru
   recorded `cancelled` and does not start; a running one too, and its PS is sent SIGTERM (it commits its step and
   exits; its exit status goes into the record). Its checkpoint stays: submitting it again resumes it, once its PS
   has exited (until then it counts as running). A job that had ended keeps its state.
+- Forgetting (`cleave forget`, action "forget"): an ended job's checkpoints, state, step lines, files and record
+  are deleted (`cleave_cli.forget`); a job that is queued or running, or whose PS still stops, is not forgotten
+  (the verdict says why).
 - On the hub's disk: `<run-dir>/jobs/<job>/job.json` and `metrics.jsonl` (appended over the job's runs),
   `<run-dir>/logs/ps-<job>.log`.
 """
@@ -59,9 +62,10 @@ from cleave.schemas import (
     StateHead,
 )
 from cleave.schemas.jobs import ENDED, JOB_ID_PATTERN, RUNNER_REFRESH_S
-from cleave.schemas.subjects import TOKEN_CHARS, kv_stream, kv_subject
+from cleave.schemas.subjects import TOKEN_CHARS
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
+from cleave_cli import forget
 from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("runner")
@@ -215,6 +219,8 @@ class Runner:
             return old
         if sub.action == "cancel":
             return await self.cancel(job_id, sub, old)
+        if sub.action == "forget":
+            return await self.forget(job_id, sub, old)
         job, why = await self.judge(job_id, sub, old)
         if why:
             log.warning("job_refused", job=job_id, reason=why)
@@ -252,6 +258,26 @@ class Runner:
         log.info("job_cancelled", job=job_id, was=old.state)
         return rec
 
+    async def forget(self, job_id: str, sub: JobSubmission, old: JobRecord | None) -> JobRecord | None:
+        """Delete everything the hub holds of job `job_id`, answering `sub`, once it has ended (None: forgotten, or
+        no record to forget); the record of a job that has not ended answers with the reason it stays."""
+        if old is None:
+            log.warning("forget_ignored", job=job_id, reason="the runner has no record of this job")
+            return None
+        if old.state not in ENDED or self.alive(job_id):
+            why = (f"job {job_id!r} is {old.state}: cancel it first (`cleave cancel`)" if old.state not in ENDED
+                   else f"job {job_id!r} was cancelled and its PS is still stopping; forget it in a moment")
+            return await self.put(old.model_copy(update={"nonce": sub.nonce, "verdict": "refused",
+                                                         "verdict_reason": why}))
+        gone = await forget.forget(self.bus, job_id, self.run_dir / "jobs" / job_id,
+                                   self.stack.log_path(_ps_name(job_id)))
+        for held in (self.records, self.refused, self.restarts, self.waiting):
+            held.pop(job_id, None)
+        self.stack.procs.pop(_ps_name(job_id), None)
+        log.info("job_forgotten", job=job_id, checkpoint_objects=gone.checkpoints, events=gone.events,
+                 paths=[str(p) for p in gone.paths])
+        return None
+
     def alive(self, job_id: str) -> bool:
         """Whether a PS of job `job_id` runs (a cancelled job's drains until it has committed)."""
         proc = self.stack.procs.get(_ps_name(job_id))
@@ -261,8 +287,7 @@ class Runner:
         """Remove the oldest records of refused new jobs past `max_refused`, every revision (no marker left)."""
         while len(self.refused) > self.max_refused:
             job_id = next(iter(self.refused))
-            await asyncio.wait_for(self.bus.js.purge_stream(kv_stream(JOBS_BUCKET), subject=kv_subject(JOBS_BUCKET, job_id)),
-                                   busmod.DEFAULT_TIMEOUT_S)
+            await forget.purge(self.bus, JOBS_BUCKET, job_id)
             del self.refused[job_id]
             self.records.pop(job_id, None)
 

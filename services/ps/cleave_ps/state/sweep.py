@@ -6,11 +6,14 @@ deleted by name; and the chunks of a put that never finished (the PS died while 
 an object's chunks under `$O.<bucket>.C.<nuid>` and its name only at the end, so nothing names them),
 purged by subject. The bucket is shared by every job, so a nameless chunk subject is purged only when its
 last chunk is older than `min_age_s`: a put in progress writes one every few milliseconds.
+
+`erase` deletes every checkpoint of a job that is forgotten (`cleave forget`), with the markers of the deletions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 from dataclasses import dataclass
 
@@ -59,10 +62,7 @@ async def collect(bus: Bus, store, bucket: str, job_id: str, keep: set[str],  # 
     deleted, purged = [], []
     try:
         objects = await _objects(store)
-        for info in objects:
-            if info.name.startswith(f"{job_id}/") and info.name.removesuffix(".data") not in keep:
-                await asyncio.wait_for(store.delete(info.name), DEFAULT_TIMEOUT_S)
-                deleted.append(info.name)
+        deleted = await _delete(store, objects, job_id, keep)
         named = {info.nuid for info in objects if info.nuid}
         for subject in await _nameless(bus, bucket, named, min_age_s):
             await asyncio.wait_for(bus.js.purge_stream(obj_stream(bucket), subject=subject), DEFAULT_TIMEOUT_S)
@@ -72,3 +72,23 @@ async def collect(bus: Bus, store, bucket: str, job_id: str, keep: set[str],  # 
     if deleted or purged:
         log.info("checkpoint_garbage_collected", job=job_id, deleted=len(deleted), purged=len(purged))
     return Collected(tuple(deleted), tuple(purged))
+
+
+async def erase(bus: Bus, store, bucket: str, job_id: str) -> list[str]:  # noqa: ANN001 - nats-py's ObjectStore
+    """Delete every checkpoint of job `job_id` (the job is forgotten), and the marker each deletion leaves under
+    the object's name; the names deleted. Raises where one could not be deleted (forgetting the job stops there,
+    and is tried again)."""
+    deleted = await _delete(store, await _objects(store), job_id, set())
+    for name in deleted:
+        meta = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+        await asyncio.wait_for(bus.js.purge_stream(obj_stream(bucket), subject=meta), DEFAULT_TIMEOUT_S)
+    return deleted
+
+
+async def _delete(store, objects: list, job_id: str, keep: set[str]) -> list[str]:  # noqa: ANN001
+    deleted = []
+    for info in objects:
+        if info.name.startswith(f"{job_id}/") and info.name.removesuffix(".data") not in keep:
+            await asyncio.wait_for(store.delete(info.name), DEFAULT_TIMEOUT_S)
+            deleted.append(info.name)
+    return deleted

@@ -1,0 +1,68 @@
+"""What the hub's runner deletes when it forgets an ended job (`cleave forget`): everything the hub holds of it.
+
+In this order, so that a runner stopped halfway still has the job's record, and the forget (handed to it again,
+as it was not acknowledged) finishes: the job's checkpoints in the Object Store (`cleave_ps.state.sweep.erase`),
+its state's head (`<job>.head`, every revision), the events `cleave status` reads of it (its step lines and its
+PS's words, `cleave.api.hub.job_events`), its folder and PS log in the run dir, and last its record. Its fencing
+epoch (`<job>.epoch`, one counter) stays: a PS of the forgotten job still running somewhere can never commit over
+a new job of the same id, whose PS claims a higher epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from nats.js.errors import APIError, BucketNotFoundError
+
+from cleave import bus as busmod
+from cleave.api.hub import job_events
+from cleave.schemas import EVENTS_STREAM, JOBS_BUCKET, STATE_BUCKET, STATE_OBJECTS
+from cleave.schemas.subjects import kv_stream, kv_subject
+from cleave_ps.state import sweep
+
+DELETES_AT_ONCE = 64  # event deletions in flight at once
+NO_MESSAGE = 10037  # JetStream's err_code for a message that is not there (the stream's limits dropped it)
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    checkpoints: int  # objects deleted (a checkpoint is two)
+    events: int  # events deleted
+    paths: tuple[Path, ...]  # files and folders deleted in the run dir
+
+
+async def forget(bus: busmod.Bus, job_id: str, folder: Path, log: Path) -> Forgotten:
+    """Delete everything the hub holds of job `job_id` (`folder`: its files, `log`: its PS's log), its record
+    last. Raises where something could not be deleted: the record stays, and forgetting the job again finishes."""
+    try:
+        store = await asyncio.wait_for(bus.js.object_store(STATE_OBJECTS), busmod.DEFAULT_TIMEOUT_S)
+    except BucketNotFoundError:  # no PS has ever committed on this hub
+        objects = []
+    else:
+        objects = await sweep.erase(bus, store, STATE_OBJECTS, job_id)
+    await purge(bus, STATE_BUCKET, f"{job_id}.head")
+    events = await job_events(bus, job_id)
+    for at in range(0, len(events), DELETES_AT_ONCE):
+        await asyncio.gather(*(_delete_event(bus, seq) for seq in events[at:at + DELETES_AT_ONCE]))
+    paths = tuple(p for p in (folder, log) if p.exists())
+    for path in paths:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    await purge(bus, JOBS_BUCKET, job_id)
+    return Forgotten(len(objects), len(events), paths)
+
+
+async def purge(bus: busmod.Bus, bucket: str, key: str) -> None:
+    """Remove `key` from KV bucket `bucket` with every revision (no deletion marker is left)."""
+    await asyncio.wait_for(bus.js.purge_stream(kv_stream(bucket), subject=kv_subject(bucket, key)),
+                           busmod.DEFAULT_TIMEOUT_S)
+
+
+async def _delete_event(bus: busmod.Bus, seq: int) -> None:
+    try:
+        await asyncio.wait_for(bus.js.delete_msg(EVENTS_STREAM, seq), busmod.DEFAULT_TIMEOUT_S)
+    except APIError as e:
+        if e.err_code != NO_MESSAGE:  # (one the stream dropped since it was read is gone already)
+            raise
