@@ -290,7 +290,8 @@ async def test_the_runner_forgets_a_job_with_the_ps_credential(server: AuthServe
         (tmp_path / "gone").mkdir()
         gone = await forget.forget(ps, "gone", tmp_path / "gone", tmp_path / "ps-gone.log")
         assert (gone.checkpoints, gone.events, gone.paths) == (1, 1, (tmp_path / "gone",))
-        assert await ps.keys(jobs) == ["kept"] and await ps.keys(state) == ["kept.head"]
+        assert await ps.kv_get(jobs, "gone", JobRecord) is None and await ps.kv_get(jobs, "kept", JobRecord)
+        assert await ps.keys(state) == ["kept.head"]
         assert [o.name for o in await objects.list(ignore_deletes=True)] == ["kept/ckpt"]
         assert list(await hub.read_all_metrics(ps)) == ["kept"]
     assert ps_c.errors == []

@@ -24,6 +24,7 @@ from cleave.api import hub
 from cleave.api.stack import Stack
 from cleave.errors import EXIT_ERROR
 from cleave.schemas import (
+    JOBS_BUCKET,
     STATE_BUCKET,
     STATE_OBJECTS,
     SUBJECT_JOB_SUBMIT,
@@ -31,6 +32,7 @@ from cleave.schemas import (
     JobSubmission,
     StepMetrics,
 )
+from cleave.schemas.subjects import kv_stream, kv_subject
 from cleave.train.job import JobConfig
 from cleave_cli.runner import Runner
 from tests.integration.fleet import start_fleet
@@ -168,6 +170,8 @@ def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str,
         code, out = await _cli(runner, *forget, "old", "--yes")
         assert code == 0 and "old: forgotten" in out, out
         assert await hub.read_records(bus, "old") == [] and "old" not in runner.records
+        marker = await bus.js.get_last_msg(kv_stream(JOBS_BUCKET), kv_subject(JOBS_BUCKET, "old"))
+        assert marker.headers["KV-Operation"] == "PURGE"  # (what tells a watching dashboard)
         assert "old.head" not in await bus.keys(state) and "long.head" in await bus.keys(state)
         names = [o.name for o in await objects.list(ignore_deletes=True)]
         assert names and not [n for n in names if n.startswith("old/")], names

@@ -3,7 +3,8 @@
 In this order, so that a runner stopped halfway still has the job's record, and the forget (handed to it again,
 as it was not acknowledged) finishes: the job's checkpoints in the Object Store (`cleave_ps.state.sweep.erase`),
 its state's head (`<job>.head`, every revision), the events `cleave status` reads of it (its step lines and its
-PS's words, `cleave.api.hub.job_events`), its folder and PS log in the run dir, and last its record. Its fencing
+PS's words, `cleave.api.hub.job_events`), its folder and PS log in the run dir, and last its record (every
+revision, leaving the KV's purge marker: a dashboard watching the records drops the job at once). Its fencing
 epoch (`<job>.epoch`, one counter) stays: a PS of the forgotten job still running somewhere can never commit over
 a new job of the same id, whose PS claims a higher epoch.
 """
@@ -50,7 +51,8 @@ async def forget(bus: busmod.Bus, job_id: str, folder: Path, log: Path) -> Forgo
     paths = tuple(p for p in (folder, log) if p.exists())
     for path in paths:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    await purge(bus, JOBS_BUCKET, job_id)
+    jobs = await asyncio.wait_for(bus.js.key_value(JOBS_BUCKET), busmod.DEFAULT_TIMEOUT_S)
+    await asyncio.wait_for(jobs.purge(job_id), busmod.DEFAULT_TIMEOUT_S)  # (its marker tells a dashboard)
     return Forgotten(len(objects), len(events), paths)
 
 
