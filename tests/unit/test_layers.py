@@ -202,18 +202,19 @@ def test_every_package_is_installed() -> None:
     assert ours - listed == set(), "packages missing from pyproject.toml's [tool.setuptools] packages"
 
 
-@pytest.mark.parametrize("role", ["scheduler", "monitor", "chaos", "submit", "cancel", "forget", "status"])
+@pytest.mark.parametrize("role", ["scheduler", "monitor", "chaos", "submit", "cancel", "forget", "status", "up"])
 def test_the_light_roles_start_without_torch(role: str) -> None:
-    """The scheduler, the monitor, `cleave chaos` and a hub's `cleave submit`, `cancel`, `forget` and `status` never touch a tensor:
-    their command line and their whole service or command import without torch (2 s of CPU and 200 MB a
-    process; the PS and the workers need it; `cleave submit --help` took 2 s, 0.7 s now)."""
+    """The scheduler, the monitor, `cleave chaos`, a hub's `cleave submit`, `cancel`, `forget` and `status`, and the
+    supervisor of `cleave up` never touch a tensor: their command line and their whole service or command import
+    without torch (2 s of CPU and 200 MB a process; the PS and the workers need it; `cleave submit --help` took
+    2 s, 0.7 s now)."""
     import subprocess
     import sys
 
     code = ("import sys, importlib; from cleave_cli import main; main.build_parser(sys.argv[1]); "
             "importlib.import_module({'scheduler': 'cleave_scheduler.main', 'monitor': 'cleave_monitor.main', "
             "'submit': 'cleave_cli.jobs_cmd', 'cancel': 'cleave_cli.jobs_cmd', 'forget': 'cleave_cli.jobs_cmd', "
-            "'status': 'cleave_cli.jobs_cmd'}.get(sys.argv[1], 'cleave_cli.chaos_cmd')); "
+            "'status': 'cleave_cli.jobs_cmd', 'up': 'cleave_cli.up_cmd'}.get(sys.argv[1], 'cleave_cli.chaos_cmd')); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code, role], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:500]

@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in TOOLS:
             return tool(args.command).run(args)
         from cleave.api.supervisor import stop_signals
-        from cleave_cli import commands
 
+        # (`up` supervises for as long as a hub runs: its module imports no torch, which train and demo need)
+        commands = importlib.import_module("cleave_cli.up_cmd" if args.command == "up" else "cleave_cli.commands")
         try:
             with stop_signals():
                 return getattr(commands, args.command)(args)
