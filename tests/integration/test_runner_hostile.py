@@ -9,21 +9,28 @@ runner's own code, and real PS processes where a job starts.
   kept (a flood of invalid jobs filled the records' bucket, and a full bucket stopped the runner).
 - A PS that fails at start every time: its job fails after 5 tries, with a reason that says it was a crash loop,
   and the next job starts.
+- A full records' bucket (the jobs that ran filled it): a new job's record could not be written, and the runner
+  was handed its submission again until it dropped it (MAX_DELIVER), said only as a ServiceUnavailableError. It
+  takes no submission while the bucket is full; the one it could not record is recorded once there is room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
 
+import nats.js.errors
 import pytest
+from nats.js.api import KeyValueConfig
 
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api.stack import Stack
 from cleave.schemas import JOBS_BUCKET, SUBJECT_JOB_SUBMIT, JobRecord, JobSubmission
+from cleave.schemas.subjects import kv_stream, kv_subject
 from cleave.train.job import JobConfig
 from cleave_cli.main import main
 from cleave_cli.runner import Runner
@@ -208,3 +215,37 @@ def test_a_ps_in_a_crash_loop_fails_its_job_saying_so_and_the_next_job_starts(
     assert (crashy.state, crashy.exit_code, crashy.runs) == ("failed", 1, 5), crashy
     assert crashy.reason.startswith("its PS failed 5 times in a row, each within 60 s of its start"), crashy.reason
     assert "simulated broken install: this PS crashes at start" in crashy.reason
+
+
+def test_a_submission_waits_while_the_records_bucket_is_full(nats_url: str, tmp_path: Path) -> None:
+    ack_wait_s = 1.0  # (60 s on a hub: a submission not acknowledged is handed over again after this)
+
+    async def go() -> tuple[int, JobRecord]:
+        admin = await busmod.connect(nats_url, "admin")
+        await admin.js.create_key_value(KeyValueConfig(bucket=JOBS_BUCKET, max_bytes=256 * 1024))
+        kv, fillers = await admin.kv(JOBS_BUCKET), 0
+        with contextlib.suppress(nats.js.errors.APIError):  # filled to the brim (by jobs that ran, on a hub)
+            while True:
+                await kv.put(f"filler.{fillers}", b"x" * 1000)
+                fillers += 1
+        bus, runner = await _runner(nats_url, tmp_path / "run", ack_wait_s=ack_wait_s)
+        try:
+            await _submit(bus, "new", _job("new"), 1)
+            with pytest.raises(nats.js.errors.APIError, match="maximum bytes exceeded"):
+                async with asyncio.timeout(OP_TIMEOUT_S):
+                    while True:
+                        await runner.take()
+            assert runner.full and "new" not in runner.records
+            for _ in range(int(6 * ack_wait_s / 0.25)):  # past its acknowledgement's wait, over and over
+                await runner.take()
+                await asyncio.sleep(0.25)
+            handed = (await runner.sub.consumer_info()).num_redelivered
+            await admin.js.purge_stream(kv_stream(JOBS_BUCKET), subject=kv_subject(JOBS_BUCKET, "filler.>"))
+            return handed, await _judged(runner, "new", 1)
+        finally:
+            await runner.close()
+            await bus.close()
+            await admin.close()
+
+    handed, rec = asyncio.run(go())
+    assert handed == 0 and (rec.state, rec.verdict) == ("queued", "accepted"), (handed, rec)

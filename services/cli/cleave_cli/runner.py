@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import structlog
 from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
@@ -45,7 +46,7 @@ from cleave import auth, codec
 from cleave import bus as busmod
 from cleave.api.hub import read_records
 from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
-from cleave.bus.limits import JOBS_MAX_BYTES
+from cleave.bus.limits import JOBS_MAX_BYTES, STORE_FAILED
 from cleave.errors import CleaveError, CreateRefused, WireError
 from cleave.runtime.lifecycle import run as run_until_stopped
 from cleave.runtime.lifecycle import wait_for_stop
@@ -54,6 +55,7 @@ from cleave.schemas import (
     JOBS_BUCKET,
     JOBS_STREAM,
     MAX_CONTROL_BYTES,
+    MAX_JOB_BYTES,
     REGISTRY_BUCKET,
     STATE_BUCKET,
     SUBJECT_JOB_SUBMIT_ALL,
@@ -62,7 +64,7 @@ from cleave.schemas import (
     StateHead,
 )
 from cleave.schemas.jobs import ENDED, JOB_ID_PATTERN, RUNNER_REFRESH_S
-from cleave.schemas.subjects import TOKEN_CHARS
+from cleave.schemas.subjects import TOKEN_CHARS, kv_stream
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
 from cleave_cli import forget
@@ -83,6 +85,8 @@ JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then 
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
 ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died) is handed over again
 MAX_DELIVER = 5  # at most this often: one that ended the runner every time is dropped, not taken for ever
+RECORDS_FULL_HINT = (f"the job records' bucket {kv_stream(JOBS_BUCKET)} is full: new submissions wait on the hub "
+                     "until it has room (the jobs it has go on): `cleave forget` jobs that ended, or raise its limit")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -130,7 +134,10 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
                 await runner.tick()
             except (nats.errors.Error, TimeoutError, ConnectionError, CreateRefused) as e:  # the bus is away (or
                 # cannot hold a bucket: it says why): its PSs go on
-                log.warning("runner_retrying", error=repr(e)[:200])
+                if getattr(e, "err_code", None) == STORE_FAILED:  # (the one bucket it adds to)
+                    log.error("job_records_full", detail=getattr(e, "description", ""), hint=RECORDS_FULL_HINT)
+                else:
+                    log.warning("runner_retrying", error=repr(e)[:200])
                 await wait_for_stop(stop, DEFAULT_TICK_S)
     finally:
         await asyncio.to_thread(stack.stop_all)  # each PS drains; its job stays `running` and resumes next time
@@ -141,9 +148,11 @@ async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Ev
 
 class Runner:
     def __init__(self, bus: busmod.Bus, stack: Stack, run_dir: Path, max_running: int,
-                 max_queued: int = DEFAULT_MAX_QUEUED, max_refused: int = DEFAULT_MAX_REFUSED) -> None:
+                 max_queued: int = DEFAULT_MAX_QUEUED, max_refused: int = DEFAULT_MAX_REFUSED,
+                 ack_wait_s: float = ACK_WAIT_S) -> None:
         self.bus, self.stack, self.run_dir, self.max_running = bus, stack, run_dir, max_running
-        self.max_queued, self.max_refused = max_queued, max_refused
+        self.max_queued, self.max_refused, self.ack_wait_s = max_queued, max_refused, ack_wait_s
+        self.full = False  # the records' bucket had no room for a new record: no submission is taken until it has
         self.refused: dict[str, None] = {}  # the refused new jobs whose records are kept, oldest first
         self.records: dict[str, JobRecord] = {}  # this runner writes them: its copy is the bucket's
         self.waiting: dict[str, float] = {}  # job -> since when it waits for its workers
@@ -170,7 +179,7 @@ class Runner:
                 self.refused[rec.job_id] = None
         self.sub = await asyncio.wait_for(self.bus.js.pull_subscribe(
             SUBJECT_JOB_SUBMIT_ALL, durable=CONSUMER, stream=JOBS_STREAM,
-            config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_deliver=MAX_DELIVER)), busmod.DEFAULT_TIMEOUT_S)
+            config=ConsumerConfig(ack_wait=self.ack_wait_s, max_deliver=MAX_DELIVER)), busmod.DEFAULT_TIMEOUT_S)
 
     async def put(self, rec: JobRecord) -> JobRecord:
         """Write `rec`, stamped: a reader sees from `heard_at` that this runner is alive (`vouch`)."""
@@ -181,7 +190,14 @@ class Runner:
 
     # ---- submissions ---------------------------------------------------------------------------------
     async def take(self) -> None:
-        """Judge the submissions waiting in CLEAVE_JOBS, recording each verdict before acknowledging it."""
+        """Judge the submissions waiting in CLEAVE_JOBS, recording each verdict before acknowledging it. None is
+        taken while the records' bucket is full: each one handed over counts towards MAX_DELIVER, and one that
+        could not be recorded (not acknowledged) is handed over again once there is room."""
+        if self.full:
+            if not await self.room():
+                return
+            self.full = False
+            log.info("job_records_room_again", bucket=JOBS_BUCKET)
         try:
             msgs = await self.sub.fetch(8, timeout=DEFAULT_TICK_S)
         except TimeoutError:
@@ -193,8 +209,17 @@ class Runner:
             except WireError as e:  # nothing to answer: the submitter's nonce is in what could not be read
                 log.warning("submission_rejected", job=job_id[:64], reason=e.reason, detail=str(e)[:200])
             else:
-                await self.judged(job_id, sub, m.metadata.timestamp.timestamp())
+                try:
+                    await self.judged(job_id, sub, m.metadata.timestamp.timestamp())
+                except nats.js.errors.APIError as e:
+                    self.full = e.err_code == STORE_FAILED  # (the one bucket it adds to)
+                    raise
             await m.ack()
+
+    async def room(self) -> bool:
+        """Whether the records' bucket has room for one more record (its job's description and the rest)."""
+        info = await asyncio.wait_for(self.bus.js.stream_info(kv_stream(JOBS_BUCKET)), busmod.DEFAULT_TIMEOUT_S)
+        return info.config.max_bytes < 0 or info.state.bytes + MAX_JOB_BYTES + 8192 <= info.config.max_bytes
 
     async def judged(self, job_id: str, sub: JobSubmission, stored_at: float) -> None:
         """`accept`, for a submission on the subject of `job_id`: one whose id can name no record is logged,
