@@ -23,7 +23,7 @@ from cleave_cli import joboptions
 
 TOOLS = {"chaos": "chaos_cmd", "monitor": "monitor_cmd", "auth": "auth_cmd", "plan": "plan_cmd",
          "export": "export_cmd", "prepare-data": "data_cmd", "sim": "sim_cmd", "swarm": "swarm_cmd",
-         "submit": "jobs_cmd", "cancel": "jobs_cmd", "forget": "jobs_cmd", "status": "jobs_cmd", "runner": "runner", "site": "site_cmd"}
+         "submit": "jobs_cmd", "cancel": "jobs_cmd", "forget": "jobs_cmd", "status": "jobs_cmd", "runner": "runner_cmd", "site": "site_cmd"}
 # each module: register(sub) adds its subcommands, run(args) runs one
 DISTRIBUTION = "cleave-train"  # the name on the package index (the import names are cleave, cleave_cli, ...)
 LIGHT = ("chaos", "monitor", "scheduler", "submit", "cancel", "forget", "status")  # parsed alone, importing no other command, and run

@@ -27,11 +27,9 @@ from anywhere run here, one at a time unless the operator allows more (`--max-ru
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import os
 import re
 import signal
 import time
@@ -42,15 +40,12 @@ import nats.js.errors
 import structlog
 from nats.js.api import ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from cleave import auth, codec
 from cleave import bus as busmod
+from cleave import codec
 from cleave.api.hub import read_records
 from cleave.api.stack import CRASH_LOOP_STARTS, CRASH_WINDOW_S, Proc, Stack
 from cleave.bus.limits import JOBS_MAX_BYTES, STORE_FAILED
-from cleave.errors import CleaveError, CreateRefused, WireError
-from cleave.runtime.lifecycle import run as run_until_stopped
-from cleave.runtime.lifecycle import wait_for_stop
-from cleave.runtime.logs import configure
+from cleave.errors import CreateRefused, WireError
 from cleave.schemas import (
     JOBS_BUCKET,
     JOBS_STREAM,
@@ -68,7 +63,6 @@ from cleave.schemas.subjects import TOKEN_CHARS, kv_stream
 from cleave.train.identity import refusal
 from cleave.train.job import JobConfig
 from cleave_cli import forget
-from cleave_ps.settings import PsSettings
 
 log = structlog.get_logger("runner")
 DEFAULT_MAX_RUNNING = 1  # jobs at once: several PSs share one fleet, so one unless the operator says otherwise
@@ -87,63 +81,6 @@ ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died)
 MAX_DELIVER = 5  # at most this often: one that ended the runner every time is dropped, not taken for ever
 RECORDS_FULL_HINT = (f"the job records' bucket {kv_stream(JOBS_BUCKET)} is full: new submissions wait on the hub "
                      "until it has room (the jobs it has go on): `cleave forget` jobs that ended, or raise its limit")
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("runner", help="the hub's PS job runner: run jobs submitted with `cleave submit`")
-    p.add_argument("--nats", help="NATS URL (default: the PS's setting, CLEAVE_PS_NATS_URL)")
-    p.add_argument("--run-dir", type=Path, default=Path("runs") / "runner", help="jobs' files and PS logs")
-    p.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, help="jobs run at once (default 1)")
-    p.add_argument("--max-queued", type=int, default=None,
-                   help=f"jobs waiting at once; more are refused (default ${MAX_QUEUED_ENV}, else {DEFAULT_MAX_QUEUED})")
-
-
-def run(args: argparse.Namespace) -> int:
-    configure("runner")
-    settings = PsSettings(**({"nats_url": args.nats} if args.nats else {}))  # it logs in as the PS
-    if args.max_running < 1:
-        raise CleaveError(f"--max-running must be at least 1, got {args.max_running}")
-    max_queued = args.max_queued
-    if max_queued is None:
-        given = os.environ.get(MAX_QUEUED_ENV, str(DEFAULT_MAX_QUEUED))
-        if not given.strip().isdigit():
-            raise CleaveError(f"{MAX_QUEUED_ENV} must be a whole number of jobs, got {given!r}")
-        max_queued = int(given)
-    if max_queued < 1:
-        raise CleaveError(f"--max-queued ({MAX_QUEUED_ENV}) must be at least 1, got {max_queued}")
-    return run_until_stopped(lambda stop: serve(settings, args.run_dir, args.max_running, stop, max_queued))
-
-
-async def serve(s: PsSettings, run_dir: Path, max_running: int, stop: asyncio.Event,
-                max_queued: int = DEFAULT_MAX_QUEUED) -> int:
-    stack = Stack(run_dir)  # (a run dir it cannot make is named now, not once NATS answers)
-    bus = await busmod.connect(s.nats_url, "cleave-runner", stop=stop, **auth.connect_options(s, "ps"))
-    if bus is None:  # stopped before NATS answered
-        return 0
-    stack.nats_url = s.nats_url
-    runner = Runner(bus, stack, run_dir, max_running, max_queued)
-    try:
-        while not stop.is_set():
-            try:
-                if runner.sub is None:  # opened once the bus answers: its records say which jobs to resume
-                    await bus.setup()
-                    await runner.open()
-                    log.info("runner_started", nats=s.nats_url, run_dir=str(run_dir), max_running=max_running,
-                             max_queued=max_queued, queued=sum(r.state == "queued" for r in runner.records.values()))
-                await runner.take()
-                await runner.tick()
-            except (nats.errors.Error, TimeoutError, ConnectionError, CreateRefused) as e:  # the bus is away (or
-                # cannot hold a bucket: it says why): its PSs go on
-                if getattr(e, "err_code", None) == STORE_FAILED:  # (the one bucket it adds to)
-                    log.error("job_records_full", detail=getattr(e, "description", ""), hint=RECORDS_FULL_HINT)
-                else:
-                    log.warning("runner_retrying", error=repr(e)[:200])
-                await wait_for_stop(stop, DEFAULT_TICK_S)
-    finally:
-        await asyncio.to_thread(stack.stop_all)  # each PS drains; its job stays `running` and resumes next time
-        await runner.close()
-        await bus.close()
-    return 0
 
 
 class Runner:
