@@ -7,6 +7,8 @@
   supervisor starts it again as a fork.
 - A service whose environment changes what an interpreter reads as it starts (OMP_NUM_THREADS) is a process of
   its own, as is every service with CLEAVE_FORK_SERVER=0.
+- A fork leaves with `os._exit` (the interpreter's teardown of the preloaded modules skipped), yet ends as an
+  interpreter would: its threads finished, its exit functions run, its output flushed, its status as given.
 """
 
 from __future__ import annotations
@@ -91,3 +93,27 @@ def test_a_fork_server_that_dies_takes_its_services_and_they_are_started_again(s
     assert sched.running() and isinstance(sched.popen, Forked)
     assert stack._forks.proc.pid != old_server and parent_of(sched.popen.pid) == stack._forks.proc.pid
     wait_for(lambda: stack.log_path("scheduler").read_text().count("scheduler_started") == 2, "its second start")
+
+
+SERVICE = """import atexit, sys, threading, time
+from cleave_cli.forkserver import end
+def service():
+    threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', end=' '))).start()
+    atexit.register(lambda: print('exit functions run', end=' '))
+    print('unflushed', end=' ')
+    {how}
+end(service)
+"""
+
+
+@pytest.mark.parametrize(("how", "status", "err"), [
+    ("return 3", 3, ""), ("return None", 0, ""), ("sys.exit('refused: a bad knob')", 1, "refused: a bad knob"),
+    ("raise ValueError('a fault')", 1, "ValueError: a fault"), ("raise KeyboardInterrupt", -signal.SIGINT, "")])
+def test_a_fork_ends_as_an_interpreter_would(how: str, status: int, err: str) -> None:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    done = subprocess.run([sys.executable, "-c", SERVICE.format(how=how)], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == status and done.stdout == "unflushed thread done exit functions run ", done
+    assert err in done.stderr, done.stderr
