@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +23,19 @@ def pytest_configure(config: pytest.Config) -> None:
     imports again, 0.4 s of CPU a process."""
     for folder in ("libs", "services"):
         compileall.compile_dir(ROOT / folder, quiet=1)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test ends with the environment it began with: a command run in the test's process
+    (`cleave_cli.main.main(["train", "--config", F, ...])`) sets CLEAVE_CONFIG for the services it would start,
+    and a later test's services in this process read F's [ps] table (monkeypatch's delenv of a variable that is
+    not set records nothing to undo)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 class NatsServer:
