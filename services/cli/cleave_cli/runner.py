@@ -79,6 +79,7 @@ JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then 
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
 ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died) is handed over again
 MAX_DELIVER = 5  # at most this often: one that ended the runner every time is dropped, not taken for ever
+RECORD_ROOM = MAX_JOB_BYTES + 2 * 4096  # the largest record: its job's description and its two reasons
 RECORDS_FULL_HINT = (f"the job records' bucket {kv_stream(JOBS_BUCKET)} is full: new submissions wait on the hub "
                      "until it has room (the jobs it has go on): `cleave forget` jobs that ended, or raise its limit")
 
@@ -156,7 +157,7 @@ class Runner:
     async def room(self) -> bool:
         """Whether the records' bucket has room for one more record (its job's description and the rest)."""
         info = await asyncio.wait_for(self.bus.js.stream_info(kv_stream(JOBS_BUCKET)), busmod.DEFAULT_TIMEOUT_S)
-        return info.config.max_bytes < 0 or info.state.bytes + MAX_JOB_BYTES + 8192 <= info.config.max_bytes
+        return info.config.max_bytes < 0 or info.state.bytes + RECORD_ROOM <= info.config.max_bytes
 
     async def judged(self, job_id: str, sub: JobSubmission, stored_at: float) -> None:
         """`accept`, for a submission on the subject of `job_id`: one whose id can name no record is logged,
