@@ -15,7 +15,7 @@ from nats.js.api import DeliverPolicy
 
 from cleave import auth, codec
 from cleave.api import hub
-from cleave.bus import Bus
+from cleave.bus import Bus, history
 from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
@@ -287,13 +287,17 @@ async def test_the_runner_forgets_a_job_with_the_ps_credential(server: AuthServe
                                                             sha256="0" * 64, size=1000, job_config="{}"))
             await objects.put(f"{job}/ckpt", b"\x01" * 1000)
             await ps.emit(StepMetrics(job=job, step=0, loss=1.0, step_time_s=0.1, workers=1))
+            await ps.emit(Event(kind="ps_resumed", at=1.0, job=job, step=0))
+        await ps.emit(Event(kind="worker_joined", at=1.0, worker_id="w9"))  # the fleet's: of no job
         (tmp_path / "gone").mkdir()
         gone = await forget.forget(ps, "gone", tmp_path / "gone", tmp_path / "ps-gone.log")
-        assert (gone.checkpoints, gone.events, gone.paths) == (1, 1, (tmp_path / "gone",))
+        assert (gone.checkpoints, gone.events, gone.paths) == (1, 2, (tmp_path / "gone",))
         assert await ps.kv_get(jobs, "gone", JobRecord) is None and await ps.kv_get(jobs, "kept", JobRecord)
         assert await ps.keys(state) == ["kept.head"]
         assert [o.name for o in await objects.list(ignore_deletes=True)] == ["kept/ckpt"]
         assert list(await hub.read_all_metrics(ps)) == ["kept"]
+        left = await history.numbered(ps.js, EVENTS_STREAM, SUBJECT_EVENTS_ALL, Event, DeliverPolicy.ALL)
+        assert [(e.kind, e.job) for _, e in left] == [("ps_resumed", "kept"), ("worker_joined", "")]
     assert ps_c.errors == []
     worker = await connect(server.settings("worker"), "worker")
     subject = f"$JS.API.STREAM.MSG.DELETE.{EVENTS_STREAM}"

@@ -18,16 +18,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from nats.js.api import DeliverPolicy
+
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api import hub
 from cleave.api.stack import Stack
+from cleave.bus import history
 from cleave.errors import EXIT_ERROR
 from cleave.schemas import (
+    EVENTS_STREAM,
     JOBS_BUCKET,
     STATE_BUCKET,
     STATE_OBJECTS,
+    SUBJECT_EVENTS,
     SUBJECT_JOB_SUBMIT,
+    Event,
     JobRecord,
     JobSubmission,
     StepMetrics,
@@ -145,6 +151,12 @@ def test_a_cancelled_queued_job_never_starts_and_a_stopping_ps_holds_the_next_jo
     _run(nats_url, tmp_path / "run", go)
 
 
+async def _jobs_of(bus: busmod.Bus, kind: str) -> list[str]:
+    """The jobs the events of `kind` in the events stream name, oldest first ("": an event of the fleet)."""
+    found = await history.numbered(bus.js, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), Event, DeliverPolicy.ALL)
+    return [e.job for _, e in found]
+
+
 def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str, tmp_path: Path) -> None:
     fleet = start_fleet(tmp_path / "fleet", nats_url, workers=1)
 
@@ -152,6 +164,7 @@ def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str,
         await _submit(bus, "old", 1, steps=3)
         await _ticking(runner, lambda: _state(runner, "old") == "done")
         await bus.emit(StepMetrics(job="older", step=0, loss=1.0, step_time_s=0.1, workers=1))  # another job's line
+        await bus.emit(Event(kind="worker_joined", at=1.0, worker_id="w9"))  # the fleet's: of no job
         await _submit(bus, "old", 2, steps=3, seed=7)  # another model under its id: refused while it has state
         await _ticking(runner, lambda: runner.records["old"].verdict == "refused")
         await _submit(bus, "long", 3)
@@ -166,6 +179,7 @@ def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str,
         folder, log = runner.run_dir / "jobs" / "old", runner.stack.log_path("ps-old")
         assert "old.head" in await bus.keys(state) and folder.exists() and log.exists()
         assert runner.alive("long") and "old" in await hub.read_all_metrics(bus)
+        assert "old" in await _jobs_of(bus, "job_done") and "" in await _jobs_of(bus, "worker_joined")
 
         code, out = await _cli(runner, *forget, "old", "--yes")
         assert code == 0 and "old: forgotten" in out, out
@@ -176,6 +190,7 @@ def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str,
         names = [o.name for o in await objects.list(ignore_deletes=True)]
         assert names and not [n for n in names if n.startswith("old/")], names
         assert "old" not in await hub.read_all_metrics(bus) and "older" in await hub.read_all_metrics(bus)
+        assert "old" not in await _jobs_of(bus, "job_done") and "" in await _jobs_of(bus, "worker_joined")
         assert not folder.exists() and not log.exists() and (runner.run_dir / "jobs" / "long").exists()
         code, out = await _cli(runner, *forget, "old", "--yes")
         assert code == EXIT_ERROR and "no record of job 'old'" in out, out

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+from nats.js.api import DeliverPolicy
+from nats.js.errors import APIError, BucketNotFoundError
 from pydantic import Field
 
 from cleave import bus as busmod
@@ -28,7 +28,7 @@ from cleave import codec
 from cleave.api import contact
 from cleave.api.args import JobId, Seconds, blocking, checked
 from cleave.api.credentials import client_options
-from cleave.bus import urls
+from cleave.bus import history, urls
 from cleave.bus.limits import STORE_FAILED
 from cleave.errors import CleaveError, WireError
 from cleave.runtime import logs
@@ -38,6 +38,7 @@ from cleave.schemas import (
     JOBS_STREAM,
     MAX_CONTROL_BYTES,
     SUBJECT_EVENTS,
+    SUBJECT_EVENTS_ALL,
     SUBJECT_JOB_SUBMIT,
     Event,
     JobRecord,
@@ -57,11 +58,6 @@ DEFAULT_WAIT_S = 30.0  # how long `submit` waits for the runner's verdict
 DEFAULT_POLL_S = 0.25
 DEFAULT_FOLLOW_S = 2.0  # how often `follow` reads a job's new steps
 DEFAULT_RETRY_S = 1.0  # between tries to store a job on a hub whose runner has not made its stream yet
-DEFAULT_FETCH = 512  # metrics lines read per batch
-DEFAULT_CONSUMER_IDLE_S = 30.0  # the server deletes a reading consumer this long after its last use
-# what `status` and `follow` read of a job in the events stream, by kind: forgetting a job deletes these
-JOB_EVENTS: dict[str, type[Wire]] = {"metrics": StepMetrics, "waiting_for_workers": Event,
-                                     "trimmed_drops_nothing": Event}
 
 
 # ---- the hub's client -------------------------------------------------------------------------------
@@ -160,7 +156,8 @@ async def read_records(bus: busmod.Bus, job_id: str | None) -> list[JobRecord]:
         got = await bus.kv_get(kv, job_id, JobRecord)
         return [got[0]] if got else []
     # (one pass over the bucket's stream, each key's latest value: one request a key took 8-26 s for 10,000)
-    found = await _read(bus, kv_stream(JOBS_BUCKET), kv_subject(JOBS_BUCKET), JobRecord, DeliverPolicy.LAST_PER_SUBJECT)
+    found = await history.read(bus.js, kv_stream(JOBS_BUCKET), kv_subject(JOBS_BUCKET), JobRecord,
+                               DeliverPolicy.LAST_PER_SUBJECT)
     return sorted(found, key=lambda r: r.submitted_at)
 
 
@@ -204,51 +201,19 @@ async def read_trims(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Ev
 
 async def _events(bus: busmod.Bus, kind: str, schema: type[T]) -> list[T]:
     """The events stream's messages of one kind, oldest first (one that does not decode is skipped)."""
-    return await _read(bus, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), schema, DeliverPolicy.ALL)
+    return await history.read(bus.js, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), schema, DeliverPolicy.ALL)
 
 
 async def job_events(bus: busmod.Bus, job_id: str) -> list[int]:
-    """The stream sequence numbers of what `status` and `follow` read of job `job_id` in the events stream (its
-    step lines, and its PS's words: JOB_EVENTS), oldest first."""
+    """The stream sequence numbers of every event that names job `job_id` (its step lines, its PS's words:
+    ps_resumed, recovered, job_done, ...), oldest first: one pass over the events stream. Events of the fleet
+    (worker_joined, plan_changed, ...) name no job and are not among them."""
+    metrics = SUBJECT_EVENTS.format(kind="metrics")
     found = []
-    for kind, schema in JOB_EVENTS.items():
-        found += [seq for seq, e in await numbered(bus, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), schema,
-                                                   DeliverPolicy.ALL) if e.job == job_id]
-    return sorted(found)
-
-
-async def _read(bus: busmod.Bus, stream: str, subject: str, schema: type[T], policy: DeliverPolicy) -> list[T]:
-    """The messages of `stream` on `subject` that `policy` delivers (all, or each subject's last), oldest first;
-    one that does not decode (a deletion's marker, too) is skipped."""
-    return [found for _, found in await numbered(bus, stream, subject, schema, policy)]
-
-
-async def numbered(bus: busmod.Bus, stream: str, subject: str, schema: type[T],
-                   policy: DeliverPolicy) -> list[tuple[int, T]]:
-    """`_read`'s messages, each with its sequence number in the stream."""
-    config = ConsumerConfig(deliver_policy=policy, ack_policy=AckPolicy.NONE,
-                            inactive_threshold=DEFAULT_CONSUMER_IDLE_S)  # gone soon after this command
-    try:
-        sub = await asyncio.wait_for(bus.js.pull_subscribe(subject, stream=stream, config=config),
-                                     busmod.DEFAULT_TIMEOUT_S)
-    except NotFoundError:
-        return []  # no such stream: no hub (nor stack) ever ran on this server
-    found: list[tuple[int, T]] = []
-    try:
-        if not (await sub.consumer_info()).num_pending:
-            return found  # none (a fetch would wait out its timeout)
-        while True:
-            try:
-                msgs = await sub.fetch(DEFAULT_FETCH, timeout=2.0)
-            except TimeoutError:
-                break  # nothing (more) there
-            for m in msgs:
-                with contextlib.suppress(WireError):
-                    found.append((m.metadata.sequence.stream, codec.decode(m.data, schema, MAX_CONTROL_BYTES)))
-            if msgs[-1].metadata.num_pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
+    async for m in history.messages(bus.js, EVENTS_STREAM, SUBJECT_EVENTS_ALL, DeliverPolicy.ALL):
+        with contextlib.suppress(WireError):
+            if codec.decode(m.data, StepMetrics if m.subject == metrics else Event, MAX_CONTROL_BYTES).job == job_id:
+                found.append(m.metadata.sequence.stream)
     return found
 
 

@@ -2,8 +2,8 @@
 
 In this order, so that a runner stopped halfway still has the job's record, and the forget (handed to it again,
 as it was not acknowledged) finishes: the job's checkpoints in the Object Store (`cleave_ps.state.sweep.erase`),
-its state's head (`<job>.head`, every revision), the events `cleave status` reads of it (its step lines and its
-PS's words, `cleave.api.hub.job_events`), its folder and PS log in the run dir, and last its record (every
+its state's head (`<job>.head`, every revision), every event that names it (its step lines and its PS's words,
+`cleave.api.hub.job_events`; the fleet's events name no job and stay), its folder and PS log in the run dir, and last its record (every
 revision, leaving the KV's purge marker: a dashboard watching the records drops the job at once). Its fencing
 epoch (`<job>.epoch`, one counter) stays: a PS of the forgotten job still running somewhere can never commit over
 a new job of the same id, whose PS claims a higher epoch.

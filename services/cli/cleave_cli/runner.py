@@ -18,7 +18,7 @@ from anywhere run here, one at a time unless the operator allows more (`--max-ru
   recorded `cancelled` and does not start; a running one too, and its PS is sent SIGTERM (it commits its step and
   exits; its exit status goes into the record). Its checkpoint stays: submitting it again resumes it, once its PS
   has exited (until then it counts as running). A job that had ended keeps its state.
-- Forgetting (`cleave forget`, action "forget"): an ended job's checkpoints, state, step lines, files and record
+- Forgetting (`cleave forget`, action "forget"): an ended job's checkpoints, state, events, files and record
   are deleted (`cleave_cli.forget`); a job that is queued or running, or whose PS still stops, is not forgotten
   (the verdict says why).
 - On the hub's disk: `<run-dir>/jobs/<job>/job.json` and `metrics.jsonl` (appended over the job's runs),
