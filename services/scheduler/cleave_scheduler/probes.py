@@ -6,7 +6,7 @@ purge the registry. So a probe arrives on its worker's own subject (`cleave.prob
 per-worker credential may publish probes on) and is answered only on that worker's own inbox
 (`_INBOX.worker.<id>.…`, the only one its credential may read: `cleave.auth.reply_refusal`, which the PS's
 answers to model requests obey too), from a connection whose credential may publish nowhere else
-(`scheduler-probe` of `cleave auth init`). Each worker id may draw at most
+(`scheduler-probe` of `cleave auth init`). Each worker id may draw (`cleave.runtime.budgets`) at most
 `DEFAULT_BURST_BYTES` of echoes at once, refilled at `DEFAULT_RATE_BYTES_PER_S` (a measurement takes ~11 MB:
 growing probes up to 4 MiB each way). A worker id is no bound where every worker may claim any id (the shared
 credential): all echoes together draw from one more budget, `total_burst` at once and `total_rate` after
@@ -19,9 +19,10 @@ answer of tens of bytes, as an empty echo is); any other goes unanswered.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 
 from cleave.auth import reply_refusal, requester
+from cleave.runtime.budgets import MAX_KEYS, Budgets, refilled
 from cleave.schemas import MAX_PROBE_BYTES, SUBJECT_PROBE_FROM, Probe
 from cleave.schemas.fleet import MAX_PROBE_RETRY_S
 
@@ -29,7 +30,6 @@ DEFAULT_BURST_BYTES = 32 * 1024 * 1024  # echo bytes one worker may draw at once
 DEFAULT_RATE_BYTES_PER_S = 1024 * 1024  # ... and per second after
 DEFAULT_TOTAL_BURST_BYTES = 256 * 1024 * 1024  # echo bytes all workers together may draw at once (~48 measurements)
 DEFAULT_TOTAL_RATE_BYTES_PER_S = 32 * 1024 * 1024  # ... and per second after (~6 measurements of a fast link)
-MAX_TRACKED = 100_000  # worker ids whose budget is remembered (the least recently seen are forgotten)
 MIN_RETRY_S = 0.05  # the shortest wait a refusal names
 HELD_NEWS_S = 60.0  # refusals are told (`news`) at most this often
 NEWS_TOP = 5  # the worker ids that drew the most echo bytes since `news` last told, named in it
@@ -45,46 +45,34 @@ def refusal(subject: str, reply: str) -> str:
     return reply_refusal(SUBJECT_PROBE_FROM, subject, reply)
 
 
-def refilled(bucket: tuple[float, float] | None, burst: int, rate: float, now: float) -> float:
-    """The bytes a budget of `burst` refilled at `rate` holds at `now`, last left at (bytes, at) `bucket`
-    (None: full)."""
-    if bucket is None:
-        return float(burst)
-    left, at = bucket
-    return min(float(burst), left + (now - at) * rate)
-
-
 class ProbeDesk:
     """Echoes within each worker's byte budget and within the budget of all workers together."""
 
     def __init__(self, max_payload: int, burst: int = DEFAULT_BURST_BYTES, rate: float = DEFAULT_RATE_BYTES_PER_S,
                  total_burst: int = DEFAULT_TOTAL_BURST_BYTES,
                  total_rate: float = DEFAULT_TOTAL_RATE_BYTES_PER_S) -> None:
-        self.max_payload, self.burst, self.rate = max_payload, burst, rate
+        self.max_payload, self.own = max_payload, Budgets(burst, rate)  # each worker id's
         self.total_burst, self.total_rate = total_burst, total_rate
-        self._left: OrderedDict[str, tuple[float, float]] = OrderedDict()  # worker -> (bytes left, at)
         self._total: tuple[float, float] | None = None  # (bytes left of all workers' budget, at); None: full
         self.refused = 0  # probes over their worker's budget
         self.refused_total = 0  # probes within it, but over the budget of all workers together
         self._told: tuple[int, float] = (0, float("-inf"))  # (refusals, when) `news` last told
-        self._drawn: Counter[str] = Counter()  # echo bytes each worker id drew since then (at most MAX_TRACKED ids)
+        self._drawn: Counter[str] = Counter()  # echo bytes each worker id drew since then (at most MAX_KEYS ids)
 
     def answer(self, probe: Probe, worker: str, now: float) -> Probe | None:
         """The echo for `worker`'s probe; over a budget, a refusal saying when to ask again (None when the
         probe is not `refusable`)."""
         size = min(probe.reply_bytes, MAX_PROBE_BYTES, self.max_payload - 1024)
         cost = size + len(probe.payload)
-        left = refilled(self._left.pop(worker, None), self.burst, self.rate, now)
-        wait = (cost - left) / self.rate if cost > left else self._take_total(size, now)
-        if wait > 0:
-            if cost > left:
-                self.refused += 1
-            else:
-                self.refused_total += 1
-            self._keep(worker, left, now)
+        wait = self.own.wait(worker, cost, now)
+        if wait:
+            self.refused += 1
+        elif wait := self._take_total(size, now):
+            self.refused_total += 1
+        if wait:
             return Probe(retry_after_s=min(max(wait, MIN_RETRY_S), MAX_PROBE_RETRY_S)) if probe.refusable else None
-        self._keep(worker, left - cost, now)
-        if size and (worker in self._drawn or len(self._drawn) < MAX_TRACKED):
+        self.own.take(worker, cost, now)
+        if size and (worker in self._drawn or len(self._drawn) < MAX_KEYS):
             self._drawn[worker] += size
         return Probe(payload=bytes(size))
 
@@ -109,8 +97,3 @@ class ProbeDesk:
             return max(-left / self.total_rate, MIN_RETRY_S)
         self._total = (left - size, now)
         return 0.0
-
-    def _keep(self, worker: str, left: float, now: float) -> None:
-        self._left[worker] = (left, now)
-        while len(self._left) > MAX_TRACKED:
-            self._left.popitem(last=False)
