@@ -119,3 +119,33 @@ async def test_workers_sharing_a_cache_fetch_a_bundle_once(nats_url, tmp_path):
     finally:
         for bus in (ps, *workers):
             await bus.close()
+
+
+async def test_a_worker_asking_again_and_again_is_told_to_wait_and_the_others_are_not(nats_url, tmp_path):
+    """Each worker id draws at most its budget of the PS's bytes (here: everything served once, refilled in 2
+    s): past it a request is told when to ask again, with no bytes and nothing read from the disk; a fetch
+    past it waits as told and finishes; another worker's fetch meanwhile is never told to wait."""
+    ps = await busmod.connect(nats_url, "ps", inbox_prefix=auth.inbox_prefix("ps"))
+    hog, other = await as_worker(nats_url, "w1"), await as_worker(nats_url, "w2")
+    try:
+        paths, shelf = files(tmp_path), bundles.Shelf(copies=1, min_burst=0, refill_s=2.0)
+        bid = await shelf.publish(ps, "model", paths, CHUNK)
+        first = bundles.BundleCache(tmp_path / "hog-1", "w1")
+        await first.fetch(hog, bid)  # its whole budget
+        assert first.deferred == 0 and shelf.deferred == 0
+        sent, weights = shelf.sent, bundles.describe_file(paths[1]).sha256
+        ask = ModelsGet(kind="file", sha256=weights, length=CHUNK, waits=True)
+        subject = SUBJECT_MODELS_GET.format(worker_id="w1")
+        answers = await asyncio.gather(*(hog.request(subject, ask, ModelsPart) for _ in range(50)))
+        assert all(0 < a.retry_after_s <= 2.0 and not a.data and not a.error for a in answers), answers[0]
+        assert shelf.sent == sent and shelf.deferred == 50
+        with pytest.raises(TimeoutError):  # one that does not wait (an older worker's) is not answered at all
+            await hog.request(subject, ask.model_copy(update={"waits": False}), ModelsPart, timeout_s=0.5)
+        again, elsewhere = bundles.BundleCache(tmp_path / "hog-2", "w1"), bundles.BundleCache(tmp_path / "w2", "w2")
+        got = await asyncio.gather(again.fetch(hog, bid), elsewhere.fetch(other, bid))
+        assert [(got[0] / p.name).read_bytes() for p in paths] == [p.read_bytes() for p in paths]
+        assert [(got[1] / p.name).read_bytes() for p in paths] == [p.read_bytes() for p in paths]
+        assert again.deferred > 0 and elsewhere.deferred == 0, (again.deferred, elsewhere.deferred)
+    finally:
+        for bus in (ps, hog, other):
+            await bus.close()

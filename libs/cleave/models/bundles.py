@@ -5,10 +5,16 @@ worker, and a worker is not the PS's machine. So the PS publishes them (`Shelf.p
 in a manifest (`cleave.schemas.Bundle`: every file's name, size, SHA-256 and the SHA-256 of each of its
 `DEFAULT_CHUNK_BYTES`), whose own SHA-256 is the bundle id the round and split tasks carry, and from then on
 answers the workers' requests for them (`ModelsGet` on `cleave.models.<worker id>`: the manifest by bundle id,
-a byte range of a file by its SHA-256), reading the files from its own disk in a thread. It answers only on the
-requesting worker's own inbox (`cleave.auth.reply_refusal`; any other reply subject is refused and logged,
+a byte range of a file by its SHA-256), reading the files from its own disk in a thread, within each worker's budget of its bytes (below). It answers
+only on the requesting worker's own inbox (`cleave.auth.reply_refusal`; any other reply subject is refused and logged,
 `reply_refused`), and stays silent about what it does not hold: several PS processes (several jobs on a hub)
 each answer for their own bundles.
+
+A worker fetches a bundle once and keeps it, so each worker id may draw (`cleave.runtime.budgets`) at most
+`DEFAULT_COPIES` times the bytes the PS serves at once (at least `DEFAULT_MIN_BURST_BYTES`), refilled over
+`DEFAULT_REFILL_S`: a worker asking again and again gets an answer of tens of bytes saying when to ask again
+(`ModelsPart.retry_after_s`, to a request that `waits`; silence to one that does not), read nothing from the
+disk, and the others' requests behind it are answered in their turn.
 
 A worker (`BundleCache.fetch`) asks for the manifest, checks it against the id, streams each file into its cache
 directory (`DEFAULT_WINDOW` requests in flight, each retried `DEFAULT_TRIES` times; then `BundleUnavailable`)
@@ -36,13 +42,15 @@ import structlog
 from filelock import AsyncFileLock
 
 from cleave import codec
-from cleave.auth import reply_refusal
+from cleave.auth import reply_refusal, requester
 from cleave.bus import TRANSIENT, Bus
 from cleave.errors import BundleUnavailable, ConfigError, CorruptBundle, WireError
 from cleave.models.hf import model_files
 from cleave.models.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from cleave.runtime.budgets import Budgets
 from cleave.schemas import (
     MAX_MODELS_PART_BYTES,
+    MAX_MODELS_RETRY_S,
     SUBJECT_MODELS_GET,
     SUBJECT_MODELS_GET_ALL,
     Bundle,
@@ -58,6 +66,10 @@ DEFAULT_PART_TIMEOUT_S = 60.0  # one request's answer (a window of 1 MB parts on
 DEFAULT_TRIES = 4  # of one request, 0.5 s, 1 s, 2 s apart, before `BundleUnavailable`
 PART_ENVELOPE = 1024  # bytes of an answer that are not the object's (its fields and the codec's header)
 MAX_REQUEST_BYTES = 4096  # a request (`ModelsGet`, ~130 bytes) as the PS decodes it
+DEFAULT_COPIES = 2  # of everything the PS serves, a worker id may draw at once (a fetch, and one more)
+DEFAULT_MIN_BURST_BYTES = 256 * 1024 * 1024  # ... at least (a tokenizer's few MB never wait)
+DEFAULT_REFILL_S = 3600.0  # ... and a full budget again after this long
+DEFERRED_LOGGED_EVERY = 1000  # requests over their budget are logged the first time and every this many
 MANIFEST = ".bundle"  # the manifest, kept in the cached directory beside the files
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
@@ -102,11 +114,15 @@ def _read(path: Path, offset: int, length: int) -> bytes:
 class Shelf:
     """What one PS serves its workers: manifests by bundle id, files by SHA-256 (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: float = DEFAULT_COPIES, min_burst: int = DEFAULT_MIN_BURST_BYTES,
+                 refill_s: float = DEFAULT_REFILL_S) -> None:
         self.manifests: dict[str, bytes] = {}  # bundle id -> the manifest's bytes
         self.files: dict[str, tuple[Path, int]] = {}  # a file's SHA-256 -> its path on this disk, its size
         self.sub = None  # the subscription to the workers' requests, from the first publish on
         self.sent = 0  # bytes of objects sent (tests and logs)
+        self.copies, self.min_burst, self.refill_s = copies, min_burst, refill_s
+        self.budgets = Budgets(min_burst, min_burst / refill_s)  # each worker id's (sized to what is served)
+        self.deferred = 0  # requests told to ask again later (over their worker's budget)
 
     async def publish(self, bus: Bus, kind: str, files: list[Path], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
         """Describe the files and serve them from now on; the bundle id."""
@@ -116,15 +132,20 @@ class Shelf:
         for entry, path in zip(bundle.files, files, strict=True):
             self.files[entry.sha256] = (path, entry.size)
         self.manifests[bundle_id] = data
+        served = sum(len(m) for m in self.manifests.values()) + sum(size for _, size in self.files.values())
+        self.budgets.burst = max(self.min_burst, self.copies * served)
+        self.budgets.rate = self.budgets.burst / self.refill_s
         if self.sub is None:
             self.sub = await bus.serve(SUBJECT_MODELS_GET_ALL, ModelsGet, partial(self.answer, bus.max_payload),
-                                       max_bytes=MAX_REQUEST_BYTES, reply_ok=partial(reply_refusal, SUBJECT_MODELS_GET))
+                                       max_bytes=MAX_REQUEST_BYTES, reply_ok=partial(reply_refusal, SUBJECT_MODELS_GET),
+                                       with_subject=True)
         log.info("bundle_published", kind=kind, bundle=bundle_id[:16], files=len(files),
                  bytes=sum(f.size for f in bundle.files))
         return bundle_id
 
-    async def answer(self, max_payload: int, req: ModelsGet) -> ModelsPart | None:
-        """The part a request asks for; None (silence) for an object this PS does not hold."""
+    async def answer(self, max_payload: int, req: ModelsGet, subject: str) -> ModelsPart | None:
+        """The part a request on `subject` asks for; None (silence) for an object this PS does not hold, or for
+        a request over its worker's budget that does not wait (see the module docstring)."""
         manifest = self.manifests.get(req.sha256) if req.kind == "bundle" else None
         path, size = self.files.get(req.sha256, (None, 0)) if req.kind == "file" else (None, len(manifest or b""))
         if manifest is None and path is None:
@@ -133,6 +154,14 @@ class Shelf:
             return ModelsPart(sha256=req.sha256, offset=req.offset, size=size,
                               error=f"offset {req.offset} is past the end ({size} bytes)")
         n = min(req.length, max_payload - PART_ENVELOPE, size - req.offset)
+        worker, now = requester(SUBJECT_MODELS_GET, subject), time.monotonic()
+        if wait := self.budgets.wait(worker, n, now):
+            self.deferred += 1
+            if self.deferred == 1 or self.deferred % DEFERRED_LOGGED_EVERY == 0:
+                log.warning("bundle_requests_deferred", worker=worker, deferred=self.deferred, retry_after_s=round(wait, 1))
+            return ModelsPart(sha256=req.sha256, offset=req.offset, size=size,
+                              retry_after_s=min(wait, MAX_MODELS_RETRY_S)) if req.waits else None
+        self.budgets.take(worker, n, now)
         if manifest is not None:
             data = manifest[req.offset:req.offset + n]
         else:
@@ -222,6 +251,7 @@ class BundleCache:
         self.verified: set[str] = set()  # checked in this process
         self.locks: dict[str, asyncio.Lock] = {}
         self.fetched = 0  # bytes fetched over the bus (tests and logs)
+        self.deferred = 0  # answers that said to ask again later
 
     async def fetch(self, bus: Bus, bundle_id: str) -> Path:
         """The local directory of bundle `bundle_id`, fetched and verified if it is not cached intact."""
@@ -325,17 +355,23 @@ class BundleCache:
         return bytes(out)
 
     async def _part(self, bus: Bus, bundle_id: str, what: str, req: ModelsGet) -> ModelsPart:
-        """One request's answer, tried `tries` times; `BundleUnavailable` when no PS answers."""
-        subject, delay, why = SUBJECT_MODELS_GET.format(worker_id=self.worker_id), 0.5, ""
-        for attempt in range(self.tries):
-            if attempt:
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 4.0)
+        """One request's answer, tried `tries` times; `BundleUnavailable` when no PS answers. Told to ask again
+        later (over this worker's budget at the PS), it waits and asks again: no failed try."""
+        subject, delay, why, attempt = SUBJECT_MODELS_GET.format(worker_id=self.worker_id), 0.5, "", 0
+        req = req.model_copy(update={"waits": True})
+        while attempt < self.tries:
             try:
                 part = await bus.request(subject, req, ModelsPart, timeout_s=self.timeout_s,
                                          max_bytes=MAX_MODELS_PART_BYTES + PART_ENVELOPE)
             except (*TRANSIENT, WireError) as e:
-                why = str(e) or type(e).__name__
+                why, attempt = str(e) or type(e).__name__, attempt + 1
+                if attempt < self.tries:
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 4.0)
+                continue
+            if part.retry_after_s and not part.data and not part.error:
+                self.deferred += 1
+                await asyncio.sleep(part.retry_after_s)
                 continue
             if part.error:
                 raise BundleUnavailable(f"bundle {bundle_id[:16]}: the PS cannot send {what}: {part.error}")

@@ -16,6 +16,7 @@ from cleave.schemas.base import (
     Wire,
 )
 from cleave.schemas.bundles import (
+    MAX_MODELS_RETRY_S,
     Bundle,
     BundleFile,
     ModelsGet,
@@ -168,6 +169,7 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "MAX_MESSAGE_BYTES",
     "MAX_MODELS_PART_BYTES",
+    "MAX_MODELS_RETRY_S",
     "MAX_PLAN_BYTES",
     "MAX_PLAN_FRAME_BYTES",
     "MAX_PROBE_BYTES",
