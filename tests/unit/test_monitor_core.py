@@ -11,6 +11,7 @@ from cleave.schemas.jobs import RUNNER_SILENT_S
 from cleave_monitor import guard, prom
 from cleave_monitor.core import MonitorState
 from cleave_monitor.hub import Hub
+from cleave_monitor.main import Feed
 
 PROFILE = DeviceProfile(
     flops=5e9, memory_bytes=1 << 29, downlink_bytes_per_s=5e7, uplink_bytes_per_s=1e7, latency_s=0.02
@@ -73,6 +74,33 @@ def test_the_hubs_jobs_are_listed_oldest_first_and_leave_when_deleted():
         {"since": 650.0, "step": 4, "faulty": 1}, None]
     s.on_metrics(StepMetrics(job="b", step=4, loss=2.0, step_time_s=1.0, workers=1, at=715.0))
     assert s.status(720.0)["queue"][0]["waiting_for_workers"] is None
+
+
+async def test_a_forgotten_job_leaves_the_dashboard_whole_and_pages_draw_again():
+    """`cleave forget` deletes the job's record and every event naming it on the hub; a running monitor drops
+    its curve, its events and its PS's words too (a restarted one would not see them), and sends every page a
+    snapshot without it. A record deleted of a job that never ran only leaves the queue."""
+    s = MonitorState()
+    feed = Feed(s, Hub())
+    page = feed.hub.join()
+    for job, at in (("old", 1.0), ("new", 2.0)):
+        s.on_job_record(JobRecord(job_id=job, job="{}", state="done", submitted_at=at, runs=1))
+        s.on_metrics(StepMetrics(job=job, step=0, loss=2.0, step_time_s=1.0, workers=1, at=at))
+        s.on_event(Event(kind="job_done", at=at, job=job, step=0))
+    s.on_event(Event(kind="waiting_for_workers", at=3.0, job="old", step=0))
+    s.on_event(Event(kind="worker_joined", at=3.0, worker_id="w1"))  # the fleet's
+    s.on_metrics(StepMetrics(job="old", step=1, loss=1.5, step_time_s=1.0, workers=1, at=4.0))
+    assert s.current_job == "old" and s.last.job == "old"
+    feed.on_job_entry("old", "PURGE", None)
+    snap = s.snapshot(5.0)
+    assert [j["job"] for j in snap["jobs"]] == ["new"] and [q["job_id"] for q in snap["queue"]] == ["new"]
+    assert [(e["kind"], e["job"]) for e in snap["events"]] == [("job_done", "new"), ("worker_joined", "")]
+    assert snap["job"] == s.current_job == "new" and [p["step"] for p in snap["series"]] == [0]
+    assert s.last is None and "old" not in s.waits and s.totals.steps == 3  # (the totals count what was seen)
+    sent = await page.next()
+    assert sent.startswith(b"event: snapshot\n") and b'"jobs":[{"job":"new"' in sent
+    s.on_job_record(JobRecord(job_id="refused", job="{}", state="failed", submitted_at=6.0))
+    assert s.on_job_gone("refused") == ("queue", {"job_id": "refused"})  # it never ran: nothing else to drop
 
 
 def test_a_step_line_or_event_told_again_is_dropped_and_a_step_run_again_counts():

@@ -218,8 +218,19 @@ class MonitorState:
         return "queue", view
 
     def on_job_gone(self, job_id: str) -> Update:
+        """The hub's record of the job was deleted (`cleave forget`; the runner's trimming of old refusals): it
+        leaves the queue, and its curve, its PS's words and every event naming it go too, as they went from the
+        hub ("forgotten": pages draw themselves again). The totals keep counting what was seen."""
         self.queue.pop(job_id, None)
-        return "queue", {"job_id": job_id}
+        self.waits.pop(job_id, None)
+        if self.jobs.pop(job_id, None) is None and not any(e["job"] == job_id for e in self.events):
+            return "queue", {"job_id": job_id}
+        self.events = deque((e for e in self.events if e["job"] != job_id), maxlen=self.events.maxlen)
+        if self.current_job == job_id:  # the job of the latest step left: the one of the latest step kept
+            self.current_job = max(self.jobs, key=lambda j: self.jobs[j][-1]["at"], default=None)
+        if self.last is not None and self.last.job == job_id:
+            self.last = None
+        return "forgotten", {"job_id": job_id}
 
     def queue_view(self, now: float) -> list[dict]:
         """The hub's submitted jobs, the oldest submission first; `runner_silent_s` of a queued or running job

@@ -58,6 +58,8 @@ class Feed:
         kind, data = update
         if kind in ("metrics", "event"):
             self.hub.publish(kind, data)
+        elif kind == "forgotten":  # (a page draws itself again from a snapshot without the job)
+            self.hub.publish("snapshot", self.state.snapshot(time.time()))
         self.status_dirty.set()  # fleet, plan and totals go out on the status timer
 
     def on_stream_message(self, subject: str, data: bytes) -> None:
