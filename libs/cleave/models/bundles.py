@@ -5,16 +5,17 @@ worker, and a worker is not the PS's machine. So the PS publishes them (`Shelf.p
 in a manifest (`cleave.schemas.Bundle`: every file's name, size, SHA-256 and the SHA-256 of each of its
 `DEFAULT_CHUNK_BYTES`), whose own SHA-256 is the bundle id the round and split tasks carry, and from then on
 answers the workers' requests for them (`ModelsGet` on `cleave.models.<worker id>`: the manifest by bundle id,
-a byte range of a file by its SHA-256), reading the files from its own disk in a thread, within each worker's budget of its bytes (below). It answers
-only on the requesting worker's own inbox (`cleave.auth.reply_refusal`; any other reply subject is refused and logged,
-`reply_refused`), and stays silent about what it does not hold: several PS processes (several jobs on a hub)
-each answer for their own bundles.
+a byte range of a file by its SHA-256), reading the files from its own disk in a thread, within each worker's
+budget of its bytes (below). It answers only on the requesting worker's own inbox (`cleave.auth.reply_refusal`;
+any other reply subject is refused and logged, `reply_refused`), and stays silent about what it does not hold:
+several PS processes (several jobs on a hub) each answer for their own bundles.
 
 A worker fetches a bundle once and keeps it, so each worker id may draw (`cleave.runtime.budgets`) at most
 `DEFAULT_COPIES` times the bytes the PS serves at once (at least `DEFAULT_MIN_BURST_BYTES`), refilled over
-`DEFAULT_REFILL_S`: a worker asking again and again gets an answer of tens of bytes saying when to ask again
-(`ModelsPart.retry_after_s`, to a request that `waits`; silence to one that does not), read nothing from the
-disk, and the others' requests behind it are answered in their turn.
+`DEFAULT_REFILL_S` (a part larger than the whole budget draws all of it): a worker asking again and again gets
+an answer of tens of bytes saying when to ask again (`ModelsPart.retry_after_s`, to a request that `waits`;
+silence to one that does not), read nothing from the disk, and the others' requests behind it are answered in
+their turn.
 
 A worker (`BundleCache.fetch`) asks for the manifest, checks it against the id, streams each file into its cache
 directory (`DEFAULT_WINDOW` requests in flight, each retried `DEFAULT_TRIES` times; then `BundleUnavailable`)
@@ -155,13 +156,15 @@ class Shelf:
                               error=f"offset {req.offset} is past the end ({size} bytes)")
         n = min(req.length, max_payload - PART_ENVELOPE, size - req.offset)
         worker, now = requester(SUBJECT_MODELS_GET, subject), time.monotonic()
-        if wait := self.budgets.wait(worker, n, now):
+        cost = min(n, self.budgets.burst)  # (one part larger than the whole budget takes all of it)
+        if wait := self.budgets.wait(worker, cost, now):
             self.deferred += 1
             if self.deferred == 1 or self.deferred % DEFERRED_LOGGED_EVERY == 0:
-                log.warning("bundle_requests_deferred", worker=worker, deferred=self.deferred, retry_after_s=round(wait, 1))
+                log.warning("bundle_requests_deferred", worker=worker, deferred=self.deferred,
+                            retry_after_s=round(wait, 1))
             return ModelsPart(sha256=req.sha256, offset=req.offset, size=size,
                               retry_after_s=min(wait, MAX_MODELS_RETRY_S)) if req.waits else None
-        self.budgets.take(worker, n, now)
+        self.budgets.take(worker, cost, now)
         if manifest is not None:
             data = manifest[req.offset:req.offset + n]
         else:

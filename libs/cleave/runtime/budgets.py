@@ -31,8 +31,8 @@ class Budgets:
         self._left: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (bytes left, at)
 
     def wait(self, key: str, cost: float, now: float) -> float:
-        """The seconds until `key`'s budget holds `cost` bytes (0.0: it does now). A cost over the burst is
-        never drawn whole: its wait is the time to refill the burst and what it lacks beyond."""
+        """The seconds until `key`'s budget holds `cost` bytes (0.0: it does now). A cost over the burst never
+        fits: callers cap a cost at the burst."""
         left = self._refresh(key, now)
         return (cost - left) / self.rate if cost > left else 0.0
 

@@ -63,7 +63,7 @@ class ProbeDesk:
         """The echo for `worker`'s probe; over a budget, a refusal saying when to ask again (None when the
         probe is not `refusable`)."""
         size = min(probe.reply_bytes, MAX_PROBE_BYTES, self.max_payload - 1024)
-        cost = size + len(probe.payload)
+        cost = min(size + len(probe.payload), self.own.burst)  # (one larger than the whole budget takes all of it)
         wait = self.own.wait(worker, cost, now)
         if wait:
             self.refused += 1
