@@ -374,6 +374,10 @@ class BundleCache:
                 continue
             if part.retry_after_s and not part.data and not part.error:
                 self.deferred += 1
+                if self.deferred == 1 or self.deferred % DEFERRED_LOGGED_EVERY == 0:  # (why a fetch is slow)
+                    log.warning("bundle_fetch_waits", bundle=bundle_id[:16], what=what, deferred=self.deferred,
+                                retry_after_s=round(part.retry_after_s, 1),
+                                why="this worker drew its budget of the PS's bytes")
                 await asyncio.sleep(part.retry_after_s)
                 continue
             if part.error:
