@@ -121,16 +121,26 @@ async def store(bus: busmod.Bus, job_id: str, sub: JobSubmission, wait_s: float,
 
 async def verdict(bus: busmod.Bus, job_id: str, nonce: str, wait_s: float) -> JobRecord | None:
     """The job's record once it answers this submission (its nonce), or None after `wait_s`."""
-    deadline = time.monotonic() + wait_s
     kv = None
-    while time.monotonic() < deadline:
+
+    async def answered() -> JobRecord | None:
+        nonlocal kv
         try:
             kv = kv or await asyncio.wait_for(bus.js.key_value(JOBS_BUCKET), busmod.DEFAULT_TIMEOUT_S)
             got = await bus.kv_get(kv, job_id, JobRecord)
         except Exception:  # the bucket is not there yet (no runner so far)
-            got = None
-        if got is not None and got[0].nonce == nonce:
-            return got[0]
+            return None
+        return got[0] if got is not None and got[0].nonce == nonce else None
+
+    return await polled(answered, wait_s)
+
+
+async def polled(look: Callable[[], Awaitable[R | None]], wait_s: float) -> R | None:
+    """What `look()` finds, asked every DEFAULT_POLL_S until it finds something; None after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if (found := await look()) is not None:
+            return found
         await asyncio.sleep(DEFAULT_POLL_S)
     return None
 
@@ -319,15 +329,14 @@ async def forget_on(bus: busmod.Bus, job_id: str, nats: str, wait_s: float) -> b
         raise CleaveError(f"the hub at {nats} has no record of job {job_id!r}{waits} (`cleave status` lists them)")
     sub = JobSubmission(job="{}", nonce=secrets.token_hex(8), submitted_at=time.time(), action="forget")
     await store(bus, job_id, sub, wait_s, nats)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
+
+    async def forgotten() -> bool | None:
         records = await read_records(bus, job_id)
-        if not records:
-            return True
-        if records[0].nonce == sub.nonce:  # (answered, and the record stays: refused)
+        if records and records[0].nonce == sub.nonce:  # (answered, and the record stays: refused)
             raise CleaveError(f"the hub's runner did not forget job {job_id}: {records[0].verdict_reason}")
-        await asyncio.sleep(DEFAULT_POLL_S)
-    return False
+        return True if not records else None
+
+    return await polled(forgotten, wait_s) or False
 
 
 @checked
