@@ -81,11 +81,16 @@ async def connect(url: str, folder: Path | None, role: str = "submitter") -> bus
     if first is not None and first.final:  # a certificate, a credential, the wrong port: no retry mends it
         raise CleaveError(f"NATS at {url}: {first.reason}")
     left = max(1.0, DEFAULT_CONNECT_TIMEOUT_S - (time.monotonic() - start))
+    late = asyncio.Event()  # (a stop, not asyncio.wait_for: see cleave.bus.stopping)
+    timer = asyncio.get_running_loop().call_later(left, late.set)
     try:
-        return await asyncio.wait_for(busmod.connect(url, f"cleave-{role}", **options), left)
-    except TimeoutError:
+        bus = await busmod.connect(url, f"cleave-{role}", stop=late, **options)
+    finally:
+        timer.cancel()
+    if bus is None:
         why = first.reason if first is not None else "check the URL, that the hub is up and the port open to you"
-        raise CleaveError(f"could not reach NATS at {url} within {DEFAULT_CONNECT_TIMEOUT_S:.0f}s: {why}") from None
+        raise CleaveError(f"could not reach NATS at {url} within {DEFAULT_CONNECT_TIMEOUT_S:.0f}s: {why}")
+    return bus
 
 
 
