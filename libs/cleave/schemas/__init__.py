@@ -53,6 +53,7 @@ from cleave.schemas.limits import (
     MAX_PLAN_FRAME_BYTES,
     MAX_PROBE_BYTES,
     MAX_PS_REPLICAS,
+    MAX_REASON_CHARS,
     MAX_ROUND_WORKERS,
     MAX_TENSOR_ELEMENTS,
 )
@@ -165,6 +166,7 @@ __all__ = [
     "MAX_CONTROL_BYTES",
     "MAX_GEMM_DIM",
     "MAX_JOB_BYTES",
+    "MAX_REASON_CHARS",
     "MAX_LINKCHECK_BYTES",
     "MAX_MANIFEST_BYTES",
     "MAX_MESSAGE_BYTES",

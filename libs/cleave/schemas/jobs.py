@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from cleave.schemas.base import Wire
-from cleave.schemas.limits import MAX_JOB_BYTES
+from cleave.schemas.limits import MAX_JOB_BYTES, MAX_REASON_CHARS
 from cleave.schemas.state import Event
 from cleave.schemas.subjects import TOKEN_CHARS
 
@@ -57,11 +57,11 @@ class JobRecord(Wire):
     started_at: Time | None = None  # when its PS was last started
     ended_at: Time | None = None
     exit_code: int | None = None  # of its PS, once done or failed
-    reason: str = Field("", max_length=4096)  # why it failed (in the words of the PS's error), or was cancelled
+    reason: str = Field("", max_length=MAX_REASON_CHARS)  # why it failed (in the words of the PS's error), or was cancelled
     runs: int = Field(0, ge=0)  # PS processes started for it (restarts and resumes included)
     nonce: str = ""  # the latest submission's nonce, accepted or refused
     verdict: Literal["accepted", "refused"] = "accepted"
-    verdict_reason: str = Field("", max_length=4096)  # why that submission was refused
+    verdict_reason: str = Field("", max_length=MAX_REASON_CHARS)  # why that submission was refused
     heard_at: Time | None = None  # when the runner last wrote it (every RUNNER_REFRESH_S while queued or running)
 
 

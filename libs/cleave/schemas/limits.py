@@ -16,3 +16,4 @@ MAX_PS_REPLICAS = 64  # PS replicas of one job (JobShapes.replicas)
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # a checkpoint's manifest object
 MAX_MODELS_PART_BYTES = 64 * 1024 * 1024  # bytes of a bundle's object in one answer (nats-server's largest max_payload)
 MAX_JOB_BYTES = 64 * 1024  # a submitted job's description (its JobConfig as JSON)
+MAX_REASON_CHARS = 4096  # a job record's reason (why it failed or was cancelled) and its verdict's

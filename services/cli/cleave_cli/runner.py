@@ -51,6 +51,7 @@ from cleave.schemas import (
     JOBS_STREAM,
     MAX_CONTROL_BYTES,
     MAX_JOB_BYTES,
+    MAX_REASON_CHARS,
     REGISTRY_BUCKET,
     STATE_BUCKET,
     SUBJECT_JOB_SUBMIT_ALL,
@@ -79,7 +80,7 @@ JOIN_WAIT_S = 60.0  # a job waits at most this long for its `min_workers`, then 
 CONSUMER = "runner"  # the durable consumer of CLEAVE_JOBS
 ACK_WAIT_S = 60.0  # a submission not acknowledged within this (the runner died) is handed over again
 MAX_DELIVER = 5  # at most this often: one that ended the runner every time is dropped, not taken for ever
-RECORD_ROOM = MAX_JOB_BYTES + 2 * 4096  # the largest record: its job's description and its two reasons
+RECORD_ROOM = MAX_JOB_BYTES + 2 * MAX_REASON_CHARS  # the largest record: its job's description and two reasons
 RECORDS_FULL_HINT = (f"the job records' bucket {kv_stream(JOBS_BUCKET)} is full: new submissions wait on the hub "
                      "until it has room (the jobs it has go on): `cleave forget` jobs that ended, or raise its limit")
 
@@ -187,13 +188,13 @@ class Runner:
         job, why = await self.judge(job_id, sub, old)
         if why:
             log.warning("job_refused", job=job_id, reason=why)
-            verdict = {"nonce": sub.nonce, "verdict": "refused", "verdict_reason": why[:4096]}
+            verdict = {"nonce": sub.nonce, "verdict": "refused", "verdict_reason": why[:MAX_REASON_CHARS]}
             if old is not None:
                 return await self.put(old.model_copy(update=verdict))
             # (a new job's record keeps no description: what was refused is the submitter's text, which every
             # reader of the bucket parses, and each such record stays in the runner's memory and its bucket)
             rec = await self.put(JobRecord(job_id=job_id, job="{}", state="failed", submitted_at=stored_at,
-                                           reason=why[:4096], **verdict))
+                                           reason=why[:MAX_REASON_CHARS], **verdict))
             self.refused[job_id] = None
             await self.forget_refused()
             return rec
@@ -352,7 +353,7 @@ class Runner:
         state, reason = ("done", "") if code == 0 else ("failed", failure_reason(self.stack, proc))
         (log.info if code == 0 else log.warning)(f"job_{state}", job=job_id, exit_code=code, reason=reason)
         await self.put(rec.model_copy(update={"state": state, "ended_at": time.time(), "exit_code": code,
-                                              "reason": reason[:4096]}))
+                                              "reason": reason[:MAX_REASON_CHARS]}))
 
 
 async def jobs_stream(bus: busmod.Bus) -> None:
