@@ -37,6 +37,7 @@ from cleave.schemas import (
     JOBS_BUCKET,
     JOBS_STREAM,
     MAX_CONTROL_BYTES,
+    METRICS_KIND,
     SUBJECT_EVENTS,
     SUBJECT_EVENTS_ALL,
     SUBJECT_JOB_SUBMIT,
@@ -44,6 +45,7 @@ from cleave.schemas import (
     JobRecord,
     JobSubmission,
     StepMetrics,
+    event_schema,
 )
 from cleave.schemas.base import Wire
 from cleave.schemas.jobs import ENDED, runner_silent_s, waiting_for_workers
@@ -196,7 +198,7 @@ async def read_all_metrics(bus: busmod.Bus, job_id: str | None = None) -> dict[s
     """Every job's step lines (or only `job_id`'s) as `read_metrics` gives one job's, in one pass over the
     events stream."""
     steps: dict[str, dict[int, StepMetrics]] = {}
-    for sm in await _events(bus, "metrics", StepMetrics):
+    for sm in await _events(bus, METRICS_KIND, StepMetrics):
         if job_id is None or sm.job == job_id:
             steps.setdefault(sm.job, {})[sm.step] = sm
     return {job: [by_step[s] for s in sorted(by_step)] for job, by_step in steps.items()}
@@ -223,11 +225,10 @@ async def job_events(bus: busmod.Bus, job_id: str) -> list[int]:
     """The stream sequence numbers of every event that names job `job_id` (its step lines, its PS's words:
     ps_resumed, recovered, job_done, ...), oldest first: one pass over the events stream. Events of the fleet
     (worker_joined, plan_changed, ...) name no job and are not among them."""
-    metrics = SUBJECT_EVENTS.format(kind="metrics")
     found = []
     async for m in history.messages(bus.js, EVENTS_STREAM, SUBJECT_EVENTS_ALL, DeliverPolicy.ALL):
         with contextlib.suppress(WireError):
-            if codec.decode(m.data, StepMetrics if m.subject == metrics else Event, MAX_CONTROL_BYTES).job == job_id:
+            if codec.decode(m.data, event_schema(m.subject), MAX_CONTROL_BYTES).job == job_id:
                 found.append(m.metadata.sequence.stream)
     return found
 

@@ -48,6 +48,7 @@ from cleave.schemas import (
     Event,
     StepMetrics,
     Wire,
+    event_kind,
 )
 from cleave.schemas.subjects import kv_subject
 
@@ -370,7 +371,7 @@ class Bus:
 
     async def emit(self, msg: Event | StepMetrics) -> None:
         """Persist an event or a step's metrics in the events stream (the monitor's history)."""
-        kind = "metrics" if isinstance(msg, StepMetrics) else msg.kind
+        kind = event_kind(msg)
         try:
             await self.js.publish(SUBJECT_EVENTS.format(kind=kind), codec.encode(msg), timeout=DEFAULT_TIMEOUT_S)
         except Exception as e:  # the bus being down must not stop training; the event is logged instead

@@ -75,11 +75,14 @@ from cleave.schemas.plan import (
 )
 from cleave.schemas.state import (
     MAX_EPSILON,
+    METRICS_KIND,
     CheckpointManifest,
     Event,
     StateHead,
     StepMetrics,
     TensorEntry,
+    event_kind,
+    event_schema,
 )
 from cleave.schemas.subjects import (
     EVENTS_STREAM,
@@ -133,6 +136,7 @@ from cleave.schemas.tiles import (
 
 __all__ = [
     "MAX_EPSILON",
+    "METRICS_KIND",
     "BlockPart",
     "BlockPush",
     "BlockRef",
@@ -225,6 +229,8 @@ __all__ = [
     "SplitTask",
     "StateHead",
     "StepMetrics",
+    "event_kind",
+    "event_schema",
     "TensorData",
     "TensorEntry",
     "TileResult",

@@ -67,6 +67,19 @@ class StepMetrics(Wire):
     at: float = 0.0
 
 
+METRICS_KIND = "metrics"  # the events stream's kind for step lines; an Event is filed under its own kind
+
+
+def event_kind(msg: Event | StepMetrics) -> str:
+    """The kind the events stream files `msg` under (the last token of its subject, `SUBJECT_EVENTS`)."""
+    return METRICS_KIND if isinstance(msg, StepMetrics) else msg.kind
+
+
+def event_schema(subject: str) -> type[Event] | type[StepMetrics]:
+    """The schema of the events stream's message on `subject` (`SUBJECT_EVENTS`: its kind last)."""
+    return StepMetrics if subject.rsplit(".", 1)[-1] == METRICS_KIND else Event
+
+
 class TensorEntry(Wire):
     """One tensor of a streamed checkpoint: its bytes follow the previous entry's in the data object."""
 

@@ -31,10 +31,10 @@ from cleave.schemas import (
     REGISTRY_BUCKET,
     SUBJECT_EVENTS_ALL,
     DeviceRecord,
-    Event,
     JobRecord,
     Plan,
     StepMetrics,
+    event_schema,
 )
 from cleave_monitor import guard, web
 from cleave_monitor.core import MonitorState, Update
@@ -64,7 +64,7 @@ class Feed:
 
     def on_stream_message(self, subject: str, data: bytes) -> None:
         """One message of CLEAVE_EVENTS: step metrics on `cleave.events.metrics`, an Event otherwise."""
-        schema = StepMetrics if subject.rsplit(".", 1)[-1] == "metrics" else Event
+        schema = event_schema(subject)
         try:
             msg = codec.decode(data, schema, MAX_CONTROL_BYTES)
         except WireError as e:
