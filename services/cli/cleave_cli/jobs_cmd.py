@@ -161,8 +161,8 @@ def forget(args: argparse.Namespace) -> int:
         print(f"{args.job_id}: the hub's runner has not answered within {args.wait:.0f}s; the forget waits on the "
               "hub for it", file=sys.stderr)
         return 0
-    print(f"{args.job_id}: forgotten: its checkpoints, step metrics and events, files and record are deleted; a new job of that "
-          "id starts from step 0")
+    print(f"{args.job_id}: forgotten: its checkpoints, step metrics and events, files and record are deleted; a "
+          "new job of that id starts from step 0")
     return 0
 
 
