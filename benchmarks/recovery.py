@@ -37,7 +37,7 @@ from pathlib import Path
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api.fleet import LocalFleet
-from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
+from cleave.schemas import EVENTS_STREAM, Event, events_subject
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from cleave_ps.state.persist import Persister
@@ -57,7 +57,7 @@ def median_step(lines: list[dict], skip: set[int]) -> float:
 
 
 async def last_event(bus: busmod.Bus, kind: str) -> Event:
-    msg = await bus.js.get_last_msg(EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind))
+    msg = await bus.js.get_last_msg(EVENTS_STREAM, events_subject(kind))
     return codec.decode(msg.data, Event)
 
 

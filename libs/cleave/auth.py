@@ -78,7 +78,7 @@ from cleave.schemas import (
     SUBJECT_UPDATES,
     WORKER_REPLY_TOKEN,
 )
-from cleave.schemas.subjects import kv_stream, kv_subject, obj_stream
+from cleave.schemas.subjects import kv_stream, kv_subject, obj_stream, stream_purge
 
 ROLES = ("ps", "scheduler", "monitor", "worker", "submitter", "site")
 PROBE_ECHO = "scheduler-probe"  # the scheduler's second credential: it answers probes and may do nothing else
@@ -139,11 +139,11 @@ def _js_read(stream: str) -> list[str]:
 
 
 def _kv_write(bucket: str) -> list[str]:
-    return [kv_subject(bucket), f"$JS.API.STREAM.PURGE.{kv_stream(bucket)}"]
+    return [kv_subject(bucket), stream_purge(kv_stream(bucket))]
 
 
 def _obj_write(bucket: str) -> list[str]:
-    return [f"$O.{bucket}.>", f"$JS.API.STREAM.PURGE.{obj_stream(bucket)}"]
+    return [f"$O.{bucket}.>", stream_purge(obj_stream(bucket))]
 
 
 def _service(role: str, publish: list[str], subscribe: list[str], allow_responses: bool = False) -> Permissions:
@@ -169,7 +169,7 @@ def permissions(role: str, worker_id: str | None = None) -> Permissions:
         for s in (JOBS_STREAM, kv_stream(JOBS_BUCKET)):
             pub += [*_js_create(s), *_js_read(s)]
         pub += [*_kv_write(JOBS_BUCKET), kv_subject(PLAN_BUCKET, SHAPES_KEY)]  # and its job's GEMM shapes, planned
-        pub += [*_js_read(EVENTS_STREAM), f"$JS.API.STREAM.MSG.DELETE.{EVENTS_STREAM}"]  # and a forgotten job's events
+        pub += [*_js_read(EVENTS_STREAM), stream_purge(EVENTS_STREAM)]  # and a forgotten job's events
         return _service(role, pub, [_wild(SUBJECT_RESULTS), _wild(SUBJECT_UPDATES), SUBJECT_MODELS_GET_ALL])
     if role == SUBMITTER:  # submits jobs; reads their records, metrics and checkpoints; writes nothing else
         pub = [SUBJECT_JOB_SUBMIT_ALL, f"$JS.API.STREAM.INFO.{JOBS_STREAM}"]

@@ -43,6 +43,7 @@ from cleave.schemas import (
     StepMetrics,
     TileResult,
 )
+from cleave.schemas.subjects import stream_purge
 from cleave_cli import auth_cmd, forget
 from cleave_worker.settings import WorkerSettings
 from tests.integration import authserver
@@ -274,7 +275,7 @@ async def test_services_run_their_jetstream_work_and_nothing_more(server: AuthSe
 
 async def test_the_runner_forgets_a_job_with_the_ps_credential(server: AuthServer, connect, tmp_path) -> None:
     """What the hub's runner deletes of a forgotten job (`cleave_cli.forget`), logged in as the PS: its record,
-    checkpoint, head and events go; another job's stay; a worker may delete no event."""
+    checkpoint, head and events go; another job's stay; a worker may delete no event, nor purge any."""
     ps_c = await connect(server.settings("ps"), "ps")
     ps = Bus(ps_c.nc, "ps")
     async with asyncio.timeout(12 * OP_TIMEOUT_S):
@@ -300,9 +301,10 @@ async def test_the_runner_forgets_a_job_with_the_ps_credential(server: AuthServe
         assert [(e.kind, e.job) for _, e in left] == [("ps_resumed", "kept"), ("worker_joined", "")]
     assert ps_c.errors == []
     worker = await connect(server.settings("worker"), "worker")
-    subject = f"$JS.API.STREAM.MSG.DELETE.{EVENTS_STREAM}"
-    await worker.nc.publish(subject, b'{"seq": 1}')
-    assert "publish" in await worker.violation(subject)
+    for subject, ask in ((f"$JS.API.STREAM.MSG.DELETE.{EVENTS_STREAM}", b'{"seq": 1}'),
+                         (stream_purge(EVENTS_STREAM), b'{"filter": "cleave.events.*.kept"}')):
+        await worker.nc.publish(subject, ask)
+        assert "publish" in await worker.violation(subject)
 
 
 async def watch_as_the_monitor(client: Client) -> None:
@@ -316,7 +318,8 @@ async def watch_as_the_monitor(client: Client) -> None:
 
     sub = await mon.js.subscribe(SUBJECT_EVENTS_ALL, stream=EVENTS_STREAM, cb=on_event, ordered_consumer=True,
                                  deliver_policy=DeliverPolicy.ALL)
-    assert {await seen.get(), await seen.get()} == {"cleave.events.ps_resumed", "cleave.events.plan_changed"}
+    assert {await seen.get(), await seen.get()} == {"cleave.events.ps_resumed.~fleet",
+                                                                   "cleave.events.plan_changed.~fleet"}
     await sub.unsubscribe()
     for bucket, key in ((REGISTRY_BUCKET, ">"), (PLAN_BUCKET, PLAN_KEY)):
         watcher = await (await mon.kv(bucket)).watch(key)

@@ -60,7 +60,7 @@ async def test_a_resumed_ps_tells_each_step_once_and_the_monitor_counts_each_onc
         stream = await told(ps.bus)
     finally:
         await ps.bus.close()
-    subjects = [subject.rsplit(".", 1)[-1] for subject, _ in stream]
+    subjects = [subject.split(".")[2] for subject, _ in stream]  # (cleave.events.<kind>.<job>)
     assert subjects.count("ps_resumed") == 2
     if has_file:
         assert subjects.count("metrics") == 6 and subjects.count("recovered") == 1  # each told once

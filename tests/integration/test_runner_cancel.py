@@ -31,12 +31,12 @@ from cleave.schemas import (
     JOBS_BUCKET,
     STATE_BUCKET,
     STATE_OBJECTS,
-    SUBJECT_EVENTS,
     SUBJECT_JOB_SUBMIT,
     Event,
     JobRecord,
     JobSubmission,
     StepMetrics,
+    events_subject,
 )
 from cleave.schemas.subjects import kv_stream, kv_subject
 from cleave.train.job import JobConfig
@@ -153,7 +153,7 @@ def test_a_cancelled_queued_job_never_starts_and_a_stopping_ps_holds_the_next_jo
 
 async def _jobs_of(bus: busmod.Bus, kind: str) -> list[str]:
     """The jobs the events of `kind` in the events stream name, oldest first ("": an event of the fleet)."""
-    found = await history.numbered(bus.js, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), Event, DeliverPolicy.ALL)
+    found = await history.numbered(bus.js, EVENTS_STREAM, events_subject(kind), Event, DeliverPolicy.ALL)
     return [e.job for _, e in found]
 
 

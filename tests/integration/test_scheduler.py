@@ -10,7 +10,17 @@ from cleave import codec
 from cleave.api.fleet import LocalFleet
 from cleave.gemm import tiles
 from cleave.models import gemm_shapes, get_preset
-from cleave.schemas import PLAN_BUCKET, PLAN_KEY, SHAPES_KEY, SUBJECT_EVENTS, Event, GemmSpec, JobShapes, Plan
+from cleave.schemas import (
+    NO_JOB,
+    PLAN_BUCKET,
+    PLAN_KEY,
+    SHAPES_KEY,
+    Event,
+    GemmSpec,
+    JobShapes,
+    Plan,
+    events_subject,
+)
 
 PROFILES = ["flops=2G,down=20M,up=5M,latency=0.01,memory=512Mi", "flops=0.5G,down=5M,up=2M,latency=0.02,memory=512Mi"]
 
@@ -88,7 +98,7 @@ async def test_two_workers_under_one_id_are_said(tmp_path, nats_url):
 
     try:
         await bus.setup()
-        sub = await bus.nc.subscribe(SUBJECT_EVENTS.format(kind="worker_id_shared"), cb=on_event)
+        sub = await bus.nc.subscribe(events_subject("worker_id_shared", NO_JOB), cb=on_event)
         fleet.start()
         for name in ("a", "b"):
             fleet.stack.service(f"w-{name}", "worker", ["--worker-id", "twin", "--profile", PROFILES[0]])

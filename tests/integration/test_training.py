@@ -14,7 +14,7 @@ import torch
 from cleave import bus as busmod
 from cleave import codec
 from cleave.api.state import state_server
-from cleave.schemas import EVENTS_STREAM, SUBJECT_EVENTS, Event
+from cleave.schemas import EVENTS_STREAM, Event, events_subject
 from cleave.train.job import JobConfig
 from cleave.train.trainer import Trainer
 from tests.integration.fleet import InProcessPS, assert_same, grads, start_fleet
@@ -53,7 +53,7 @@ async def last_event(run_dir, kind: str) -> Event:
     with state_server(run_dir) as url:
         bus = await busmod.connect(url, "test-events")
         try:
-            msg = await bus.js.get_last_msg(EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind))
+            msg = await bus.js.get_last_msg(EVENTS_STREAM, events_subject(kind))
             return codec.decode(msg.data, Event)
         finally:
             await bus.close()

@@ -10,7 +10,6 @@ submitter's copy of it: `submitter.env` and `tls/ca.pem`), or with none on a hub
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import time
@@ -30,22 +29,19 @@ from cleave.api.args import JobId, Seconds, blocking, checked
 from cleave.api.credentials import client_options
 from cleave.bus import history, urls
 from cleave.bus.limits import STORE_FAILED
-from cleave.errors import CleaveError, WireError
+from cleave.errors import CleaveError
 from cleave.runtime import logs
 from cleave.schemas import (
     EVENTS_STREAM,
     JOBS_BUCKET,
     JOBS_STREAM,
-    MAX_CONTROL_BYTES,
     METRICS_KIND,
-    SUBJECT_EVENTS,
-    SUBJECT_EVENTS_ALL,
     SUBJECT_JOB_SUBMIT,
     Event,
     JobRecord,
     JobSubmission,
     StepMetrics,
-    event_schema,
+    events_subject,
 )
 from cleave.schemas.base import Wire
 from cleave.schemas.jobs import ENDED, runner_silent_s, waiting_for_workers
@@ -196,41 +192,29 @@ async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
 
 async def read_all_metrics(bus: busmod.Bus, job_id: str | None = None) -> dict[str, list[StepMetrics]]:
     """Every job's step lines (or only `job_id`'s) as `read_metrics` gives one job's, in one pass over the
-    events stream."""
+    events stream's step lines (one job's only: they are filed under its id)."""
     steps: dict[str, dict[int, StepMetrics]] = {}
-    for sm in await _events(bus, METRICS_KIND, StepMetrics):
-        if job_id is None or sm.job == job_id:
-            steps.setdefault(sm.job, {})[sm.step] = sm
+    for sm in await _events(bus, METRICS_KIND, StepMetrics, job_id):
+        steps.setdefault(sm.job, {})[sm.step] = sm
     return {job: [by_step[s] for s in sorted(by_step)] for job, by_step in steps.items()}
 
 
 async def read_waits(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Event]:
     """Each job's (or only `job_id`'s) latest word from its PS that it has no worker to deal to (the
     `waiting_for_workers` events; `summary` judges whether it still holds)."""
-    return {e.job: e for e in await _events(bus, "waiting_for_workers", Event) if job_id is None or e.job == job_id}
+    return {e.job: e for e in await _events(bus, "waiting_for_workers", Event, job_id)}
 
 
 async def read_trims(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Event]:
     """Each job's (or only `job_id`'s) word from its PS that a round's trimmed mean dropped nothing (too few
     updates for its trim: the plain mean was applied; the `trimmed_drops_nothing` events, the latest)."""
-    return {e.job: e for e in await _events(bus, "trimmed_drops_nothing", Event) if job_id is None or e.job == job_id}
+    return {e.job: e for e in await _events(bus, "trimmed_drops_nothing", Event, job_id)}
 
 
-async def _events(bus: busmod.Bus, kind: str, schema: type[T]) -> list[T]:
-    """The events stream's messages of one kind, oldest first (one that does not decode is skipped)."""
-    return await history.read(bus.js, EVENTS_STREAM, SUBJECT_EVENTS.format(kind=kind), schema, DeliverPolicy.ALL)
-
-
-async def job_events(bus: busmod.Bus, job_id: str) -> list[int]:
-    """The stream sequence numbers of every event that names job `job_id` (its step lines, its PS's words:
-    ps_resumed, recovered, job_done, ...), oldest first: one pass over the events stream. Events of the fleet
-    (worker_joined, plan_changed, ...) name no job and are not among them."""
-    found = []
-    async for m in history.messages(bus.js, EVENTS_STREAM, SUBJECT_EVENTS_ALL, DeliverPolicy.ALL):
-        with contextlib.suppress(WireError):
-            if codec.decode(m.data, event_schema(m.subject), MAX_CONTROL_BYTES).job == job_id:
-                found.append(m.metadata.sequence.stream)
-    return found
+async def _events(bus: busmod.Bus, kind: str, schema: type[T], job_id: str | None) -> list[T]:
+    """The events stream's messages of one kind, of every job or of `job_id`, oldest first (one that does not
+    decode is skipped)."""
+    return await history.read(bus.js, EVENTS_STREAM, events_subject(kind, job_id or "*"), schema, DeliverPolicy.ALL)
 
 
 def description(rec: JobRecord) -> dict:

@@ -42,13 +42,13 @@ from cleave.schemas import (
     PLAN_BUCKET,
     REGISTRY_BUCKET,
     STATE_BUCKET,
-    SUBJECT_EVENTS,
     SUBJECT_EVENTS_ALL,
     WORKER_REPLY_TOKEN,
     Event,
     StepMetrics,
     Wire,
     event_kind,
+    event_subject,
 )
 from cleave.schemas.subjects import kv_subject
 
@@ -371,11 +371,10 @@ class Bus:
 
     async def emit(self, msg: Event | StepMetrics) -> None:
         """Persist an event or a step's metrics in the events stream (the monitor's history)."""
-        kind = event_kind(msg)
         try:
-            await self.js.publish(SUBJECT_EVENTS.format(kind=kind), codec.encode(msg), timeout=DEFAULT_TIMEOUT_S)
+            await self.js.publish(event_subject(msg), codec.encode(msg), timeout=DEFAULT_TIMEOUT_S)
         except Exception as e:  # the bus being down must not stop training; the event is logged instead
-            log.warning("event_not_stored", kind=kind, error=repr(e))
+            log.warning("event_not_stored", kind=event_kind(msg), job=msg.job, error=repr(e))
 
     async def close(self) -> None:
         """Drain and close; the disconnection this causes is not reported as a warning."""

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from cleave.schemas.base import TensorData, Wire
 from cleave.schemas.dtypes import DTYPES
+from cleave.schemas.subjects import NO_JOB, SUBJECT_EVENTS, token
 
 MAX_EPSILON = 1e4  # the DP accountant's upper end (`cleave.methods.privacy`): a run past it reports this bound
 
@@ -71,13 +72,25 @@ METRICS_KIND = "metrics"  # the events stream's kind for step lines; an Event is
 
 
 def event_kind(msg: Event | StepMetrics) -> str:
-    """The kind the events stream files `msg` under (the last token of its subject, `SUBJECT_EVENTS`)."""
+    """The kind the events stream files `msg` under (`SUBJECT_EVENTS`)."""
     return METRICS_KIND if isinstance(msg, StepMetrics) else msg.kind
 
 
+def event_subject(msg: Event | StepMetrics) -> str:
+    """Where the events stream files `msg`: under its kind and the job it names (`NO_JOB` when none)."""
+    return events_subject(event_kind(msg), token(msg.job) if msg.job else NO_JOB)
+
+
+def events_subject(kind: str = "*", job: str = "*") -> str:
+    """The events stream's subject of `kind` and `job` (either a wildcard, "*", by default: every kind of one
+    job, one kind of every job)."""
+    return SUBJECT_EVENTS.format(kind=kind, job=job)
+
+
 def event_schema(subject: str) -> type[Event] | type[StepMetrics]:
-    """The schema of the events stream's message on `subject` (`SUBJECT_EVENTS`: its kind last)."""
-    return StepMetrics if subject.rsplit(".", 1)[-1] == METRICS_KIND else Event
+    """The schema of the events stream's message on `subject` (`SUBJECT_EVENTS`: its kind first)."""
+    kind = subject.removeprefix(SUBJECT_EVENTS.split("{", 1)[0]).split(".", 1)[0]
+    return StepMetrics if kind == METRICS_KIND else Event
 
 
 class TensorEntry(Wire):

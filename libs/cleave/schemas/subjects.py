@@ -41,8 +41,11 @@ SUBJECT_OBSERVED_ALL = PREFIX + ".observed.*"
 # a request to a worker (the PS's fan-out joins and link checks) is answered on <inbox prefix>.w.<random>: a
 # site's leaf node may publish there, and only there, among the PS's replies (cleave.auth, role "site")
 WORKER_REPLY_TOKEN = "w"
-SUBJECT_EVENTS = PREFIX + ".events.{kind}"  # anyone -> monitor (JetStream stream EVENTS_STREAM)
+# PS, scheduler -> monitor, `cleave status` (JetStream stream EVENTS_STREAM): an event or a step's metrics, filed
+# under its kind and the job it names (NO_JOB: the fleet's), so that one job's are read, and deleted, by subject
+SUBJECT_EVENTS = PREFIX + ".events.{kind}.{job}"
 SUBJECT_EVENTS_ALL = PREFIX + ".events.>"
+NO_JOB = "~fleet"  # SUBJECT_EVENTS's job of an event that names none (no job id can be it: ~ is no TOKEN_CHARS)
 # submitter -> the hub's job runner: one job (JetStream stream JOBS_STREAM, kept until the runner takes it)
 SUBJECT_JOB_SUBMIT = PREFIX + ".jobs.submit.{job}"
 SUBJECT_JOB_SUBMIT_ALL = PREFIX + ".jobs.submit.*"
@@ -67,6 +70,11 @@ def kv_stream(bucket: str) -> str:
 def kv_subject(bucket: str, key: str = ">") -> str:
     """The subject of `key` in key-value bucket `bucket` (every key's: ">"; "" gives the bucket's prefix)."""
     return f"$KV.{bucket}.{key}"
+
+
+def stream_purge(stream: str) -> str:
+    """The JetStream API subject that purges `stream` (all of it, or what a filter names)."""
+    return f"$JS.API.STREAM.PURGE.{stream}"
 
 
 def obj_stream(bucket: str) -> str:

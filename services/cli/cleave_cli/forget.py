@@ -3,29 +3,27 @@
 In this order, so that a runner stopped halfway still has the job's record, and the forget (handed to it again,
 as it was not acknowledged) finishes: the job's checkpoints in the Object Store (`cleave_ps.state.sweep.erase`),
 its state's head (`<job>.head`, every revision), every event that names it (its step lines and its PS's words,
-`cleave.api.hub.job_events`; the fleet's events name no job and stay), its folder and PS log in the run dir, and last its record (every
-revision, leaving the KV's purge marker: a dashboard watching the records drops the job at once). Its fencing
-epoch (`<job>.epoch`, one counter) stays: a PS of the forgotten job still running somewhere can never commit over
-a new job of the same id, whose PS claims a higher epoch.
+filed under its id: one purge; the fleet's events name no job and stay), its folder and PS log in the run dir, and
+last its record (every revision, leaving the KV's purge marker: a dashboard watching the records drops the job at
+once). Its fencing epoch (`<job>.epoch`, one counter) stays: a PS of the forgotten job still running somewhere can
+never commit over a new job of the same id, whose PS claims a higher epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from nats.js.errors import APIError, BucketNotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 
 from cleave import bus as busmod
-from cleave.api.hub import job_events
-from cleave.schemas import EVENTS_STREAM, JOBS_BUCKET, STATE_BUCKET, STATE_OBJECTS
-from cleave.schemas.subjects import kv_stream, kv_subject
+from cleave.schemas import EVENTS_STREAM, JOBS_BUCKET, STATE_BUCKET, STATE_OBJECTS, events_subject
+from cleave.schemas.subjects import kv_stream, kv_subject, stream_purge
 from cleave_ps.state import sweep
-
-DELETES_AT_ONCE = 64  # event deletions in flight at once
-NO_MESSAGE = 10037  # JetStream's err_code for a message that is not there (the stream's limits dropped it)
 
 
 @dataclass(frozen=True)
@@ -45,15 +43,13 @@ async def forget(bus: busmod.Bus, job_id: str, folder: Path, log: Path) -> Forgo
     else:
         objects = await sweep.erase(bus, store, STATE_OBJECTS, job_id)
     await purge(bus, STATE_BUCKET, f"{job_id}.head")
-    events = await job_events(bus, job_id)
-    for at in range(0, len(events), DELETES_AT_ONCE):
-        await asyncio.gather(*(_delete_event(bus, seq) for seq in events[at:at + DELETES_AT_ONCE]))
+    events = await purge_events(bus, job_id)
     paths = tuple(p for p in (folder, log) if p.exists())
     for path in paths:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     jobs = await asyncio.wait_for(bus.js.key_value(JOBS_BUCKET), busmod.DEFAULT_TIMEOUT_S)
     await asyncio.wait_for(jobs.purge(job_id), busmod.DEFAULT_TIMEOUT_S)  # (its marker tells a dashboard)
-    return Forgotten(len(objects), len(events), paths)
+    return Forgotten(len(objects), events, paths)
 
 
 async def purge(bus: busmod.Bus, bucket: str, key: str) -> None:
@@ -62,9 +58,14 @@ async def purge(bus: busmod.Bus, bucket: str, key: str) -> None:
                            busmod.DEFAULT_TIMEOUT_S)
 
 
-async def _delete_event(bus: busmod.Bus, seq: int) -> None:
-    try:
-        await asyncio.wait_for(bus.js.delete_msg(EVENTS_STREAM, seq), busmod.DEFAULT_TIMEOUT_S)
-    except APIError as e:
-        if e.err_code != NO_MESSAGE:  # (one the stream dropped since it was read is gone already)
-            raise
+async def purge_events(bus: busmod.Bus, job_id: str) -> int:
+    """Delete every event that names job `job_id` from the events stream in one request: how many there were
+    (none where there is no events stream: no stack ever ran on this hub)."""
+    ask = json.dumps({"filter": events_subject(job=job_id)}).encode()
+    msg = await bus.nc.request(stream_purge(EVENTS_STREAM), ask, timeout=busmod.DEFAULT_TIMEOUT_S)
+    said = json.loads(msg.data)
+    if "error" not in said:
+        return said["purged"]
+    with contextlib.suppress(NotFoundError):
+        APIError.from_error(said["error"])  # (raises)
+    return 0
