@@ -296,7 +296,7 @@ async def test_the_runner_forgets_a_job_with_the_ps_credential(server: AuthServe
         assert await ps.kv_get(jobs, "gone", JobRecord) is None and await ps.kv_get(jobs, "kept", JobRecord)
         assert await ps.keys(state) == ["kept.head"]
         assert [o.name for o in await objects.list(ignore_deletes=True)] == ["kept/ckpt"]
-        assert list(await hub.read_all_metrics(ps)) == ["kept"]
+        assert list(await hub.read_lasts(ps)) == ["kept"]
         left = await history.numbered(ps.js, EVENTS_STREAM, SUBJECT_EVENTS_ALL, Event, DeliverPolicy.ALL)
         assert [(e.kind, e.job) for _, e in left] == [("ps_resumed", "kept"), ("worker_joined", "")]
     assert ps_c.errors == []

@@ -75,7 +75,7 @@ def test_min_updates_decides_whether_a_round_applies(tmp_path, min_updates, nats
     word = asyncio.run(said())[job.job_id]
     assert (word.step, word.detail) == (0, {"updates": 2, "trim": 0.2}), word
     rec = JobRecord(job_id=job.job_id, job=job.model_dump_json(), state="done", submitted_at=time.time())
-    view = hub.summary(rec, [], trim=word)
+    view = hub.summary(rec, trim=word)
     assert view["trimmed_drops_nothing"] == {"round": 0, "updates": 2, "trim": 0.2}
     assert "its trimmed mean dropped nothing in round 0 (2 updates, too few for trim 0.2)" in line(view), line(view)
 

@@ -178,7 +178,7 @@ def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str,
         state, objects = await bus.kv(STATE_BUCKET, history=5), await bus.object_store(STATE_OBJECTS)
         folder, log = runner.run_dir / "jobs" / "old", runner.stack.log_path("ps-old")
         assert "old.head" in await bus.keys(state) and folder.exists() and log.exists()
-        assert runner.alive("long") and "old" in await hub.read_all_metrics(bus)
+        assert runner.alive("long") and "old" in await hub.read_lasts(bus)
         assert "old" in await _jobs_of(bus, "job_done") and "" in await _jobs_of(bus, "worker_joined")
 
         code, out = await _cli(runner, *forget, "old", "--yes")
@@ -189,7 +189,7 @@ def test_an_ended_job_is_forgotten_whole_and_a_running_one_is_not(nats_url: str,
         assert "old.head" not in await bus.keys(state) and "long.head" in await bus.keys(state)
         names = [o.name for o in await objects.list(ignore_deletes=True)]
         assert names and not [n for n in names if n.startswith("old/")], names
-        assert "old" not in await hub.read_all_metrics(bus) and "older" in await hub.read_all_metrics(bus)
+        assert "old" not in await hub.read_lasts(bus) and "older" in await hub.read_lasts(bus)
         assert "old" not in await _jobs_of(bus, "job_done") and "" in await _jobs_of(bus, "worker_joined")
         assert not folder.exists() and not log.exists() and (runner.run_dir / "jobs" / "long").exists()
         code, out = await _cli(runner, *forget, "old", "--yes")

@@ -41,6 +41,7 @@ from cleave.schemas import (
     JobRecord,
     JobSubmission,
     StepMetrics,
+    event_subject,
     events_subject,
 )
 from cleave.schemas.base import Wire
@@ -187,16 +188,19 @@ async def untaken(bus: busmod.Bus, job_id: str | None = None) -> list[str]:
 async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
     """The job's step lines from the events stream, in step order, each step once (its last line: a PS that
     resumed reports the lines of its last commit again)."""
-    return (await read_all_metrics(bus, job_id)).get(job_id, [])
+    by_step = {sm.step: sm for sm in await _events(bus, METRICS_KIND, StepMetrics, job_id)}
+    return [by_step[s] for s in sorted(by_step)]
 
 
-async def read_all_metrics(bus: busmod.Bus, job_id: str | None = None) -> dict[str, list[StepMetrics]]:
-    """Every job's step lines (or only `job_id`'s) as `read_metrics` gives one job's, in one pass over the
-    events stream's step lines (one job's only: they are filed under its id)."""
-    steps: dict[str, dict[int, StepMetrics]] = {}
-    for sm in await _events(bus, METRICS_KIND, StepMetrics, job_id):
-        steps.setdefault(sm.job, {})[sm.step] = sm
-    return {job: [by_step[s] for s in sorted(by_step)] for job, by_step in steps.items()}
+async def read_lasts(bus: busmod.Bus, job_id: str | None = None) -> dict[str, tuple[StepMetrics, int]]:
+    """Each job's (or only `job_id`'s) last step line and how many step lines the events stream holds of it, in
+    two requests however many there are (each job's lines are filed under its id: the stream counts them)."""
+    subject = events_subject(METRICS_KIND, job_id or "*")
+    lasts = await history.read(bus.js, EVENTS_STREAM, subject, StepMetrics, DeliverPolicy.LAST_PER_SUBJECT)
+    if not lasts:
+        return {}
+    counts = (await bus.js.stream_info(EVENTS_STREAM, subjects_filter=subject)).state.subjects or {}
+    return {sm.job: (sm, counts.get(event_subject(sm), 1)) for sm in lasts}
 
 
 async def read_waits(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Event]:
@@ -227,9 +231,10 @@ def description(rec: JobRecord) -> dict:
     return job if isinstance(job, dict) else {}
 
 
-def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, wait: Event | None = None,
-            trim: Event | None = None) -> dict:
-    """A job as `cleave status --json` shows it. `runner_silent_s`: for a queued or running job whose runner has
+def summary(rec: JobRecord, progress: tuple[StepMetrics, int] | None = None, now: float | None = None,
+            wait: Event | None = None, trim: Event | None = None) -> dict:
+    """A job as `cleave status --json` shows it; `progress`: its last step line and how many the hub holds of it
+    (`read_lasts`), None before its first step. `runner_silent_s`: for a queued or running job whose runner has
     not stamped its record for RUNNER_SILENT_S, how long (its runner is gone: it goes on once one is back).
     `waiting_for_workers`: its PS has no worker to deal to (`wait`, its latest word of that, while it holds:
     since when, at which step, how many workers it expelled as faulty), else None. `trimmed_drops_nothing`: a
@@ -237,7 +242,7 @@ def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, 
     the plain mean was applied), else None."""
     job = description(rec)
     steps = job.get("steps")
-    last = lines[-1] if lines else None
+    last, reported = progress or (None, 0)
     now = time.time() if now is None else now
     return {"job": rec.job_id, "state": rec.state, "done": rec.state == "done", "steps": steps,
             "runner_silent_s": runner_silent_s(rec.state, rec.heard_at, now),
@@ -245,7 +250,7 @@ def summary(rec: JobRecord, lines: list[StepMetrics], now: float | None = None, 
             "trimmed_drops_nothing": ({"round": trim.step, "updates": trim.detail.get("updates"),
                                        "trim": trim.detail.get("trim")} if trim is not None else None),
             "method": job.get("method", "cleave"),
-            "step": last.step if last else None, "steps_reported": len(lines),
+            "step": last.step if last else None, "steps_reported": reported,
             "loss": last.loss if last else None, "workers": last.workers if last else None,
             "submitted_at": rec.submitted_at, "started_at": rec.started_at, "ended_at": rec.ended_at,
             "runs": rec.runs, "exit_code": rec.exit_code, "reason": rec.reason,
@@ -346,10 +351,10 @@ def status(nats: str, auth: str | Path | None = None, job_id: JobId | None = Non
 
     async def go(bus: busmod.Bus) -> list[dict]:
         records = await read_records(bus, job_id)
-        lines = await read_all_metrics(bus, job_id) if records else {}
+        lasts = await read_lasts(bus, job_id) if records else {}
         waits = await read_waits(bus, job_id) if records else {}
         trims = await read_trims(bus, job_id) if records else {}
-        return [summary(rec, lines.get(rec.job_id, []), wait=waits.get(rec.job_id), trim=trims.get(rec.job_id))
+        return [summary(rec, lasts.get(rec.job_id), wait=waits.get(rec.job_id), trim=trims.get(rec.job_id))
                 for rec in records]
 
     return _on_hub(nats, auth, go)

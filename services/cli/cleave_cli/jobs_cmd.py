@@ -174,9 +174,9 @@ async def status(args: argparse.Namespace) -> int:
         if args.job_id is None:
             waits = await hub.read_waits(bus) if records else {}
             trims = await hub.read_trims(bus) if records else {}
-            lines = await hub.read_all_metrics(bus) if records and (args.json or waits) else {}
+            lasts = await hub.read_lasts(bus) if records and (args.json or waits) else {}
             waiting = [j for j in await hub.untaken(bus) if j not in {r.job_id for r in records}]
-            show_list(records, lines, waits, waiting, args.json, trims)
+            show_list(records, lasts, waits, waiting, args.json, trims)
             return 0
         if not records and await hub.untaken(bus, args.job_id):
             if args.metrics_out:
@@ -187,7 +187,8 @@ async def status(args: argparse.Namespace) -> int:
             return 0
         if not records:
             raise ConfigError(f"the hub knows no job {args.job_id!r} (cleave status --nats {args.nats} lists them)")
-        lines = await hub.read_metrics(bus, args.job_id)
+        lines = await hub.read_metrics(bus, args.job_id) if args.metrics_out else []
+        progress = (await hub.read_lasts(bus, args.job_id)).get(args.job_id)
         wait = (await hub.read_waits(bus, args.job_id)).get(args.job_id)
         trim = (await hub.read_trims(bus, args.job_id)).get(args.job_id)
     finally:
@@ -197,7 +198,7 @@ async def status(args: argparse.Namespace) -> int:
         kept = mirror(args.metrics_out, args.job_id, lines)
         if kept is not None:
             print(f"{args.metrics_out} held another job's steps: set aside as {kept}", file=sys.stderr)
-    view = hub.summary(rec, lines, wait=wait, trim=trim)
+    view = hub.summary(rec, progress, wait=wait, trim=trim)
     print(json.dumps(view) if args.json else line(view))
     return 0
 
@@ -260,12 +261,13 @@ def trimmed(v: dict) -> str:
             f"{t['trim']:g}): the plain mean was applied there (docs/methods.md: `median` for small fleets)")
 
 
-def show_list(records: list[JobRecord], lines: dict[str, list[StepMetrics]], waits: dict[str, Event],
+def show_list(records: list[JobRecord], lasts: dict[str, tuple[StepMetrics, int]], waits: dict[str, Event],
               waiting: list[str], as_json: bool, trims: dict[str, Event] | None = None) -> None:
-    """The hub's jobs; `waits`: their PSs' latest word that they wait for workers; `trims`: that a round's
-    trimmed mean dropped nothing; `waiting`: the jobs submitted that no runner has taken yet (no record)."""
+    """The hub's jobs; `lasts`: their progress (`hub.read_lasts`); `waits`: their PSs' latest word that they wait
+    for workers; `trims`: that a round's trimmed mean dropped nothing; `waiting`: the jobs submitted that no
+    runner has taken yet (no record)."""
     trims = trims or {}
-    views = [hub.summary(r, lines.get(r.job_id, []), wait=waits.get(r.job_id), trim=trims.get(r.job_id))
+    views = [hub.summary(r, lasts.get(r.job_id), wait=waits.get(r.job_id), trim=trims.get(r.job_id))
              for r in records]
     if as_json:
         print(json.dumps(views + [untaken_view(j) for j in waiting]))
