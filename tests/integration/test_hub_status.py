@@ -214,3 +214,31 @@ def test_an_empty_hub_says_which_jobs_it_lists(capsys: pytest.CaptureFixture) ->
     show_list([], {}, {}, [], as_json=False)
     out = capsys.readouterr().out
     assert out.startswith("no jobs on this hub") and "cleave submit" in out and "cleave train --nats" in out
+
+
+def test_each_jobs_latest_word_and_step_line_are_read_and_counted(nats_url: str) -> None:
+    """`cleave status` reads each job's latest step line, wait and trim, and how many step lines it has, from
+    the events stream filed by job, not every event: the latest wins whatever came before, a job's own only."""
+    a, b = f"a-{secrets.token_hex(3)}", f"b-{secrets.token_hex(3)}"
+
+    async def go() -> None:
+        bus = await busmod.connect(nats_url, "test-lasts")
+        try:
+            await bus.setup()
+            for step in range(5):
+                await bus.emit(StepMetrics(job=a, step=step, loss=5.0 - step, step_time_s=0.1, workers=2))
+                await bus.emit(Event(kind="waiting_for_workers", at=float(step), job=a, step=step))
+            await bus.emit(StepMetrics(job=b, step=0, loss=9.0, step_time_s=0.1, workers=1))
+            await bus.emit(Event(kind="trimmed_drops_nothing", at=1.0, job=b, step=0, detail={"updates": 2}))
+            lasts = await hub.read_lasts(bus)
+            assert (lasts[a][0].step, lasts[a][0].loss, lasts[a][1]) == (4, 1.0, 5)
+            assert (lasts[b][0].step, lasts[b][1]) == (0, 1)
+            assert list(await hub.read_lasts(bus, b)) == [b]
+            waits = await hub.read_waits(bus)
+            assert waits[a].step == 4 and b not in waits
+            assert list(await hub.read_trims(bus, b)) == [b] and await hub.read_trims(bus, a) == {}
+            assert [m.step for m in await hub.read_metrics(bus, a)] == [0, 1, 2, 3, 4]
+        finally:
+            await bus.close()
+
+    asyncio.run(go())

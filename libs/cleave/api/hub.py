@@ -188,17 +188,18 @@ async def untaken(bus: busmod.Bus, job_id: str | None = None) -> list[str]:
 async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
     """The job's step lines from the events stream, in step order, each step once (its last line: a PS that
     resumed reports the lines of its last commit again)."""
-    by_step = {sm.step: sm for sm in await _events(bus, METRICS_KIND, StepMetrics, job_id)}
+    lines = await _events(bus, METRICS_KIND, StepMetrics, job_id, DeliverPolicy.ALL)
+    by_step = {sm.step: sm for sm in lines}
     return [by_step[s] for s in sorted(by_step)]
 
 
 async def read_lasts(bus: busmod.Bus, job_id: str | None = None) -> dict[str, tuple[StepMetrics, int]]:
     """Each job's (or only `job_id`'s) last step line and how many step lines the events stream holds of it, in
     two requests however many there are (each job's lines are filed under its id: the stream counts them)."""
-    subject = events_subject(METRICS_KIND, job_id or "*")
-    lasts = await history.read(bus.js, EVENTS_STREAM, subject, StepMetrics, DeliverPolicy.LAST_PER_SUBJECT)
+    lasts = await _events(bus, METRICS_KIND, StepMetrics, job_id)
     if not lasts:
         return {}
+    subject = events_subject(METRICS_KIND, job_id or "*")
     counts = (await bus.js.stream_info(EVENTS_STREAM, subjects_filter=subject)).state.subjects or {}
     return {sm.job: (sm, counts.get(event_subject(sm), 1)) for sm in lasts}
 
@@ -215,10 +216,11 @@ async def read_trims(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Ev
     return {e.job: e for e in await _events(bus, "trimmed_drops_nothing", Event, job_id)}
 
 
-async def _events(bus: busmod.Bus, kind: str, schema: type[T], job_id: str | None) -> list[T]:
-    """The events stream's messages of one kind, of every job or of `job_id`, oldest first (one that does not
-    decode is skipped)."""
-    return await history.read(bus.js, EVENTS_STREAM, events_subject(kind, job_id or "*"), schema, DeliverPolicy.ALL)
+async def _events(bus: busmod.Bus, kind: str, schema: type[T], job_id: str | None,
+                  policy: DeliverPolicy = DeliverPolicy.LAST_PER_SUBJECT) -> list[T]:
+    """The events stream's messages of one kind, of every job or of `job_id`: each job's latest (its events
+    are filed under its id), or all with `policy` ALL, oldest first (one that does not decode is skipped)."""
+    return await history.read(bus.js, EVENTS_STREAM, events_subject(kind, job_id or "*"), schema, policy)
 
 
 def description(rec: JobRecord) -> dict:
