@@ -1,9 +1,10 @@
-"""How long `cleave status` and `cleave forget` take on a hub whose events stream is full: the step lines of
-`--jobs` jobs (`--lines` in all, the events stream holds at most 256 MiB of them: ~480,000 lines of ~490 bytes) in
-a real nats-server's JetStream, filed as a PS files them (`Bus.emit`'s subject); then one job's step lines read
-(`cleave follow`, `cleave status --metrics-out`: `cleave.api.hub.read_metrics`), every job's last line and
-count (`cleave status`: `read_lasts`), and the runner's forget of one job (`cleave_cli.forget.forget`: its events
-are purged by subject). The runner's loop waits for a forget, so that is how long its other jobs' PSs go unwatched.
+"""How long `cleave status`, `cleave follow` and `cleave forget` take on a hub whose events stream is full: the
+step lines of `--jobs` jobs (`--lines` in all, the events stream holds at most 256 MiB of them: ~480,000 lines of
+~490 bytes) in a real nats-server's JetStream, filed as a PS files them (`Bus.emit`'s subject); then one job's
+step lines read (`cleave status --metrics-out`: `cleave.api.hub.read_metrics`; `cleave follow` reads them once,
+then at each poll what came since: `read_new_metrics`), every job's last line and count (`cleave status`:
+`read_lasts`), and the runner's forget of one job (`cleave_cli.forget.forget`: its events are purged by subject).
+The runner's loop waits for a forget, so that is how long its other jobs' PSs go unwatched.
 
     .venv/bin/python benchmarks/events_full.py [--lines 480000] [--jobs 100] [--out FILE]
 """
@@ -21,7 +22,7 @@ from typing import TypeVar
 
 from cleave import bus as busmod
 from cleave import codec
-from cleave.api.hub import read_lasts, read_metrics
+from cleave.api.hub import read_lasts, read_metrics, read_new_metrics
 from cleave.api.stack import Stack
 from cleave.schemas import EVENTS_STREAM, JOBS_BUCKET, StepMetrics, event_subject
 from cleave_cli.forget import forget
@@ -41,6 +42,8 @@ async def measure(url: str, lines: int, jobs: int, run_dir: Path) -> dict:
     filled_s = time.perf_counter() - t0
     info = await bus.js.stream_info(EVENTS_STREAM)
     one_s, one = await timed(read_metrics(bus, "job-7"))
+    _, (_, past) = await timed(read_new_metrics(bus, "job-7"))
+    poll_s, (polled, _) = await timed(read_new_metrics(bus, "job-7", past))  # `follow` once it has read them
     all_s, every = await timed(read_lasts(bus))
     with_records = await bus.kv(JOBS_BUCKET)  # (forget ends by purging the record: one must be there)
     await with_records.put("job-7", b"x")
@@ -48,7 +51,8 @@ async def measure(url: str, lines: int, jobs: int, run_dir: Path) -> dict:
     left = await bus.js.stream_info(EVENTS_STREAM)
     await bus.close()
     return {"lines": info.state.messages, "stream_bytes": info.state.bytes, "jobs": jobs, "fill_s": round(filled_s, 2),
-            "one_job_s": round(one_s, 3), "one_job_lines": len(one), "all_jobs_s": round(all_s, 3),
+            "one_job_s": round(one_s, 3), "one_job_lines": len(one),
+            "follow_poll_s": round(poll_s, 3), "follow_poll_lines": len(polled), "all_jobs_s": round(all_s, 3),
             "all_jobs_lines": sum(n for _, n in every.values()), "forget_s": round(forget_s, 3),
             "events_deleted": gone.events, "lines_left": left.state.messages}
 
@@ -72,7 +76,8 @@ def main() -> None:
         finally:
             stack.stop_all()
     print(f"{result['lines']:,} step lines ({result['stream_bytes'] / 2**20:.0f} MiB) of {result['jobs']} jobs: one "
-          f"job's {result['one_job_lines']:,} read in {result['one_job_s']} s, every job's last and count "
+          f"job's {result['one_job_lines']:,} read in {result['one_job_s']} s (a follow's later poll "
+          f"{result['follow_poll_s']} s), every job's last and count "
           f"({result['all_jobs_lines']:,}) in {result['all_jobs_s']} s; "
           f"one job forgotten in {result['forget_s']} s ({result['events_deleted']:,} events deleted, "
           f"{result['lines_left']:,} left)")

@@ -238,6 +238,13 @@ def test_each_jobs_latest_word_and_step_line_are_read_and_counted(nats_url: str)
             assert waits[a].step == 4 and b not in waits
             assert list(await hub.read_trims(bus, b)) == [b] and await hub.read_trims(bus, a) == {}
             assert [m.step for m in await hub.read_metrics(bus, a)] == [0, 1, 2, 3, 4]
+            lines, past = await hub.read_new_metrics(bus, a)  # what `follow` reads: each line once
+            assert [m.step for m in lines] == [0, 1, 2, 3, 4]
+            assert await hub.read_new_metrics(bus, a, past) == ([], past)
+            await bus.emit(StepMetrics(job=b, step=1, loss=8.0, step_time_s=0.1, workers=1))
+            await bus.emit(StepMetrics(job=a, step=5, loss=0.5, step_time_s=0.1, workers=2))
+            lines, newer = await hub.read_new_metrics(bus, a, past)
+            assert [m.step for m in lines] == [5] and newer > past
         finally:
             await bus.close()
 

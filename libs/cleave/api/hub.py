@@ -188,9 +188,16 @@ async def untaken(bus: busmod.Bus, job_id: str | None = None) -> list[str]:
 async def read_metrics(bus: busmod.Bus, job_id: str) -> list[StepMetrics]:
     """The job's step lines from the events stream, in step order, each step once (its last line: a PS that
     resumed reports the lines of its last commit again)."""
-    lines = await _events(bus, METRICS_KIND, StepMetrics, job_id, DeliverPolicy.ALL)
-    by_step = {sm.step: sm for sm in lines}
+    by_step = {sm.step: sm for sm in (await read_new_metrics(bus, job_id))[0]}
     return [by_step[s] for s in sorted(by_step)]
+
+
+async def read_new_metrics(bus: busmod.Bus, job_id: str, after: int = 0) -> tuple[list[StepMetrics], int]:
+    """The job's step lines the events stream holds past sequence number `after`, as told, and the sequence
+    number to read past next time (`after` when there are none): `follow` reads each line once."""
+    found = await history.numbered(bus.js, EVENTS_STREAM, events_subject(METRICS_KIND, job_id), StepMetrics,
+                                   DeliverPolicy.ALL, after)
+    return [sm for _, sm in found], max((seq for seq, _ in found), default=after)
 
 
 async def read_lasts(bus: busmod.Bus, job_id: str | None = None) -> dict[str, tuple[StepMetrics, int]]:
@@ -216,11 +223,11 @@ async def read_trims(bus: busmod.Bus, job_id: str | None = None) -> dict[str, Ev
     return {e.job: e for e in await _events(bus, "trimmed_drops_nothing", Event, job_id)}
 
 
-async def _events(bus: busmod.Bus, kind: str, schema: type[T], job_id: str | None,
-                  policy: DeliverPolicy = DeliverPolicy.LAST_PER_SUBJECT) -> list[T]:
-    """The events stream's messages of one kind, of every job or of `job_id`: each job's latest (its events
-    are filed under its id), or all with `policy` ALL, oldest first (one that does not decode is skipped)."""
-    return await history.read(bus.js, EVENTS_STREAM, events_subject(kind, job_id or "*"), schema, policy)
+async def _events(bus: busmod.Bus, kind: str, schema: type[T], job_id: str | None) -> list[T]:
+    """The events stream's latest message of one kind of each job, or of `job_id` (a job's events are filed
+    under its id; one that does not decode is skipped)."""
+    return await history.read(bus.js, EVENTS_STREAM, events_subject(kind, job_id or "*"), schema,
+                              DeliverPolicy.LAST_PER_SUBJECT)
 
 
 def description(rec: JobRecord) -> dict:
@@ -375,10 +382,13 @@ def _follow(job_id: str, nats: str, auth: str | Path | None, poll_s: float,
             timeout_s: float | None) -> Iterator[dict]:
     seen: set[int] = set()
     deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+    read_past = 0  # the events stream's sequence number of the last line read: each poll reads what came since
 
     async def read(bus: busmod.Bus) -> tuple[JobRecord | None, list[StepMetrics]]:
+        nonlocal read_past
         records = await read_records(bus, job_id)
-        return (records[0] if records else None), await read_metrics(bus, job_id)
+        lines, read_past = await read_new_metrics(bus, job_id, read_past)
+        return (records[0] if records else None), sorted(lines, key=lambda m: m.step)
 
     while True:
         rec, lines = _on_hub(nats, auth, read)

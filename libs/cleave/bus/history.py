@@ -33,19 +33,25 @@ async def read(js: JetStreamContext, stream: str, subject: str, schema: type[T],
 
 
 async def numbered(js: JetStreamContext, stream: str, subject: str, schema: type[T],
-                   policy: DeliverPolicy) -> list[tuple[int, T]]:
-    """`read`'s messages, each with its sequence number in the stream."""
+                   policy: DeliverPolicy, after: int = 0) -> list[tuple[int, T]]:
+    """`read`'s messages, each with its sequence number in the stream; with `after`, only those past that
+    sequence number (`policy` aside: what came since an earlier read)."""
     found: list[tuple[int, T]] = []
-    async for m in messages(js, stream, subject, policy):
+    async for m in messages(js, stream, subject, policy, after):
         with contextlib.suppress(WireError):
             found.append((m.metadata.sequence.stream, codec.decode(m.data, schema, MAX_CONTROL_BYTES)))
     return found
 
 
-async def messages(js: JetStreamContext, stream: str, subject: str, policy: DeliverPolicy) -> AsyncIterator[Msg]:
-    """The messages of `stream` on `subject` that `policy` delivers, oldest first, as they are fetched (none
-    when there is no such stream: no hub, nor stack, ever ran on this server)."""
-    config = ConsumerConfig(deliver_policy=policy, ack_policy=AckPolicy.NONE, inactive_threshold=CONSUMER_IDLE_S)
+async def messages(js: JetStreamContext, stream: str, subject: str, policy: DeliverPolicy,
+                   after: int = 0) -> AsyncIterator[Msg]:
+    """The messages of `stream` on `subject` that `policy` delivers (with `after`: those past that sequence
+    number), oldest first, as they are fetched (none when there is no such stream: no hub, nor stack, ever ran
+    on this server)."""
+    if after:
+        policy = DeliverPolicy.BY_START_SEQUENCE
+    config = ConsumerConfig(deliver_policy=policy, opt_start_seq=after + 1 if after else None,
+                            ack_policy=AckPolicy.NONE, inactive_threshold=CONSUMER_IDLE_S)
     try:
         sub = await asyncio.wait_for(js.pull_subscribe(subject, stream=stream, config=config), DEFAULT_TIMEOUT_S)
     except NotFoundError:
