@@ -144,7 +144,7 @@ async def test_a_submitter_cannot_touch_the_fleet_the_plan_or_another_roles_stat
         f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", f"$KV.{PLAN_BUCKET}.{SHAPES_KEY}",  # the plan
         f"$KV.{STATE_BUCKET}.j.head", f"$O.{STATE_OBJECTS}.M.weights",  # the PS's state
         f"$KV.{REGISTRY_BUCKET}.w1", f"$KV.{JOBS_BUCKET}.j",  # the registry, the job records
-        "cleave.events.metrics", "cleave.result.j.1.w1", SUBJECT_HEARTBEAT.format(worker_id="w1"),
+        "cleave.events.metrics.j", "cleave.result.j.1.w1", SUBJECT_HEARTBEAT.format(worker_id="w1"),
         f"$JS.API.STREAM.PURGE.{STATE}", f"$JS.API.STREAM.MSG.DELETE.{STATE}",
         f"$JS.API.STREAM.CREATE.{EVENTS_STREAM}",
         # reading the plan or the registry: stream info, message get, a consumer
@@ -257,10 +257,11 @@ async def test_only_the_ps_writes_state_and_only_the_scheduler_writes_plans(serv
                     f"$O.{STATE_OBJECTS}.C.chunk", f"$JS.API.STREAM.PURGE.{STATE}", f"$JS.API.STREAM.MSG.DELETE.{STATE}"]
     plan_writes = [f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", f"$KV.{PLAN_BUCKET}.{SHAPES_KEY}", f"$KV.{PLAN_BUCKET}.forged",
                    f"$JS.API.STREAM.PURGE.{PLANS}", f"$JS.API.STREAM.MSG.DELETE.{PLANS}"]
+    events_purge = [f"$JS.API.STREAM.PURGE.{EVENTS_STREAM}"]  # (the hub's runner, as the PS, forgets jobs)
     tried = {
-        "monitor": state_writes + plan_writes, "submitter": state_writes + plan_writes,
-        "worker": state_writes + plan_writes, auth.PROBE_ECHO: state_writes + plan_writes,
-        "scheduler": state_writes,  # the scheduler writes plans, not state
+        "monitor": state_writes + plan_writes + events_purge, "submitter": state_writes + plan_writes + events_purge,
+        "worker": state_writes + plan_writes + events_purge, auth.PROBE_ECHO: state_writes + plan_writes + events_purge,
+        "scheduler": state_writes + events_purge,  # the scheduler writes plans and events, not state; purges none
         "ps": [f"$KV.{PLAN_BUCKET}.{PLAN_KEY}", f"$KV.{PLAN_BUCKET}.forged", f"$JS.API.STREAM.PURGE.{PLANS}",
                f"$JS.API.STREAM.MSG.DELETE.{PLANS}"],  # the PS writes state and shapes, not the plan
     }
