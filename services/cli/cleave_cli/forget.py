@@ -54,18 +54,22 @@ async def forget(bus: busmod.Bus, job_id: str, folder: Path, log: Path) -> Forgo
 
 async def purge(bus: busmod.Bus, bucket: str, key: str) -> None:
     """Remove `key` from KV bucket `bucket` with every revision (no deletion marker is left)."""
-    await asyncio.wait_for(bus.js.purge_stream(kv_stream(bucket), subject=kv_subject(bucket, key)),
-                           busmod.DEFAULT_TIMEOUT_S)
+    await purge_subject(bus, kv_stream(bucket), kv_subject(bucket, key))
 
 
 async def purge_events(bus: busmod.Bus, job_id: str) -> int:
     """Delete every event that names job `job_id` from the events stream in one request: how many there were
     (none where there is no events stream: no stack ever ran on this hub)."""
-    ask = json.dumps({"filter": events_subject(job=job_id)}).encode()
-    msg = await bus.nc.request(stream_purge(EVENTS_STREAM), ask, timeout=busmod.DEFAULT_TIMEOUT_S)
-    said = json.loads(msg.data)
-    if "error" not in said:
-        return said["purged"]
     with contextlib.suppress(NotFoundError):
-        APIError.from_error(said["error"])  # (raises)
+        return await purge_subject(bus, EVENTS_STREAM, events_subject(job=job_id))
     return 0
+
+
+async def purge_subject(bus: busmod.Bus, stream: str, subject: str) -> int:
+    """Delete every message of `stream` on `subject` (a wildcard too): how many there were. nats-py's
+    `purge_stream` drops that count, so the JetStream request is made here; its error raised as nats-py's."""
+    ask = json.dumps({"filter": subject}).encode()
+    said = json.loads((await bus.nc.request(stream_purge(stream), ask, timeout=busmod.DEFAULT_TIMEOUT_S)).data)
+    if "error" in said:
+        APIError.from_error(said["error"])  # (raises)
+    return said["purged"]
